@@ -1,0 +1,49 @@
+"""Paged-attention kernels for a paged KV cache: Pallas (Triton) on GPU, XLA references elsewhere.
+
+KV page layout: one preallocated array per model,
+
+    pages: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
+            (axis 1: 0 = K, 1 = V)
+
+* For a fixed (layer, K|V, kv_head), a block is one contiguous ``[block_size, head_dim]`` tile,
+  so the decode and prefill kernels read K and V through the block table as coalesced tiles,
+  one KV head per program, all query heads of that KV head (GQA) together.
+* Block ``b`` of every layer, K/V and head sits at the same index on axis 3, so a block copy
+  (copy-on-write) is one strided copy over the leading axes, all layers in one launch.
+* The KV-head axis is outside the block axis, so the cache can later be sharded over KV heads
+  (tensor parallelism) without touching block ids.
+
+Block 0 is the reserved null block: padding writes go there and unused block-table entries hold
+0. Slot index = ``block_id * block_size + offset``. Out-of-range block ids and slots are clamped
+to the null block, so a bad index never reads or writes another sequence's memory.
+
+Public API (see :mod:`pallas_kernels.dispatch` for full docs):
+
+* :func:`paged_decode_attention` ``(q, pages, layer, block_tables, lengths, *, scale, impl)``
+* :func:`paged_prefill_attention` ``(q, pages, layer, block_tables, q_start, q_lens, *, scale, impl)``
+* :func:`write_kv` ``(pages, layer, k, v, slots, *, impl)``
+* :func:`copy_blocks` ``(pages, src, dst, *, impl)``
+
+``impl`` is "auto" (Pallas on GPU, XLA reference elsewhere), "pallas", "interpret" (Pallas with
+``interpret=True``, used in tests) or "reference".
+"""
+
+from pallas_kernels.dispatch import (
+    copy_blocks,
+    paged_decode_attention,
+    paged_prefill_attention,
+    resolve_impl,
+    write_kv,
+)
+from pallas_kernels.reference import NULL_BLOCK
+from pallas_kernels.validate import IMPLS
+
+__all__ = [
+    "IMPLS",
+    "NULL_BLOCK",
+    "copy_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "resolve_impl",
+    "write_kv",
+]

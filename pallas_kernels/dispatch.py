@@ -1,0 +1,131 @@
+"""Public entry points: validate, then dispatch to the Pallas kernel or the XLA reference.
+
+``impl`` chooses the implementation:
+
+* ``"auto"``: the Pallas (Triton) kernel when JAX's default backend is a GPU, else the XLA
+  reference (fast enough for real runs on a CPU).
+* ``"pallas"``: the Pallas kernel compiled for the GPU through Triton.
+* ``"interpret"``: the same Pallas kernel with ``interpret=True`` (runs anywhere; tests).
+* ``"reference"``: the pure-``jnp`` reference in :mod:`pallas_kernels.reference`.
+
+All checks in :mod:`pallas_kernels.validate` run before anything is traced, so bad shapes
+and dtypes raise ``ValueError`` naming the value and the limit.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import reference, validate
+
+
+def resolve_impl(impl: str) -> str:
+  """Maps "auto" to "pallas" on a GPU backend and to "reference" elsewhere."""
+  if impl == "auto":
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+  return impl
+
+
+def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None, impl="auto"):
+  """Attention of one new query token per sequence over its paged K/V.
+
+  Args:
+    q: ``[B, num_q_heads, head_dim]``, same dtype as ``pages``.
+    pages: ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``.
+    layer: static Python int, the layer whose K/V are read.
+    block_tables: int32 ``[B, max_blocks_per_seq]`` physical block ids; entries outside
+      ``[0, num_blocks)`` are clamped to the null block 0 (never another sequence's block).
+    lengths: int32 ``[B]`` tokens in the cache per sequence, current token included.
+      A length of 0 gives zeros; positions past the table's capacity do not exist.
+    scale: softmax scale, default ``head_dim ** -0.5``.
+    impl: "auto" | "pallas" | "interpret" | "reference".
+
+  Returns:
+    ``[B, num_q_heads, head_dim]`` in ``q.dtype``. Query head ``h`` reads KV head
+    ``h // (num_q_heads // num_kv_heads)``.
+  """
+  layer, scale, impl = validate.check_decode(q, pages, layer, block_tables, lengths, scale, impl)
+  impl = resolve_impl(impl)
+  if impl == "reference":
+    return reference.paged_decode_attention_reference(
+        q, pages, layer, block_tables, lengths, scale=scale)
+  from pallas_kernels import decode_attention
+  return decode_attention.paged_decode_attention_pallas(
+      q, pages, layer, block_tables, lengths, scale=scale, interpret=impl == "interpret")
+
+
+def paged_prefill_attention(q, pages, layer, block_tables, q_start, q_lens, *, scale=None,
+                            impl="auto"):
+  """Causal attention of a chunk of query tokens per sequence over its paged K/V.
+
+  Query ``t`` of sequence ``b`` sits at absolute position ``q_start[b] + t``, is valid for
+  ``t < q_lens[b]`` and attends to cached positions ``0 .. q_start[b] + t`` (the chunk's own
+  K/V must already be written). Invalid (padding) query rows give zeros. Used for prompt
+  chunks and for the uncached suffix after a prefix-cache hit.
+
+  Args:
+    q: ``[B, T, num_q_heads, head_dim]``, same dtype as ``pages``.
+    pages, layer, block_tables, scale, impl: as in :func:`paged_decode_attention`.
+    q_start: int32 ``[B]`` absolute position of each sequence's first query token.
+    q_lens: int32 ``[B]`` valid query tokens per sequence (``<= T``).
+
+  Returns:
+    ``[B, T, num_q_heads, head_dim]`` in ``q.dtype``.
+  """
+  layer, scale, impl = validate.check_prefill(
+      q, pages, layer, block_tables, q_start, q_lens, scale, impl)
+  impl = resolve_impl(impl)
+  if impl == "reference":
+    return reference.paged_prefill_attention_reference(
+        q, pages, layer, block_tables, q_start, q_lens, scale=scale)
+  from pallas_kernels import prefill_attention
+  return prefill_attention.paged_prefill_attention_pallas(
+      q, pages, layer, block_tables, q_start, q_lens, scale=scale,
+      interpret=impl == "interpret")
+
+
+def write_kv(pages, layer, k, v, slots, *, impl="auto"):
+  """Writes K/V rows at slot indices: ``pages[layer, 0|1, h, s // bs, s % bs] = k|v[n, h]``.
+
+  Args:
+    pages: the page array; donate it (``jax.jit(..., donate_argnums=...)``) so the update is
+      in place.
+    layer: static Python int.
+    k, v: ``[N, num_kv_heads, head_dim]`` in the pages' dtype.
+    slots: int32 ``[N]``, ``slot = block_id * block_size + offset``. Padding rows should carry
+      a slot inside the null block 0; slots outside ``[0, num_blocks * block_size)`` are
+      redirected to slot 0. Two real rows must not share a slot (which one wins is undefined).
+
+  Returns:
+    The updated pages.
+  """
+  layer, impl = validate.check_write_kv(pages, layer, k, v, slots, impl)
+  impl = resolve_impl(impl)
+  if impl == "reference":
+    return reference.write_kv_reference(pages, layer, k, v, slots)
+  from pallas_kernels import kv_write
+  return kv_write.write_kv_pallas(pages, layer, k, v, slots, interpret=impl == "interpret")
+
+
+def copy_blocks(pages, src, dst, *, impl="auto"):
+  """Copies whole blocks in every layer, K and V, every KV head: ``pages[..., dst[i], :, :] =
+  pages[..., src[i], :, :]``.
+
+  Args:
+    pages: the page array. The Pallas version writes in place through
+      ``input_output_aliases``; callers should donate ``pages`` (otherwise XLA inserts a full
+      copy of the array first to keep the input alive).
+    src, dst: int32 ``[C]``, a padded fixed-size copy list (padding is ``(0, 0)``, a no-op on
+      the null block, so the list size never changes and nothing retraces). Real destinations
+      must be distinct and must not appear as sources in the same list (copy-on-write copies
+      always go to fresh blocks); ids outside ``[0, num_blocks)`` are clamped to block 0.
+
+  Returns:
+    The updated pages.
+  """
+  impl = validate.check_copy_blocks(pages, src, dst, impl)
+  impl = resolve_impl(impl)
+  if impl == "reference":
+    return reference.copy_blocks_reference(pages, src, dst)
+  from pallas_kernels import block_copy
+  return block_copy.copy_blocks_pallas(pages, src, dst, interpret=impl == "interpret")
