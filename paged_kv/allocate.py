@@ -1,0 +1,170 @@
+"""Lazy allocation: blocks for a prompt at admission, then one block per ``block_size`` tokens.
+
+Both operations take blocks from the front of the free queue (least recently freed first) and are
+atomic per row: a row that cannot get every block it needs is left untouched and reported with
+``Status.NO_FREE_BLOCKS``. Within one call, rows are served first come, first served: once a row
+does not fit, no later row of the same call takes blocks either (a large request is not starved
+by smaller ones overtaking it, as in vLLM's scheduler).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from paged_kv import free_queue
+from paged_kv.batch import check_rows, group_any, group_by_key
+from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.state import BlockManagerState
+from paged_kv.status import Status
+
+
+@flax.struct.dataclass
+class AppendResult:
+    """What one decode step's ``append`` tells the model and the copy kernel.
+
+    Attributes:
+      status: int32 ``[B]``, a ``Status`` per row.
+      slots: int32 ``[B]``, where the row's new token's K/V goes (block * block_size + offset);
+        a slot in the null block for rows that did not take effect, so padding writes are harmless.
+      copy_src, copy_dst: int32 ``[B]``, the copy-on-write list: block ``copy_src[i]`` must be
+        copied to ``copy_dst[i]`` before the K/V write; ``(NULL_BLOCK, NULL_BLOCK)`` where no copy.
+      num_copies: int32 scalar, real entries in the copy list.
+    """
+
+    status: jax.Array
+    slots: jax.Array
+    copy_src: jax.Array
+    copy_dst: jax.Array
+    num_copies: jax.Array
+
+
+def _first_come_first_served(need: jax.Array, num_free: jax.Array) -> jax.Array:
+    """bool ``[B]``: rows whose need fits when rows are served in batch order without overtaking."""
+    return jnp.cumsum(need, dtype=jnp.int32) <= num_free
+
+
+def admit(
+    config: ManagerConfig,
+    state: BlockManagerState,
+    seq_ids: jax.Array,
+    prompt_lens: jax.Array,
+) -> tuple[BlockManagerState, jax.Array]:
+    """Starts sequences: ``ceil(prompt_len / block_size)`` fresh blocks each, count 1.
+
+    Args:
+      seq_ids: int32 ``[B]`` free rows to start (< 0: padding).
+      prompt_lens: int32 ``[B]`` prompt tokens; each gets a KV slot now.
+
+    Returns:
+      The new state and status int32 ``[B]``.
+    """
+    bs, m = config.block_size, config.max_blocks_per_seq
+    status, sid = check_rows(config, state, seq_ids, must_be_active=False)
+    prompt_lens = prompt_lens.astype(jnp.int32)
+    bad_len = (prompt_lens < 1) | (prompt_lens > config.max_tokens_per_seq)
+    status = jnp.where((status == Status.OK) & bad_len, Status.BAD_LENGTH, status)
+    need = jnp.where(status == Status.OK, (prompt_lens + bs - 1) // bs, 0)
+    fits = _first_come_first_served(need, state.queue.num_free)
+    status = jnp.where((status == Status.OK) & ~fits, Status.NO_FREE_BLOCKS, status)
+    ok = status == Status.OK
+    need = jnp.where(ok, need, 0)
+
+    b = seq_ids.shape[0]
+    queue, taken = free_queue.take_front(state.queue, jnp.sum(need), b * m)
+    # Row i's blocks are taken[start_i : start_i + need_i].
+    start = jnp.cumsum(need) - need
+    j = jnp.arange(m, dtype=jnp.int32)[None, :]
+    has = j < need[:, None]
+    rows = jnp.where(has, taken[jnp.where(has, start[:, None] + j, 0)], NULL_BLOCK)
+
+    target = jnp.where(ok, sid, config.max_seqs)
+    n = config.num_blocks
+    state = state.replace(
+        queue=queue,
+        ref_count=state.ref_count.at[jnp.where(has, rows, n)].set(1, mode="drop"),
+        block_tables=state.block_tables.at[target].set(rows, mode="drop"),
+        num_tokens=state.num_tokens.at[target].set(prompt_lens, mode="drop"),
+        active=state.active.at[target].set(True, mode="drop"),
+    )
+    return state, status
+
+
+def append(
+    config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array
+) -> tuple[BlockManagerState, AppendResult]:
+    """Gives each running sequence in the batch a KV slot for one more token.
+
+    Per row, with ``n`` tokens already held:
+    - ``n % block_size == 0`` (last block full, or none): a fresh block from the queue front
+      (lazy allocation), unless the table is full (``TABLE_FULL``).
+    - otherwise the token goes into the partly full last block. If that block is shared
+      (count ``r > 1``) it is copied first (copy-on-write). When ``w`` rows of this batch write
+      into the same shared block, the batch behaves as if the rows ran one at a time: all ``w``
+      copy if ``w < r``; if ``w == r`` the last of them in batch order finds itself the only
+      holder and writes in place, so ``w - 1`` copies.
+
+    A row that needs a block and gets none fails with ``NO_FREE_BLOCKS``; so does the in-place
+    writer of a shared block when one of its co-writers failed to get its copy (otherwise it would
+    write into a block the failed row still reads).
+
+    Args:
+      seq_ids: int32 ``[B]`` running sequences (< 0: padding).
+
+    Returns:
+      The new state and an ``AppendResult``.
+    """
+    bs, m, n_blocks = config.block_size, config.max_blocks_per_seq, config.num_blocks
+    b = seq_ids.shape[0]
+    status, sid = check_rows(config, state, seq_ids, must_be_active=True)
+    ok = status == Status.OK
+
+    n = state.num_tokens[sid]
+    col, offset = n // bs, n % bs
+    needs_fresh = ok & (offset == 0)
+    table_full = needs_fresh & (col >= m)
+    status = jnp.where(table_full, Status.TABLE_FULL, status)
+    needs_fresh = needs_fresh & ~table_full
+    col = jnp.minimum(col, m - 1)
+
+    last_block = state.block_tables[sid, col]
+    writes_last = ok & (offset > 0)
+    refs = state.ref_count[last_block]
+    group, writers, is_last_writer, _ = group_by_key(last_block, writes_last)
+    shared = writes_last & (refs > 1)
+    keeps = shared & (writers == refs) & is_last_writer
+    copies = shared & ~keeps
+
+    need = (needs_fresh | copies).astype(jnp.int32)
+    fits = _first_come_first_served(need, state.queue.num_free)
+    starved = (need > 0) & ~fits
+    keeper_starved = keeps & group_any(starved & copies, group)
+    failed = starved | keeper_starved
+    status = jnp.where(failed, Status.NO_FREE_BLOCKS, status)
+    ok = status == Status.OK
+    takes = ok & (need > 0)
+    copies = copies & ok
+
+    queue, taken = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b)
+    fresh = jnp.where(takes, taken[jnp.cumsum(takes, dtype=jnp.int32) - 1], NULL_BLOCK)
+    block = jnp.where(takes, fresh, last_block)
+    slots = jnp.where(ok, block * bs + offset, NULL_BLOCK * bs)
+
+    ref_count = state.ref_count.at[jnp.where(copies, last_block, n_blocks)].add(-1, mode="drop")
+    ref_count = ref_count.at[jnp.where(takes, fresh, n_blocks)].set(1, mode="drop")
+    row = jnp.where(takes, sid, config.max_seqs)
+    state = state.replace(
+        queue=queue,
+        ref_count=ref_count,
+        block_tables=state.block_tables.at[row, col].set(fresh, mode="drop"),
+        num_tokens=state.num_tokens.at[jnp.where(ok, sid, config.max_seqs)].add(1, mode="drop"),
+    )
+    result = AppendResult(
+        status=status,
+        slots=slots,
+        copy_src=jnp.where(copies, last_block, NULL_BLOCK),
+        copy_dst=jnp.where(copies, fresh, NULL_BLOCK),
+        num_copies=jnp.sum(copies, dtype=jnp.int32),
+    )
+    return state, result

@@ -1,0 +1,102 @@
+"""Shared helpers for batched operations: row checks, grouping rows by key, block-table views.
+
+An operation's batch is an int32 ``[B]`` array of sequence ids (rows of the block-table array);
+negative ids are padding, so callers can keep ``B`` fixed and never retrace.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from paged_kv.config import ManagerConfig
+from paged_kv.state import BlockManagerState
+from paged_kv.status import Status
+
+
+def check_rows(
+    config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, *, must_be_active: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Status of each row before the operation's own checks.
+
+    Returns:
+      status: int32 ``[B]``: PADDING for ids < 0; BAD_SEQUENCE for ids out of range, repeated
+        (every occurrence after the first) or whose ``active`` flag is not ``must_be_active``;
+        OK otherwise.
+      sid: int32 ``[B]``, the ids clipped into range, safe to gather with.
+    """
+    s = config.max_seqs
+    seq_ids = seq_ids.astype(jnp.int32)
+    in_range = (seq_ids >= 0) & (seq_ids < s)
+    sid = jnp.clip(seq_ids, 0, s - 1)
+    wrong_state = state.active[sid] != must_be_active
+    bad = ~in_range | ~first_occurrence(seq_ids, s) | wrong_state
+    status = jnp.where(seq_ids < 0, Status.PADDING, jnp.where(bad, Status.BAD_SEQUENCE, Status.OK))
+    return status.astype(jnp.int32), sid
+
+
+def first_occurrence(ids: jax.Array, size: int) -> jax.Array:
+    """bool ``[B]``: whether each id in ``[0, size)`` is its first occurrence in the batch.
+
+    O(B) scatters into a ``[size]`` array; ``size`` is ``max_seqs``, a batch-scale number.
+    """
+    b = ids.shape[0]
+    lanes = jnp.arange(b, dtype=jnp.int32)
+    in_range = (ids >= 0) & (ids < size)
+    first = jnp.full((size,), b, jnp.int32).at[jnp.where(in_range, ids, size)].min(lanes, mode="drop")
+    return first[jnp.clip(ids, 0, size - 1)] == lanes
+
+
+def blocks_held(config: ManagerConfig, num_tokens: jax.Array) -> jax.Array:
+    """int32 ``[...]``: ``ceil(num_tokens / block_size)``, the blocks a sequence holds."""
+    return (num_tokens + config.block_size - 1) // config.block_size
+
+
+def tail_first(tables: jax.Array, num_blocks: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Flattens block-table rows into release order: row by row, each row last block first.
+
+    Args:
+      tables: int32 ``[B, M]`` rows of block ids.
+      num_blocks: int32 ``[B]`` blocks held by each row.
+      mask: bool ``[B]`` rows to include.
+
+    Returns:
+      blocks int32 ``[B * M]`` and valid bool ``[B * M]``.
+    """
+    m = tables.shape[1]
+    j = jnp.arange(m, dtype=jnp.int32)[None, :]
+    col = num_blocks[:, None] - 1 - j
+    valid = mask[:, None] & (col >= 0)
+    blocks = jnp.take_along_axis(tables, jnp.clip(col, 0, m - 1), axis=1)
+    return blocks.reshape(-1), valid.reshape(-1)
+
+
+def group_by_key(keys: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Groups the valid rows of a small batch by key, in O(B log B) (independent of the pool).
+
+    Returns, per row (meaningful where valid):
+      group: int32 ``[B]`` group index, equal for rows with equal keys.
+      size: int32 ``[B]`` rows in the row's group.
+      is_last: bool ``[B]`` whether the row is its group's last in batch order.
+      order: int32 ``[B]`` the sort permutation (rows sorted by key, then batch order).
+    """
+    b = keys.shape[0]
+    lanes = jnp.arange(b, dtype=jnp.int32)
+    sentinel = jnp.iinfo(jnp.int32).max
+    k = jnp.where(valid, keys.astype(jnp.int32), sentinel)
+    sorted_keys, order = lax.sort((k, lanes), num_keys=2)
+    starts = jnp.concatenate([jnp.ones((1,), bool), sorted_keys[1:] != sorted_keys[:-1]])
+    ends = jnp.concatenate([sorted_keys[1:] != sorted_keys[:-1], jnp.ones((1,), bool)])
+    group_sorted = jnp.cumsum(starts, dtype=jnp.int32) - 1
+    sizes = jax.ops.segment_sum(jnp.ones((b,), jnp.int32), group_sorted, num_segments=b)
+    group = jnp.zeros((b,), jnp.int32).at[order].set(group_sorted)
+    is_last = jnp.zeros((b,), bool).at[order].set(ends)
+    return group, sizes[group], is_last, order
+
+
+def group_any(flags: jax.Array, group: jax.Array) -> jax.Array:
+    """bool ``[B]``: whether any row of the row's group has its flag set."""
+    b = flags.shape[0]
+    hits = jax.ops.segment_max(flags.astype(jnp.int32), group, num_segments=b)
+    return hits[group] > 0

@@ -1,0 +1,77 @@
+"""Static configuration of the block manager.
+
+The config is a frozen, hashable dataclass so that it can be a static argument of ``jax.jit``:
+two equal configs hit the same compiled computation. Every field is checked on construction and
+a bad value raises a ``ValueError`` that names the field, the value and the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Slot indices (block_id * block_size + offset) are int32 on the device.
+_INT32_MAX = 2**31 - 1
+
+NULL_BLOCK = 0
+"""The reserved null block: never allocated or freed; padding rows write into it and unused
+block-table entries hold it."""
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerConfig:
+    """Sizes of the block pool and of the per-sequence block tables.
+
+    Attributes:
+      num_blocks: physical KV blocks in the pool, the null block included (so ``num_blocks - 1``
+        can be allocated).
+      block_size: tokens per block; a power of two (the attention kernels tile by it).
+      max_seqs: rows of the block-table array: sequences that can be running at once.
+      max_blocks_per_seq: columns of the block-table array; a sequence holds at most
+        ``max_blocks_per_seq * block_size`` tokens.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_seqs: int = 256
+    max_blocks_per_seq: int = 128
+
+    def __post_init__(self) -> None:
+        _check_int("num_blocks", self.num_blocks, 2)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("max_seqs", self.max_seqs, 1)
+        _check_int("max_blocks_per_seq", self.max_blocks_per_seq, 1)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks * self.block_size > _INT32_MAX:
+            raise ValueError(
+                f"num_blocks * block_size = {self.num_blocks * self.block_size} overflows int32 "
+                f"slot indices (limit {_INT32_MAX})"
+            )
+        if 2 * self.num_blocks > _INT32_MAX:
+            raise ValueError(f"num_blocks={self.num_blocks} too large for the int32 free queue")
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        """Longest sequence a block table can describe."""
+        return self.max_blocks_per_seq * self.block_size
+
+    @property
+    def queue_capacity(self) -> int:
+        """Entries in the free-queue ring buffer.
+
+        Twice the pool: live entries never exceed ``num_blocks - 1``, so a full ring always holds
+        at least ``num_blocks`` stale entries (left behind by lazy deletion) for a compaction to
+        drop, which keeps compaction amortised O(1) per stale entry.
+        """
+        return 2 * self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens (lazy allocation: no spare block)."""
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,204 @@
+"""``BlockManager``: the jitted operations behind a small class that checks Python inputs.
+
+For scripts and schedulers that do not write jitted code. Every call validates its arguments
+first and raises ``ValueError`` (bad value) or ``KeyError`` (unknown sequence) naming the value
+and the limit; a rejected call changes nothing. Running out of blocks is not an error: it comes
+back as ``Status.NO_FREE_BLOCKS`` for the rows concerned, so the caller can preempt.
+
+Batches are padded to power-of-two sizes with padding rows, so a long-running scheduler compiles
+each operation only a handful of times.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from paged_kv import allocate, reclaim, share, views
+from paged_kv.batch import blocks_held
+from paged_kv.config import ManagerConfig
+from paged_kv.free_queue import live_entries
+from paged_kv.state import init_state
+from paged_kv.status import Status
+
+_jit = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+_admit = _jit(allocate.admit)
+_append = _jit(allocate.append)
+_fork = _jit(share.fork)
+_select = _jit(share.select)
+_free = _jit(reclaim.free)
+_usage = jax.jit(views.usage, static_argnums=0)
+_queue = jax.jit(live_entries)
+
+
+def _bucket(n: int, limit: int) -> int:
+    return min(max(8, 1 << max(0, n - 1).bit_length()), max(limit, n))
+
+
+def _padded(values: Sequence[int], size: int) -> np.ndarray:
+    out = np.full((size,), -1, np.int32)
+    out[: len(values)] = values
+    return out
+
+
+class BlockManager:
+    """Owns a ``BlockManagerState`` and updates it through the jitted operations.
+
+    Example::
+
+        bm = BlockManager(ManagerConfig(num_blocks=1024, block_size=16, max_seqs=8))
+        bm.admit([0], [list(range(40))])      # 3 blocks
+        bm.fork(0, [1])                        # a second sample shares them
+        result = bm.append([0, 1])             # copy-on-write of the partly full last block
+    """
+
+    def __init__(self, config: ManagerConfig):
+        if not isinstance(config, ManagerConfig):
+            raise ValueError(f"config must be a ManagerConfig, got {type(config).__name__}")
+        self.config = config
+        self.state = init_state(config)
+
+    # -- validation ------------------------------------------------------------------------
+
+    def running(self) -> set[int]:
+        return set(np.flatnonzero(np.asarray(self.state.active)).tolist())
+
+    def _check_ids(self, seq_ids: Sequence[int], what: str) -> list[int]:
+        ids = list(seq_ids)
+        if len(ids) > self.config.max_seqs:
+            raise ValueError(f"{len(ids)} {what} in one call; max_seqs is {self.config.max_seqs}")
+        seen = set()
+        for sid in ids:
+            if isinstance(sid, bool) or not isinstance(sid, (int, np.integer)):
+                raise ValueError(f"{what}: sequence id {sid!r} is not an int")
+            if not 0 <= sid < self.config.max_seqs:
+                raise ValueError(f"{what}: sequence id {sid} out of range [0, {self.config.max_seqs})")
+            if sid in seen:
+                raise ValueError(f"{what}: sequence id {sid} appears more than once in one call")
+            seen.add(sid)
+        return [int(s) for s in ids]
+
+    def _check_running(self, ids: Sequence[int], what: str) -> None:
+        running = self.running()
+        for sid in ids:
+            if sid not in running:
+                raise KeyError(f"{what}: sequence {sid} is not running")
+
+    def _check_not_running(self, ids: Sequence[int], what: str) -> None:
+        running = self.running()
+        for sid in ids:
+            if sid in running:
+                raise ValueError(f"{what}: sequence {sid} is already running")
+
+    # -- operations ------------------------------------------------------------------------
+
+    def admit(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """Starts ``seq_ids[i]`` with prompt ``prompts[i]`` (token ids); returns statuses."""
+        ids = self._check_ids(seq_ids, "admit")
+        prompts = [list(p) for p in prompts]
+        if len(prompts) != len(ids):
+            raise ValueError(f"admit: {len(ids)} sequence ids but {len(prompts)} prompts")
+        limit = self.config.max_tokens_per_seq
+        for sid, prompt in zip(ids, prompts):
+            if not prompt:
+                raise ValueError(f"admit: prompt of sequence {sid} is empty")
+            if len(prompt) > limit:
+                raise ValueError(
+                    f"admit: prompt of sequence {sid} has {len(prompt)} tokens; a sequence holds at "
+                    f"most {limit} (max_blocks_per_seq={self.config.max_blocks_per_seq} x "
+                    f"block_size={self.config.block_size})"
+                )
+            for pos, tok in enumerate(prompt):
+                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or tok < 0:
+                    raise ValueError(
+                        f"admit: prompt of sequence {sid} has invalid token id {tok!r} at position "
+                        f"{pos} (token ids are ints >= 0)"
+                    )
+        self._check_not_running(ids, "admit")
+        size = _bucket(len(ids), self.config.max_seqs)
+        lens = _padded([len(p) for p in prompts], size)
+        self.state, status = _admit(self.config, self.state, _padded(ids, size), lens)
+        return np.asarray(status)[: len(ids)]
+
+    def append(self, seq_ids: Sequence[int]) -> allocate.AppendResult:
+        """One more token for each sequence; returns statuses, slots and the copy list (numpy)."""
+        ids = self._check_ids(seq_ids, "append")
+        self._check_running(ids, "append")
+        size = _bucket(len(ids), self.config.max_seqs)
+        self.state, result = _append(self.config, self.state, _padded(ids, size))
+        k = len(ids)
+        return allocate.AppendResult(
+            status=np.asarray(result.status)[:k],
+            slots=np.asarray(result.slots)[:k],
+            copy_src=np.asarray(result.copy_src)[:k],
+            copy_dst=np.asarray(result.copy_dst)[:k],
+            num_copies=int(result.num_copies),
+        )
+
+    def fork(self, src: int, dst_ids: Sequence[int]) -> np.ndarray:
+        """Each of ``dst_ids`` starts as a sharing copy of running sequence ``src``."""
+        (src,) = self._check_ids([src], "fork source")
+        ids = self._check_ids(dst_ids, "fork")
+        self._check_running([src], "fork source")
+        self._check_not_running(ids, "fork")
+        size = _bucket(len(ids), self.config.max_seqs)
+        self.state, status = _fork(
+            self.config, self.state, _padded([src] * len(ids), size), _padded(ids, size)
+        )
+        return np.asarray(status)[: len(ids)]
+
+    def select(self, dst_ids: Sequence[int], parent_ids: Sequence[int]) -> np.ndarray:
+        """Beam reselection: ``dst_ids[i]`` takes ``parent_ids[i]``'s table, all at once."""
+        ids = self._check_ids(dst_ids, "select")
+        parents = list(parent_ids)
+        if len(parents) != len(ids):
+            raise ValueError(f"select: {len(ids)} destinations but {len(parents)} parents")
+        for p in parents:
+            self._check_ids([p], "select parent")
+        self._check_running(parents, "select parent")
+        size = _bucket(len(ids), self.config.max_seqs)
+        self.state, status = _select(
+            self.config, self.state, _padded(ids, size), _padded(parents, size)
+        )
+        return np.asarray(status)[: len(ids)]
+
+    def free(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """Ends sequences; their blocks join the back of the free queue, tail first."""
+        ids = self._check_ids(seq_ids, "free")
+        self._check_running(ids, "free")
+        size = _bucket(len(ids), self.config.max_seqs)
+        self.state, status = _free(self.config, self.state, _padded(ids, size))
+        return np.asarray(status)[: len(ids)]
+
+    # -- views -----------------------------------------------------------------------------
+
+    def table(self, seq_id: int) -> list[int]:
+        """Physical block ids of a running sequence, first block first."""
+        (sid,) = self._check_ids([seq_id], "table")
+        self._check_running([sid], "table")
+        held = int(blocks_held(self.config, self.state.num_tokens[sid]))
+        return np.asarray(self.state.block_tables[sid, :held]).tolist()
+
+    def num_tokens(self, seq_id: int) -> int:
+        (sid,) = self._check_ids([seq_id], "num_tokens")
+        return int(self.state.num_tokens[sid])
+
+    def ref_count(self, block: int) -> int:
+        if not 0 <= block < self.config.num_blocks:
+            raise ValueError(f"block {block} out of range [0, {self.config.num_blocks})")
+        return int(self.state.ref_count[block])
+
+    def free_queue(self) -> list[int]:
+        """Free blocks front (next allocated) to back (most recently freed). O(pool)."""
+        q = np.asarray(_queue(self.state.queue))
+        return q[q >= 0].tolist()
+
+    def usage(self) -> dict[str, int]:
+        u = _usage(self.config, self.state)
+        return {k: int(getattr(u, k)) for k in ("used", "free", "shared", "table_entries", "running")}
+
+
+__all__ = ["BlockManager", "Status"]

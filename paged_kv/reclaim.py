@@ -1,0 +1,73 @@
+"""Reclaim: dropping references and returning blocks whose count reaches zero to the free queue.
+
+A freed block keeps its contents: it joins the *back* of the free queue, so it is overwritten only
+after every block freed before it, and until then a later request can reuse it. A sequence's
+blocks are released tail first, so a sequence's root outlives its tail in the queue.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from paged_kv import free_queue
+from paged_kv.batch import blocks_held, check_rows, tail_first
+from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.state import BlockManagerState, FreeQueue
+from paged_kv.status import Status
+
+
+def release(
+    ref_count: jax.Array, queue: FreeQueue, blocks: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, FreeQueue]:
+    """Drops one reference per valid entry; blocks reaching zero join the back of the queue.
+
+    Entries are processed as if one at a time in array order: a block held by several entries
+    reaches zero at its last one, and blocks enter the queue in that order. Cost O(E).
+
+    Args:
+      ref_count: int32 ``[num_blocks]``.
+      queue: the free queue.
+      blocks: int32 ``[E]`` block ids, in release order.
+      valid: bool ``[E]``.
+    """
+    n = ref_count.shape[0]
+    e = blocks.shape[0]
+    stamp = jnp.arange(1, e + 1, dtype=jnp.int32)
+    rc = ref_count.at[jnp.where(valid, blocks, n)].add(-1, mode="drop")
+    zero = valid & (rc[blocks] == 0)
+    # Find each zeroed block's last entry without an O(pool) scratch array: the zeroed counts are
+    # 0, so a scatter-max of 1-based stamps marks the last entry, and a scatter back restores 0.
+    zero_idx = jnp.where(zero, blocks, n)
+    marked = rc.at[zero_idx].max(stamp, mode="drop")
+    last = zero & (marked[blocks] == stamp)
+    rc = marked.at[zero_idx].set(0, mode="drop")
+    return rc, free_queue.push_back(queue, blocks, last)
+
+
+def free(
+    config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array
+) -> tuple[BlockManagerState, jax.Array]:
+    """Ends sequences: releases their blocks tail first and clears their rows.
+
+    Args:
+      seq_ids: int32 ``[B]`` sequences to free (< 0: padding).
+
+    Returns:
+      The new state and status int32 ``[B]`` (BAD_SEQUENCE for a row that is not running).
+    """
+    status, sid = check_rows(config, state, seq_ids, must_be_active=True)
+    ok = status == Status.OK
+    rows = state.block_tables[sid]
+    blocks, valid = tail_first(rows, blocks_held(config, state.num_tokens[sid]), ok)
+    ref_count, queue = release(state.ref_count, state.queue, blocks, valid)
+    s = config.max_seqs
+    target = jnp.where(ok, sid, s)
+    state = state.replace(
+        ref_count=ref_count,
+        queue=queue,
+        block_tables=state.block_tables.at[target].set(NULL_BLOCK, mode="drop"),
+        num_tokens=state.num_tokens.at[target].set(0, mode="drop"),
+        active=state.active.at[target].set(False, mode="drop"),
+    )
+    return state, status

@@ -1,0 +1,102 @@
+"""Sharing through reference counts: parallel sampling (``fork``) and beam search (``select``).
+
+No block is copied here: the new table points at the same physical blocks and their counts go up.
+Copies happen later, in ``append``, and only for a shared, partly full last block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from paged_kv.batch import blocks_held, first_occurrence, tail_first
+from paged_kv.config import ManagerConfig
+from paged_kv.reclaim import release
+from paged_kv.state import BlockManagerState
+from paged_kv.status import Status
+
+
+def _take_tables(
+    config: ManagerConfig,
+    state: BlockManagerState,
+    dst_ids: jax.Array,
+    src_ids: jax.Array,
+    *,
+    dst_must_be_free: bool,
+) -> tuple[BlockManagerState, jax.Array]:
+    s, n = config.max_seqs, config.num_blocks
+    dst_ids = dst_ids.astype(jnp.int32)
+    src_ids = src_ids.astype(jnp.int32)
+    dst, src = jnp.clip(dst_ids, 0, s - 1), jnp.clip(src_ids, 0, s - 1)
+    # Destinations are distinct rows (fork: not running); sources may repeat but must be running.
+    bad_dst = (dst_ids >= s) | ~first_occurrence(dst_ids, s)
+    if dst_must_be_free:
+        bad_dst |= state.active[dst]
+    bad_src = (src_ids < 0) | (src_ids >= s) | ~state.active[src]
+    status = jnp.where(
+        dst_ids < 0, Status.PADDING, jnp.where(bad_dst | bad_src, Status.BAD_SEQUENCE, Status.OK)
+    ).astype(jnp.int32)
+    ok = status == Status.OK
+
+    # Everything reads the state before the call: a row can be a source and a destination at once.
+    src_rows = state.block_tables[src]
+    src_tokens = state.num_tokens[src]
+    src_held = blocks_held(config, src_tokens)
+    m = config.max_blocks_per_seq
+    j = jnp.arange(m, dtype=jnp.int32)[None, :]
+    gained = ok[:, None] & (j < src_held[:, None])
+    ref_count = state.ref_count.at[jnp.where(gained, src_rows, n)].add(1, mode="drop")
+
+    dropping = ok & state.active[dst]
+    blocks, valid = tail_first(
+        state.block_tables[dst], blocks_held(config, state.num_tokens[dst]), dropping
+    )
+    ref_count, queue = release(ref_count, state.queue, blocks, valid)
+
+    target = jnp.where(ok, dst, s)
+    state = state.replace(
+        ref_count=ref_count,
+        queue=queue,
+        block_tables=state.block_tables.at[target].set(src_rows, mode="drop"),
+        num_tokens=state.num_tokens.at[target].set(src_tokens, mode="drop"),
+        active=state.active.at[target].set(True, mode="drop"),
+    )
+    return state, status
+
+
+def fork(
+    config: ManagerConfig, state: BlockManagerState, src_ids: jax.Array, dst_ids: jax.Array
+) -> tuple[BlockManagerState, jax.Array]:
+    """Starts each ``dst`` as a copy of running ``src``'s table (parallel sampling).
+
+    Every block of the source gains one reference per child; no K/V moves.
+
+    Args:
+      src_ids: int32 ``[B]`` running sequences (may repeat: one prompt, several samples).
+      dst_ids: int32 ``[B]`` free rows (< 0: padding), distinct.
+
+    Returns:
+      The new state and status int32 ``[B]``.
+    """
+    return _take_tables(config, state, dst_ids, src_ids, dst_must_be_free=True)
+
+
+def select(
+    config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Array, parent_ids: jax.Array
+) -> tuple[BlockManagerState, jax.Array]:
+    """Beam-search reselection: row ``dst_ids[i]`` takes the table of ``parent_ids[i]``.
+
+    All rows switch at once, reading the tables as they were before the call, so candidates can
+    swap parents freely. A destination that was running drops every reference on its old path
+    (tail first); blocks that no surviving candidate holds go back to the free queue. A candidate
+    that drops out of the beam is simply a row no destination names as parent: pass its row as a
+    destination of a surviving parent, or ``free`` it.
+
+    Args:
+      dst_ids: int32 ``[B]`` distinct rows (running or free; < 0: padding).
+      parent_ids: int32 ``[B]`` running rows (may repeat).
+
+    Returns:
+      The new state and status int32 ``[B]``.
+    """
+    return _take_tables(config, state, dst_ids, parent_ids, dst_must_be_free=False)
