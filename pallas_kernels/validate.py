@@ -69,7 +69,7 @@ def _check_int32(name: str, x: Any, shape: tuple[int, ...] | None = None, ndim: 
     raise ValueError(f"{name} must have rank {ndim}, got shape {xshape}")
   if shape is not None and xshape != shape:
     raise ValueError(f"{name} must have shape {shape}, got {xshape}")
-  dtype = jnp.dtype(getattr(x, "dtype", np.asarray(x).dtype))
+  dtype = jnp.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
   if dtype != _INT32:
     raise ValueError(f"{name} must be int32, got {dtype}")
   return xshape

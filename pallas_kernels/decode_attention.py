@@ -1,0 +1,165 @@
+"""Paged decode attention as a Pallas (Triton) kernel, split-K ("flash decoding").
+
+One query token per sequence. Grid ``(batch, num_kv_heads, num_splits)``: each program takes
+the ``G = num_q_heads // num_kv_heads`` query heads that share one KV head (padded to a power
+of two >= 16 rows so the Triton dot has a legal shape), walks its share of the block table
+``blocks_per_tile`` blocks at a time (a gather of ``[blocks_per_tile, block_size, head_dim]``
+K and V tiles straight from the pages, each block a contiguous, coalesced tile), and keeps an
+online softmax in float32: running max ``m``, running sum ``l`` and unnormalised output ``o``.
+
+Split-K: the table is cut into ``num_splits`` contiguous ranges so that short batches still
+fill the GPU; every split writes its partial ``(o, m, l)`` and a small XLA epilogue merges them
+with the usual log-sum-exp rescaling (``exp(m_s - max_s m_s)``), which is exact and stable.
+
+Work follows each sequence's own length: a program's loop runs only over tiles that hold at
+least one position ``< length``, so a split entirely past the end of its sequence does no K/V
+reads at all, and a batch of short and long sequences does not pay for the longest one
+everywhere. Positions past ``length`` inside the last tile are masked.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.reference import sanitize_block_tables
+
+# A finite "minus infinity": exp(MASK - m) is 0, and MASK - MASK is 0, never NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def next_power_of_two(n: int) -> int:
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                   scale: float, blocks_per_tile: int, tiles_per_split: int):
+  split = pl.program_id(2)
+  block_size, head_dim = k_ref.shape[-2:]
+  tile_keys = blocks_per_tile * block_size
+  rows = q_ref.shape[0]
+
+  length = len_ref[0]
+  num_tiles = pl.cdiv(pl.cdiv(length, block_size), blocks_per_tile)
+  first_tile = split * tiles_per_split
+  # Tiles of this split that hold at least one position < length (0 when the split lies past
+  # the end of the sequence: no K/V is read).
+  my_tiles = jnp.clip(num_tiles - first_tile, 0, tiles_per_split)
+
+  q = q_ref[...]
+
+  def body(i, carry):
+    o, m, l = carry
+    tile = first_tile + i
+    ids = bt_ref[pl.ds(tile * blocks_per_tile, blocks_per_tile)]
+    k = k_ref[ids].reshape(tile_keys, head_dim)
+    v = v_ref[ids].reshape(tile_keys, head_dim)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = s * scale
+    pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
+    s = jnp.where(pos < length, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    l_new = alpha * l + p.sum(axis=1)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+    return alpha[:, None] * o + pv, m_new, l_new
+
+  o = jnp.zeros((rows, head_dim), jnp.float32)
+  m = jnp.full((rows,), MASK_VALUE, jnp.float32)
+  l = jnp.zeros((rows,), jnp.float32)
+  o, m, l = lax.fori_loop(0, my_tiles, body, (o, m, l))
+  o_ref[...] = o
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+def merge_splits(o, m, l):
+  """Log-sum-exp merge of split partials: o [..., S, R, D], m and l [..., S, R] -> [..., R, D]."""
+  m_max = m.max(axis=-2, keepdims=True)
+  w = jnp.exp(m - m_max)  # 0 for empty splits (m = MASK_VALUE) unless all are empty
+  l_tot = (w * l).sum(axis=-2)
+  o_tot = (w[..., None] * o).sum(axis=-3)
+  return jnp.where(l_tot[..., None] > 0, o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
+
+
+def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads: int,
+                     blocks_per_tile: int | None = None, num_splits: int | None = None):
+  """Static tiling: (blocks_per_tile, tiles_per_split, num_splits).
+
+  A tile holds about 128 keys (a power of two number of blocks, never more than the table
+  needs); splits are added until about 512 programs are in flight (enough for a large GPU),
+  never more than there are tiles.
+  """
+  if blocks_per_tile is None:
+    blocks_per_tile = min(max(1, 128 // block_size), next_power_of_two(max_blocks))
+  if blocks_per_tile < 1 or blocks_per_tile & (blocks_per_tile - 1):
+    raise ValueError(f"blocks_per_tile={blocks_per_tile} must be a power of two")
+  num_tiles = pl.cdiv(max_blocks, blocks_per_tile)
+  if num_splits is None:
+    num_splits = pl.cdiv(512, batch * num_kv_heads)
+  num_splits = max(1, min(num_splits, num_tiles))
+  tiles_per_split = pl.cdiv(num_tiles, num_splits)
+  num_splits = pl.cdiv(num_tiles, tiles_per_split)
+  return blocks_per_tile, tiles_per_split, num_splits
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("layer", "scale", "interpret", "blocks_per_tile", "num_splits",
+                     "num_warps", "num_stages"))
+def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, scale,
+                                  interpret=False, blocks_per_tile=None, num_splits=None,
+                                  num_warps=4, num_stages=2):
+  """Pallas paged decode attention; arguments as :func:`pallas_kernels.paged_decode_attention`."""
+  batch, num_q_heads, head_dim = q.shape
+  _, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
+  max_blocks = block_tables.shape[1]
+  group = num_q_heads // num_kv_heads
+  rows = max(16, next_power_of_two(group))
+
+  bpt, tps, splits = choose_partition(max_blocks, block_size, batch, num_kv_heads,
+                                      blocks_per_tile, num_splits)
+  padded_blocks = bpt * tps * splits
+  bt = sanitize_block_tables(block_tables, num_blocks)
+  bt = jnp.pad(bt, ((0, 0), (0, padded_blocks - max_blocks)))
+  lengths = jnp.clip(lengths, 0, max_blocks * block_size).reshape(batch, 1)
+  qg = q.reshape(batch, num_kv_heads, group, head_dim)
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+  kernel = functools.partial(_decode_kernel, scale=scale, blocks_per_tile=bpt,
+                             tiles_per_split=tps)
+  kv_block = (None, None, None, num_blocks, block_size, head_dim)
+  o, m, l = pl.pallas_call(
+      kernel,
+      grid=(batch, num_kv_heads, splits),
+      in_specs=[
+          pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),  # lengths
+          pl.BlockSpec((None, padded_blocks), lambda b, h, s: (b, 0)),  # block table row
+          pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+          pl.BlockSpec(kv_block, lambda b, h, s: (layer, 0, h, 0, 0, 0)),  # K pages
+          pl.BlockSpec(kv_block, lambda b, h, s: (layer, 1, h, 0, 0, 0)),  # V pages
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows), jnp.float32),
+          jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows), jnp.float32),
+      ],
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="paged_decode_attention",
+  )(lengths, bt, qg, pages, pages)
+  out = merge_splits(o, m, l)[:, :, :group]  # [B, Hkv, G, D]
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
