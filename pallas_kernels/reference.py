@@ -84,7 +84,7 @@ def paged_prefill_attention_reference(q, pages, layer, block_tables, q_start, q_
   k, v = _gather_kv(pages, layer, block_tables)
   s = k.shape[2]
   tpos = jnp.arange(t)
-  qpos = q_start[:, None] + tpos[None, :]  # [B, T]
+  qpos = jnp.maximum(q_start, 0)[:, None] + tpos[None, :]  # [B, T]; negative starts clamp to 0
   valid = tpos[None, :] < q_lens[:, None]  # [B, T]
   mask = (jnp.arange(s)[None, None, :] <= qpos[:, :, None]) & valid[:, :, None]
   out = _attend(q.reshape(b, t, hkv, hq // hkv, d), k, v, mask, scale)

@@ -1,0 +1,134 @@
+"""Paged prefill (chunked) attention as a Pallas (Triton) kernel.
+
+Several query tokens per sequence, causal over the paged cache: query ``t`` of sequence ``b``
+sits at position ``q_start[b] + t`` and sees cached positions ``0 .. q_start[b] + t``. This is
+what a prompt chunk, or the uncached suffix after a prefix-cache hit, needs: the cached prefix
+is read from the pages, never recomputed.
+
+Layout inside the kernel: the query heads of one KV head are folded into the row axis, row
+``r = t * G + g`` (``G = num_q_heads // num_kv_heads``), so one program handles a
+``[rows_per_tile, head_dim]`` tile of queries against ``[blocks_per_tile * block_size,
+head_dim]`` K/V tiles gathered through the block table. Grid ``(batch, num_kv_heads,
+num_row_tiles)``. Each program only visits K/V tiles up to the last position its own valid
+queries can see (causal skipping), so early query tiles and short sequences do less work.
+The online softmax runs in float32; rows with no visible position (padding queries) give zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.decode_attention import MASK_VALUE, next_power_of_two
+from pallas_kernels.reference import sanitize_block_tables
+
+
+def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float,
+                    group: int, blocks_per_tile: int, max_positions: int):
+  row_tile = pl.program_id(2)
+  block_size, head_dim = k_ref.shape[-2:]
+  tile_keys = blocks_per_tile * block_size
+  rows = q_ref.shape[0]
+
+  q_start = start_ref[0]
+  q_len = qlen_ref[0]
+  first_row = row_tile * rows
+  t = (first_row + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 0)) // group
+  q_pos = q_start + t
+  valid = t < q_len
+
+  # Positions this tile's valid queries can see: 0 .. q_start + min(last t, q_len - 1).
+  last_t = jnp.minimum((first_row + rows - 1) // group, q_len - 1)
+  kv_len = jnp.where(first_row // group < q_len, q_start + last_t + 1, 0)
+  kv_len = jnp.clip(kv_len, 0, max_positions)
+  num_tiles = pl.cdiv(pl.cdiv(kv_len, block_size), blocks_per_tile)
+
+  q = q_ref[...]
+
+  def body(tile, carry):
+    o, m, l = carry
+    ids = bt_ref[pl.ds(tile * blocks_per_tile, blocks_per_tile)]
+    k = k_ref[ids].reshape(tile_keys, head_dim)
+    v = v_ref[ids].reshape(tile_keys, head_dim)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = s * scale
+    pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
+    mask = (pos <= q_pos) & valid
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    l_new = alpha * l + p.sum(axis=1)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+    return alpha[:, None] * o + pv, m_new, l_new
+
+  o = jnp.zeros((rows, head_dim), jnp.float32)
+  m = jnp.full((rows,), MASK_VALUE, jnp.float32)
+  l = jnp.zeros((rows,), jnp.float32)
+  o, m, l = lax.fori_loop(0, num_tiles, body, (o, m, l))
+  out = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+  o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("layer", "scale", "interpret", "rows_per_tile", "blocks_per_tile",
+                     "num_warps", "num_stages"))
+def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_lens, *, scale,
+                                   interpret=False, rows_per_tile=None, blocks_per_tile=None,
+                                   num_warps=4, num_stages=2):
+  """Pallas paged prefill attention; arguments as :func:`pallas_kernels.paged_prefill_attention`."""
+  batch, num_tokens, num_q_heads, head_dim = q.shape
+  _, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
+  max_blocks = block_tables.shape[1]
+  group = num_q_heads // num_kv_heads
+  total_rows = num_tokens * group
+  if rows_per_tile is None:
+    rows_per_tile = min(64, max(16, next_power_of_two(total_rows)))
+  if blocks_per_tile is None:
+    blocks_per_tile = min(max(1, 64 // block_size), next_power_of_two(max_blocks))
+  for name, val in (("rows_per_tile", rows_per_tile), ("blocks_per_tile", blocks_per_tile)):
+    if val < 1 or val & (val - 1):
+      raise ValueError(f"{name}={val} must be a power of two")
+  row_tiles = pl.cdiv(total_rows, rows_per_tile)
+  padded_rows = row_tiles * rows_per_tile
+  padded_blocks = pl.cdiv(max_blocks, blocks_per_tile) * blocks_per_tile
+
+  bt = sanitize_block_tables(block_tables, num_blocks)
+  bt = jnp.pad(bt, ((0, 0), (0, padded_blocks - max_blocks)))
+  starts = jnp.maximum(q_start, 0).reshape(batch, 1)
+  qlens = jnp.clip(q_lens, 0, num_tokens).reshape(batch, 1)
+  # [B, T, Hkv, G, D] -> [B, Hkv, T * G, D], row r = t * G + g.
+  qr = q.reshape(batch, num_tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+  qr = qr.reshape(batch, num_kv_heads, total_rows, head_dim)
+  qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded_rows - total_rows), (0, 0)))
+
+  kernel = functools.partial(_prefill_kernel, scale=scale, group=group,
+                             blocks_per_tile=blocks_per_tile,
+                             max_positions=max_blocks * block_size)
+  kv_block = (None, None, None, num_blocks, block_size, head_dim)
+  out = pl.pallas_call(
+      kernel,
+      grid=(batch, num_kv_heads, row_tiles),
+      in_specs=[
+          pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_start
+          pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_lens
+          pl.BlockSpec((None, padded_blocks), lambda b, h, r: (b, 0)),  # block table row
+          pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h, r: (b, h, r, 0)),
+          pl.BlockSpec(kv_block, lambda b, h, r: (layer, 0, h, 0, 0, 0)),  # K pages
+          pl.BlockSpec(kv_block, lambda b, h, r: (layer, 1, h, 0, 0, 0)),  # V pages
+      ],
+      out_specs=pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h, r: (b, h, r, 0)),
+      out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, padded_rows, head_dim), q.dtype),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="paged_prefill_attention",
+  )(starts, qlens, bt, qr, pages, pages)
+  out = out[:, :, :total_rows].reshape(batch, num_kv_heads, num_tokens, group, head_dim)
+  return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_tokens, num_q_heads, head_dim)
