@@ -1,0 +1,36 @@
+"""Flax NNX Llama 3 family decoder that runs over the paged KV cache (`pallas_kernels`) or a
+contiguous baseline cache, and loads/saves Hugging Face Llama checkpoints.
+
+Modules: `config` (LlamaConfig, presets, RoPE frequencies), `llama` (NNX modules), `paged` (paged
+forward, PagedBatch metadata, jitted steps, page sizing), `contiguous` (baseline cache path),
+`hf_io` (safetensors checkpoints), `generate` (host greedy loops for tests and benchmarks).
+"""
+
+from models.config import Llama3RopeScaling, LlamaConfig, llama31_8b, llama32_1b, rope_inv_freq, tiny
+from models.contiguous import contiguous_forward, contiguous_step, init_contiguous_cache
+from models.generate import greedy_generate_contiguous, greedy_generate_paged
+from models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
+from models.llama import Llama, abstract_model, init_model
+from models.paged import (
+    KVPageSpec,
+    PagedBatch,
+    allocate_pages,
+    compute_slots,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    make_paged_batch,
+    page_spec,
+    page_spec_for_budget,
+    paged_decode_step,
+    paged_forward,
+    paged_prefill_step,
+)
+
+__all__ = [
+    "CheckpointError", "KVPageSpec", "Llama", "Llama3RopeScaling", "LlamaConfig", "PagedBatch",
+    "abstract_model", "allocate_pages", "compute_slots", "contiguous_forward", "contiguous_step",
+    "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "init_contiguous_cache",
+    "init_model", "kv_bytes_per_block", "kv_bytes_per_token", "llama31_8b", "llama32_1b",
+    "load_hf_checkpoint", "make_paged_batch", "page_spec", "page_spec_for_budget", "paged_decode_step",
+    "paged_forward", "paged_prefill_step", "rope_inv_freq", "save_hf_checkpoint", "tiny",
+]

@@ -1,0 +1,71 @@
+"""Baseline: the same Llama over an ordinary contiguous KV cache.
+
+Cache layout: one array `[num_layers, 2, batch, max_len, num_kv_heads, head_dim]` (axis 1: 0=K, 1=V);
+sequence b's token at position p lives at `[:, :, b, p]`. Attention is plain `jnp` over all `max_len`
+keys with a causal mask by position. Used as the reference for the paged path in tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import LlamaConfig
+
+
+def init_contiguous_cache(config: LlamaConfig, batch: int, max_len: int, dtype=None) -> jax.Array:
+    """Zeroed cache `[num_layers, 2, batch, max_len, num_kv_heads, head_dim]`."""
+    dtype = config.jnp_dtype if dtype is None else dtype
+    return jnp.zeros((config.num_layers, 2, batch, max_len, config.num_kv_heads, config.head_dim), dtype)
+
+
+def _make_attend(q_start, q_lens, scale):
+    def attend(layer, q, k, v, cache):
+        b, t, qh, e = q.shape
+        kvh = k.shape[2]
+        max_len = cache.shape[3]
+        pos = q_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+        valid = jnp.arange(t)[None, :] < q_lens[:, None]
+        write_pos = jnp.where(valid, pos, max_len)  # out of bounds -> dropped
+        bidx = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        cache = cache.at[layer, 0, bidx, write_pos].set(k.astype(cache.dtype), mode="drop")
+        cache = cache.at[layer, 1, bidx, write_pos].set(v.astype(cache.dtype), mode="drop")
+        keys, values = cache[layer, 0], cache[layer, 1]  # [B, S, KVH, D]
+        qg = q.reshape(b, t, kvh, qh // kvh, e).astype(jnp.float32)
+        s = jnp.einsum("btkge,bske->bkgts", qg, keys.astype(jnp.float32)) * scale
+        mask = jnp.arange(max_len)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        out = jnp.einsum("bkgts,bske->btkge", p, values.astype(jnp.float32)).reshape(b, t, qh, e)
+        out = jnp.where(valid[:, :, None, None], out, 0.0)
+        return out.astype(q.dtype), cache
+
+    return attend
+
+
+def contiguous_forward(model, cache: jax.Array, tokens: jax.Array, q_start: jax.Array, q_lens: jax.Array,
+                       *, last_only: bool = False):
+    """Run a chunk: tokens int32[B, T] at positions q_start[b] + t (valid for t < q_lens[b]).
+
+    Returns (float32 logits [B, T, V], or [B, V] at each sequence's last valid token when
+    `last_only`; updated cache). Padding positions give zero attention outputs and write nothing.
+    """
+    cfg = model.config
+    b, t = tokens.shape
+    positions = q_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    hidden, cache = model(tokens, positions, cache, _make_attend(q_start, q_lens, cfg.head_dim ** -0.5))
+    if last_only:
+        hidden = hidden[jnp.arange(b), jnp.maximum(q_lens - 1, 0)]
+    return model.logits(hidden), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "last_only"), donate_argnames=("cache",))
+def contiguous_step(graphdef: nnx.GraphDef, state: nnx.State, cache: jax.Array, tokens: jax.Array,
+                    q_start: jax.Array, q_lens: jax.Array, *, last_only: bool = False):
+    """Jitted pure step `(graphdef, state, cache, tokens[B, T], q_start[B], q_lens[B]) -> (logits, cache)`
+    with the cache donated. A decode step is a chunk with T = 1 and q_lens = 1."""
+    model = nnx.merge(graphdef, state)
+    return contiguous_forward(model, cache, tokens, q_start, q_lens, last_only=last_only)

@@ -1,0 +1,192 @@
+"""Load and save Hugging Face Llama checkpoints (`config.json` + safetensors), numpy API only.
+
+A checkpoint directory holds `config.json` and either `model.safetensors` or several shards listed in
+`model.safetensors.index.json` (`weight_map`: tensor name -> shard file). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models.config import LlamaConfig
+from models.llama import Llama, abstract_model
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the model (wrong shape, missing tensor, ...)."""
+
+
+def _hf_tensors(config: LlamaConfig) -> Iterator[tuple[str, tuple, tuple[int, ...]]]:
+    """(HF tensor name, path into the NNX state, HF shape) for every weight of the model."""
+    d, e, f, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    qh, kvh = config.num_heads, config.num_kv_heads
+    yield "model.embed_tokens.weight", ("embed",), (v, d)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        yield p + "self_attn.q_proj.weight", ("layers", i, "attn", "q_proj"), (qh * e, d)
+        yield p + "self_attn.k_proj.weight", ("layers", i, "attn", "k_proj"), (kvh * e, d)
+        yield p + "self_attn.v_proj.weight", ("layers", i, "attn", "v_proj"), (kvh * e, d)
+        yield p + "self_attn.o_proj.weight", ("layers", i, "attn", "o_proj"), (d, qh * e)
+        yield p + "mlp.gate_proj.weight", ("layers", i, "mlp", "gate"), (f, d)
+        yield p + "mlp.up_proj.weight", ("layers", i, "mlp", "up"), (f, d)
+        yield p + "mlp.down_proj.weight", ("layers", i, "mlp", "down"), (d, f)
+        yield p + "input_layernorm.weight", ("layers", i, "input_norm", "scale"), (d,)
+        yield p + "post_attention_layernorm.weight", ("layers", i, "post_attn_norm", "scale"), (d,)
+    yield "model.norm.weight", ("final_norm", "scale"), (d,)
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", ("lm_head",), (v, d)
+
+
+def _to_model_layout(name: str, w: np.ndarray, config: LlamaConfig) -> np.ndarray:
+    """HF [out, in] (torch Linear) -> this model's einsum layout."""
+    e = config.head_dim
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+        return w.T.reshape(w.shape[1], w.shape[0] // e, e)
+    if name.endswith("o_proj.weight"):
+        return w.T.reshape(w.shape[1] // e, e, w.shape[0])
+    if name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+        return w.T
+    return w
+
+
+def _to_hf_layout(name: str, w: np.ndarray) -> np.ndarray:
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+        return w.reshape(w.shape[0], -1).T
+    if name.endswith("o_proj.weight"):
+        return w.reshape(-1, w.shape[-1]).T
+    if name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+        return w.T
+    return w
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    cfg_file = path / CONFIG_FILE
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"missing {CONFIG_FILE} in checkpoint directory {str(path)!r}")
+    with open(cfg_file) as fh:
+        return json.load(fh)
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        with open(index) as fh:
+            wm = json.load(fh).get("weight_map")
+        if not isinstance(wm, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' object")
+        files = {name: path / shard for name, shard in wm.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise FileNotFoundError(f"missing safetensors shard {shard.name!r} listed in {INDEX_FILE} "
+                                        f"of {str(path)!r}")
+        return files
+    single = path / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {str(path)!r}")
+    with safe_open(single, framework="numpy") as fh:
+        return {name: single for name in fh.keys()}
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> Llama:
+    """Load a Hugging Face `LlamaForCausalLM` checkpoint directory into a `Llama`.
+
+    `dtype` ("float32"/"bfloat16") overrides the checkpoint's dtype; weights are cast to it.
+    Raises FileNotFoundError (missing directory, config.json, weight file or shard), ValueError
+    (unsupported architecture/variant) and CheckpointError (missing tensor, wrong shape), each
+    naming the file or tensor.
+    """
+    path = Path(path)
+    config = LlamaConfig.from_hf_config(read_hf_config(path), dtype=dtype)
+    files = _weight_map(path)
+    model = abstract_model(config)
+    graphdef, state = nnx.split(model)
+    target = config.jnp_dtype
+    handles: dict[Path, object] = {}
+    try:
+        for name, state_path, hf_shape in _hf_tensors(config):
+            if name not in files:
+                raise CheckpointError(f"tensor {name!r} is missing from checkpoint {str(path)!r}")
+            file = files[name]
+            if file not in handles:
+                handles[file] = safe_open(file, framework="numpy").__enter__()
+            try:
+                w = handles[file].get_tensor(name)
+            except Exception as err:  # listed in the index but not in the shard
+                raise CheckpointError(f"tensor {name!r} listed for {file.name!r} cannot be read: {err}") from err
+            if tuple(w.shape) != hf_shape:
+                raise CheckpointError(f"tensor {name!r} in {file.name!r} has shape {tuple(w.shape)}, "
+                                      f"expected {hf_shape} for this config")
+            node = state
+            for key in state_path:
+                node = node[key]
+            node.set_value(jnp.asarray(_to_model_layout(name, w, config), dtype=target))
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    return nnx.merge(graphdef, state)
+
+
+def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
+    """The model's weights as HF-named numpy arrays in HF layout (bfloat16 as ml_dtypes.bfloat16)."""
+    config = model.config
+    _, state = nnx.split(model)
+    out = {}
+    for name, state_path, hf_shape in _hf_tensors(config):
+        node = state
+        for key in state_path:
+            node = node[key]
+        w = np.asarray(node.get_value())
+        if w.dtype == jnp.bfloat16:
+            w = w.astype(ml_dtypes.bfloat16)
+        w = np.ascontiguousarray(_to_hf_layout(name, w))
+        assert w.shape == hf_shape, (name, w.shape, hf_shape)
+        out[name] = w
+    return out
+
+
+def save_hf_checkpoint(model: Llama, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> None:
+    """Write `config.json` and the weights as safetensors (sharded with an index when the weights
+    exceed `max_shard_bytes`). transformers' `LlamaForCausalLM.from_pretrained` reads the result."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / CONFIG_FILE, "w") as fh:
+        json.dump(model.config.to_hf_config(), fh, indent=2)
+    tensors = hf_state_dict(model)
+    total = sum(w.nbytes for w in tensors.values())
+    meta = {"format": "pt"}
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, str(path / SINGLE_FILE), metadata=meta)
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, w in tensors.items():
+        if shards[-1] and size + w.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = w
+        size += w.nbytes
+    n = len(shards)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(path / fname), metadata=meta)
+        weight_map.update({name: fname for name in shard})
+    with open(path / INDEX_FILE, "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)

@@ -1,0 +1,148 @@
+"""Llama 3 family decoder in Flax NNX, with the KV cache as an explicit argument.
+
+The module holds weights only. Where K/V are stored and how attention reads them is supplied by the
+caller as an `attend` function, so the same weights run over the paged KV cache (`models.paged`) and
+over an ordinary contiguous cache (`models.contiguous`):
+
+    attend(layer: int, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache) -> (out[B, T, QH, D], cache)
+
+q and k arrive with RoPE applied; `attend` stores k/v into `cache` and attends. Dimension names in
+einsum strings: b batch, t query tokens, d model width, h query heads, k kv heads, g heads per kv
+head, e head dim, f MLP width, v vocabulary.
+
+Parameter layout (HF tensor it maps to in `models.hf_io`):
+  embed.embedding        [V, d]            model.embed_tokens.weight
+  layers[i].attn.q_proj  [d, QH, D]        ...self_attn.q_proj.weight  [QH*D, d] transposed
+  layers[i].attn.k_proj  [d, KVH, D]       ...self_attn.k_proj.weight
+  layers[i].attn.v_proj  [d, KVH, D]       ...self_attn.v_proj.weight
+  layers[i].attn.o_proj  [QH, D, d]        ...self_attn.o_proj.weight  [d, QH*D] transposed
+  layers[i].mlp.gate/up  [d, F]; down [F, d]
+  layers[i].input_norm / post_attn_norm [d]; final_norm [d]
+  lm_head                [V, d]            lm_head.weight (absent when tied)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import LlamaConfig, rope_inv_freq
+
+Array = jax.Array
+AttendFn = Callable[[int, Array, Array, Array, Any], tuple[Array, Any]]
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std: float):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """y = scale * x / sqrt(mean(x^2) + eps); statistics in float32, as in HF."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * normed.astype(x.dtype)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """Rotate x[B, T, H, D] by angles positions[B, T] * inv_freq[D/2] (HF "rotate_half" layout:
+    dimension i pairs with i + D/2). Angles and products in float32."""
+    angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention projections; the attention itself is delegated to `attend`."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
+        d, e, dt, std = config.hidden_size, config.head_dim, config.jnp_dtype, init_std
+        self.q_proj = nnx.Param(_normal(rngs, (d, config.num_heads, e), dt, std))
+        self.k_proj = nnx.Param(_normal(rngs, (d, config.num_kv_heads, e), dt, std))
+        self.v_proj = nnx.Param(_normal(rngs, (d, config.num_kv_heads, e), dt, std))
+        self.o_proj = nnx.Param(_normal(rngs, (config.num_heads, e, d), dt, std))
+
+    def __call__(self, x, positions, inv_freq, layer: int, cache, attend: AttendFn):
+        q = jnp.einsum("btd,dhe->bthe", x, self.q_proj[...])
+        k = jnp.einsum("btd,dke->btke", x, self.k_proj[...])
+        v = jnp.einsum("btd,dke->btke", x, self.v_proj[...])
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        out, cache = attend(layer, q, k, v, cache)
+        return jnp.einsum("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...]), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
+        d, f, dt, std = config.hidden_size, config.intermediate_size, config.jnp_dtype, init_std
+        self.gate = nnx.Param(_normal(rngs, (d, f), dt, std))
+        self.up = nnx.Param(_normal(rngs, (d, f), dt, std))
+        self.down = nnx.Param(_normal(rngs, (f, d), dt, std))
+
+    def __call__(self, x):
+        gate = jnp.einsum("btd,df->btf", x, self.gate[...])
+        up = jnp.einsum("btd,df->btf", x, self.up[...])
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
+        dt = config.jnp_dtype
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        self.attn = Attention(config, rngs=rngs, init_std=init_std)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        self.mlp = MLP(config, rngs=rngs, init_std=init_std)
+
+    def __call__(self, x, positions, inv_freq, layer: int, cache, attend: AttendFn):
+        h, cache = self.attn(self.input_norm(x), positions, inv_freq, layer, cache, attend)
+        x = x + h
+        return x + self.mlp(self.post_attn_norm(x)), cache
+
+
+class Llama(nnx.Module):
+    """Llama 3 decoder. `__call__` returns final-normed hidden states; `logits` applies the head."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
+        self.config = config
+        dt, std = config.jnp_dtype, init_std
+        self.embed = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dt, std))
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, init_std=std) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dt, std))
+
+    def __call__(self, tokens: Array, positions: Array, cache, attend: AttendFn):
+        """tokens, positions int32[B, T] -> (hidden[B, T, d] in config dtype, cache)."""
+        inv_freq = jnp.asarray(rope_inv_freq(self.config))
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, positions, inv_freq, i, cache, attend)
+        return self.final_norm(x), cache
+
+    def logits(self, hidden: Array) -> Array:
+        """hidden[..., d] -> float32 logits[..., V] (matmul in the config dtype)."""
+        head = self.embed[...] if self.config.tie_word_embeddings else self.lm_head[...]
+        return jnp.einsum("...d,vd->...v", hidden, head).astype(jnp.float32)
+
+
+def init_model(config: LlamaConfig, seed: int = 0, init_std: float = 0.02) -> Llama:
+    """A randomly initialised model (normal(init_std) weights, unit norm scales)."""
+    return Llama(config, rngs=nnx.Rngs(seed), init_std=init_std)
+
+
+def abstract_model(config: LlamaConfig) -> Llama:
+    """The model with `jax.ShapeDtypeStruct` leaves: no memory allocated (loading, lowering checks)."""
+    return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))

@@ -1,0 +1,237 @@
+"""The Llama forward over the paged KV cache, through `pallas_kernels` only.
+
+Page layout (owned by `pallas_kernels`): one array per model,
+`pages[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]` (axis 1: 0=K, 1=V).
+Block 0 is the reserved null block: padding tokens write into it and it is never read as data.
+The slot of the token at position p of a sequence is `table[p // bs] * bs + p % bs`.
+
+One step is a pure function `(graphdef, state, pages, batch, tokens) -> (logits, pages)`, jitted once
+per shape with `pages` donated:
+  - `paged_prefill_step`: a chunk of T tokens per sequence (K/V written, then paged prefill attention);
+  - `paged_decode_step`: one token per sequence (K/V written, then paged decode attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+import pallas_kernels as pk
+from models.config import LlamaConfig
+
+NULL_BLOCK = pk.NULL_BLOCK
+IMPLS = tuple(pk.IMPLS)
+
+
+# ---------------------------------------------------------------------------- batch metadata
+@struct.dataclass
+class PagedBatch:
+    """Per-step batch metadata (all int32; B sequences, T tokens per sequence this step).
+
+    Attributes:
+      block_tables: int32[B, M] physical block ids of each sequence, in logical order; unused
+        entries hold NULL_BLOCK (0).
+      q_start: int32[B] position of the first token of this step (= tokens already cached).
+      q_lens: int32[B] valid tokens this step, in [0, T]; 0 marks a padding row.
+      slots: int32[B, T] flat KV slot of each token (block_id * block_size + offset); tokens with
+        t >= q_lens[b] point into the null block.
+      lengths: int32[B] tokens with K/V after this step (q_start + q_lens); 0 for padding rows.
+    """
+
+    block_tables: jax.Array
+    q_start: jax.Array
+    q_lens: jax.Array
+    slots: jax.Array
+    lengths: jax.Array
+
+    @property
+    def positions(self) -> jax.Array:
+        """int32[B, T] position of each token (meaningful where t < q_lens)."""
+        t = self.slots.shape[1]
+        return self.q_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+def compute_slots(block_tables: jax.Array, positions: jax.Array, valid: jax.Array, block_size: int) -> jax.Array:
+    """slot = table[pos // bs] * bs + pos % bs where `valid`, else a slot in the null block.
+
+    block_tables int32[B, M], positions int32[B, T], valid bool[B, T] -> int32[B, T]. Positions past
+    the table (pos // bs >= M) are treated as invalid (null block) instead of wrapping.
+    """
+    m = block_tables.shape[1]
+    logical = positions // block_size
+    ok = valid & (logical < m) & (positions >= 0)
+    block = jnp.take_along_axis(block_tables, jnp.clip(logical, 0, m - 1), axis=1)
+    slots = block * block_size + positions % block_size
+    return jnp.where(ok, slots, NULL_BLOCK * block_size + (positions % block_size)).astype(jnp.int32)
+
+
+def make_paged_batch(block_tables, q_start, q_lens, num_tokens: int, block_size: int) -> PagedBatch:
+    """Build the metadata for a step of `num_tokens` tokens per sequence (T; 1 for decode)."""
+    block_tables = jnp.asarray(block_tables, jnp.int32)
+    q_start = jnp.asarray(q_start, jnp.int32)
+    q_lens = jnp.asarray(q_lens, jnp.int32)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    positions = q_start[:, None] + t
+    valid = t < q_lens[:, None]
+    return PagedBatch(
+        block_tables=block_tables, q_start=q_start, q_lens=q_lens,
+        slots=compute_slots(block_tables, positions, valid, block_size),
+        lengths=jnp.where(q_lens > 0, q_start + q_lens, 0).astype(jnp.int32))
+
+
+# ---------------------------------------------------------------------------- forward
+def _make_attend(batch: PagedBatch, scale: float, impl: str, decode: bool):
+    def attend(layer, q, k, v, pages):
+        b, t, _, _ = q.shape
+        kvh, e = k.shape[2], k.shape[3]
+        q = q.astype(pages.dtype)
+        pages = pk.write_kv(pages, layer, k.reshape(b * t, kvh, e).astype(pages.dtype),
+                            v.reshape(b * t, kvh, e).astype(pages.dtype), batch.slots.reshape(b * t), impl=impl)
+        if decode:
+            out = pk.paged_decode_attention(q[:, 0], pages, layer, batch.block_tables, batch.lengths,
+                                            scale=scale, impl=impl)
+            out = jnp.where((batch.q_lens > 0)[:, None, None], out, 0)[:, None]
+        else:
+            out = pk.paged_prefill_attention(q, pages, layer, batch.block_tables, batch.q_start, batch.q_lens,
+                                             scale=scale, impl=impl)
+        return out, pages
+
+    return attend
+
+
+def paged_forward(model, pages: jax.Array, batch: PagedBatch, tokens: jax.Array, *, impl: str = "auto",
+                  last_only: bool = False):
+    """Un-jitted forward. tokens int32[B, T] (a prefill chunk) or int32[B] (decode, one per sequence).
+
+    Returns (float32 logits, pages): logits [B, T, V] for a chunk ([B, V] at the last valid token
+    when `last_only`), [B, V] for decode.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    decode = tokens.ndim == 1
+    toks = tokens[:, None] if decode else tokens
+    scale = model.config.head_dim ** -0.5
+    hidden, pages = model(toks, batch.positions, pages, _make_attend(batch, scale, impl, decode))
+    if decode:
+        hidden = hidden[:, 0]
+    elif last_only:
+        hidden = hidden[jnp.arange(toks.shape[0]), jnp.maximum(batch.q_lens - 1, 0)]
+    return model.logits(hidden), pages
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "last_only"), donate_argnames=("pages",))
+def paged_prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array, batch: PagedBatch,
+                       tokens: jax.Array, *, impl: str = "auto", last_only: bool = False):
+    """`(graphdef, state, pages, batch, tokens int32[B, T]) -> (logits, pages)`: one prefill chunk
+    per sequence, K/V written at `batch.slots`, causal paged attention. `pages` is donated."""
+    if tokens.ndim != 2:
+        raise ValueError(f"prefill tokens must be [B, T], got shape {tokens.shape}")
+    return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl, last_only=last_only)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl"), donate_argnames=("pages",))
+def paged_decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array, batch: PagedBatch,
+                      tokens: jax.Array, *, impl: str = "auto"):
+    """`(graphdef, state, pages, batch, tokens int32[B]) -> (logits float32[B, V], pages)`: one token
+    per sequence (batch.q_lens 1, or 0 for padding rows). `pages` is donated."""
+    if tokens.ndim != 1:
+        raise ValueError(f"decode tokens must be [B], got shape {tokens.shape}")
+    return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl)
+
+
+# ---------------------------------------------------------------------------- page sizing
+@dataclasses.dataclass(frozen=True)
+class KVPageSpec:
+    """Shape and size of the KV pages of one model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int
+    dtype: str
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is the reserved null block)")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token_raw(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    @property
+    def usable_tokens(self) -> int:
+        """Token capacity excluding the null block."""
+        return (self.num_blocks - 1) * self.block_size
+
+
+def kv_bytes_per_token_raw(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    return num_layers * 2 * num_kv_heads * head_dim * np.dtype(jnp.dtype(dtype)).itemsize
+
+
+def kv_bytes_per_token(config: LlamaConfig, dtype=None) -> int:
+    """K and V bytes of one token over all layers (Llama 3.1 8B bf16: 128 KiB)."""
+    return kv_bytes_per_token_raw(config.num_layers, config.num_kv_heads, config.head_dim,
+                                  config.dtype if dtype is None else dtype)
+
+
+def kv_bytes_per_block(config: LlamaConfig, block_size: int = 16, dtype=None) -> int:
+    """Bytes of one block (Llama 3.1 8B bf16, 16 tokens: 2 MiB)."""
+    return kv_bytes_per_token(config, dtype) * block_size
+
+
+def page_spec_for_budget(config: LlamaConfig, *, block_size: int = 16, budget_bytes: int | None = None,
+                         memory_fraction: float | None = None, device=None, dtype=None) -> KVPageSpec:
+    """Largest page pool fitting a budget: `budget_bytes`, or `memory_fraction` of the device's
+    memory limit (`device.memory_stats()["bytes_limit"]`; first device when `device` is None).
+    The null block counts against the budget. Raises ValueError when fewer than 2 blocks fit."""
+    if (budget_bytes is None) == (memory_fraction is None):
+        raise ValueError("give exactly one of budget_bytes and memory_fraction")
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    if memory_fraction is not None:
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
+        device = jax.devices()[0] if device is None else device
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError(f"device {device} reports no memory limit; pass budget_bytes instead")
+        budget_bytes = int(stats["bytes_limit"] * memory_fraction)
+    dtype = config.dtype if dtype is None else str(jnp.dtype(dtype))
+    per_block = kv_bytes_per_block(config, block_size, dtype)
+    num_blocks = int(budget_bytes) // per_block
+    if num_blocks < 2:
+        raise ValueError(f"budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes; "
+                         "need >= 2 (block 0 is the reserved null block)")
+    return KVPageSpec(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size, dtype)
+
+
+def page_spec(config: LlamaConfig, num_blocks: int, block_size: int = 16, dtype=None) -> KVPageSpec:
+    return KVPageSpec(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size,
+                      config.dtype if dtype is None else str(jnp.dtype(dtype)))
+
+
+def allocate_pages(spec: KVPageSpec, device=None) -> jax.Array:
+    """Zeroed pages of `spec.shape` and dtype (optionally placed on `device`)."""
+    pages = jnp.zeros(spec.shape, jnp.dtype(spec.dtype))
+    return pages if device is None else jax.device_put(pages, device)
