@@ -1,0 +1,85 @@
+"""Pallas paged decode attention (interpret mode) against the reference and against JAX's own
+Pallas paged attention on the same inputs."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+import pallas_kernels as pk
+from pallas_kernels import decode_attention
+from pallas_kernels import testing as kt
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+# (dtype, block_size, head_dim, group): every block size, head dim and GQA ratio appears at
+# least once per dtype, without the full product (interpret mode is slow on a CPU).
+CASES = [
+    (jnp.float32, 8, 64, 1),
+    (jnp.float32, 16, 128, 4),
+    (jnp.float32, 32, 64, 8),
+    (jnp.bfloat16, 8, 128, 8),
+    (jnp.bfloat16, 16, 64, 1),
+    (jnp.bfloat16, 32, 128, 4),
+]
+
+
+def _lengths(block_size):
+  # length 1, ending mid-block, a long one next to short ones, an empty slot, a full block.
+  return [1, block_size + 3, 6 * block_size - 5, 0, block_size]
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim,group", CASES)
+def test_decode_interpret_matches_reference(dtype, block_size, head_dim, group):
+  rng = np.random.default_rng(block_size + head_dim + group)
+  lengths = _lengths(block_size)
+  case = kt.make_paged_case(rng, lengths, block_size=block_size, head_dim=head_dim,
+                            num_kv_heads=2, dtype=dtype)
+  q = kt.random_queries(rng, (len(lengths), 2 * group, head_dim), dtype)
+  ln = jnp.asarray(case.lengths)
+  want = pk.paged_decode_attention(q, case.pages, 1, case.block_tables, ln, impl="reference")
+  got = pk.paged_decode_attention(q, case.pages, 1, case.block_tables, ln, impl="interpret")
+  assert got.shape == q.shape and got.dtype == q.dtype
+  assert kt.rel_error(got, want) < TOL[dtype]
+  assert np.all(np.asarray(got[3]) == 0)
+  # Split-K with several splits and one block per tile: the log-sum-exp merge is exercised.
+  split = decode_attention.paged_decode_attention_pallas(
+      q, case.pages, 1, case.block_tables, ln, scale=head_dim ** -0.5, interpret=True,
+      blocks_per_tile=1, num_splits=3)
+  assert kt.rel_error(split, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_interpret_matches_jax_paged_attention(dtype):
+  rng = np.random.default_rng(7)
+  block_size, head_dim, group = 16, 64, 4
+  lengths = [1, 19, 7 * block_size - 3, 0]
+  case = kt.make_paged_case(rng, lengths, block_size=block_size, head_dim=head_dim,
+                            num_kv_heads=2, dtype=dtype, extra_columns=1)
+  q = kt.random_queries(rng, (len(lengths), 2 * group, head_dim), dtype)
+  ln = jnp.asarray(case.lengths)
+  # JAX's kernel applies no softmax scale.
+  ours = pk.paged_decode_attention(q, case.pages, 1, case.block_tables, ln, scale=1.0,
+                                   impl="interpret")
+  max_blocks = case.block_tables.shape[1]
+  theirs = jax_paged.paged_attention(
+      q, case.pages[1, 0], case.pages[1, 1], case.block_tables, ln, k_splits=2,
+      pages_per_compute_block=max_blocks // 2, interpret=True)
+  assert kt.rel_error(ours, theirs) < TOL[dtype]
+
+
+def test_decode_skips_work_past_each_length():
+  """Garbage (NaN) in blocks a sequence does not own past its length must not leak in."""
+  rng = np.random.default_rng(8)
+  case = kt.make_paged_case(rng, [3, 70], block_size=8, head_dim=64, num_kv_heads=1)
+  # Sequence 0's unused table columns point at a NaN block instead of the null block.
+  nan_block = int(case.block_tables[1, 5])
+  pages = case.pages.at[:, :, :, nan_block].set(jnp.nan)
+  tables = case.block_tables.at[0, 1:].set(nan_block)
+  q = kt.random_queries(rng, (2, 2, 64))
+  ln = jnp.array([3, 40], jnp.int32)
+  got = decode_attention.paged_decode_attention_pallas(
+      q, pages, 1, tables, ln, scale=0.125, interpret=True, blocks_per_tile=1, num_splits=4)
+  want = pk.paged_decode_attention(q, case.pages, 1, case.block_tables, ln, impl="reference")
+  assert np.isfinite(np.asarray(got)).all()
+  assert kt.rel_error(got, want) < 1e-5
