@@ -1,0 +1,76 @@
+"""Host-side checks of the block-manager invariants (DESIGN.md section 2), for tests and debugging.
+
+``check_invariants`` reads the whole state back to the host (O(pool)); never call it in a hot path.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from paged_kv.batch import blocks_held
+from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.state import BlockManagerState
+
+
+def free_queue_order(state: BlockManagerState) -> list[int]:
+    """Live free-queue entries, front first, read on the host."""
+    q = state.queue
+    ring, slot = np.asarray(q.ring), np.asarray(q.slot)
+    cap, head, size = ring.shape[0], int(q.head), int(q.size)
+    positions = (head + np.arange(size)) % cap
+    ids = ring[positions]
+    return ids[slot[ids] == positions].tolist()
+
+
+def check_invariants(config: ManagerConfig, state: BlockManagerState) -> None:
+    """Raises ``AssertionError`` naming the first broken invariant."""
+    ref = np.asarray(state.ref_count)
+    tables = np.asarray(state.block_tables)
+    tokens = np.asarray(state.num_tokens)
+    active = np.asarray(state.active)
+    held = np.asarray(blocks_held(config, tokens))
+    m = config.max_blocks_per_seq
+
+    holders: collections.Counter[int] = collections.Counter()
+    for s in range(config.max_seqs):
+        row = tables[s]
+        if not active[s]:
+            assert tokens[s] == 0 and (row == NULL_BLOCK).all(), f"inactive row {s} not cleared"
+            continue
+        assert 1 <= tokens[s] <= config.max_tokens_per_seq, f"row {s}: {tokens[s]} tokens"
+        assert held[s] <= m, f"row {s} holds {held[s]} blocks > max_blocks_per_seq {m}"
+        used, unused = row[: held[s]], row[held[s]:]
+        # Invariant 3 (lazy): exactly ceil(num_tokens / block_size) blocks, none beyond.
+        assert (used != NULL_BLOCK).all(), f"row {s} has a null block among its {held[s]} blocks"
+        assert (unused == NULL_BLOCK).all(), f"row {s} holds blocks beyond ceil(tokens/bs)"
+        assert len(set(used.tolist())) == len(used), f"row {s} holds a block twice: {used}"
+        holders.update(used.tolist())
+
+    # Invariant 1: counts equal table references.
+    expected = np.zeros_like(ref)
+    for block, count in holders.items():
+        expected[block] = count
+    bad = np.flatnonzero(ref != expected)
+    assert bad.size == 0, (
+        f"ref_count differs from table references at blocks {bad[:8].tolist()}: "
+        f"count {ref[bad[:8]].tolist()} vs references {expected[bad[:8]].tolist()}"
+    )
+    assert ref[NULL_BLOCK] == 0, "the null block is counted"
+
+    # Invariant 2: the queue holds exactly the blocks at count 0, each once.
+    order = free_queue_order(state)
+    assert len(order) == len(set(order)), "a block is in the free queue twice"
+    zero = set(np.flatnonzero(ref == 0).tolist()) - {NULL_BLOCK}
+    assert set(order) == zero, (
+        f"free queue and zero-count blocks differ: only queued {sorted(set(order) - zero)[:8]}, "
+        f"only zero {sorted(zero - set(order))[:8]}"
+    )
+    q = state.queue
+    assert int(q.num_free) == len(order), f"num_free {int(q.num_free)} != {len(order)} live entries"
+    assert 0 <= int(q.size) <= config.queue_capacity and int(q.size) >= len(order)
+    slot = np.asarray(q.slot)
+    assert (slot[list(zero - set(order))] == -1).all() if zero - set(order) else True
+    held_blocks = np.flatnonzero(ref > 0)
+    assert (slot[held_blocks] == -1).all(), "a held block has a live queue slot"
