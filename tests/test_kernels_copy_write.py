@@ -1,0 +1,92 @@
+"""copy_blocks and write_kv: Pallas (interpret mode) against the reference and NumPy, and the
+in-place aliasing of the pages."""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import testing as kt
+
+
+def _pages(rng, dtype, block_size=8, head_dim=64, num_blocks=12, num_layers=3, heads=2):
+  shape = (num_layers, 2, heads, num_blocks, block_size, head_dim)
+  return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_size,head_dim", [(8, 64), (32, 128)])
+def test_copy_blocks_interpret(dtype, block_size, head_dim):
+  rng = np.random.default_rng(block_size)
+  pages = _pages(rng, dtype, block_size, head_dim)
+  src = np.array([3, 5, 11, 0, 0], np.int32)  # padded copy list, padding (0, 0)
+  dst = np.array([7, 9, 1, 0, 0], np.int32)
+  got = pk.copy_blocks(pages, jnp.asarray(src), jnp.asarray(dst), impl="interpret")
+  ref = pk.copy_blocks(pages, jnp.asarray(src), jnp.asarray(dst), impl="reference")
+  got, before = np.asarray(got), np.asarray(pages)
+  np.testing.assert_array_equal(got, np.asarray(ref))
+  for s, d in zip(src, dst):  # every destination equals its source in every layer, K and V
+    np.testing.assert_array_equal(got[:, :, :, d], before[:, :, :, s])
+  untouched = np.setdiff1d(np.arange(pages.shape[3]), dst[dst != 0])
+  np.testing.assert_array_equal(got[:, :, :, untouched], before[:, :, :, untouched])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_size,head_dim,heads", [(8, 64, 2), (16, 128, 3)])
+def test_write_kv_interpret(dtype, block_size, head_dim, heads):
+  rng = np.random.default_rng(head_dim)
+  pages = _pages(rng, dtype, block_size, head_dim, heads=heads)
+  n = 6
+  k = kt.random_queries(rng, (n, heads, head_dim), dtype)
+  v = kt.random_queries(rng, (n, heads, head_dim), dtype)
+  # Real rows at scattered slots (mid-block, block start, last slot); padding rows in block 0.
+  slots = np.array([block_size * 5 + 3, block_size * 2, block_size * 12 - 1, 1, 0, 2], np.int32)
+  got = np.asarray(pk.write_kv(pages, 2, k, v, jnp.asarray(slots), impl="interpret"))
+  ref = np.asarray(pk.write_kv(pages, 2, k, v, jnp.asarray(slots), impl="reference"))
+  np.testing.assert_array_equal(got, ref)
+  want = np.asarray(pages).copy()
+  for i, s in enumerate(slots):
+    want[2, 0, :, s // block_size, s % block_size] = np.asarray(k[i])
+    want[2, 1, :, s // block_size, s % block_size] = np.asarray(v[i])
+  np.testing.assert_array_equal(got, want)
+
+
+def _cuda_module(fn, *args, donate=()):
+  from jax import export
+  exp = export.export(
+      jax.jit(fn, donate_argnums=donate), platforms=["cuda"],
+      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+  return exp.mlir_module()
+
+
+def test_pallas_copy_and_write_alias_pages_in_lowering():
+  pages = jax.ShapeDtypeStruct((2, 2, 8, 16, 16, 128), jnp.bfloat16)
+  idx = jax.ShapeDtypeStruct((4,), jnp.int32)
+  kv = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+  for fn, args in [
+      (lambda p, s, d: pk.copy_blocks(p, s, d, impl="pallas"), (pages, idx, idx)),
+      (lambda p, k, v, s: pk.write_kv(p, 1, k, v, s, impl="pallas"), (pages, kv, kv, idx)),
+  ]:
+    text = _cuda_module(fn, *args, donate=(0,))
+    # The Triton custom call writes its output into its pages operand...
+    assert re.search(r"xla\.gpu\.triton.*output_operand_aliases", text)
+    # ...and the jitted function's output reuses the donated pages buffer.
+    assert "tf.aliasing_output = 0" in text
+
+
+def test_donated_pages_are_consumed_on_cpu():
+  rng = np.random.default_rng(0)
+  pages = _pages(rng, jnp.float32)
+  src, dst = jnp.array([3, 0], jnp.int32), jnp.array([7, 0], jnp.int32)
+  expected = np.asarray(pages).copy()
+  expected[:, :, :, 7] = expected[:, :, :, 3]
+  step = jax.jit(lambda p, s, d: pk.copy_blocks(p, s, d, impl="interpret"), donate_argnums=0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # "Some donated buffers were not usable" would fail here
+    out = step(pages, src, dst)
+  assert pages.is_deleted()
+  np.testing.assert_array_equal(np.asarray(out), expected)
