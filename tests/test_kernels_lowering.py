@@ -1,0 +1,67 @@
+"""Every Pallas kernel lowers through Triton for CUDA, checked on a CPU through jax.export.
+
+Shapes are Llama 3.1 8B's attention (32 query heads, 8 KV heads, head dim 128, bfloat16,
+block size 16) with few blocks so the export stays quick. Interpret mode checks results; this
+checks what it cannot: power-of-two tensor shapes and ops the Triton lowering supports.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+import pallas_kernels as pk
+
+S = jax.ShapeDtypeStruct
+BF16 = jnp.bfloat16
+HQ, HKV, D, BS = 32, 8, 128, 16
+
+
+def _pages(num_layers=4, num_blocks=64, heads=HKV, dtype=BF16):
+  return S((num_layers, 2, heads, num_blocks, BS, D), dtype)
+
+
+def _export_cuda(fn, *args):
+  exp = export.export(
+      jax.jit(fn), platforms=["cuda"],
+      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+  text = exp.mlir_module()
+  assert "xla.gpu.triton" in text
+  return text
+
+
+@pytest.mark.parametrize("batch,max_blocks", [(1, 8), (5, 37), (256, 2048)])
+def test_decode_lowers_for_cuda(batch, max_blocks):
+  _export_cuda(lambda q, p, bt, ln: pk.paged_decode_attention(q, p, 3, bt, ln, impl="pallas"),
+               S((batch, HQ, D), BF16), _pages(), S((batch, max_blocks), jnp.int32),
+               S((batch,), jnp.int32))
+
+
+@pytest.mark.parametrize("batch,tokens,max_blocks", [(1, 1, 4), (2, 40, 37), (4, 512, 64)])
+def test_prefill_lowers_for_cuda(batch, tokens, max_blocks):
+  _export_cuda(
+      lambda q, p, bt, a, b: pk.paged_prefill_attention(q, p, 3, bt, a, b, impl="pallas"),
+      S((batch, tokens, HQ, D), BF16), _pages(), S((batch, max_blocks), jnp.int32),
+      S((batch,), jnp.int32), S((batch,), jnp.int32))
+
+
+@pytest.mark.parametrize("heads", [HKV, 3])
+def test_write_kv_lowers_for_cuda(heads):
+  _export_cuda(lambda p, k, v, s: pk.write_kv(p, 1, k, v, s, impl="pallas"),
+               _pages(heads=heads), S((7, heads, D), BF16), S((7, heads, D), BF16),
+               S((7,), jnp.int32))
+
+
+def test_copy_blocks_lowers_for_cuda():
+  _export_cuda(lambda p, s, d: pk.copy_blocks(p, s, d, impl="pallas"),
+               _pages(num_layers=32), S((64,), jnp.int32), S((64,), jnp.int32))
+
+
+def test_float32_kernels_lower_for_cuda():
+  pages = _pages(dtype=jnp.float32)
+  _export_cuda(lambda q, p, bt, ln: pk.paged_decode_attention(q, p, 0, bt, ln, impl="pallas"),
+               S((2, HQ, D), jnp.float32), pages, S((2, 9), jnp.int32), S((2,), jnp.int32))
+  _export_cuda(
+      lambda q, p, bt, a, b: pk.paged_prefill_attention(q, p, 0, bt, a, b, impl="pallas"),
+      S((2, 3, HQ, D), jnp.float32), pages, S((2, 9), jnp.int32), S((2,), jnp.int32),
+      S((2,), jnp.int32))
