@@ -1,0 +1,132 @@
+"""LlamaConfig validation, HF conversion, presets, RoPE frequencies, KV page sizing, lowering at 8B shapes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from models import (KVPageSpec, LlamaConfig, PagedBatch, abstract_model, allocate_pages, kv_bytes_per_block,
+                    kv_bytes_per_token, llama31_8b, llama32_1b, page_spec, page_spec_for_budget, paged_decode_step,
+                    rope_inv_freq, tiny)
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(vocab_size=0), "vocab_size=0 must be an int >= 1"),
+    (dict(num_kv_heads=3), "num_kv_heads=3 must divide num_heads=4"),
+    (dict(head_dim=15), "head_dim=15 must be an even int"),
+    (dict(dtype="float16"), "dtype='float16' must be one of"),
+    (dict(rms_norm_eps=0.0), "rms_norm_eps=0.0 must be"),
+    (dict(rope_theta=1.0), "rope_theta=1.0 must be"),
+    (dict(eos_token_ids=(999,)), "special token id 999 must be in \\[0, vocab_size=256\\)"),
+])
+def test_validation(changes, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**changes)
+
+
+def test_rope_scaling_validation():
+    from models import Llama3RopeScaling
+    with pytest.raises(ValueError, match="high_freq_factor=1.0 must be > low_freq_factor=2.0"):
+        Llama3RopeScaling(factor=8.0, low_freq_factor=2.0, high_freq_factor=1.0)
+
+
+def test_frozen_and_hashable():
+    cfg = tiny()
+    assert hash(cfg) == hash(tiny()) and cfg == tiny()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_layers = 3
+    assert cfg.head_dim == 16 and cfg.num_groups == 2
+
+
+@pytest.mark.parametrize("make", [tiny, llama31_8b, llama32_1b, lambda: tiny(rope_scaling=None, tie_word_embeddings=True)])
+def test_hf_config_round_trip(make):
+    cfg = make()
+    assert LlamaConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    # Through transformers' own config class (which rewrites RoPE into `rope_parameters`).
+    hf = transformers.LlamaConfig(**cfg.to_hf_config()).to_dict()
+    assert LlamaConfig.from_hf_config(hf, dtype=cfg.dtype) == cfg
+
+
+def test_presets_shapes():
+    big, small = llama31_8b(), llama32_1b()
+    assert 8.0e9 < big.num_params() < 8.1e9  # 8.03 B
+    assert 1.2e9 < small.num_params() < 1.3e9  # 1.24 B
+    assert big.num_groups == 4 and small.tie_word_embeddings
+
+
+def test_kv_bytes_llama31_8b():
+    cfg = llama31_8b()
+    assert kv_bytes_per_token(cfg) == 128 * KiB
+    assert kv_bytes_per_block(cfg, 16) == 2 * MiB
+    assert kv_bytes_per_token(cfg, "float32") == 256 * KiB
+    assert kv_bytes_per_token(llama32_1b()) == 32 * KiB
+    spec = page_spec_for_budget(cfg, block_size=16, budget_bytes=16 * GiB + MiB)
+    assert spec.num_blocks == 8192 and spec.bytes_per_block == 2 * MiB
+    assert spec.total_bytes == 16 * GiB and spec.usable_tokens == 8191 * 16
+    assert spec.shape == (32, 2, 8, 8192, 16, 128)
+
+
+def test_budget_from_device_fraction():
+    class FakeDevice:
+        def memory_stats(self):
+            return {"bytes_limit": 140 * GiB}
+
+    spec = page_spec_for_budget(llama31_8b(), memory_fraction=0.5, device=FakeDevice())
+    assert spec.num_blocks == 35 * 1024
+
+    class NoStats:
+        def memory_stats(self):
+            return None
+
+    with pytest.raises(ValueError, match="reports no memory limit"):
+        page_spec_for_budget(llama31_8b(), memory_fraction=0.5, device=NoStats())
+    with pytest.raises(ValueError, match="holds 1 blocks"):
+        page_spec_for_budget(llama31_8b(), budget_bytes=3 * MiB)
+    with pytest.raises(ValueError, match="exactly one"):
+        page_spec_for_budget(llama31_8b())
+
+
+def test_allocate_pages():
+    pages = allocate_pages(page_spec(tiny(dtype="bfloat16"), 5, 8))
+    assert pages.shape == (2, 2, 2, 5, 8, 16) and pages.dtype == jnp.bfloat16
+    assert not np.asarray(pages, np.float32).any()
+    with pytest.raises(ValueError, match="num_blocks=1 must be >= 2"):
+        KVPageSpec(2, 2, 16, 1, 8, "float32")
+
+
+@pytest.mark.parametrize("make", [llama31_8b, llama32_1b, tiny, lambda: tiny(rope_scaling=None)])
+def test_rope_inv_freq_matches_transformers(make):
+    cfg = make()
+    hf_cfg = transformers.LlamaConfig(**cfg.to_hf_config())
+    rope_type = hf_cfg.rope_parameters["rope_type"]
+    if rope_type == "default":
+        theta = hf_cfg.rope_parameters["rope_theta"]
+        ref = 1.0 / (theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+    else:
+        ref, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, "cpu")
+    np.testing.assert_allclose(rope_inv_freq(cfg), ref.numpy(), rtol=1e-6, atol=0)
+
+
+def test_llama31_8b_decode_step_lowers():
+    """The 8B decode step traces and lowers with abstract weights and pages (nothing allocated)."""
+    cfg = llama31_8b()
+    graphdef, state = nnx.split(abstract_model(cfg))
+    b, m = 4, 64
+    spec = page_spec(cfg, 1024, 16)
+    pages = jax.ShapeDtypeStruct(spec.shape, jnp.bfloat16)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    batch = PagedBatch(block_tables=i32(b, m), q_start=i32(b), q_lens=i32(b), slots=i32(b, 1), lengths=i32(b))
+    lowered = paged_decode_step.lower(graphdef, state, pages, batch, i32(b), impl="reference")
+    text = lowered.as_text()
+    assert "128256" in text
+    logits, new_pages = lowered.out_info
+    assert logits.shape == (b, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert new_pages.shape == spec.shape and new_pages.dtype == jnp.bfloat16
