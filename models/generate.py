@@ -56,6 +56,10 @@ def greedy_generate_paged(model, pages, block_tables, prompts: Sequence[Sequence
     """
     graphdef, state = nnx.split(model)
     block_size = pages.shape[4]
+    need = max(len(p) for p in prompts) + max_new_tokens - 1  # the last token's K/V is never written
+    if np.shape(block_tables)[1] * block_size < need:
+        raise ValueError(f"block_tables hold {np.shape(block_tables)[1]} blocks of {block_size} tokens per sequence; "
+                         f"{need} tokens need {-(-need // block_size)}")
     tables = jnp.asarray(block_tables, jnp.int32)
     box = [pages]
 

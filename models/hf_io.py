@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Iterator
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
@@ -152,9 +151,7 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
         node = state
         for key in state_path:
             node = node[key]
-        w = np.asarray(node.get_value())
-        if w.dtype == jnp.bfloat16:
-            w = w.astype(ml_dtypes.bfloat16)
+        w = np.asarray(node.get_value())  # bfloat16 arrives as ml_dtypes.bfloat16, which safetensors writes as BF16
         w = np.ascontiguousarray(_to_hf_layout(name, w))
         assert w.shape == hf_shape, (name, w.shape, hf_shape)
         out[name] = w
