@@ -1,4 +1,4 @@
-"""LlamaConfig validation, HF conversion, presets, RoPE frequencies, KV page sizing, lowering at 8B shapes."""
+"""LlamaConfig validation, HF conversion, presets, RoPE frequencies, KV page sizing, CUDA lowering at\nLlama 3.1 8B / 3.2 1B shapes."""
 
 import dataclasses
 
@@ -9,11 +9,12 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from jax import export
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from models import (KVPageSpec, LlamaConfig, PagedBatch, abstract_model, allocate_pages, kv_bytes_per_block,
                     kv_bytes_per_token, llama31_8b, llama32_1b, page_spec, page_spec_for_budget, paged_decode_step,
-                    rope_inv_freq, tiny)
+                    paged_prefill_step, rope_inv_freq, tiny)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -115,18 +116,24 @@ def test_rope_inv_freq_matches_transformers(make):
     np.testing.assert_allclose(rope_inv_freq(cfg), ref.numpy(), rtol=1e-6, atol=0)
 
 
-def test_llama31_8b_decode_step_lowers():
-    """The 8B decode step traces and lowers with abstract weights and pages (nothing allocated)."""
-    cfg = llama31_8b()
+@pytest.mark.parametrize("make, step, tokens", [(llama31_8b, "decode", 1), (llama32_1b, "prefill", 16)])
+def test_preset_step_lowers_for_cuda_with_pallas(make, step, tokens):
+    """The jitted paged step at real Llama shapes traces with abstract weights and pages (nothing
+    allocated) and exports for CUDA with every layer's KV write and attention as a Triton kernel."""
+    cfg = make()
     graphdef, state = nnx.split(abstract_model(cfg))
     b, m = 4, 64
     spec = page_spec(cfg, 1024, 16)
     pages = jax.ShapeDtypeStruct(spec.shape, jnp.bfloat16)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    batch = PagedBatch(block_tables=i32(b, m), q_start=i32(b), q_lens=i32(b), slots=i32(b, 1), lengths=i32(b))
-    lowered = paged_decode_step.lower(graphdef, state, pages, batch, i32(b), impl="reference")
-    text = lowered.as_text()
-    assert "128256" in text
-    logits, new_pages = lowered.out_info
-    assert logits.shape == (b, cfg.vocab_size) and logits.dtype == jnp.float32
+    batch = PagedBatch(block_tables=i32(b, m), q_start=i32(b), q_lens=i32(b), slots=i32(b, tokens), lengths=i32(b))
+    toks = i32(b) if step == "decode" else i32(b, tokens)
+    fn = paged_decode_step if step == "decode" else paged_prefill_step
+    exp = export.export(
+        jax.jit(lambda st, p, bt, tk: fn(graphdef, st, p, bt, tk, impl="pallas")), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(state, pages, batch, toks)
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 2 * cfg.num_layers  # write_kv + attention
+    logits, new_pages = exp.out_avals
+    want = (b, cfg.vocab_size) if step == "decode" else (b, tokens, cfg.vocab_size)
+    assert logits.shape == want and logits.dtype == jnp.float32
     assert new_pages.shape == spec.shape and new_pages.dtype == jnp.bfloat16
