@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_kv import free_queue
-from paged_kv.batch import check_rows, group_any, group_by_key
+from paged_kv.batch import check_rows
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
@@ -131,17 +131,32 @@ def append(
     last_block = state.block_tables[sid, col]
     writes_last = ok & (offset > 0)
     refs = state.ref_count[last_block]
-    group, writers, is_last_writer, _ = group_by_key(last_block, writes_last)
     shared = writes_last & (refs > 1)
-    keeps = shared & (writers == refs) & is_last_writer
+    writer_idx = jnp.where(writes_last, last_block, n_blocks)
+    stamp = jnp.arange(1, b + 1, dtype=jnp.int32)
+
+    # Grouping the writers by block costs O(B) scatters into the ref counts themselves (restored
+    # below), instead of a sort or an O(pool) scratch array.
+    # 1. Count writers into the counts: ``r - w`` is 0 where every holder writes this step.
+    rc = state.ref_count.at[writer_idx].add(-1, mode="drop")
+    all_holders_write = shared & (rc[last_block] == 0)
+    # 2. Of those groups, the last writer in batch order keeps the block: stamps are >= 1 and the
+    #    counts there are 0, so a scatter-max leaves the largest stamp.
+    rc = rc.at[jnp.where(all_holders_write, last_block, n_blocks)].max(stamp, mode="drop")
+    keeps = all_holders_write & (rc[last_block] == stamp)
     copies = shared & ~keeps
 
     need = (needs_fresh | copies).astype(jnp.int32)
     fits = _first_come_first_served(need, state.queue.num_free)
     starved = (need > 0) & ~fits
-    keeper_starved = keeps & group_any(starved & copies, group)
-    failed = starved | keeper_starved
-    status = jnp.where(failed, Status.NO_FREE_BLOCKS, status)
+    # 3. A keeper must not write in place while a co-writer that failed to get its copy still
+    #    reads the block: starved copiers overwrite their block's stamp with -1.
+    rc = rc.at[jnp.where(starved & copies, last_block, n_blocks)].set(-1, mode="drop")
+    keeper_starved = keeps & (rc[last_block] == -1)
+    # 4. Restore the counts (all writers of a block write the same original value).
+    rc = rc.at[writer_idx].set(refs, mode="drop")
+
+    status = jnp.where(starved | keeper_starved, Status.NO_FREE_BLOCKS, status)
     ok = status == Status.OK
     takes = ok & (need > 0)
     copies = copies & ok
@@ -151,7 +166,7 @@ def append(
     block = jnp.where(takes, fresh, last_block)
     slots = jnp.where(ok, block * bs + offset, NULL_BLOCK * bs)
 
-    ref_count = state.ref_count.at[jnp.where(copies, last_block, n_blocks)].add(-1, mode="drop")
+    ref_count = rc.at[jnp.where(copies, last_block, n_blocks)].add(-1, mode="drop")
     ref_count = ref_count.at[jnp.where(takes, fresh, n_blocks)].set(1, mode="drop")
     row = jnp.where(takes, sid, config.max_seqs)
     state = state.replace(

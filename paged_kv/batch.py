@@ -1,4 +1,4 @@
-"""Shared helpers for batched operations: row checks, grouping rows by key, block-table views.
+"""Shared helpers for batched operations: row checks and block-table views.
 
 An operation's batch is an int32 ``[B]`` array of sequence ids (rows of the block-table array);
 negative ids are padding, so callers can keep ``B`` fixed and never retrace.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from paged_kv.config import ManagerConfig
 from paged_kv.state import BlockManagerState
@@ -70,33 +69,3 @@ def tail_first(tables: jax.Array, num_blocks: jax.Array, mask: jax.Array) -> tup
     valid = mask[:, None] & (col >= 0)
     blocks = jnp.take_along_axis(tables, jnp.clip(col, 0, m - 1), axis=1)
     return blocks.reshape(-1), valid.reshape(-1)
-
-
-def group_by_key(keys: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Groups the valid rows of a small batch by key, in O(B log B) (independent of the pool).
-
-    Returns, per row (meaningful where valid):
-      group: int32 ``[B]`` group index, equal for rows with equal keys.
-      size: int32 ``[B]`` rows in the row's group.
-      is_last: bool ``[B]`` whether the row is its group's last in batch order.
-      order: int32 ``[B]`` the sort permutation (rows sorted by key, then batch order).
-    """
-    b = keys.shape[0]
-    lanes = jnp.arange(b, dtype=jnp.int32)
-    sentinel = jnp.iinfo(jnp.int32).max
-    k = jnp.where(valid, keys.astype(jnp.int32), sentinel)
-    sorted_keys, order = lax.sort((k, lanes), num_keys=2)
-    starts = jnp.concatenate([jnp.ones((1,), bool), sorted_keys[1:] != sorted_keys[:-1]])
-    ends = jnp.concatenate([sorted_keys[1:] != sorted_keys[:-1], jnp.ones((1,), bool)])
-    group_sorted = jnp.cumsum(starts, dtype=jnp.int32) - 1
-    sizes = jax.ops.segment_sum(jnp.ones((b,), jnp.int32), group_sorted, num_segments=b)
-    group = jnp.zeros((b,), jnp.int32).at[order].set(group_sorted)
-    is_last = jnp.zeros((b,), bool).at[order].set(ends)
-    return group, sizes[group], is_last, order
-
-
-def group_any(flags: jax.Array, group: jax.Array) -> jax.Array:
-    """bool ``[B]``: whether any row of the row's group has its flag set."""
-    b = flags.shape[0]
-    hits = jax.ops.segment_max(flags.astype(jnp.int32), group, num_segments=b)
-    return hits[group] > 0

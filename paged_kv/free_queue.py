@@ -58,11 +58,10 @@ def take_front(q: FreeQueue, count: jax.Array, max_take: int) -> tuple[FreeQueue
         return q, got + n_taken, out
 
     out0 = jnp.full((max_take,), NULL_BLOCK, jnp.int32)
-    # Without stale entries at the front (always, unless prefix-cache hits removed blocks from
-    # the middle) this runs exactly once.
-    q, _, out = lax.while_loop(
-        lambda c: (c[1] < count) & (c[0].size > 0), scan_window, (q, jnp.int32(0), out0)
-    )
+    # One window suffices unless stale entries (blocks a prefix-cache hit pulled out of the
+    # middle) sit among the first ``count``; only then does the loop run at all.
+    carry = scan_window((q, jnp.int32(0), out0))
+    q, _, out = lax.while_loop(lambda c: (c[1] < count) & (c[0].size > 0), scan_window, carry)
     return q, out
 
 
