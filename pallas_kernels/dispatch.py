@@ -19,10 +19,12 @@ import jax
 from pallas_kernels import reference, validate
 
 
-def resolve_impl(impl: str) -> str:
-  """Maps "auto" to "pallas" on a GPU backend and to "reference" elsewhere."""
+def resolve_impl(impl: str, head_dim: int | None = None) -> str:
+  """Maps "auto" to "pallas" on a GPU backend and to "reference" elsewhere (or when
+  ``head_dim`` is not a power of two >= 16, which the Triton kernels need)."""
   if impl == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    ok = head_dim is None or (validate.is_power_of_two(head_dim) and head_dim >= 16)
+    return "pallas" if ok and jax.default_backend() == "gpu" else "reference"
   return impl
 
 
@@ -45,7 +47,7 @@ def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None
     ``h // (num_q_heads // num_kv_heads)``.
   """
   layer, scale, impl = validate.check_decode(q, pages, layer, block_tables, lengths, scale, impl)
-  impl = resolve_impl(impl)
+  impl = resolve_impl(impl, pages.shape[-1])
   if impl == "reference":
     return reference.paged_decode_attention_reference(
         q, pages, layer, block_tables, lengths, scale=scale)
@@ -74,7 +76,7 @@ def paged_prefill_attention(q, pages, layer, block_tables, q_start, q_lens, *, s
   """
   layer, scale, impl = validate.check_prefill(
       q, pages, layer, block_tables, q_start, q_lens, scale, impl)
-  impl = resolve_impl(impl)
+  impl = resolve_impl(impl, pages.shape[-1])
   if impl == "reference":
     return reference.paged_prefill_attention_reference(
         q, pages, layer, block_tables, q_start, q_lens, scale=scale)
@@ -100,7 +102,7 @@ def write_kv(pages, layer, k, v, slots, *, impl="auto"):
     The updated pages.
   """
   layer, impl = validate.check_write_kv(pages, layer, k, v, slots, impl)
-  impl = resolve_impl(impl)
+  impl = resolve_impl(impl, pages.shape[-1])
   if impl == "reference":
     return reference.write_kv_reference(pages, layer, k, v, slots)
   from pallas_kernels import kv_write
@@ -124,7 +126,7 @@ def copy_blocks(pages, src, dst, *, impl="auto"):
     The updated pages.
   """
   impl = validate.check_copy_blocks(pages, src, dst, impl)
-  impl = resolve_impl(impl)
+  impl = resolve_impl(impl, pages.shape[-1])
   if impl == "reference":
     return reference.copy_blocks_reference(pages, src, dst)
   from pallas_kernels import block_copy

@@ -92,14 +92,14 @@ def make_decode_data(key, batch, context, *, hq, hkv, d, bs, dtype, mixed):
   m = context // bs
   num_blocks = 1 + batch * m
   k1, k2, k3, k4 = jax.random.split(key, 4)
-  pages = jax.random.normal(k1, (1, 2, hkv, num_blocks, bs, d), jnp.float32).astype(dtype)
+  pages = jax.random.normal(k1, (1, 2, hkv, num_blocks, bs, d), dtype)
   perm = jax.random.permutation(k2, jnp.arange(1, num_blocks, dtype=jnp.int32))
   tables = perm.reshape(batch, m)
   if mixed:
     lengths = jax.random.randint(k3, (batch,), 1, context + 1, dtype=jnp.int32)
   else:
     lengths = jnp.full((batch,), context, jnp.int32)
-  q = jax.random.normal(k4, (batch, hq, d), jnp.float32).astype(dtype)
+  q = jax.random.normal(k4, (batch, hq, d), dtype)
   return q, pages, tables, lengths
 
 

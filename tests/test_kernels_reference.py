@@ -159,3 +159,28 @@ def test_other_entry_points_reject_bad_inputs():
     pk.copy_blocks(odd, _sds((4,)), _sds((4,)), impl="interpret")
   with pytest.raises(ValueError, match="scale must be a Python float"):
     pk.paged_decode_attention(_sds((3, 4, 64), jnp.float32), pages, 0, bt, ln, scale="x")
+
+
+def test_auto_dispatch_and_use_under_jit():
+  rng = np.random.default_rng(5)
+  case = kt.make_paged_case(rng, [9, 30], block_size=8, head_dim=64, num_kv_heads=2)
+  q = kt.random_queries(rng, (2, 4, 64))
+  ln = jnp.asarray(case.lengths)
+  if jax.default_backend() != "gpu":
+    assert pk.resolve_impl("auto", 64) == "reference"
+  assert pk.resolve_impl("auto", 48) == "reference"
+  assert pk.resolve_impl("interpret", 64) == "interpret"
+
+  @jax.jit
+  def step(pages, q, tables, lengths, k, slots):
+    pages = pk.write_kv(pages, 1, k, k, slots)
+    return pk.paged_decode_attention(q, pages, 1, tables, lengths), pages
+
+  k = kt.random_queries(rng, (2, 2, 64))
+  # Distinct offsets: the two tables share their first block.
+  slots = case.block_tables[:, 0] * 8 + jnp.array([1, 2], jnp.int32)
+  out, pages = step(case.pages, q, case.block_tables, ln, k, slots)
+  want_pages = pk.write_kv(case.pages, 1, k, k, slots, impl="reference")
+  want = pk.paged_decode_attention(q, want_pages, 1, case.block_tables, ln, impl="reference")
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(pages, want_pages)
