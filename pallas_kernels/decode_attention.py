@@ -34,6 +34,10 @@ from pallas_kernels.reference import sanitize_block_tables
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+# Smallest M, N and K of a Triton dot.
+MIN_DOT = 16
+
+
 def next_power_of_two(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -94,12 +98,15 @@ def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads:
                      blocks_per_tile: int | None = None, num_splits: int | None = None):
   """Static tiling: (blocks_per_tile, tiles_per_split, num_splits).
 
-  A tile holds about 128 keys (a power of two number of blocks, never more than the table
-  needs); splits are added until about 512 programs are in flight (enough for a large GPU),
+  A tile holds about 128 keys (a power of two number of blocks, no more than the table needs
+  but at least 16 keys); splits are added until about 512 programs are in flight (enough for a large GPU),
   never more than there are tiles.
   """
   if blocks_per_tile is None:
     blocks_per_tile = min(max(1, 128 // block_size), next_power_of_two(max_blocks))
+    # Triton's dot needs every dimension >= 16: at least 16 keys per tile (the table is
+    # padded with null-block entries, which are masked).
+    blocks_per_tile = max(blocks_per_tile, MIN_DOT // block_size)
   if blocks_per_tile < 1 or blocks_per_tile & (blocks_per_tile - 1):
     raise ValueError(f"blocks_per_tile={blocks_per_tile} must be a power of two")
   num_tiles = pl.cdiv(max_blocks, blocks_per_tile)
@@ -123,7 +130,7 @@ def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, sca
   _, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
   max_blocks = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
-  rows = max(16, next_power_of_two(group))
+  rows = max(MIN_DOT, next_power_of_two(group))
 
   bpt, tps, splits = choose_partition(max_blocks, block_size, batch, num_kv_heads,
                                       blocks_per_tile, num_splits)

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode_attention import MASK_VALUE, next_power_of_two
+from pallas_kernels.decode_attention import MASK_VALUE, MIN_DOT, next_power_of_two
 from pallas_kernels.reference import sanitize_block_tables
 
 
@@ -90,9 +90,10 @@ def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_len
   group = num_q_heads // num_kv_heads
   total_rows = num_tokens * group
   if rows_per_tile is None:
-    rows_per_tile = min(64, max(16, next_power_of_two(total_rows)))
+    rows_per_tile = min(64, max(MIN_DOT, next_power_of_two(total_rows)))
   if blocks_per_tile is None:
     blocks_per_tile = min(max(1, 64 // block_size), next_power_of_two(max_blocks))
+    blocks_per_tile = max(blocks_per_tile, MIN_DOT // block_size)  # Triton dot: >= 16 keys
   for name, val in (("rows_per_tile", rows_per_tile), ("blocks_per_tile", blocks_per_tile)):
     if val < 1 or val & (val - 1):
       raise ValueError(f"{name}={val} must be a power of two")

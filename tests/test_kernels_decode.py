@@ -83,3 +83,13 @@ def test_decode_skips_work_past_each_length():
   want = pk.paged_decode_attention(q, case.pages, 1, case.block_tables, ln, impl="reference")
   assert np.isfinite(np.asarray(got)).all()
   assert kt.rel_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("max_blocks", [1, 3, 64, 2048])
+@pytest.mark.parametrize("batch", [1, 256])
+def test_partition_is_triton_legal_and_covers_table(block_size, max_blocks, batch):
+  bpt, tps, splits = decode_attention.choose_partition(max_blocks, block_size, batch, 8)
+  assert bpt & (bpt - 1) == 0 and bpt * block_size >= 16
+  assert bpt * tps * splits >= max_blocks  # every table column is visited by some split
+  assert bpt * tps * (splits - 1) < max_blocks  # and no split is entirely padding

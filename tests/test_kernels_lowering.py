@@ -57,6 +57,20 @@ def test_copy_blocks_lowers_for_cuda():
                _pages(num_layers=32), S((64,), jnp.int32), S((64,), jnp.int32))
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_small_tables_keep_dot_shapes_legal(block_size):
+  """One-block tables with block size 8 still give >= 16-key tiles (Triton dot minimum)."""
+  pages = S((2, 2, 2, 8, block_size, 64), BF16)
+  text = _export_cuda(
+      lambda q, p, bt, ln: pk.paged_decode_attention(q, p, 1, bt, ln, impl="pallas"),
+      S((3, 2, 64), BF16), pages, S((3, 1), jnp.int32), S((3,), jnp.int32))
+  assert "xla.gpu.triton" in text
+  _export_cuda(
+      lambda q, p, bt, a, b: pk.paged_prefill_attention(q, p, 1, bt, a, b, impl="pallas"),
+      S((3, 2, 2, 64), BF16), pages, S((3, 1), jnp.int32), S((3,), jnp.int32),
+      S((3,), jnp.int32))
+
+
 def test_float32_kernels_lower_for_cuda():
   pages = _pages(dtype=jnp.float32)
   _export_cuda(lambda q, p, bt, ln: pk.paged_decode_attention(q, p, 0, bt, ln, impl="pallas"),
