@@ -1,10 +1,9 @@
-"""Lazy allocation: blocks for a prompt at admission, then one block per ``block_size`` tokens.
+"""Lazy allocation during decoding: a KV slot per new token, a fresh block only when the last one
+is full, and copy-on-write of a shared, partly full last block.
 
-Both operations take blocks from the front of the free queue (least recently freed first) and are
-atomic per row: a row that cannot get every block it needs is left untouched and reported with
-``Status.NO_FREE_BLOCKS``. Within one call, rows are served first come, first served: once a row
-does not fit, no later row of the same call takes blocks either (a large request is not starved
-by smaller ones overtaking it, as in vLLM's scheduler).
+Blocks come from the front of the free queue (least recently freed first). A row that cannot get
+the block it needs is left untouched and reported with ``Status.NO_FREE_BLOCKS``; rows are served
+first come, first served (once a row does not fit, no later row of the call takes a block).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from paged_kv import free_queue
+from paged_kv import block_hash, free_queue, prefix_cache
 from paged_kv.batch import check_rows
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.state import BlockManagerState
@@ -45,54 +44,11 @@ def _first_come_first_served(need: jax.Array, num_free: jax.Array) -> jax.Array:
     return jnp.cumsum(need, dtype=jnp.int32) <= num_free
 
 
-def admit(
+def append(
     config: ManagerConfig,
     state: BlockManagerState,
     seq_ids: jax.Array,
-    prompt_lens: jax.Array,
-) -> tuple[BlockManagerState, jax.Array]:
-    """Starts sequences: ``ceil(prompt_len / block_size)`` fresh blocks each, count 1.
-
-    Args:
-      seq_ids: int32 ``[B]`` free rows to start (< 0: padding).
-      prompt_lens: int32 ``[B]`` prompt tokens; each gets a KV slot now.
-
-    Returns:
-      The new state and status int32 ``[B]``.
-    """
-    bs, m = config.block_size, config.max_blocks_per_seq
-    status, sid = check_rows(config, state, seq_ids, must_be_active=False)
-    prompt_lens = prompt_lens.astype(jnp.int32)
-    bad_len = (prompt_lens < 1) | (prompt_lens > config.max_tokens_per_seq)
-    status = jnp.where((status == Status.OK) & bad_len, Status.BAD_LENGTH, status)
-    need = jnp.where(status == Status.OK, (prompt_lens + bs - 1) // bs, 0)
-    fits = _first_come_first_served(need, state.queue.num_free)
-    status = jnp.where((status == Status.OK) & ~fits, Status.NO_FREE_BLOCKS, status)
-    ok = status == Status.OK
-    need = jnp.where(ok, need, 0)
-
-    b = seq_ids.shape[0]
-    queue, taken = free_queue.take_front(state.queue, jnp.sum(need), b * m)
-    # Row i's blocks are taken[start_i : start_i + need_i].
-    start = jnp.cumsum(need) - need
-    j = jnp.arange(m, dtype=jnp.int32)[None, :]
-    has = j < need[:, None]
-    rows = jnp.where(has, taken[jnp.where(has, start[:, None] + j, 0)], NULL_BLOCK)
-
-    target = jnp.where(ok, sid, config.max_seqs)
-    n = config.num_blocks
-    state = state.replace(
-        queue=queue,
-        ref_count=state.ref_count.at[jnp.where(has, rows, n)].set(1, mode="drop"),
-        block_tables=state.block_tables.at[target].set(rows, mode="drop"),
-        num_tokens=state.num_tokens.at[target].set(prompt_lens, mode="drop"),
-        active=state.active.at[target].set(True, mode="drop"),
-    )
-    return state, status
-
-
-def append(
-    config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array
+    token_ids: jax.Array | None = None,
 ) -> tuple[BlockManagerState, AppendResult]:
     """Gives each running sequence in the batch a KV slot for one more token.
 
@@ -109,12 +65,18 @@ def append(
     writer of a shared block when one of its co-writers failed to get its copy (otherwise it would
     write into a block the failed row still reads).
 
+    With prefix caching, the new token's id is stored with its block, and a block that the token
+    fills is cached under its chain key (after every block taken in this call lost its hash).
+
     Args:
       seq_ids: int32 ``[B]`` running sequences (< 0: padding).
+      token_ids: int32 ``[B]`` the tokens being appended (required with prefix caching).
 
     Returns:
       The new state and an ``AppendResult``.
     """
+    if config.prefix_caching and token_ids is None:
+        raise ValueError("append: token_ids (int32 [B]) are required with prefix_caching=True")
     bs, m, n_blocks = config.block_size, config.max_blocks_per_seq, config.num_blocks
     b = seq_ids.shape[0]
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
@@ -168,6 +130,9 @@ def append(
 
     ref_count = rc.at[jnp.where(copies, last_block, n_blocks)].add(-1, mode="drop")
     ref_count = ref_count.at[jnp.where(takes, fresh, n_blocks)].set(1, mode="drop")
+    if config.prefix_caching:
+        state = _cache_appended(config, state, sid, ok, takes, copies, fresh, last_block, block,
+                                col, offset, taken, token_ids)
     row = jnp.where(takes, sid, config.max_seqs)
     state = state.replace(
         queue=queue,
@@ -183,3 +148,22 @@ def append(
         num_copies=jnp.sum(copies, dtype=jnp.int32),
     )
     return state, result
+
+
+def _cache_appended(config, state, sid, ok, takes, copies, fresh, last_block, block, col, offset,
+                    taken, token_ids):
+    """Prefix-cache side of ``append``: evict taken blocks, store the tokens (copy-on-write copies
+    them too), and cache blocks that this token fills."""
+    n, bs = config.num_blocks, config.block_size
+    b = sid.shape[0]
+    cache = prefix_cache.evict(state.cache, taken, jnp.arange(b) < jnp.sum(takes))
+    tokens = cache.tokens.at[jnp.where(copies, fresh, n)].set(cache.tokens[last_block], mode="drop")
+    tokens = tokens.at[jnp.where(ok, block, n), offset].set(token_ids.astype(jnp.int32), mode="drop")
+    fills = ok & (offset == bs - 1)
+    chain = block_hash.extend(state.seq_chain[sid], block_hash.block_contents(tokens[block]))
+    parent = jnp.where(col > 0, state.block_tables[sid, jnp.maximum(col - 1, 0)], -1)
+    cache = prefix_cache.register(
+        cache.replace(tokens=tokens), block, chain, state.seq_salt[sid], parent, fills
+    )
+    seq_chain = state.seq_chain.at[jnp.where(fills, sid, config.max_seqs)].set(chain, mode="drop")
+    return state.replace(cache=cache, seq_chain=seq_chain)

@@ -35,18 +35,30 @@ class ManagerConfig:
       max_seqs: rows of the block-table array: sequences that can be running at once.
       max_blocks_per_seq: columns of the block-table array; a sequence holds at most
         ``max_blocks_per_seq * block_size`` tokens.
+      prefix_caching: keep a hash of every full block so that later requests with the same
+        prefix (and salt) reuse it; on by default, as in vLLM. Off, freed blocks all join the back
+        of the free queue and nothing is hashed.
+      uncached_to_front: with prefix caching, a freed block that is not cached (a partly full
+        last block) can never be a hit, so it joins the *front* of the free queue and is reused
+        before any cached block (vLLM does the same since 2026). False puts every freed block at
+        the back, for comparing eviction policies.
     """
 
     num_blocks: int
     block_size: int = 16
     max_seqs: int = 256
     max_blocks_per_seq: int = 128
+    prefix_caching: bool = True
+    uncached_to_front: bool = True
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 2)
         _check_int("block_size", self.block_size, 1)
         _check_int("max_seqs", self.max_seqs, 1)
         _check_int("max_blocks_per_seq", self.max_blocks_per_seq, 1)
+        for name in ("prefix_caching", "uncached_to_front"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks * self.block_size > _INT32_MAX:
@@ -71,6 +83,12 @@ class ManagerConfig:
         drop, which keeps compaction amortised O(1) per stale entry.
         """
         return 2 * self.num_blocks
+
+    @property
+    def hash_table_size(self) -> int:
+        """Slots of the prefix-cache hash table: a power of two >= 4 * num_blocks, so live
+        entries fill at most a quarter of it and probes stay short."""
+        return 1 << (4 * self.num_blocks - 1).bit_length()
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (lazy allocation: no spare block)."""

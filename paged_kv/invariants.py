@@ -74,3 +74,66 @@ def check_invariants(config: ManagerConfig, state: BlockManagerState) -> None:
     assert (slot[list(zero - set(order))] == -1).all() if zero - set(order) else True
     held_blocks = np.flatnonzero(ref > 0)
     assert (slot[held_blocks] == -1).all(), "a held block has a live queue slot"
+
+    if config.prefix_caching:
+        _check_cache(config, state, tables, tokens, active)
+
+
+def _check_cache(config, state, tables, tokens, active) -> None:
+    """Invariant 4: every hash entry points at a full block whose stored tokens and chain match."""
+    import jax.numpy as jnp
+
+    from paged_kv import block_hash
+    from paged_kv.hash_table import EMPTY, TOMBSTONE
+
+    cache = state.cache
+    slot = np.asarray(cache.slot)
+    vals = np.asarray(cache.table.vals)
+    keys = np.asarray(cache.table.keys)
+    cached = np.flatnonzero(slot >= 0)
+    live = np.flatnonzero(vals >= 0)
+    assert len(live) == len(cached) == int(cache.table.num_live), "table and block slots disagree"
+    assert int(cache.table.num_dead) == int((vals == TOMBSTONE).sum())
+    assert (vals[slot[cached]] == cached).all(), "a cached block's slot holds another block"
+    assert (keys[slot[cached]] == np.asarray(cache.key)[cached]).all(), "stored key differs"
+    assert len(set(map(tuple, keys[live].tolist()))) == len(live), "a key is cached twice"
+    assert EMPTY < 0 and TOMBSTONE < 0
+
+    # Full: wherever a table holds a cached block, the sequence has filled it.
+    bs = config.block_size
+    for s in np.flatnonzero(active):
+        held = config.blocks_for(int(tokens[s]))
+        for j, b in enumerate(tables[s, :held]):
+            if slot[b] >= 0:
+                assert (j + 1) * bs <= tokens[s], f"cached block {b} is not full in row {s}"
+
+    # Chain: recompute each cached block's key from its stored tokens and its parent's chain,
+    # where the parent is still the block it was cached under.
+    parent = np.asarray(cache.parent)
+    parent_gen = np.asarray(cache.parent_generation)
+    generation = np.asarray(cache.generation)
+    btokens = np.asarray(cache.tokens)
+    salt = np.asarray(cache.salt)
+    chain = {}
+
+    def chain_of(b):
+        if b in chain:
+            return chain[b]
+        p = parent[b]
+        if p < 0:
+            prev = block_hash.root_state(jnp.asarray(salt[b]))
+        elif slot[p] >= 0 and parent_gen[b] == generation[p]:
+            prev = chain_of(p)
+            if prev is None:
+                return None
+        else:
+            return None  # the parent's contents changed since: nothing to check against
+        chain[b] = block_hash.extend(prev, block_hash.block_contents(jnp.asarray(btokens[b])))
+        return chain[b]
+
+    for b in cached:
+        c = chain_of(int(b))
+        if c is not None:
+            assert (np.asarray(block_hash.key_of(c)) == np.asarray(cache.key)[b]).all(), (
+                f"cached block {b}: key does not match its tokens and chain"
+            )

@@ -17,7 +17,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from paged_kv import allocate, reclaim, share, views
+from paged_kv import admission, allocate, prefix_cache, reclaim, share, views
 from paged_kv.batch import blocks_held
 from paged_kv.config import ManagerConfig
 from paged_kv.free_queue import live_entries
@@ -25,13 +25,14 @@ from paged_kv.state import init_state
 from paged_kv.status import Status
 
 _jit = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-_admit = _jit(allocate.admit)
+_admit = _jit(admission.admit)
 _append = _jit(allocate.append)
 _fork = _jit(share.fork)
 _select = _jit(share.select)
 _free = _jit(reclaim.free)
 _usage = jax.jit(views.usage, static_argnums=0)
 _queue = jax.jit(live_entries)
+_reset = _jit(prefix_cache.reset_prefix_cache)
 
 
 def _bucket(n: int, limit: int) -> int:
@@ -95,12 +96,24 @@ class BlockManager:
 
     # -- operations ------------------------------------------------------------------------
 
-    def admit(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> np.ndarray:
-        """Starts ``seq_ids[i]`` with prompt ``prompts[i]`` (token ids); returns statuses."""
+    def admit(
+        self,
+        seq_ids: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        salts: Sequence[int] | None = None,
+    ) -> admission.AdmitResult:
+        """Starts ``seq_ids[i]`` with prompt ``prompts[i]`` (token ids) and cache salt
+        ``salts[i]`` (default 0); returns statuses and cached/shared prompt tokens (numpy)."""
         ids = self._check_ids(seq_ids, "admit")
         prompts = [list(p) for p in prompts]
         if len(prompts) != len(ids):
             raise ValueError(f"admit: {len(ids)} sequence ids but {len(prompts)} prompts")
+        salts = [0] * len(ids) if salts is None else list(salts)
+        if len(salts) != len(ids):
+            raise ValueError(f"admit: {len(ids)} sequence ids but {len(salts)} salts")
+        for sid, salt in zip(ids, salts):
+            if isinstance(salt, bool) or not isinstance(salt, (int, np.integer)) or not 0 <= salt < 2**32:
+                raise ValueError(f"admit: salt {salt!r} of sequence {sid} is not an int in [0, 2**32)")
         limit = self.config.max_tokens_per_seq
         for sid, prompt in zip(ids, prompts):
             if not prompt:
@@ -112,23 +125,52 @@ class BlockManager:
                     f"block_size={self.config.block_size})"
                 )
             for pos, tok in enumerate(prompt):
-                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or tok < 0:
+                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or not 0 <= tok < 2**31:
                     raise ValueError(
                         f"admit: prompt of sequence {sid} has invalid token id {tok!r} at position "
-                        f"{pos} (token ids are ints >= 0)"
+                        f"{pos} (token ids are ints in [0, 2**31))"
                     )
         self._check_not_running(ids, "admit")
         size = _bucket(len(ids), self.config.max_seqs)
+        width = _bucket(max(len(p) for p in prompts), limit)
+        tokens = np.zeros((size, width), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
         lens = _padded([len(p) for p in prompts], size)
-        self.state, status = _admit(self.config, self.state, _padded(ids, size), lens)
-        return np.asarray(status)[: len(ids)]
+        salt_arr = np.zeros((size,), np.uint32)
+        salt_arr[: len(ids)] = salts
+        self.state, result = _admit(
+            self.config, self.state, _padded(ids, size), lens, tokens, salt_arr
+        )
+        k = len(ids)
+        return admission.AdmitResult(
+            status=np.asarray(result.status)[:k],
+            cached_tokens=np.asarray(result.cached_tokens)[:k],
+            shared_tokens=np.asarray(result.shared_tokens)[:k],
+        )
 
-    def append(self, seq_ids: Sequence[int]) -> allocate.AppendResult:
-        """One more token for each sequence; returns statuses, slots and the copy list (numpy)."""
+    def append(self, seq_ids: Sequence[int], token_ids: Sequence[int] | None = None) -> allocate.AppendResult:
+        """One more token for each sequence; returns statuses, slots and the copy list (numpy).
+
+        ``token_ids[i]`` is the token appended to ``seq_ids[i]``; required with prefix caching
+        (a block it fills is cached under its tokens).
+        """
         ids = self._check_ids(seq_ids, "append")
+        if token_ids is None:
+            if self.config.prefix_caching:
+                raise ValueError("append: token_ids are required with prefix_caching=True")
+            token_ids = [0] * len(ids)
+        token_ids = list(token_ids)
+        if len(token_ids) != len(ids):
+            raise ValueError(f"append: {len(ids)} sequence ids but {len(token_ids)} token ids")
+        for sid, tok in zip(ids, token_ids):
+            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or not 0 <= tok < 2**31:
+                raise ValueError(f"append: invalid token id {tok!r} for sequence {sid}")
         self._check_running(ids, "append")
         size = _bucket(len(ids), self.config.max_seqs)
-        self.state, result = _append(self.config, self.state, _padded(ids, size))
+        self.state, result = _append(
+            self.config, self.state, _padded(ids, size), _padded(token_ids, size)
+        )
         k = len(ids)
         return allocate.AppendResult(
             status=np.asarray(result.status)[:k],
@@ -195,6 +237,19 @@ class BlockManager:
         """Free blocks front (next allocated) to back (most recently freed). O(pool)."""
         q = np.asarray(_queue(self.state.queue))
         return q[q >= 0].tolist()
+
+    def reset_prefix_cache(self) -> int:
+        """Drops the hash of every cached block no request holds; returns how many."""
+        self.state, dropped = _reset(self.config, self.state)
+        return int(dropped)
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefix-cache counters and the hit rate (hit tokens / query tokens)."""
+        st = self.state.cache.stats
+        out = {k: int(getattr(st, k)) for k in ("lookups", "query_tokens", "hit_tokens", "evictions")}
+        out["hit_rate"] = out["hit_tokens"] / out["query_tokens"] if out["query_tokens"] else 0.0
+        out["cached_blocks"] = int(self.state.cache.table.num_live)
+        return out
 
     def usage(self) -> dict[str, int]:
         u = _usage(self.config, self.state)

@@ -18,18 +18,27 @@ from paged_kv.status import Status
 
 
 def release(
-    ref_count: jax.Array, queue: FreeQueue, blocks: jax.Array, valid: jax.Array
+    ref_count: jax.Array,
+    queue: FreeQueue,
+    blocks: jax.Array,
+    valid: jax.Array,
+    cache_slot: jax.Array | None = None,
 ) -> tuple[jax.Array, FreeQueue]:
-    """Drops one reference per valid entry; blocks reaching zero join the back of the queue.
+    """Drops one reference per valid entry; blocks reaching zero join the free queue.
 
     Entries are processed as if one at a time in array order: a block held by several entries
-    reaches zero at its last one, and blocks enter the queue in that order. Cost O(E).
+    reaches zero at its last one. Blocks go to the back of the queue in that order, except, with
+    prefix caching, blocks that are not cached (a partly full last block; a full block whose key
+    another block already caches): nothing can ever hit them, so they go to the front, to be
+    reused before any cached block. Cost O(E).
 
     Args:
       ref_count: int32 ``[num_blocks]``.
       queue: the free queue.
       blocks: int32 ``[E]`` block ids, in release order.
       valid: bool ``[E]``.
+      cache_slot: int32 ``[num_blocks]`` hash-table slot per block (-1: not cached), or None
+        when prefix caching is off (everything goes to the back).
     """
     n = ref_count.shape[0]
     e = blocks.shape[0]
@@ -42,7 +51,16 @@ def release(
     marked = rc.at[zero_idx].max(stamp, mode="drop")
     last = zero & (marked[blocks] == stamp)
     rc = marked.at[zero_idx].set(0, mode="drop")
-    return rc, free_queue.push_back(queue, blocks, last)
+    if cache_slot is None:
+        return rc, free_queue.push_back(queue, blocks, last)
+    cached = cache_slot[blocks] >= 0
+    queue = free_queue.push_back(queue, blocks, last & cached)
+    return rc, free_queue.push_front(queue, blocks, last & ~cached)
+
+
+def cache_slots(config: ManagerConfig, state: BlockManagerState) -> jax.Array | None:
+    """The ``cache_slot`` argument of ``release`` for this config."""
+    return state.cache.slot if config.prefix_caching and config.uncached_to_front else None
 
 
 def free(
@@ -60,7 +78,9 @@ def free(
     ok = status == Status.OK
     rows = state.block_tables[sid]
     blocks, valid = tail_first(rows, blocks_held(config, state.num_tokens[sid]), ok)
-    ref_count, queue = release(state.ref_count, state.queue, blocks, valid)
+    ref_count, queue = release(
+        state.ref_count, state.queue, blocks, valid, cache_slots(config, state)
+    )
     s = config.max_seqs
     target = jnp.where(ok, sid, s)
     state = state.replace(

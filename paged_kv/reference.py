@@ -1,9 +1,10 @@
 """A plain-Python block manager with the same semantics as the jitted operations.
 
 It processes each batch one row at a time with lists, dicts and an ordered dict as the free queue,
-which makes it easy to read and to trust. The property tests run long random operation sequences
-through both and compare every output and the whole state; the benchmark uses it as the baseline
-of a conventional host-side manager.
+which makes it easy to read and to trust. Its prefix cache is keyed by the exact prefix (salt and
+every token so far), not by a hash, so it is also the ground truth for the hashed cache. The
+property tests run long random operation sequences through both and compare every output and the
+whole state; the benchmarks use it as the baseline of a conventional host-side manager.
 """
 
 from __future__ import annotations
@@ -18,13 +19,22 @@ from paged_kv.status import Status
 class ReferenceBlockManager:
     def __init__(self, config: ManagerConfig):
         self.config = config
-        self.ref_count = [0] * config.num_blocks
+        n = config.num_blocks
+        self.ref_count = [0] * n
         # Insertion order = queue order; front = first key.
-        self.free_queue: OrderedDict[int, None] = OrderedDict(
-            (b, None) for b in range(config.num_blocks) if b != NULL_BLOCK
-        )
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, n))
         self.tables: dict[int, list[int]] = {}
         self.num_tokens: dict[int, int] = {}
+        # Prefix cache.
+        self.seq_tokens: dict[int, list[int]] = {}
+        self.seq_salt: dict[int, int] = {}
+        self.cached: dict[tuple, int] = {}  # exact key (salt, prefix tokens) -> block
+        self.key_of: dict[int, tuple] = {}
+        self.block_tokens: dict[int, list[int]] = {}
+        self.parent = [-1] * n
+        self.parent_generation = [0] * n
+        self.generation = [0] * n
+        self.stats = dict(lookups=0, query_tokens=0, hit_tokens=0, evictions=0)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -37,46 +47,155 @@ class ReferenceBlockManager:
             return Status.BAD_SEQUENCE
         return Status.OK
 
+    def _uncache(self, block: int) -> bool:
+        key = self.key_of.pop(block, None)
+        if key is None:
+            return False
+        del self.cached[key]
+        self.generation[block] += 1
+        return True
+
     def _take(self) -> int:
+        """The front free block, its hash dropped; the caller counts its references."""
         block, _ = self.free_queue.popitem(last=False)
-        self.ref_count[block] = 1
+        if self._uncache(block):
+            self.stats["evictions"] += 1
         return block
 
-    def _release(self, table: list[int]) -> None:
-        for block in reversed(table):
-            self.ref_count[block] -= 1
-            if self.ref_count[block] == 0:
-                self.free_queue[block] = None
+    def _cache(self, block: int, key: tuple, parent: int) -> None:
+        if key in self.cached:
+            return
+        self.cached[key] = block
+        self.key_of[block] = key
+        self.parent[block] = parent
+        self.parent_generation[block] = self.generation[parent] if parent >= 0 else 0
+
+    def _linked(self, block: int, prev: int) -> bool:
+        if prev < 0:
+            return self.parent[block] == -1
+        return self.parent[block] == prev and self.parent_generation[block] == self.generation[prev]
+
+    def _release(self, tables: list[list[int]]) -> None:
+        """Tail first, table by table; cached blocks to the back, the rest to the front."""
+        front = []
+        for table in tables:
+            for block in reversed(table):
+                self.ref_count[block] -= 1
+                if self.ref_count[block] == 0:
+                    cfg = self.config
+                    if not (cfg.prefix_caching and cfg.uncached_to_front) or block in self.key_of:
+                        self.free_queue[block] = None
+                    else:
+                        front.append(block)
+        for block in reversed(front):
+            self.free_queue[block] = None
+            self.free_queue.move_to_end(block, last=False)
+
+    def _key(self, salt: int, tokens: Sequence[int], n: int) -> tuple:
+        return (salt, tuple(tokens[:n]))
 
     # -- operations ------------------------------------------------------------------------
 
-    def admit(self, seq_ids: Sequence[int], prompt_lens: Sequence[int]) -> list[Status]:
-        cfg, seen, blocked, out = self.config, set(), False, []
-        for sid, length in zip(seq_ids, prompt_lens):
-            status = self._row_status(sid, seen, must_be_active=False)
-            if status == Status.OK and not 1 <= length <= cfg.max_tokens_per_seq:
-                status = Status.BAD_LENGTH
-            if status == Status.OK:
-                need = cfg.blocks_for(length)
-                blocked = blocked or need > len(self.free_queue)
-                if blocked:
-                    status = Status.NO_FREE_BLOCKS
-                else:
-                    self.tables[sid] = [self._take() for _ in range(need)]
-                    self.num_tokens[sid] = length
-            out.append(status)
-        return out
+    def admit(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+              salts: Sequence[int] | None = None, max_len: int | None = None) -> list[tuple]:
+        """Returns (status, cached_tokens, shared_tokens) per row.
 
-    def append(self, seq_ids: Sequence[int]):
+        ``max_len`` is the width of the padded token array of the jitted call: longer prompts are
+        ``BAD_LENGTH`` there.
+        """
+        cfg, bs = self.config, self.config.block_size
+        salts = [0] * len(seq_ids) if salts is None else list(salts)
+        limit = cfg.max_tokens_per_seq if max_len is None else min(max_len, cfg.max_tokens_per_seq)
+        seen, out, plans, planned = set(), [], [], {}
+        for row, (sid, toks, salt) in enumerate(zip(seq_ids, prompts, salts)):
+            status = self._row_status(sid, seen, must_be_active=False)
+            if status == Status.OK and not 1 <= len(toks) <= limit:
+                status = Status.BAD_LENGTH
+            out.append([status, 0, 0])
+            if status != Status.OK:
+                continue
+            n_blocks = cfg.blocks_for(len(toks))
+            refs: list[tuple] = []
+            n_cached = 0
+            if cfg.prefix_caching:
+                n_full, n_cacheable = len(toks) // bs, (len(toks) - 1) // bs
+                prev = -1
+                for j in range(n_cacheable):  # 1. cached prefix
+                    block = self.cached.get(self._key(salt, toks, (j + 1) * bs))
+                    if block is None or not self._linked(block, prev):
+                        break
+                    refs.append(("cached", block))
+                    prev = block
+                n_cached = len(refs)
+                for j in range(n_cached, n_cacheable):  # 2. computed by an earlier request
+                    owner = planned.get(self._key(salt, toks, (j + 1) * bs))
+                    if owner is None:
+                        break
+                    refs.append(owner)
+                for j in range(len(refs), n_blocks):
+                    refs.append(("new", row, j))
+                    if j < n_full:
+                        planned.setdefault(self._key(salt, toks, (j + 1) * bs), ("new", row, j))
+            else:
+                refs = [("new", row, j) for j in range(n_blocks)]
+            plans.append((row, sid, list(toks), salt, refs, n_cached))
+
+        # First come, first served: fresh blocks plus free cached blocks pulled out of the queue.
+        cost_so_far, blocked, pulled, accepted = 0, False, set(), []
+        for plan in plans:
+            row, refs = plan[0], plan[4]
+            fresh = sum(r == ("new", row, j) for j, r in enumerate(refs))
+            pulls = {r[1] for r in refs if r[0] == "cached" and self.ref_count[r[1]] == 0} - pulled
+            pulled |= pulls
+            cost = fresh + len(pulls)
+            blocked = blocked or cost_so_far + cost > len(self.free_queue)
+            if blocked:
+                out[row][0] = Status.NO_FREE_BLOCKS
+                continue
+            cost_so_far += cost
+            accepted.append((plan, pulls))
+
+        for _, pulls in accepted:
+            for block in pulls:
+                del self.free_queue[block]
+        new_blocks = {}
+        for plan, _ in accepted:
+            row, refs = plan[0], plan[4]
+            for j, r in enumerate(refs):
+                if r == ("new", row, j):
+                    new_blocks[r] = self._take()
+        for plan, _ in accepted:
+            row, sid, toks, salt, refs, n_cached = plan
+            table = [r[1] if r[0] == "cached" else new_blocks[r] for r in refs]
+            for block in table:
+                self.ref_count[block] += 1
+            self.tables[sid], self.num_tokens[sid] = table, len(toks)
+            self.seq_tokens[sid], self.seq_salt[sid] = toks, salt
+            n_hit = sum(r[0] == "cached" or r[1] != row for r in refs)
+            out[row][1:] = [n_cached * bs, (n_hit - n_cached) * bs]
+            if cfg.prefix_caching:
+                for j, r in enumerate(refs):
+                    if r == ("new", row, j):
+                        self.block_tokens[table[j]] = (toks[j * bs:(j + 1) * bs] + [0] * bs)[:bs]
+                        if j < len(toks) // bs:
+                            self._cache(table[j], self._key(salt, toks, (j + 1) * bs),
+                                        table[j - 1] if j else -1)
+                self.stats["lookups"] += 1
+                self.stats["query_tokens"] += len(toks)
+                self.stats["hit_tokens"] += n_hit * bs
+        return [tuple(o) for o in out]
+
+    def append(self, seq_ids: Sequence[int], token_ids: Sequence[int] | None = None):
         """Returns (statuses, slots, copy_src, copy_dst), one entry per row."""
-        cfg, seen, blocked = self.config, set(), False
-        statuses, slots, src, dst = [], [], [], []
-        for sid in seq_ids:
+        cfg, bs, seen, blocked = self.config, self.config.block_size, set(), False
+        token_ids = [0] * len(seq_ids) if token_ids is None else list(token_ids)
+        statuses, slots, src, dst, writes = [], [], [], [], []
+        for sid, token in zip(seq_ids, token_ids):  # allocation (and eviction) first, every row
             status = self._row_status(sid, seen, must_be_active=True)
-            slot, copy = NULL_BLOCK * cfg.block_size, (NULL_BLOCK, NULL_BLOCK)
+            slot, copy = NULL_BLOCK * bs, (NULL_BLOCK, NULL_BLOCK)
             if status == Status.OK:
                 table, n = self.tables[sid], self.num_tokens[sid]
-                offset = n % cfg.block_size
+                offset = n % bs
                 if offset == 0 and len(table) >= cfg.max_blocks_per_seq:
                     status = Status.TABLE_FULL
                 else:
@@ -87,18 +206,31 @@ class ReferenceBlockManager:
                         status = Status.NO_FREE_BLOCKS
                     elif fresh:
                         table.append(self._take())
+                        self.ref_count[table[-1]] = 1
                     elif shared:
                         old = table[-1]
                         self.ref_count[old] -= 1
                         table[-1] = self._take()
+                        self.ref_count[table[-1]] = 1
                         copy = (old, table[-1])
+                        if cfg.prefix_caching:
+                            self.block_tokens[table[-1]] = list(self.block_tokens[old])
                     if status == Status.OK:
                         self.num_tokens[sid] = n + 1
-                        slot = table[-1] * cfg.block_size + offset
+                        slot = table[-1] * bs + offset
+                        writes.append((sid, offset, token))
             statuses.append(status)
             slots.append(slot)
             src.append(copy[0])
             dst.append(copy[1])
+        if cfg.prefix_caching:  # then tokens, and blocks they fill, in batch order
+            for sid, offset, token in writes:
+                table = self.tables[sid]
+                self.block_tokens.setdefault(table[-1], [0] * bs)[offset] = token
+                self.seq_tokens[sid].append(token)
+                if offset == bs - 1:
+                    key = self._key(self.seq_salt[sid], self.seq_tokens[sid], len(self.seq_tokens[sid]))
+                    self._cache(table[-1], key, table[-2] if len(table) > 1 else -1)
         return statuses, slots, src, dst
 
     def _take_tables(self, dst_ids, src_ids, *, dst_must_be_free: bool) -> list[Status]:
@@ -113,15 +245,15 @@ class ReferenceBlockManager:
             statuses.append(Status.BAD_SEQUENCE if bad else Status.OK)
         moves = [(d, s) for d, s, st in zip(dst_ids, src_ids, statuses) if st == Status.OK]
         # Every row switches at once: read all sources before touching anything.
-        new = {d: (list(self.tables[s]), self.num_tokens[s]) for d, s in moves}
+        new = {d: (list(self.tables[s]), self.num_tokens[s], list(self.seq_tokens.get(s, [])),
+                   self.seq_salt.get(s, 0)) for d, s in moves}
         for d, _ in moves:
             for block in new[d][0]:
                 self.ref_count[block] += 1
-        for d, _ in moves:
-            if d in self.tables:
-                self._release(self.tables[d])
-        for d, (table, n) in new.items():
+        self._release([self.tables[d] for d, _ in moves if d in self.tables])
+        for d, (table, n, toks, salt) in new.items():
             self.tables[d], self.num_tokens[d] = table, n
+            self.seq_tokens[d], self.seq_salt[d] = toks, salt
         return statuses
 
     def fork(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[Status]:
@@ -131,16 +263,28 @@ class ReferenceBlockManager:
         return self._take_tables(dst_ids, parent_ids, dst_must_be_free=False)
 
     def free(self, seq_ids: Sequence[int]) -> list[Status]:
-        seen, out = set(), []
+        seen, out, released = set(), [], []
         for sid in seq_ids:
             status = self._row_status(sid, seen, must_be_active=True)
             if status == Status.OK:
-                self._release(self.tables.pop(sid))
+                released.append(self.tables.pop(sid))
                 del self.num_tokens[sid]
+                self.seq_tokens.pop(sid, None)
+                self.seq_salt.pop(sid, None)
             out.append(status)
+        self._release(released)
         return out
+
+    def reset_prefix_cache(self) -> int:
+        idle = [b for b in list(self.key_of) if self.ref_count[b] == 0]
+        for block in idle:
+            self._uncache(block)
+        return len(idle)
 
     # -- views -----------------------------------------------------------------------------
 
     def queue_order(self) -> list[int]:
         return list(self.free_queue)
+
+    def cached_blocks(self) -> set[int]:
+        return set(self.key_of)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from paged_kv.batch import blocks_held, first_occurrence, tail_first
 from paged_kv.config import ManagerConfig
-from paged_kv.reclaim import release
+from paged_kv.reclaim import cache_slots, release
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
 
@@ -51,7 +51,7 @@ def _take_tables(
     blocks, valid = tail_first(
         state.block_tables[dst], blocks_held(config, state.num_tokens[dst]), dropping
     )
-    ref_count, queue = release(ref_count, state.queue, blocks, valid)
+    ref_count, queue = release(ref_count, state.queue, blocks, valid, cache_slots(config, state))
 
     target = jnp.where(ok, dst, s)
     state = state.replace(
@@ -60,6 +60,8 @@ def _take_tables(
         block_tables=state.block_tables.at[target].set(src_rows, mode="drop"),
         num_tokens=state.num_tokens.at[target].set(src_tokens, mode="drop"),
         active=state.active.at[target].set(True, mode="drop"),
+        seq_chain=state.seq_chain.at[target].set(state.seq_chain[src], mode="drop"),
+        seq_salt=state.seq_salt.at[target].set(state.seq_salt[src], mode="drop"),
     )
     return state, status
 

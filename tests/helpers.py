@@ -55,16 +55,25 @@ def snapshot(config: ManagerConfig, state: BlockManagerState) -> dict:
         int(s): (tables[s, : config.blocks_for(int(tokens[s]))].tolist(), int(tokens[s]))
         for s in np.flatnonzero(active)
     }
-    return {
+    out = {
         "running": running,
         "ref_count": np.asarray(state.ref_count).tolist(),
         "free_queue": free_queue_order(state),
     }
+    if config.prefix_caching:
+        st = state.cache.stats
+        out["cached"] = set(np.flatnonzero(np.asarray(state.cache.slot) >= 0).tolist())
+        out["stats"] = {k: int(getattr(st, k)) for k in ("lookups", "query_tokens", "hit_tokens", "evictions")}
+    return out
 
 
 def reference_snapshot(ref) -> dict:
-    return {
+    out = {
         "running": {s: (list(t), ref.num_tokens[s]) for s, t in ref.tables.items()},
         "ref_count": list(ref.ref_count),
         "free_queue": ref.queue_order(),
     }
+    if ref.config.prefix_caching:
+        out["cached"] = ref.cached_blocks()
+        out["stats"] = dict(ref.stats)
+    return out

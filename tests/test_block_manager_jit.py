@@ -18,14 +18,15 @@ CFG = pk.ManagerConfig(num_blocks=256, block_size=16, max_seqs=32, max_blocks_pe
 def _running_state(cfg=CFG, n=8, prompt=20):
     state = pk.init_state(cfg)
     ids = jnp.arange(n, dtype=jnp.int32)
-    state, status = pk.admit(cfg, state, ids, jnp.full((n,), prompt, jnp.int32))
-    assert (status == 0).all()
+    tokens = jnp.arange(n * prompt, dtype=jnp.int32).reshape(n, prompt)
+    state, result = pk.admit(cfg, state, ids, jnp.full((n,), prompt, jnp.int32), tokens)
+    assert (result.status == 0).all()
     return state, ids
 
 
 def test_decode_step_is_one_jitted_computation_without_host_callbacks():
     state, ids = _running_state()
-    jaxpr = jax.make_jaxpr(pk.append, static_argnums=0)(CFG, state, ids)
+    jaxpr = jax.make_jaxpr(pk.append, static_argnums=0)(CFG, state, ids, ids)
     names = set()
 
     def walk(jaxpr):
@@ -38,7 +39,7 @@ def test_decode_step_is_one_jitted_computation_without_host_callbacks():
     callbacks = {n for n in names if "callback" in n or n in {"debug_print", "io_callback"}}
     assert not callbacks, callbacks
     # Lowers to a single module whose entry computation holds no host transfers.
-    hlo = jax.jit(pk.append, static_argnums=0).lower(CFG, state, ids).as_text()
+    hlo = jax.jit(pk.append, static_argnums=0).lower(CFG, state, ids, ids).as_text()
     for op in ("custom_call", "outfeed", "infeed", "stablehlo.send", "stablehlo.recv"):
         assert op not in hlo, op
 
@@ -48,7 +49,7 @@ def test_jitting_twice_with_an_equal_config_does_not_retrace():
 
     def step(cfg, state, ids):
         traces.append(1)
-        return pk.append(cfg, state, ids)
+        return pk.append(cfg, state, ids, ids)
 
     jitted = jax.jit(step, static_argnums=0)
     state, ids = _running_state()
@@ -66,7 +67,8 @@ def test_same_inputs_same_bits():
         state, _ = pk.fork(CFG, state, ids[:4], ids[:4] + 8)
         outs = []
         for _ in range(20):
-            state, r = jax.jit(pk.append, static_argnums=0)(CFG, state, jnp.arange(12, dtype=jnp.int32))
+            ids = jnp.arange(12, dtype=jnp.int32)
+            state, r = jax.jit(pk.append, static_argnums=0)(CFG, state, ids, ids)
             outs.append(np.asarray(r.slots))
         return jax.tree.map(np.asarray, state), np.stack(outs)
 
@@ -83,7 +85,7 @@ def test_runs_inside_a_user_fori_loop_with_donation():
     def decode(state):
         def body(_, carry):
             state, copies = carry
-            state, r = pk.append(CFG, state, ids)
+            state, r = pk.append(CFG, state, ids, ids)
             return state, copies + r.num_copies
 
         return jax.lax.fori_loop(0, 100, body, (state, jnp.int32(0)))

@@ -1,10 +1,13 @@
 """Long random operation sequences through the jitted manager and the plain-Python reference.
 
-After every step the two must agree on every output (statuses, slots, copy lists) and on the whole
-state (tables, counts, free-queue order), and DESIGN.md's invariants must hold. The pool is tiny so
-that running out of blocks, copy-on-write groups and table-full rows happen often. Rows include
-padding, out-of-range, repeated and not-running ids, which the jitted functions must reject with a
-status while leaving the state alone.
+After every step the two must agree on every output (statuses, slots, copy lists, cached and
+shared prompt tokens) and on the whole state (tables, counts, free-queue order, which blocks are
+cached, cache statistics), and DESIGN.md's invariants must hold. The pool is tiny so that running
+out of blocks, copy-on-write groups, evictions and table-full rows happen often, and the token
+vocabulary is tiny so that prompts share prefixes. Rows include padding, out-of-range, repeated and
+not-running ids, which the jitted functions must reject with a status while leaving the state
+alone. The reference keys its cache by exact prefixes, so agreement also shows that the hashed
+cache behaves as an exact one.
 """
 
 import functools
@@ -21,14 +24,25 @@ from paged_kv.invariants import check_invariants
 from paged_kv.reference import ReferenceBlockManager
 from tests.helpers import reference_snapshot, snapshot
 
-CFG = pk.ManagerConfig(num_blocks=14, block_size=4, max_seqs=6, max_blocks_per_seq=5)
 BATCH = 6  # every call is padded to this many rows: one compilation per operation
+WIDTH = 24  # prompt token array width
+MAX_SEQS = 6
 
 _jit = functools.partial(jax.jit, static_argnums=0)
-ADMIT, APPEND, FORK, SELECT, FREE = map(_jit, (pk.admit, pk.append, pk.fork, pk.select, pk.free))
+ADMIT, APPEND, FORK, SELECT, FREE, RESET = map(
+    _jit, (pk.admit, pk.append, pk.fork, pk.select, pk.free, pk.reset_prefix_cache)
+)
 
-seq_id = st.integers(-1, CFG.max_seqs)  # -1 padding, max_seqs out of range
+seq_id = st.integers(-1, MAX_SEQS)  # -1 padding, MAX_SEQS out of range
 ids = st.lists(seq_id, min_size=1, max_size=BATCH)
+token = st.integers(0, 2)
+prompt = st.one_of(
+    st.lists(token, min_size=0, max_size=WIDTH),
+    # Long shared prefixes, so that cached and in-call sharing chains are deep.
+    st.tuples(st.integers(0, WIDTH), st.lists(token, max_size=6)).map(
+        lambda t: ([1, 2, 0, 1] * 6)[: t[0]] + t[1]
+    ),
+)
 
 
 def pad(values, fill=-1):
@@ -38,10 +52,12 @@ def pad(values, fill=-1):
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    config: pk.ManagerConfig
+
     def __init__(self):
         super().__init__()
-        self.state = pk.init_state(CFG)
-        self.ref = ReferenceBlockManager(CFG)
+        self.state = pk.init_state(self.config)
+        self.ref = ReferenceBlockManager(self.config)
 
     def running(self):
         return sorted(self.ref.tables)
@@ -50,25 +66,37 @@ class ManagerMachine(RuleBasedStateMachine):
         assert np.asarray(got)[: len(expected)].tolist() == [int(s) for s in expected]
         assert (np.asarray(got)[len(expected):] == pk.Status.PADDING).all()
 
-    @rule(rows=st.lists(st.tuples(seq_id, st.integers(0, 22)), min_size=1, max_size=BATCH))
+    @rule(rows=st.lists(st.tuples(seq_id, prompt, st.integers(0, 1)), min_size=1, max_size=BATCH))
     def admit(self, rows):
-        sids, lens = [r[0] for r in rows], [r[1] for r in rows]
-        self.state, status = ADMIT(CFG, self.state, pad(sids), pad(lens, 0))
-        self.check_status(status, self.ref.admit(sids, lens))
+        sids = [r[0] for r in rows]
+        prompts = [r[1][:WIDTH] for r in rows]
+        salts = [r[2] for r in rows]
+        tokens = np.zeros((BATCH, WIDTH), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+        lens = [len(p) for p in prompts]
+        self.state, result = ADMIT(self.config, self.state, pad(sids), pad(lens, 0),
+                                   jnp.asarray(tokens), pad(salts, 0).astype(jnp.uint32))
+        expected = self.ref.admit(sids, prompts, salts, max_len=WIDTH)
+        self.check_status(result.status, [e[0] for e in expected])
+        k = len(rows)
+        assert np.asarray(result.cached_tokens)[:k].tolist() == [e[1] for e in expected]
+        assert np.asarray(result.shared_tokens)[:k].tolist() == [e[2] for e in expected]
 
-    @rule(sids=ids)
-    def append_some(self, sids):
-        self._append(sids)
+    @rule(sids=ids, tokens=st.lists(token, min_size=BATCH, max_size=BATCH))
+    def append_some(self, sids, tokens):
+        self._append(sids, tokens[: len(sids)])
 
     @rule(data=st.data())
     def append_all_running(self, data):
         running = self.running()
         if running:
-            self._append(data.draw(st.permutations(running)))
+            order = data.draw(st.permutations(running))
+            self._append(order, data.draw(st.lists(token, min_size=len(order), max_size=len(order))))
 
-    def _append(self, sids):
-        self.state, result = APPEND(CFG, self.state, pad(sids))
-        statuses, slots, src, dst = self.ref.append(sids)
+    def _append(self, sids, tokens):
+        self.state, result = APPEND(self.config, self.state, pad(sids), pad(tokens, 0))
+        statuses, slots, src, dst = self.ref.append(sids, tokens)
         self.check_status(result.status, statuses)
         k = len(sids)
         assert np.asarray(result.slots)[:k].tolist() == slots
@@ -79,7 +107,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(src=seq_id, dsts=ids)
     def fork(self, src, dsts):
         srcs = [src] * len(dsts)
-        self.state, status = FORK(CFG, self.state, pad(srcs), pad(dsts))
+        self.state, status = FORK(self.config, self.state, pad(srcs), pad(dsts))
         self.check_status(status, self.ref.fork(srcs, dsts))
 
     @rule(data=st.data())
@@ -96,31 +124,51 @@ class ManagerMachine(RuleBasedStateMachine):
         self._select(dsts, parents[: len(dsts)])
 
     def _select(self, dsts, parents):
-        self.state, status = SELECT(CFG, self.state, pad(dsts), pad(parents))
+        self.state, status = SELECT(self.config, self.state, pad(dsts), pad(parents))
         self.check_status(status, self.ref.select(dsts, parents))
 
     @rule(sids=ids)
     def free(self, sids):
-        self.state, status = FREE(CFG, self.state, pad(sids))
+        self.state, status = FREE(self.config, self.state, pad(sids))
         self.check_status(status, self.ref.free(sids))
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.state, dropped = RESET(self.config, self.state)
+        expected = self.ref.reset_prefix_cache() if self.config.prefix_caching else 0
+        assert int(dropped) == expected
 
     @invariant()
     def agrees_with_reference_and_invariants_hold(self):
-        assert snapshot(CFG, self.state) == reference_snapshot(self.ref)
-        check_invariants(CFG, self.state)
+        assert snapshot(self.config, self.state) == reference_snapshot(self.ref)
+        check_invariants(self.config, self.state)
 
     def teardown(self):
         # No leak: once everything is freed, every block but the null block is free.
-        self.state, _ = FREE(CFG, self.state, pad(self.running()))
-        check_invariants(CFG, self.state)
-        assert int(self.state.queue.num_free) == CFG.num_blocks - 1
+        self.state, _ = FREE(self.config, self.state, pad(self.running()))
+        check_invariants(self.config, self.state)
+        assert int(self.state.queue.num_free) == self.config.num_blocks - 1
         assert not np.asarray(self.state.ref_count).any()
 
 
-ManagerMachine.TestCase.settings = settings(
-    max_examples=150,
+SETTINGS = settings(
+    max_examples=100,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestManagerMachine = ManagerMachine.TestCase
+
+
+class CachingMachine(ManagerMachine):
+    config = pk.ManagerConfig(num_blocks=14, block_size=4, max_seqs=MAX_SEQS, max_blocks_per_seq=7)
+
+
+class PlainMachine(ManagerMachine):
+    config = pk.ManagerConfig(num_blocks=14, block_size=4, max_seqs=MAX_SEQS, max_blocks_per_seq=7,
+                              prefix_caching=False)
+
+
+CachingMachine.TestCase.settings = SETTINGS
+PlainMachine.TestCase.settings = SETTINGS
+TestPrefixCachingManager = CachingMachine.TestCase
+TestPlainManager = PlainMachine.TestCase

@@ -1,0 +1,270 @@
+"""Admission: blocks for new prompts, reusing cached prefix blocks when prefix caching is on.
+
+A request's prompt gets ``ceil(len / block_size)`` table entries. With prefix caching, the longest
+prefix of full blocks found in the cache is reused (count + 1; a hit on a free block pulls it out of
+the free queue), then the longest further prefix that an earlier request of the same call is about
+to compute, and only the rest is allocated. The block holding the last prompt token is never taken
+from the cache: that token must be computed for its logits.
+
+Semantics of one call, which the reference manager implements row by row:
+1. Every request looks up the cache as it was when the call started, plus the full blocks that
+   earlier requests of the call will own.
+2. Requests are served first come, first served: a request whose fresh blocks plus pulled free
+   hits do not fit fails with ``NO_FREE_BLOCKS`` and so does every later one.
+3. Hit blocks leave the free queue before fresh blocks are taken from its front (so a request
+   never evicts a block the same call reuses); taken blocks that were cached lose their hash.
+4. Fresh full blocks are cached, in batch order, unless their key is cached already.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from paged_kv import block_hash, free_queue, hash_table, prefix_cache
+from paged_kv.batch import check_rows
+from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.state import BlockManagerState
+from paged_kv.status import Status
+
+
+@flax.struct.dataclass
+class AdmitResult:
+    """Attributes:
+    status: int32 ``[B]``, a ``Status`` per request.
+    cached_tokens: int32 ``[B]``, prompt tokens whose K/V is already in cached blocks: prefill
+      starts after them.
+    shared_tokens: int32 ``[B]``, the next prompt tokens, held in blocks that an earlier request
+      of this call computes: prefill them in the same forward pass as (or after) that request.
+    """
+
+    status: jax.Array
+    cached_tokens: jax.Array
+    shared_tokens: jax.Array
+
+
+def admit(
+    config: ManagerConfig,
+    state: BlockManagerState,
+    seq_ids: jax.Array,
+    prompt_lens: jax.Array,
+    prompt_tokens: jax.Array | None = None,
+    salts: jax.Array | None = None,
+) -> tuple[BlockManagerState, AdmitResult]:
+    """Starts sequences with their prompts.
+
+    Args:
+      seq_ids: int32 ``[B]`` free rows to start (< 0: padding).
+      prompt_lens: int32 ``[B]`` prompt lengths; every prompt token gets a KV slot now.
+      prompt_tokens: int32 ``[B, L]`` prompt token ids, padded (needed with prefix caching;
+        ``L <= max_tokens_per_seq``, and each length must be ``<= L``).
+      salts: uint32/int32 ``[B]`` cache salts: requests share cached blocks only with equal salts
+        (default all 0).
+
+    Returns:
+      The new state and an ``AdmitResult``.
+    """
+    if not config.prefix_caching:
+        state, status = _admit_fresh(config, state, seq_ids, prompt_lens)
+        zero = jnp.zeros_like(status)
+        return state, AdmitResult(status=status, cached_tokens=zero, shared_tokens=zero)
+    if prompt_tokens is None:
+        raise ValueError("admit: prompt_tokens (int32 [B, L]) are required with prefix_caching=True")
+    if prompt_tokens.ndim != 2 or prompt_tokens.shape[0] != seq_ids.shape[0]:
+        raise ValueError(
+            f"admit: prompt_tokens must be [B, L] with B={seq_ids.shape[0]}, got {prompt_tokens.shape}"
+        )
+    if prompt_tokens.shape[1] > config.max_tokens_per_seq:
+        raise ValueError(
+            f"admit: prompt_tokens has {prompt_tokens.shape[1]} columns; a sequence holds at most "
+            f"{config.max_tokens_per_seq} tokens"
+        )
+    if salts is None:
+        salts = jnp.zeros(seq_ids.shape, jnp.uint32)
+    return _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts)
+
+
+def _first_come_first_served(cost: jax.Array, num_free: jax.Array) -> jax.Array:
+    return jnp.cumsum(cost, dtype=jnp.int32) <= num_free
+
+
+def _check_lengths(config, state, seq_ids, prompt_lens, max_len):
+    status, sid = check_rows(config, state, seq_ids, must_be_active=False)
+    lens = prompt_lens.astype(jnp.int32)
+    bad = (lens < 1) | (lens > min(config.max_tokens_per_seq, max_len))
+    status = jnp.where((status == Status.OK) & bad, Status.BAD_LENGTH, status)
+    return status, sid, lens
+
+
+def _admit_fresh(config, state, seq_ids, prompt_lens):
+    """Admission without the cache: every block fresh from the queue front."""
+    bs, m = config.block_size, config.max_blocks_per_seq
+    status, sid, lens = _check_lengths(config, state, seq_ids, prompt_lens, config.max_tokens_per_seq)
+    need = jnp.where(status == Status.OK, (lens + bs - 1) // bs, 0)
+    fits = _first_come_first_served(need, state.queue.num_free)
+    status = jnp.where((status == Status.OK) & ~fits, Status.NO_FREE_BLOCKS, status)
+    ok = status == Status.OK
+    need = jnp.where(ok, need, 0)
+
+    b = seq_ids.shape[0]
+    queue, taken = free_queue.take_front(state.queue, jnp.sum(need), b * m)
+    # Row i's blocks are taken[start_i : start_i + need_i].
+    start = jnp.cumsum(need) - need
+    j = jnp.arange(m, dtype=jnp.int32)[None, :]
+    has = j < need[:, None]
+    rows = jnp.where(has, taken[jnp.where(has, start[:, None] + j, 0)], NULL_BLOCK)
+
+    target = jnp.where(ok, sid, config.max_seqs)
+    n = config.num_blocks
+    state = state.replace(
+        queue=queue,
+        ref_count=state.ref_count.at[jnp.where(has, rows, n)].set(1, mode="drop"),
+        block_tables=state.block_tables.at[target].set(rows, mode="drop"),
+        num_tokens=state.num_tokens.at[target].set(lens, mode="drop"),
+        active=state.active.at[target].set(True, mode="drop"),
+    )
+    return state, status
+
+
+def _representatives(keys: jax.Array, member: jax.Array) -> jax.Array:
+    """int32 ``[E]``: for each member entry, the first member entry (in index order) with the same
+    key. One sort of E entries; O(E log E), independent of the pool."""
+    e = member.shape[0]
+    lanes = jnp.arange(e, dtype=jnp.int32)
+    outsider = (~member).astype(jnp.uint32)
+    s_out, s_k0, s_k1, s_idx = lax.sort((outsider, keys[:, 0], keys[:, 1], lanes), num_keys=4)
+    new_run = jnp.concatenate([
+        jnp.ones((1,), bool),
+        (s_out[1:] != s_out[:-1]) | (s_k0[1:] != s_k0[:-1]) | (s_k1[1:] != s_k1[:-1]),
+    ])
+    run_start = lax.cummax(jnp.where(new_run, lanes, 0))
+    return jnp.zeros((e,), jnp.int32).at[s_idx].set(s_idx[run_start])
+
+
+def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
+    bs, n, s = config.block_size, config.num_blocks, config.max_seqs
+    b, length = prompt_tokens.shape
+    c = -(-length // bs)
+    e = b * c
+    tokens = jnp.pad(prompt_tokens.astype(jnp.int32), ((0, 0), (0, c * bs - length)))
+    block_tokens = tokens.reshape(b, c, bs)
+    salts = salts.astype(jnp.uint32)
+    cache = state.cache
+
+    status, sid, lens = _check_lengths(config, state, seq_ids, prompt_lens, length)
+    ok0 = status == Status.OK
+    n_blocks = jnp.where(ok0, (lens + bs - 1) // bs, 0)
+    n_full = lens // bs
+    n_cacheable = (lens - 1) // bs  # the block with the last token is always computed
+    j = jnp.arange(c, dtype=jnp.int32)[None, :]
+    flat = jnp.arange(e, dtype=jnp.int32).reshape(b, c)
+
+    chains = block_hash.chain_states(salts, tokens, bs)  # [b, c, 2]
+    keys = block_hash.key_of(chains)
+
+    # 1. The longest prefix of verified cached blocks.
+    cacheable = ok0[:, None] & (j < n_cacheable[:, None])
+    cand = hash_table.lookup(cache.table, keys.reshape(e, 2), cacheable.reshape(e)).reshape(b, c)
+    cand_c = jnp.maximum(cand, 0)
+    prev = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), cand[:, :-1]], axis=1)
+    linked = jnp.where(
+        j == 0,
+        cache.parent[cand_c] == -1,
+        (cache.parent[cand_c] == prev)
+        & (cache.parent_generation[cand_c] == cache.generation[jnp.maximum(prev, 0)]),
+    )
+    verified = (
+        cacheable & (cand >= 0) & linked
+        & jnp.all(cache.tokens[cand_c] == block_tokens, axis=-1)
+        & (cache.salt[cand_c] == salts[:, None])
+    )
+    cached_hit = jnp.cumprod(verified, axis=1).astype(bool)
+
+    # 2. Then the longest prefix of blocks an earlier request of this call computes.
+    owns_full = ok0[:, None] & (j < n_full[:, None]) & ~cached_hit
+    rep = _representatives(keys.reshape(e, 2), owns_full.reshape(e)).reshape(b, c)
+    rep_row, rep_col = rep // c, rep % c
+    same = (
+        (rep != flat) & (rep_col == j)
+        & jnp.all(block_tokens[rep_row, rep_col] == block_tokens, axis=-1)
+        & (salts[rep_row] == salts[:, None])
+    )
+    hit = jnp.cumprod(cached_hit | (cacheable & same), axis=1).astype(bool)
+    shared = hit & ~cached_hit
+    # A shared block must also follow the same block as its representative. With an honest hash
+    # that always holds; after a collision the whole call falls back to no sharing (still safe).
+    ref = jnp.where(cached_hit, cand, n + jnp.where(shared, rep, flat))
+    prev_ref = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), ref[:, :-1]], axis=1)
+    rep_prev_ref = jnp.where(j == 0, -1, ref.reshape(e)[jnp.maximum(rep - 1, 0)])
+    shared = shared & jnp.all(~shared | (prev_ref == rep_prev_ref))
+    hit = cached_hit | shared
+
+    # 3. Cost and first come, first served. The first request to hit a free cached block pulls it
+    #    out of the queue (found with a stamp scatter into the zero counts, then restored).
+    fresh = ok0[:, None] & (j < n_blocks[:, None]) & ~hit
+    free_hit = cached_hit & (state.ref_count[cand_c] == 0)
+    stamp = e - flat  # larger for earlier entries
+    hit_idx = jnp.where(free_hit, cand_c, n)
+    rc = state.ref_count.at[hit_idx].max(stamp, mode="drop")
+    pulls = free_hit & (rc[cand_c] == stamp)
+    rc = rc.at[hit_idx].set(0, mode="drop")
+    cost = jnp.sum(fresh, axis=1) + jnp.sum(pulls, axis=1)
+    fits = _first_come_first_served(cost, state.queue.num_free)
+    status = jnp.where(ok0 & ~fits, Status.NO_FREE_BLOCKS, status)
+    ok = status == Status.OK
+    fresh, pulls, hit = fresh & ok[:, None], pulls & ok[:, None], hit & ok[:, None]
+    cached_hit, shared = cached_hit & ok[:, None], shared & ok[:, None]
+    in_table = ok[:, None] & (j < n_blocks[:, None])
+
+    # 4. Pull hits out of the queue, then take fresh blocks from its front.
+    queue = free_queue.remove(state.queue, cand_c.reshape(e), pulls.reshape(e))
+    count = jnp.sum(fresh, dtype=jnp.int32)
+    queue, taken = free_queue.take_front(queue, count, e)
+    cache = prefix_cache.evict(cache, taken, jnp.arange(e) < count)
+    rank = jnp.cumsum(fresh.reshape(e), dtype=jnp.int32) - 1
+    fresh_id = jnp.where(fresh.reshape(e), taken[jnp.maximum(rank, 0)], NULL_BLOCK)
+    block = jnp.where(cached_hit, cand, jnp.where(shared, fresh_id[rep], fresh_id.reshape(b, c)))
+    block = jnp.where(in_table, block, NULL_BLOCK)
+
+    # 5. Counts, tables, stored tokens, and the new full blocks into the cache.
+    ref_count = rc.at[jnp.where(in_table, block, n)].add(1, mode="drop")
+    rows = jnp.pad(block, ((0, 0), (0, config.max_blocks_per_seq - c)))
+    cache = cache.replace(
+        tokens=cache.tokens.at[jnp.where(fresh, block, n)].set(block_tokens, mode="drop")
+    )
+    parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), block[:, :-1]], axis=1)
+    cache = prefix_cache.register(
+        cache,
+        block.reshape(e),
+        chains.reshape(e, 2),
+        jnp.broadcast_to(salts[:, None], (b, c)).reshape(e),
+        parents.reshape(e),
+        (fresh & (j < n_full[:, None])).reshape(e),
+    )
+    last_full = jnp.take_along_axis(chains, jnp.maximum(n_full - 1, 0)[:, None, None], axis=1)[:, 0]
+    seq_chain = jnp.where((n_full > 0)[:, None], last_full, block_hash.root_state(salts))
+
+    n_hit = jnp.sum(hit, axis=1, dtype=jnp.int32)
+    n_cached = jnp.sum(cached_hit, axis=1, dtype=jnp.int32)
+    stats = cache.stats
+    cache = cache.replace(stats=stats.replace(
+        lookups=stats.lookups + jnp.sum(ok, dtype=jnp.int32),
+        query_tokens=stats.query_tokens + jnp.sum(jnp.where(ok, lens, 0), dtype=jnp.int32),
+        hit_tokens=stats.hit_tokens + jnp.sum(n_hit, dtype=jnp.int32) * bs,
+    ))
+    target = jnp.where(ok, sid, s)
+    state = state.replace(
+        queue=queue,
+        ref_count=ref_count,
+        block_tables=state.block_tables.at[target].set(rows, mode="drop"),
+        num_tokens=state.num_tokens.at[target].set(lens, mode="drop"),
+        active=state.active.at[target].set(True, mode="drop"),
+        seq_chain=state.seq_chain.at[target].set(seq_chain, mode="drop"),
+        seq_salt=state.seq_salt.at[target].set(salts, mode="drop"),
+        cache=cache,
+    )
+    return state, AdmitResult(
+        status=status, cached_tokens=n_cached * bs, shared_tokens=(n_hit - n_cached) * bs
+    )

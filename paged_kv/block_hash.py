@@ -1,0 +1,97 @@
+"""Chained 64-bit hashes of full blocks, as two uint32 lanes (no ``jax_enable_x64`` needed).
+
+A block's key depends on its own tokens, on every block before it and on a per-request salt, so
+two requests share a cached block only if their whole prefixes and salts are equal. The chain is
+a linear recurrence per lane, ``x_j = x_{j-1} * P + c_j (mod 2**32)``, where ``c_j`` mixes the
+block's tokens and ``x_{-1}`` mixes the salt; because the recurrence is associative, the keys of
+all blocks of a prompt come from one ``lax.associative_scan`` instead of a sequential loop. The
+key of block ``j`` is a final avalanche of ``x_j``. Integer arithmetic only: the same inputs give
+the same keys in every process and on every backend.
+
+Collisions are possible (it is a hash); the prefix cache never trusts a key alone, it compares the
+cached block's tokens, salt and parent before reusing it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+LANES = 2
+# Odd multipliers of the chain recurrence, one per lane.
+_CHAIN_MULT = np.array([0x9E3779B1, 0x85EBCA77], np.uint32)
+_SALT_SEED = np.array([0x27D4EB2F, 0x165667B1], np.uint32)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's finaliser: a bijection on uint32 with full avalanche."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _position_constants(block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-lane, per-position seeds and odd multipliers, fixed by a splitmix64 stream."""
+    state = np.uint64(0x243F6A8885A308D3)
+    out = np.empty((2, LANES, block_size), np.uint32)
+    with np.errstate(over="ignore"):
+        for i in range(out.size):
+            state = state + np.uint64(0x9E3779B97F4A7C15)
+            z = state
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            out.flat[i] = np.uint32((z ^ (z >> np.uint64(31))) & np.uint64(0xFFFFFFFF))
+    seeds, mults = out[0], out[1] | np.uint32(1)
+    return seeds, mults
+
+
+def block_contents(tokens: jax.Array) -> jax.Array:
+    """uint32 ``[..., 2]``: a hash of each block's tokens alone (``tokens`` int32 ``[..., bs]``).
+
+    Each token is mixed with a position seed, multiplied by a position constant and the products
+    summed, so the reduction is vectorised over the block.
+    """
+    seeds, mults = _position_constants(tokens.shape[-1])
+    t = tokens.astype(jnp.uint32)[..., None, :]  # [..., 1, bs]
+    mixed = _fmix32(t ^ jnp.asarray(seeds)) * jnp.asarray(mults)  # [..., LANES, bs]
+    return _fmix32(jnp.sum(mixed, axis=-1, dtype=jnp.uint32))
+
+
+def root_state(salt: jax.Array) -> jax.Array:
+    """uint32 ``[..., 2]``: the chain state before a request's first block, from its salt."""
+    s = salt.astype(jnp.uint32)[..., None]
+    return _fmix32(s ^ jnp.asarray(_SALT_SEED))
+
+
+def extend(chain: jax.Array, contents: jax.Array) -> jax.Array:
+    """The chain state after one more block: ``chain * P + contents`` per lane."""
+    return chain * jnp.asarray(_CHAIN_MULT) + contents
+
+
+def chain_states(salt: jax.Array, tokens: jax.Array, block_size: int) -> jax.Array:
+    """uint32 ``[B, C, 2]``: chain state after each block of each prompt.
+
+    Args:
+      salt: uint32 ``[B]``.
+      tokens: int32 ``[B, C * block_size]``.
+    """
+    b, length = tokens.shape
+    contents = block_contents(tokens.reshape(b, length // block_size, block_size))
+    # x_j = x_{j-1} * P + c_j  is the composition of affine maps  x -> x * P + c.
+    mult = jnp.broadcast_to(jnp.asarray(_CHAIN_MULT), contents.shape)
+
+    def compose(first, second):
+        (a1, c1), (a2, c2) = first, second
+        return a1 * a2, c1 * a2 + c2
+
+    scale, offset = lax.associative_scan(compose, (mult, contents), axis=1)
+    return root_state(salt)[:, None, :] * scale + offset
+
+
+def key_of(chain: jax.Array) -> jax.Array:
+    """uint32 ``[..., 2]``: the cache key of a block whose chain state is ``chain``."""
+    return _fmix32(chain ^ jnp.uint32(0x61C88647))

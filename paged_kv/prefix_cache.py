@@ -1,0 +1,91 @@
+"""Prefix-cache bookkeeping shared by the operations: caching full blocks, dropping them when
+allocation reuses their memory, and clearing the cache.
+
+Costs are O(blocks touched) (plus the hash table's amortised rebuild), except
+``reset_prefix_cache``, which scans the pool and is meant for between experiments.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from paged_kv import block_hash, hash_table
+from paged_kv.config import ManagerConfig
+from paged_kv.state import BlockManagerState, PrefixCache
+
+
+def uncache(cache: PrefixCache, blocks: jax.Array, mask: jax.Array) -> tuple[PrefixCache, jax.Array]:
+    """Drops the hashes of ``blocks[mask]`` (distinct) that are cached; returns the cache and how
+    many were dropped. Their generation moves on, which unlinks children cached under them."""
+    n = cache.slot.shape[0]
+    slots = cache.slot[blocks]
+    drop = mask & (slots >= 0)
+    target = jnp.where(drop, blocks, n)
+    cache = cache.replace(
+        table=hash_table.remove(cache.table, slots, drop),
+        slot=cache.slot.at[target].set(-1, mode="drop"),
+        generation=cache.generation.at[target].add(1, mode="drop"),
+    )
+    return cache, jnp.sum(drop, dtype=jnp.int32)
+
+
+def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array) -> PrefixCache:
+    """Blocks just taken from the free queue lose their hashes before they are overwritten."""
+    cache, dropped = uncache(cache, taken, mask)
+    stats = cache.stats
+    return cache.replace(stats=stats.replace(evictions=stats.evictions + dropped))
+
+
+def register(
+    cache: PrefixCache,
+    blocks: jax.Array,
+    chains: jax.Array,
+    salts: jax.Array,
+    parents: jax.Array,
+    mask: jax.Array,
+) -> PrefixCache:
+    """Caches full blocks under the key of their chain state, unless the key is cached already.
+
+    Args:
+      blocks: int32 ``[K]`` distinct blocks that just became full (tokens already stored).
+      chains: uint32 ``[K, 2]`` their chain states.
+      salts: uint32 ``[K]``.
+      parents: int32 ``[K]`` the block before each in its table, -1 for a first block.
+      mask: bool ``[K]``.
+    """
+    n = cache.slot.shape[0]
+    keys = block_hash.key_of(chains)
+    table, all_slots, slots = hash_table.insert(
+        cache.table, keys, blocks, mask, cache.key, cache.slot
+    )
+    added = slots >= 0
+    target = jnp.where(added, blocks, n)
+    parent_gen = jnp.where(parents >= 0, cache.generation[jnp.maximum(parents, 0)], 0)
+    return cache.replace(
+        table=table,
+        slot=all_slots.at[target].set(slots, mode="drop"),
+        key=cache.key.at[target].set(keys, mode="drop"),
+        salt=cache.salt.at[target].set(salts, mode="drop"),
+        parent=cache.parent.at[target].set(parents, mode="drop"),
+        parent_generation=cache.parent_generation.at[target].set(parent_gen, mode="drop"),
+    )
+
+
+def reset_prefix_cache(
+    config: ManagerConfig, state: BlockManagerState
+) -> tuple[BlockManagerState, jax.Array]:
+    """Drops the hash of every cached block that no request holds; returns the new state and how
+    many hashes were dropped (int32). Blocks held by running requests stay cached. O(pool)."""
+    if not config.prefix_caching:
+        return state, jnp.int32(0)
+    blocks = jnp.arange(config.num_blocks, dtype=jnp.int32)
+    cache, dropped = uncache(state.cache, blocks, state.ref_count == 0)
+    return state.replace(cache=cache), dropped
+
+
+def is_cached(config: ManagerConfig, state: BlockManagerState) -> jax.Array:
+    """bool ``[num_blocks]``: blocks whose hash the cache holds (all False when caching is off)."""
+    if not config.prefix_caching:
+        return jnp.zeros((config.num_blocks,), bool)
+    return state.cache.slot >= 0

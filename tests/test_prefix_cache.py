@@ -1,0 +1,186 @@
+"""Prefix caching: the issue's worked examples, eviction order, salts, verified hits, statistics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paged_kv as pk
+from paged_kv import block_hash
+from paged_kv.invariants import check_invariants
+
+BS = 16
+CFG = pk.ManagerConfig(num_blocks=64, block_size=BS, max_seqs=8, max_blocks_per_seq=16)
+
+
+def prompt(n_tokens, start=1000):
+    return list(range(start, start + n_tokens))
+
+
+@pytest.fixture
+def bm():
+    return pk.BlockManager(CFG)
+
+
+def test_second_request_hits_three_full_blocks_and_gets_one_fresh(bm):
+    p = prompt(3 * BS + 7)
+    first = bm.admit([0], [p])
+    assert (first.cached_tokens[0], first.shared_tokens[0]) == (0, 0)
+    second = bm.admit([1], [p])
+    assert second.cached_tokens[0] == 3 * BS
+    t0, t1 = bm.table(0), bm.table(1)
+    assert t1[:3] == t0[:3] and t1[3] != t0[3]
+    assert [bm.ref_count(b) for b in t1] == [2, 2, 2, 1]
+    check_invariants(CFG, bm.state)
+    # After both finish, a third request finds the same physical blocks in the free queue.
+    bm.free([0, 1])
+    third = bm.admit([2], [p])
+    assert third.cached_tokens[0] == 3 * BS and bm.table(2)[:3] == t0[:3]
+    assert [bm.ref_count(b) for b in bm.table(2)[:3]] == [1, 1, 1]
+    assert not set(t0[:3]) & set(bm.free_queue())
+    check_invariants(CFG, bm.state)
+
+
+def test_fully_cached_prompt_still_computes_its_last_block(bm):
+    p = prompt(4 * BS)
+    bm.admit([0], [p])
+    again = bm.admit([1], [p])
+    assert again.cached_tokens[0] == 3 * BS  # not 4: the last token's logits are needed
+    assert bm.table(1)[:3] == bm.table(0)[:3] and bm.table(1)[3] != bm.table(0)[3]
+    one_more = bm.admit([2], [p + [7]])  # 4 full blocks + 1 token: all 4 hit
+    assert one_more.cached_tokens[0] == 4 * BS
+
+
+def test_eviction_takes_least_recently_freed_first_and_tail_before_root():
+    cfg = pk.ManagerConfig(num_blocks=9, block_size=BS, max_seqs=4, max_blocks_per_seq=8)
+    bm = pk.BlockManager(cfg)
+    a, b = prompt(4 * BS, 0), prompt(4 * BS, 500)
+    bm.admit([0], [a + [1]])  # 4 full cached blocks + a partly full one
+    bm.admit([1], [b[:2 * BS]])  # 2 full blocks
+    ta, tb = bm.table(0), bm.table(1)
+    bm.free([0])
+    bm.free([1])
+    # a's partly full tail is not cached: front. Then a's blocks tail first, then b's.
+    assert bm.free_queue() == [ta[4], 8, ta[3], ta[2], ta[1], ta[0], tb[1], tb[0]]
+    # Allocating 3 fresh blocks (unrelated prompt) takes the uncached block, free block 8, then
+    # a's deepest block: a's root survives while its tail is evicted.
+    bm.admit([2], [prompt(3 * BS, 9000)])
+    assert bm.table(2) == [ta[4], 8, ta[3]]
+    assert bm.cache_stats()["evictions"] == 1
+    again = bm.admit([3], [a + [1]])
+    assert again.cached_tokens[0] == 3 * BS  # a's first 3 blocks still hit; the 4th was evicted
+    assert bm.table(3)[:3] == ta[:3]
+    check_invariants(cfg, bm.state)
+
+
+def test_evicted_block_hash_no_longer_hits():
+    cfg = pk.ManagerConfig(num_blocks=4, block_size=BS, max_seqs=4, max_blocks_per_seq=4)
+    bm = pk.BlockManager(cfg)
+    p = prompt(BS + 1)
+    bm.admit([0], [p])
+    root = bm.table(0)[0]
+    bm.free([0])
+    bm.admit([1], [prompt(3 * BS, 7000)])  # takes every free block, root included
+    assert root in bm.table(1)
+    bm.free([1])
+    assert bm.admit([2], [p]).cached_tokens[0] == 0
+    check_invariants(cfg, bm.state)
+
+
+def test_salts_separate_tenants(bm):
+    p = prompt(2 * BS + 3)
+    bm.admit([0], [p], salts=[1])
+    assert bm.admit([1], [p], salts=[2]).cached_tokens[0] == 0
+    assert not set(bm.table(0)) & set(bm.table(1))
+    assert bm.admit([2], [p], salts=[1]).cached_tokens[0] == 2 * BS
+    assert bm.table(2)[:2] == bm.table(0)[:2]
+
+
+def test_requests_of_one_call_share_common_prefix_blocks(bm):
+    system = prompt(2 * BS, 0)
+    r = bm.admit([0, 1, 2], [system + [1, 2, 3], system + [4, 5], prompt(BS + 1, 300)])
+    assert r.status.tolist() == [0, 0, 0]
+    assert r.shared_tokens.tolist() == [0, 2 * BS, 0] and r.cached_tokens.tolist() == [0, 0, 0]
+    assert bm.table(1)[:2] == bm.table(0)[:2]
+    assert [bm.ref_count(b) for b in bm.table(0)[:2]] == [2, 2]
+    assert bm.cache_stats()["hit_tokens"] == 2 * BS
+    check_invariants(CFG, bm.state)
+
+
+def test_blocks_filled_while_decoding_are_cached(bm):
+    p = prompt(BS - 2)
+    bm.admit([0], [p])
+    generated = [7, 8, 9]
+    for t in generated:
+        bm.append([0], [t])
+    assert bm.cache_stats()["cached_blocks"] == 1  # the first block filled at token 16
+    later = bm.admit([1], [p + generated])
+    assert later.cached_tokens[0] == BS and bm.table(1)[0] == bm.table(0)[0]
+    check_invariants(CFG, bm.state)
+
+
+def test_forced_collision_never_reuses_other_tokens(monkeypatch):
+    """With a key that maps every block to the same value, only a block whose stored tokens,
+    salt and parent match can be reused."""
+    monkeypatch.setattr(block_hash, "key_of", lambda chain: jnp.zeros_like(chain))
+    cfg = pk.ManagerConfig(num_blocks=40, block_size=4, max_seqs=6, max_blocks_per_seq=8)
+    bm = pk.BlockManager(cfg)
+    bm.admit([0], [[1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    other = bm.admit([1], [[1, 2, 3, 5, 5, 6, 7, 8, 9]])  # differs in block 0
+    assert other.cached_tokens[0] == 0 and not set(bm.table(0)) & set(bm.table(1))
+    deeper = bm.admit([2], [[5, 6, 7, 8, 1, 2, 3, 4, 0]])  # block 1 of seq 0 as a first block
+    assert deeper.cached_tokens[0] == 0 and not set(bm.table(2)) & set(bm.table(0))
+    same = bm.admit([3], [[1, 2, 3, 4, 9]])  # a real hit on the one cached key
+    assert same.cached_tokens[0] == 4 and bm.table(3)[0] == bm.table(0)[0]
+    batch = bm.admit([4, 5], [[4, 4, 4, 4, 4, 1], [4, 4, 4, 5, 4, 1]])
+    assert batch.shared_tokens.tolist() == [0, 0]
+    assert not set(bm.table(4)) & set(bm.table(5))
+    check_invariants(cfg, bm.state)
+
+
+def test_reset_prefix_cache_drops_only_idle_blocks(bm):
+    bm.admit([0, 1], [prompt(2 * BS + 1, 0), prompt(3 * BS + 1, 100)])
+    bm.free([1])
+    assert bm.cache_stats()["cached_blocks"] == 5
+    assert bm.reset_prefix_cache() == 3
+    assert bm.cache_stats()["cached_blocks"] == 2
+    assert bm.admit([2], [prompt(3 * BS + 1, 100)]).cached_tokens[0] == 0
+    assert bm.admit([3], [prompt(2 * BS + 1, 0)]).cached_tokens[0] == 2 * BS
+    check_invariants(CFG, bm.state)
+
+
+def test_statistics(bm):
+    p = prompt(2 * BS + 4)
+    bm.admit([0], [p])
+    bm.admit([1], [p])
+    st = bm.cache_stats()
+    assert (st["lookups"], st["query_tokens"], st["hit_tokens"]) == (2, 2 * len(p), 2 * BS)
+    assert st["hit_rate"] == pytest.approx(2 * BS / (2 * len(p)))
+
+
+def test_caching_off_behaves_like_the_plain_manager():
+    cfg = pk.ManagerConfig(num_blocks=16, block_size=4, max_seqs=4, max_blocks_per_seq=4,
+                           prefix_caching=False)
+    bm = pk.BlockManager(cfg)
+    bm.admit([0], [[1] * 9])
+    assert bm.admit([1], [[1] * 9]).cached_tokens[0] == 0
+    bm.append([0, 1])  # token ids are optional without caching
+    table = bm.table(0)
+    bm.free([0])
+    assert bm.free_queue()[-3:] == table[::-1]  # every freed block to the back, tail first
+    assert bm.reset_prefix_cache() == 0
+
+
+def test_hash_is_deterministic_and_chained():
+    tokens = jnp.arange(64, dtype=jnp.int32).reshape(2, 32)
+    a = block_hash.key_of(block_hash.chain_states(jnp.array([0, 0], jnp.uint32), tokens, 16))
+    b = jax.jit(lambda t: block_hash.key_of(
+        block_hash.chain_states(jnp.array([0, 0], jnp.uint32), t, 16)))(tokens)
+    np.testing.assert_array_equal(a, b)
+    assert a.dtype == jnp.uint32 and a.shape == (2, 2, 2)
+    # Same second block after a different first block: different key.
+    t2 = tokens.at[1, :16].set(tokens[0, :16])
+    c = block_hash.key_of(block_hash.chain_states(jnp.array([0, 0], jnp.uint32), t2, 16))
+    assert (c[1, 0] == a[0, 0]).all() and not (c[1, 1] == a[1, 1]).all()
+    # Pinned values: a change to the hash function changes cache keys everywhere; do it on purpose.
+    assert a[0, 0].tolist() == [3800983191, 3639337636]
