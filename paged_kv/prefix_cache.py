@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from paged_kv import block_hash, hash_table
 from paged_kv.config import ManagerConfig
@@ -32,9 +33,14 @@ def uncache(cache: PrefixCache, blocks: jax.Array, mask: jax.Array) -> tuple[Pre
 
 def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array) -> PrefixCache:
     """Blocks just taken from the free queue lose their hashes before they are overwritten."""
-    cache, dropped = uncache(cache, taken, mask)
-    stats = cache.stats
-    return cache.replace(stats=stats.replace(evictions=stats.evictions + dropped))
+
+    def drop(cache):
+        cache, dropped = uncache(cache, taken, mask)
+        stats = cache.stats
+        return cache.replace(stats=stats.replace(evictions=stats.evictions + dropped))
+
+    # Skipped (one gather) when no taken block is cached, the usual case while the pool has room.
+    return lax.cond(jnp.any(mask & (cache.slot[taken] >= 0)), drop, lambda cache: cache, cache)
 
 
 def register(
@@ -54,6 +60,12 @@ def register(
       parents: int32 ``[K]`` the block before each in its table, -1 for a first block.
       mask: bool ``[K]``.
     """
+    return lax.cond(
+        jnp.any(mask), _register, lambda cache, *_: cache, cache, blocks, chains, salts, parents, mask
+    )
+
+
+def _register(cache, blocks, chains, salts, parents, mask):
     n = cache.slot.shape[0]
     keys = block_hash.key_of(chains)
     table, all_slots, slots = hash_table.insert(

@@ -8,9 +8,11 @@ Workloads, for a batch of B running sequences:
         re-forked from their first member (``select``, as beam search does), so every step writes
         into shared, partly full blocks: 3 copies per group per step, plus lazy allocations.
 
-Times: ``call`` = median of individually timed, synchronised jitted calls (dispatch included);
-``loop`` = the same steps inside one jitted ``lax.fori_loop`` (how the on-device decode loop runs
-it), total / steps. The reference is timed per step with ``time.perf_counter``.
+Times: ``call`` = median of individually timed, synchronised jitted ``append`` calls (dispatch
+included; for cow the ``select`` before it is timed apart); ``loop`` = whole steps (select +
+append for cow) inside one jitted ``lax.fori_loop`` (how the on-device decode loop runs them),
+total / steps. The reference is timed per whole step with ``time.perf_counter``. Prefix caching
+is on by default (token ids stored, filled blocks hashed and cached); one workload runs without.
 
     python scripts/bench_block_manager.py            # writes results/bench_block_manager.json
 """
@@ -35,8 +37,9 @@ from paged_kv.reference import ReferenceBlockManager
 GROUP = 4
 
 
-def make_config(batch: int) -> pk.ManagerConfig:
-    return pk.ManagerConfig(num_blocks=100_000, block_size=16, max_seqs=batch, max_blocks_per_seq=512)
+def make_config(batch: int, caching: bool) -> pk.ManagerConfig:
+    return pk.ManagerConfig(num_blocks=100_000, block_size=16, max_seqs=batch,
+                            max_blocks_per_seq=512, prefix_caching=caching)
 
 
 def prompt_lens(batch: int, seed: int = 0) -> np.ndarray:
@@ -46,22 +49,26 @@ def prompt_lens(batch: int, seed: int = 0) -> np.ndarray:
 def start(cfg, workload, batch):
     """Admitted (and for cow, forked) state on device, and the same on the reference."""
     lens = prompt_lens(batch)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 32_000, size=(batch, 512)).astype(np.int32)
+    prompts = [tokens[i, : lens[i]].tolist() for i in range(batch)]
     ref = ReferenceBlockManager(cfg)
     state = pk.init_state(cfg)
     ids = np.arange(batch, dtype=np.int32)
     if workload == "lazy":
-        state, status = pk.admit(cfg, state, jnp.asarray(ids), jnp.asarray(lens))
-        ref.admit(ids.tolist(), lens.tolist())
+        state, result = pk.admit(cfg, state, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(tokens))
+        ref.admit(ids.tolist(), prompts)
     else:
         roots = ids[::GROUP]
         children = np.setdiff1d(ids, roots)
         parents = children - children % GROUP
-        state, status = pk.admit(cfg, state, jnp.asarray(roots), jnp.asarray(lens[roots]))
-        ref.admit(roots.tolist(), lens[roots].tolist())
+        state, result = pk.admit(cfg, state, jnp.asarray(roots), jnp.asarray(lens[roots]),
+                                 jnp.asarray(tokens[roots]))
+        ref.admit(roots.tolist(), [prompts[i] for i in roots])
         state, s2 = pk.fork(cfg, state, jnp.asarray(parents), jnp.asarray(children))
         ref.fork(parents.tolist(), children.tolist())
         assert (np.asarray(s2) == 0).all()
-    assert (np.asarray(status) == 0).all()
+    assert (np.asarray(result.status) == 0).all()
     return state, ref
 
 
@@ -72,7 +79,7 @@ def device_step(cfg, workload, batch):
     def step(state):
         if workload == "cow":
             state, _ = pk.select(cfg, state, ids, parents)
-        state, result = pk.append(cfg, state, ids)
+        state, result = pk.append(cfg, state, ids, ids + 7)
         return state, result.num_copies
 
     return step
@@ -82,28 +89,43 @@ def reference_step(workload, batch):
     ids = list(range(batch))
     parents = [i - i % GROUP for i in ids]
 
+    tokens = [i + 7 for i in ids]
+
     def step(ref):
         if workload == "cow":
             ref.select(ids, parents)
-        return ref.append(ids)
+        return ref.append(ids, tokens)
 
     return step
 
 
 def time_calls(cfg, workload, batch, steps):
+    """Median per-call time of the jitted ``append`` (and, for cow, of the ``select`` before it,
+    timed separately), each call synchronised."""
     state, _ = start(cfg, workload, batch)
-    step = jax.jit(device_step(cfg, workload, batch), donate_argnums=0)
-    state, copies = step(state)  # compile
-    jax.block_until_ready(state)
-    times, total_copies = [], 0
-    for _ in range(steps):
+    ids = jnp.arange(batch, dtype=jnp.int32)
+    parents = ids - ids % GROUP
+    append = jax.jit(lambda s: pk.append(cfg, s, ids, ids + 7), donate_argnums=0)
+    select = jax.jit(lambda s: pk.select(cfg, s, ids, parents)[0], donate_argnums=0)
+
+    def timed(fn, state):
         t0 = time.perf_counter()
-        state, copies = step(state)
-        jax.block_until_ready((state, copies))
-        times.append(time.perf_counter() - t0)
-        total_copies += int(copies)
+        out = fn(state)
+        jax.block_until_ready(out)
+        return out, time.perf_counter() - t0
+
+    append_times, select_times, total_copies = [], [], 0
+    for i in range(steps + 1):
+        if workload == "cow":
+            state, dt = timed(select, state)
+            select_times.append(dt)
+        (state, result), dt = timed(append, state)
+        if i:  # the first call compiles
+            append_times.append(dt)
+            total_copies += int(result.num_copies)
     assert int(jnp.sum(state.active)) == batch
-    return statistics.median(times), total_copies / steps
+    select_s = statistics.median(select_times[1:]) if select_times else 0.0
+    return statistics.median(append_times), select_s, total_copies / steps
 
 
 def time_loop(cfg, workload, batch, steps, repeats):
@@ -144,31 +166,33 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
-    for workload in ("lazy", "cow"):
+    for workload, caching in (("lazy", True), ("lazy", False), ("cow", True)):
         for batch in (32, 256):
-            cfg = make_config(batch)
-            call_s, copies = time_calls(cfg, workload, batch, args.steps)
+            cfg = make_config(batch, caching)
+            call_s, select_s, copies = time_calls(cfg, workload, batch, args.steps)
             loop_s = time_loop(cfg, workload, batch, args.steps, args.repeats)
             ref_s = time_reference(cfg, workload, batch, args.steps)
             row = dict(
-                workload=workload, batch=batch, pool=cfg.num_blocks,
-                jit_call_us=call_s * 1e6, jit_loop_us=loop_s * 1e6, reference_us=ref_s * 1e6,
-                speedup_call=ref_s / call_s, speedup_loop=ref_s / loop_s,
+                workload=workload, batch=batch, pool=cfg.num_blocks, prefix_caching=caching,
+                jit_call_us=call_s * 1e6, select_call_us=select_s * 1e6,
+                jit_loop_us=loop_s * 1e6, reference_us=ref_s * 1e6,
+                speedup_loop=ref_s / loop_s,
                 copies_per_step=copies,
             )
             rows.append(row)
             print(
-                f"{workload:5s} B={batch:4d}  jit call {row['jit_call_us']:8.1f} us  "
+                f"{workload:5s} cache={caching!s:5s} B={batch:4d}  jit call {row['jit_call_us']:8.1f} us  "
                 f"jit loop {row['jit_loop_us']:8.1f} us  python ref {row['reference_us']:8.1f} us  "
                 f"copies/step {copies:6.1f}",
                 flush=True,
             )
 
-    print("\n| workload | batch | jitted call (µs) | in fori_loop (µs/step) | Python reference (µs) | ref / call | ref / loop |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| workload | prefix caching | batch | append, jitted call (µs) | select call (µs) | step in fori_loop (µs) | Python reference step (µs) | ref / loop |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['batch']} | {r['jit_call_us']:.1f} | {r['jit_loop_us']:.1f} | "
-              f"{r['reference_us']:.1f} | {r['speedup_call']:.1f}x | {r['speedup_loop']:.1f}x |")
+        print(f"| {r['workload']} | {r['prefix_caching']} | {r['batch']} | {r['jit_call_us']:.1f} | "
+              f"{r['select_call_us']:.1f} | {r['jit_loop_us']:.1f} | {r['reference_us']:.1f} | "
+              f"{r['speedup_loop']:.1f}x |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
                 cpus=jax.device_count(), steps=args.steps, repeats=args.repeats,
