@@ -1,0 +1,236 @@
+"""Beam search as one on-device loop, candidates sharing KV blocks through ``select``.
+
+Prompt ``b`` owns block-manager rows ``b * k .. b * k + k - 1`` (k = beam width). The prompt is
+admitted and prefilled once into row ``b * k``; each step every row takes the table of the
+candidate it continues (``select``: all rows switch at once, a path nobody continues is released,
+blocks back to the free queue), then ``append`` gives each beam a slot for its new token
+(copy-on-write where beams share a partly full last block) and one paged decode step scores the
+next tokens. A prompt that is done frees its rows at once.
+
+Algorithm (per prompt, deterministic, float32 log-probabilities of the model's raw logits):
+  1. The k live beams start as one (the others score -inf, so step 0 expands only the prompt).
+  2. Each step, the ``C = k * (1 + max(#EOS ids, 1))`` best (beam score + token log-prob) over all
+     ``k * V`` continuations are ranked (ties: lower beam, then lower token id, first). Those
+     ending in an EOS token *and ranked among the first k* become finished hypotheses of
+     ``length`` = tokens generated (EOS included), scored ``sum_logprobs / length ** length_penalty``;
+     the k best non-EOS continuations become the new beams.
+  3. A prompt is done when it holds k finished hypotheses (early stopping, as ``transformers``'
+     ``early_stopping=True``) or when its budget (``max_new_tokens``, or the context) is used: the
+     last step's k beams are then finished hypotheses too.
+  4. The k best finished hypotheses are returned, best first (ties: the earlier one first).
+If the block pool runs out, the prompt stops there: its live beams join the finished hypotheses
+at their current length and ``out_of_blocks`` is set.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from paged_kv.config import ManagerConfig
+from paged_kv.engine import requests
+from paged_kv.engine.generate import BlockStats
+from paged_kv.engine.sampling import BeamParams, is_eos
+from paged_kv.engine.steps import block_counts, decode, prefill
+from paged_kv.reclaim import free
+from paged_kv.share import select
+from paged_kv.state import BlockManagerState
+from paged_kv.status import Status
+
+NEG_INF = -jnp.inf
+
+
+@struct.dataclass
+class BeamOutput:
+    """Attributes:
+    tokens: int32 ``[B, k, N]`` the k best hypotheses, best first; -1 after each one's end.
+    lengths: int32 ``[B, k]`` generated tokens (EOS included); 0 for an empty slot.
+    scores: float32 ``[B, k]`` ``sum_logprobs / length ** length_penalty`` (-inf: empty slot).
+    sum_logprobs: float32 ``[B, k]``.
+    out_of_blocks: bool ``[B]`` the prompt was cut short (or not admitted) for lack of blocks.
+    stats: ``BlockStats`` per step.
+    steps: int32 scalar, steps run.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    scores: jax.Array
+    sum_logprobs: jax.Array
+    out_of_blocks: jax.Array
+    stats: BlockStats
+    steps: jax.Array
+
+
+@struct.dataclass
+class _BeamLoop:
+    step: jax.Array
+    cur: jax.Array  # [B * k] each beam's newest token (to feed next)
+    done: jax.Array  # [B]
+    out_of_blocks: jax.Array  # [B]
+    beam_scores: jax.Array  # [B, k] sum of log-probs
+    beam_tokens: jax.Array  # [B, k, N]
+    pool_scores: jax.Array  # [B, k] normalized, descending
+    pool_sums: jax.Array  # [B, k]
+    pool_tokens: jax.Array  # [B, k, N]
+    pool_lens: jax.Array  # [B, k]
+    stats: BlockStats
+    state: BlockManagerState
+    pages: jax.Array
+
+
+def _normalize(sums, length, penalty: float):
+    return sums / jnp.maximum(length, 1).astype(jnp.float32) ** penalty
+
+
+def _merge(loop: _BeamLoop, sums, tokens, lengths, mask, penalty: float) -> _BeamLoop:
+    """Keep the k best of the pool plus the masked candidates ``[B, X]`` (pool entries first)."""
+    k = loop.pool_scores.shape[1]
+    scores = jnp.where(mask, _normalize(sums, lengths, penalty), NEG_INF)
+    all_scores = jnp.concatenate([loop.pool_scores, scores], axis=1)
+    all_sums = jnp.concatenate([loop.pool_sums, jnp.where(mask, sums, NEG_INF)], axis=1)
+    all_tokens = jnp.concatenate([loop.pool_tokens, tokens], axis=1)
+    all_lens = jnp.concatenate([loop.pool_lens, jnp.where(mask, lengths, 0)], axis=1)
+    best, idx = jax.lax.top_k(all_scores, k)
+    return loop.replace(pool_scores=best, pool_sums=jnp.take_along_axis(all_sums, idx, axis=1),
+                        pool_tokens=jnp.take_along_axis(all_tokens, idx[:, :, None], axis=1),
+                        pool_lens=jnp.where(jnp.isfinite(best), jnp.take_along_axis(all_lens, idx, axis=1), 0))
+
+
+def _choose(loop: _BeamLoop, logp, step, active, budget, params: BeamParams):
+    """One beam step for the ``active`` prompts. logp float32 ``[B, k, V]``.
+
+    Returns (loop with beams and pool updated, parents int32 [B, k], new tokens int32 [B, k],
+    finished bool [B]: prompts done after this step)."""
+    b, k, v = logp.shape
+    c = k * (1 + max(len(params.eos_token_ids), 1))
+    cand = (loop.beam_scores[:, :, None] + logp).reshape(b, k * v)
+    vals, idx = jax.lax.top_k(cand, c)  # ties: lower flat index first
+    parent, tok = idx // v, idx % v
+    eos = is_eos(tok, params.eos_token_ids)
+    rank = jnp.arange(c, dtype=jnp.int32)[None, :]
+    length = step + 1
+    hist = jnp.take_along_axis(loop.beam_tokens, parent[:, :, None], axis=1).at[:, :, step].set(tok)
+    ok = active[:, None] & jnp.isfinite(vals)
+    loop = _merge(loop, vals, hist, jnp.full((b, c), length, jnp.int32), ok & eos & (rank < k), params.length_penalty)
+    # The k best non-EOS continuations, in rank order.
+    order = jnp.argsort(jnp.where(eos, c + rank, rank), axis=1)[:, :k]
+    new_scores = jnp.take_along_axis(vals, order, axis=1)
+    new_parent = jnp.take_along_axis(parent, order, axis=1)
+    new_tok = jnp.take_along_axis(tok, order, axis=1)
+    new_hist = jnp.take_along_axis(hist, order[:, :, None], axis=1)
+    last = active & (length >= budget)
+    loop = _merge(loop, new_scores, new_hist, jnp.full((b, k), length, jnp.int32),
+                  last[:, None] & jnp.isfinite(new_scores), params.length_penalty)
+    full = jnp.all(jnp.isfinite(loop.pool_scores), axis=1)
+    finished = active & (last | full)
+    keep = active[:, None]
+    loop = loop.replace(beam_scores=jnp.where(keep, new_scores, loop.beam_scores),
+                        beam_tokens=jnp.where(keep[:, :, None], new_hist, loop.beam_tokens))
+    return loop, new_parent, new_tok, finished
+
+
+def _reselect(loop: _BeamLoop, manager: ManagerConfig, parents, tokens, finished, active, k: int) -> _BeamLoop:
+    """Block-manager side of a step: continuing prompts' rows take their parents' tables; finished
+    prompts free their rows."""
+    b = parents.shape[0]
+    rows = jnp.arange(b * k, dtype=jnp.int32).reshape(b, k)
+    going = (active & ~finished)[:, None]
+    state, _ = select(manager, loop.state, jnp.where(going, rows, -1).reshape(-1),
+                      jnp.where(going, rows[:, :1] + parents, -1).reshape(-1))
+    state, _ = free(manager, state, jnp.where(finished[:, None], rows, -1).reshape(-1))
+    return loop.replace(state=state, cur=jnp.where(going, tokens, 0).reshape(-1).astype(jnp.int32),
+                        done=loop.done | finished)
+
+
+def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
+                     prompt_tokens: jax.Array, prompt_lens: jax.Array, *, manager: ManagerConfig, params: BeamParams,
+                     impl: str, chunk_size: int, context: int):
+    """The traceable body of ``beam_search`` (arguments already checked). Returns
+    ``(BeamOutput, pages, state)``."""
+    model = nnx.merge(graphdef, weights)
+    b = prompt_tokens.shape[0]
+    k, steps = params.beam_width, params.max_new_tokens
+    rows = jnp.arange(b * k, dtype=jnp.int32)
+    lens = prompt_lens.astype(jnp.int32)
+    budget = jnp.minimum(steps, context - lens + 1)
+
+    state, pages, logits, status = prefill(model, pages, manager, state, rows[::k], prompt_tokens, lens,
+                                           chunk_size=chunk_size, impl=impl)
+    admitted = status == Status.OK
+    used, shared = block_counts(manager, state, rows)
+    first = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF).astype(jnp.float32)
+    loop = _BeamLoop(
+        step=jnp.int32(1), cur=jnp.zeros((b * k,), jnp.int32), done=~admitted, out_of_blocks=~admitted,
+        beam_scores=jnp.broadcast_to(first, (b, k)), beam_tokens=jnp.full((b, k, steps), -1, jnp.int32),
+        pool_scores=jnp.full((b, k), NEG_INF, jnp.float32), pool_sums=jnp.full((b, k), NEG_INF, jnp.float32),
+        pool_tokens=jnp.full((b, k, steps), -1, jnp.int32), pool_lens=jnp.zeros((b, k), jnp.int32),
+        stats=BlockStats.zeros(steps).record(0, used, shared, 0), state=state, pages=pages)
+    logp = jnp.broadcast_to(jax.nn.log_softmax(logits, axis=-1)[:, None], (b, k, logits.shape[-1]))
+    loop, parents, toks, finished = _choose(loop, logp, 0, admitted, budget, params)
+    loop = _reselect(loop, manager, parents, toks, finished, admitted, k)
+
+    def cond(loop: _BeamLoop):
+        return (loop.step < steps) & ~jnp.all(loop.done)
+
+    def body(loop: _BeamLoop):
+        s = loop.step
+        active = ~loop.done
+        live = jnp.repeat(active, k)
+        state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur, live,
+                                                  impl=impl)
+        used, shared = block_counts(manager, state, rows)
+        loop = loop.replace(state=state, pages=pages, stats=loop.stats.record(s, used, shared, copies))
+        failed = active & jnp.any((live & (st != Status.OK)).reshape(b, k), axis=1)
+        # A prompt that ran out of blocks stops: its beams are hypotheses of their current length.
+        loop = _merge(loop, loop.beam_scores, loop.beam_tokens, jnp.full((b, k), s, jnp.int32),
+                      failed[:, None] & jnp.isfinite(loop.beam_scores), params.length_penalty)
+        state, _ = free(manager, loop.state, jnp.where(jnp.repeat(failed, k), rows, -1))
+        loop = loop.replace(state=state, done=loop.done | failed, out_of_blocks=loop.out_of_blocks | failed)
+        active = active & ~failed
+        logp = jax.nn.log_softmax(logits, axis=-1).reshape(b, k, -1)
+        loop, parents, toks, finished = _choose(loop, logp, s, active, budget, params)
+        loop = _reselect(loop, manager, parents, toks, finished, active, k)
+        return loop.replace(step=s + 1)
+
+    loop = jax.lax.while_loop(cond, body, loop)
+    out = BeamOutput(tokens=loop.pool_tokens, lengths=loop.pool_lens, scores=loop.pool_scores,
+                     sum_logprobs=loop.pool_sums, out_of_blocks=loop.out_of_blocks, stats=loop.stats,
+                     steps=loop.step)
+    return out, loop.pages, loop.state
+
+
+beam_search_jit = jax.jit(beam_search_loop, static_argnames=("graphdef", "manager", "params", "impl", "chunk_size",
+                                                             "context"),
+                          donate_argnames=("pages", "state"))
+
+
+def beam_search(model, pages: jax.Array, prompt_tokens, prompt_lens, params: BeamParams, *, manager: ManagerConfig,
+                state: BlockManagerState | None = None, impl: str = "auto", chunk_size: int | None = None):
+    """Beam search of width ``params.beam_width`` for each prompt, on the device in one jitted loop.
+
+    Arguments as in ``generate`` (no key: beam search is deterministic); rows ``[0, B * k)`` of the
+    block manager must be free and are free again on return. Returns ``(BeamOutput, pages, state)``.
+
+    Raises:
+      ValueError: bad parameters or shapes, ``B * k`` more sequences than ``manager.max_seqs``, a
+        prompt longer than the context, or a vocabulary smaller than the candidates per step.
+    """
+    if not isinstance(params, BeamParams):
+        raise ValueError(f"params must be a BeamParams, got {type(params).__name__}")
+    graphdef, weights = requests.split_model(model)
+    model_config = model.config if hasattr(model, "config") else nnx.merge(graphdef, weights).config
+    k = params.beam_width
+    req = requests.check_request(model_config, manager, pages, state, prompt_tokens, prompt_lens,
+                                 rows_per_prompt=k, what="beam_width", chunk_size=chunk_size, impl=impl,
+                                 eos_token_ids=params.eos_token_ids,
+                                 vocab_needed=k * (1 + max(len(params.eos_token_ids), 1)))
+    state = requests.initial_state(manager, state)
+    return beam_search_jit(graphdef, weights, pages, state, jnp.asarray(prompt_tokens, jnp.int32),
+                           jnp.asarray(prompt_lens, jnp.int32), manager=manager, params=params, impl=impl,
+                           chunk_size=req.chunk_size, context=req.context)
+
+
+__all__ = ["BeamOutput", "beam_search", "beam_search_jit", "beam_search_loop"]

@@ -1,0 +1,232 @@
+"""Sampling (greedy, temperature, top-k, top-p; ``n`` answers per prompt) as one on-device loop.
+
+Everything runs under one ``jax.jit``: admission and chunked prefill of each prompt *once*,
+``fork`` of its table to the other ``n - 1`` samples, then a ``lax.while_loop`` of decode steps
+(``append`` -> ``copy_blocks`` -> paged forward -> sampler). A sample that produces an EOS token
+or reaches its budget is freed in the same step, so its blocks are back in the free queue at once.
+The loop ends when every sample is finished; nothing goes back to the host per token.
+
+Rows: prompt ``b``'s sample ``i`` is block-manager row ``b * n + i`` (rows ``[0, B * n)`` must be
+free). With prefix caching on, prompts that repeat cached blocks skip their prefill.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from paged_kv.config import ManagerConfig
+from paged_kv.engine import requests
+from paged_kv.engine.sampling import SamplingParams, is_eos, sample_tokens
+from paged_kv.engine.steps import block_counts, decode, prefill
+from paged_kv.reclaim import free
+from paged_kv.share import fork
+from paged_kv.state import BlockManagerState
+from paged_kv.status import Status
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence stopped (``GenerateOutput.finish_reason``)."""
+
+    EOS = 1
+    LENGTH = 2
+    """Its budget (``max_new_tokens``, per prompt or overall, or the context) is used up."""
+    NO_BLOCKS = 3
+    """The block pool or its block table ran out: the answer is cut short (the on-device loop
+    does not preempt; a serving loop would)."""
+    REJECTED = 4
+    """Admission failed (not enough free blocks for the prompt): nothing generated."""
+
+
+@struct.dataclass
+class BlockStats:
+    """Per generation step (``[N]``; step ``s`` produces token ``s``; steps not run hold 0).
+
+    Attributes:
+      used: blocks held by any table in the pool while the step runs (after its ``append``;
+        step 0: after prefill and ``fork``).
+      shared: blocks held by two or more of this call's sequences.
+      copies: copy-on-write block copies the step made.
+    """
+
+    used: jax.Array
+    shared: jax.Array
+    copies: jax.Array
+
+    @staticmethod
+    def zeros(n: int) -> "BlockStats":
+        z = jnp.zeros((n,), jnp.int32)
+        return BlockStats(used=z, shared=z, copies=z)
+
+    def record(self, step, used, shared, copies) -> "BlockStats":
+        return BlockStats(used=self.used.at[step].set(used), shared=self.shared.at[step].set(shared),
+                          copies=self.copies.at[step].set(copies))
+
+
+@struct.dataclass
+class GenerateOutput:
+    """Attributes:
+    tokens: int32 ``[B, n, N]`` generated tokens (EOS included), -1 after the end.
+    logprobs: float32 ``[B, n, N]`` log-probability of each token under the model (0 after the end).
+    lengths: int32 ``[B, n]`` tokens generated.
+    finish_reason: int32 ``[B, n]``, a ``FinishReason``.
+    stats: ``BlockStats`` per step.
+    steps: int32 scalar, steps run (the longest answer).
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+    finish_reason: jax.Array
+    stats: BlockStats
+    steps: jax.Array
+
+
+@struct.dataclass
+class _SampleLoop:
+    """The while-loop carry."""
+
+    step: jax.Array
+    cur: jax.Array  # [R] token to feed next
+    live: jax.Array  # [R]
+    budget: jax.Array  # [R] tokens this row may generate
+    tokens: jax.Array  # [R, N]
+    logprobs: jax.Array  # [R, N]
+    lengths: jax.Array  # [R]
+    finish: jax.Array  # [R]
+    stats: BlockStats
+    state: BlockManagerState
+    pages: jax.Array
+
+
+def _emit(loop: _SampleLoop, step, tok, logp, rows, config: ManagerConfig, params: SamplingParams) -> _SampleLoop:
+    """Record this step's tokens for live rows, finish rows at EOS/budget, free finished rows."""
+    live = loop.live
+    tokens = loop.tokens.at[:, step].set(jnp.where(live, tok, -1))
+    logprobs = loop.logprobs.at[:, step].set(jnp.where(live, logp, 0.0))
+    lengths = loop.lengths + live.astype(jnp.int32)
+    eos = live & is_eos(tok, params.eos_token_ids)
+    out_of_budget = live & ~eos & (lengths >= loop.budget)
+    finish = jnp.where(eos, FinishReason.EOS, jnp.where(out_of_budget, FinishReason.LENGTH, loop.finish))
+    done = eos | out_of_budget
+    state, _ = free(config, loop.state, jnp.where(done, rows, -1))
+    return loop.replace(cur=jnp.where(live, tok, loop.cur), live=live & ~done, tokens=tokens, logprobs=logprobs,
+                        lengths=lengths, finish=finish.astype(jnp.int32), state=state)
+
+
+def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
+                  prompt_tokens: jax.Array, prompt_lens: jax.Array, budgets: jax.Array, key: jax.Array, *,
+                  manager: ManagerConfig, params: SamplingParams, impl: str, chunk_size: int, context: int):
+    """The traceable body of ``generate`` (arguments already checked). Returns
+    ``(GenerateOutput, pages, state)``."""
+    model = nnx.merge(graphdef, weights)
+    b = prompt_tokens.shape[0]
+    n, steps = params.n, params.max_new_tokens
+    r = b * n
+    rows = jnp.arange(r, dtype=jnp.int32)
+    firsts = rows[::n]
+    lens = prompt_lens.astype(jnp.int32)
+
+    state, pages, logits, status = prefill(model, pages, manager, state, firsts, prompt_tokens, lens,
+                                           chunk_size=chunk_size, impl=impl)
+    admitted = jnp.repeat(status == Status.OK, n)
+    if n > 1:
+        is_child = rows % n != 0
+        state, _ = fork(manager, state, jnp.where(is_child, (rows // n) * n, -1),
+                        jnp.where(is_child & admitted, rows, -1))
+    budget = jnp.minimum(jnp.clip(budgets.astype(jnp.int32), 1, steps), context - lens + 1)
+    used, shared = block_counts(manager, state, rows)
+    loop = _SampleLoop(
+        step=jnp.int32(1), cur=jnp.zeros((r,), jnp.int32), live=admitted, budget=jnp.repeat(budget, n),
+        tokens=jnp.full((r, steps), -1, jnp.int32), logprobs=jnp.zeros((r, steps), jnp.float32),
+        lengths=jnp.zeros((r,), jnp.int32),
+        finish=jnp.where(admitted, 0, FinishReason.REJECTED).astype(jnp.int32),
+        stats=BlockStats.zeros(steps).record(0, used, shared, 0), state=state, pages=pages)
+    tok, logp = sample_tokens(jnp.repeat(logits, n, axis=0), jax.random.fold_in(key, 0), params)
+    loop = _emit(loop, 0, tok, logp, rows, manager, params)
+
+    def cond(loop: _SampleLoop):
+        return (loop.step < steps) & jnp.any(loop.live)
+
+    def body(loop: _SampleLoop):
+        s = loop.step
+        state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur,
+                                                  loop.live, impl=impl)
+        failed = loop.live & (st != Status.OK)
+        used, shared = block_counts(manager, state, rows)
+        state, _ = free(manager, state, jnp.where(failed, rows, -1))
+        loop = loop.replace(
+            state=state, pages=pages, live=loop.live & ~failed,
+            finish=jnp.where(failed, FinishReason.NO_BLOCKS, loop.finish).astype(jnp.int32),
+            stats=loop.stats.record(s, used, shared, copies))
+        tok, logp = sample_tokens(logits, jax.random.fold_in(key, s), params)
+        return _emit(loop, s, tok, logp, rows, manager, params).replace(step=s + 1)
+
+    loop = jax.lax.while_loop(cond, body, loop)
+    state, _ = free(manager, loop.state, jnp.where(loop.live, rows, -1))  # nothing is left; kept for safety
+    out = GenerateOutput(
+        tokens=loop.tokens.reshape(b, n, steps), logprobs=loop.logprobs.reshape(b, n, steps),
+        lengths=loop.lengths.reshape(b, n), finish_reason=loop.finish.reshape(b, n), stats=loop.stats,
+        steps=jnp.max(loop.lengths))
+    return out, loop.pages, state
+
+
+generate_jit = jax.jit(generate_loop, static_argnames=("graphdef", "manager", "params", "impl", "chunk_size",
+                                                       "context"),
+                       donate_argnames=("pages", "state"))
+"""``generate_loop`` compiled once per (model graph, manager config, params, shapes); pages and
+block-manager state are donated."""
+
+
+def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array, params: SamplingParams, *,
+             manager: ManagerConfig, state: BlockManagerState | None = None, max_new_tokens=None,
+             impl: str = "auto", chunk_size: int | None = None):
+    """Samples ``params.n`` answers for each prompt, all on the device in one jitted loop.
+
+    Args:
+      model: a ``models.Llama`` (NNX module) or its ``(graphdef, state)`` split.
+      pages: the KV pages ``[layers, 2, kv_heads, manager.num_blocks, manager.block_size, head_dim]``
+        (donated).
+      prompt_tokens: int32 ``[B, L]`` zero-padded prompts (see ``pad_prompts``).
+      prompt_lens: int32 ``[B]`` prompt lengths in ``[1, L]``.
+      key: a PRNG key; the same key gives the same tokens (unused when greedy).
+      params: ``SamplingParams`` (static: each distinct value compiles once).
+      manager: the block manager's ``ManagerConfig``.
+      state: the block manager's state (donated), or None for a fresh one. Rows ``[0, B * n)``
+        must be free; they are free again on return.
+      max_new_tokens: optional int32 ``[B]`` per-prompt budgets (clipped to ``params.max_new_tokens``).
+      impl: kernel implementation ("auto", "pallas", "interpret", "reference").
+      chunk_size: prefill chunk length (default ``min(L, 256)``).
+
+    Returns:
+      ``(GenerateOutput, pages, state)``.
+
+    Raises:
+      ValueError: bad parameters, shapes, or more sequences than the manager holds, or a prompt
+        longer than the context, before anything is compiled.
+
+    Callable inside the caller's own ``jax.jit`` (value checks that need concrete arrays are
+    then skipped).
+    """
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    graphdef, weights = requests.split_model(model)
+    model_config = model.config if hasattr(model, "config") else nnx.merge(graphdef, weights).config
+    req = requests.check_request(model_config, manager, pages, state, prompt_tokens, prompt_lens,
+                                 rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
+                                 chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
+                                 top_k=params.top_k)
+    state = requests.initial_state(manager, state)
+    b = req.num_prompts
+    budgets = jnp.full((b,), params.max_new_tokens, jnp.int32) if max_new_tokens is None else \
+        jnp.asarray(max_new_tokens, jnp.int32)
+    return generate_jit(graphdef, weights, pages, state, jnp.asarray(prompt_tokens, jnp.int32),
+                        jnp.asarray(prompt_lens, jnp.int32), budgets, key, manager=manager, params=params,
+                        impl=impl, chunk_size=req.chunk_size, context=req.context)
+
+
+__all__ = ["BlockStats", "FinishReason", "GenerateOutput", "generate", "generate_jit", "generate_loop"]

@@ -1,0 +1,167 @@
+"""Sampling parameters and the token sampler used by the on-device loops.
+
+``SamplingParams`` and ``BeamParams`` are frozen, hashable dataclasses (static ``jax.jit``
+arguments, so two equal parameter sets share one compiled loop), validated on construction: a bad
+value raises ``ValueError`` naming the field, the value and the limit, before anything is traced.
+
+``sample_tokens`` turns float32 logits into one token per row: greedy (``temperature == 0``),
+or temperature, then top-k, then top-p (nucleus) filtering and a categorical draw with an explicit
+PRNG key. The log-probability returned is that of the chosen token under the model's own
+distribution (``log_softmax`` of the raw logits), not of the filtered one, as vLLM reports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _check_count(name: str, value, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+def _eos_tuple(value) -> tuple[int, ...]:
+    if _is_int(value):
+        value = (value,)
+    try:
+        eos = tuple(value)
+    except TypeError:
+        raise ValueError(f"eos_token_ids={value!r} must be an int or a sequence of ints") from None
+    for t in eos:
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"eos_token_ids: {t!r} must be an int >= 0")
+    return tuple(int(t) for t in eos)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample answers.
+
+    Attributes:
+      max_new_tokens: generated tokens per answer at most (>= 1; EOS included); also the size of
+        the output buffers.
+      temperature: 0 for greedy decoding (argmax), else logits are divided by it (>= 0).
+      top_k: keep the ``top_k`` most likely tokens; 0 keeps all (>= 0).
+      top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p``;
+        in (0, 1], 1 keeps all.
+      n: answers per prompt (>= 1). The prompt is prefilled once and its blocks are shared.
+      eos_token_ids: an answer ends after sampling any of these tokens (the EOS is kept).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    n: int = 1
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        _check_count("max_new_tokens", self.max_new_tokens, 1)
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} must be a finite float >= 0")
+        _check_count("top_k", self.top_k, 0)
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        _check_count("n", self.n, 1)
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "n", int(self.n))
+        object.__setattr__(self, "eos_token_ids", _eos_tuple(self.eos_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamParams:
+    """Beam-search parameters.
+
+    Attributes:
+      beam_width: k, live candidates per prompt and hypotheses returned (>= 1).
+      max_new_tokens: generated tokens per hypothesis at most (>= 1).
+      length_penalty: a finished hypothesis of ``length`` generated tokens (EOS included) scores
+        ``sum_logprobs / length ** length_penalty`` (finite float).
+      eos_token_ids: a candidate that samples one of these is finished.
+    """
+
+    beam_width: int = 4
+    max_new_tokens: int = 16
+    length_penalty: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        _check_count("beam_width", self.beam_width, 1)
+        _check_count("max_new_tokens", self.max_new_tokens, 1)
+        if not _is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty={self.length_penalty!r} must be a finite float")
+        object.__setattr__(self, "beam_width", int(self.beam_width))
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        object.__setattr__(self, "length_penalty", float(self.length_penalty))
+        object.__setattr__(self, "eos_token_ids", _eos_tuple(self.eos_token_ids))
+
+
+def check_vocab(eos_token_ids: tuple[int, ...], top_k: int, vocab_size: int) -> None:
+    """ValueError when EOS ids or top_k do not fit the model's vocabulary."""
+    for t in eos_token_ids:
+        if t >= vocab_size:
+            raise ValueError(f"eos token id {t} must be < vocab_size={vocab_size}")
+    if top_k > vocab_size:
+        raise ValueError(f"top_k={top_k} must be <= vocab_size={vocab_size}")
+
+
+def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Temperature, then top-k, then top-p on float32 logits ``[..., V]``; dropped tokens get -inf.
+
+    Ties at a top-k/top-p threshold are all kept (the threshold is a logit value).
+    """
+    x = logits.astype(jnp.float32) / params.temperature
+    v = x.shape[-1]
+    if 0 < params.top_k < v:
+        kth = jax.lax.top_k(x, params.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if params.top_p < 1.0:
+        desc = -jnp.sort(-x, axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
+        keep = before < params.top_p  # always keeps the best token
+        threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < threshold, -jnp.inf, x)
+    return x
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """float32 logits ``[R, V]`` -> (int32 tokens ``[R]``, float32 log-probabilities ``[R]``).
+
+    Rows draw independent noise from the one ``key``, so equal rows (samples of one prompt) differ.
+    """
+    logits = logits.astype(jnp.float32)
+    if params.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        tokens = jax.random.categorical(key, filter_logits(logits, params), axis=-1).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def is_eos(tokens: jax.Array, eos_token_ids: tuple[int, ...]) -> jax.Array:
+    """bool, same shape as ``tokens``: the token is one of ``eos_token_ids``."""
+    out = jnp.zeros(tokens.shape, bool)
+    for t in eos_token_ids:
+        out = out | (tokens == t)
+    return out

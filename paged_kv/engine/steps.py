@@ -1,0 +1,110 @@
+"""The two model steps of the on-device loops, each with its block-manager side.
+
+* ``prefill``: ``admit`` the prompts (prefix-cache hits are skipped), then run them through the
+  paged prefill path in chunks of ``chunk_size`` positions under one ``lax.fori_loop``. K/V go
+  straight into the pages; activations exist for one chunk at a time, so a long prompt never
+  needs a second full-size buffer. Chunk ``c`` covers absolute positions
+  ``[c * chunk_size, (c + 1) * chunk_size)`` for every row, so a row that shares blocks another
+  row of the same call computes (``AdmitResult.shared_tokens``) reads them in the same step they
+  are written (all K/V of a layer are written before that layer attends).
+* ``decode``: ``append`` one token per live row (lazy allocation, copy-on-write list), run the
+  copies with ``copy_blocks`` *before* the K/V write, then one paged decode forward.
+
+Both are traceable functions (no jit of their own); the loops in ``generate``/``beam_search``
+call them under one ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallas_kernels
+from models.paged import PagedBatch, make_paged_batch, paged_forward
+from paged_kv.admission import admit
+from paged_kv.allocate import append
+from paged_kv.batch import blocks_held
+from paged_kv.config import ManagerConfig
+from paged_kv.state import BlockManagerState
+from paged_kv.status import Status
+
+
+def prefill(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
+            prompt_tokens: jax.Array, prompt_lens: jax.Array, *, chunk_size: int, impl: str):
+    """Admit and prefill prompts. Returns (state, pages, logits float32 [B, V] at each prompt's
+    last token, admission status int32 [B]). Rows that were not admitted get garbage logits and
+    write only into the null block."""
+    b, length = prompt_tokens.shape
+    bs = config.block_size
+    prompt_tokens = prompt_tokens.astype(jnp.int32)
+    lens = prompt_lens.astype(jnp.int32)
+    state, res = admit(config, state, seq_ids, lens, prompt_tokens if config.prefix_caching else None)
+    ok = res.status == Status.OK
+    start = jnp.where(ok, res.cached_tokens + res.shared_tokens, lens)  # < lens for admitted rows
+    lens = jnp.where(ok, lens, 0)
+    tables = state.block_tables[jnp.clip(seq_ids, 0, config.max_seqs - 1)]
+    num_chunks = -(-length // chunk_size)
+    padded = jnp.pad(prompt_tokens, ((0, 0), (0, num_chunks * chunk_size - length + chunk_size)))
+    offsets = jnp.arange(chunk_size, dtype=jnp.int32)[None, :]
+    vocab = model.config.vocab_size
+
+    def chunk(c, carry):
+        pages, last = carry
+        lo = c * chunk_size
+        q_start = jnp.clip(jnp.maximum(lo, start), 0, lens)
+        q_lens = jnp.clip(jnp.minimum(lo + chunk_size, lens) - q_start, 0, chunk_size)
+        toks = jnp.take_along_axis(padded, q_start[:, None] + offsets, axis=1)
+        batch = make_paged_batch(tables, q_start, q_lens, chunk_size, bs)
+        logits, pages = paged_forward(model, pages, batch, toks, impl=impl, last_only=True)
+        ends_here = (q_lens > 0) & (q_start + q_lens == lens)
+        return pages, jnp.where(ends_here[:, None], logits, last)
+
+    # Skip chunks that only hold cached positions (or no prompt at all).
+    first = jnp.min(jnp.where(ok, start, length)) // chunk_size
+    last_chunk = -(-jnp.max(lens) // chunk_size)
+    pages, logits = lax.fori_loop(first, jnp.maximum(first, last_chunk), chunk,
+                                  (pages, jnp.zeros((b, vocab), jnp.float32)))
+    return state, pages, logits, res.status
+
+
+def decode(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
+           tokens: jax.Array, live: jax.Array, *, impl: str):
+    """One token per live row (``seq_ids[r]`` running, ``tokens[r]`` the token to feed).
+
+    Returns (state, pages, logits float32 [R, V], append status int32 [R] (PADDING where not
+    live), copies made int32 scalar). Rows whose append failed attend to nothing and write only
+    into the null block.
+    """
+    ids = jnp.where(live, seq_ids, -1)
+    state, res = append(config, state, ids, tokens.astype(jnp.int32) if config.prefix_caching else None)
+    pages = pallas_kernels.copy_blocks(pages, res.copy_src, res.copy_dst, impl=impl)
+    ok = res.status == Status.OK
+    sid = jnp.clip(seq_ids, 0, config.max_seqs - 1)
+    n = jnp.where(ok, state.num_tokens[sid], 0)
+    batch = PagedBatch(
+        block_tables=state.block_tables[sid],
+        q_start=jnp.maximum(n - 1, 0),
+        q_lens=ok.astype(jnp.int32),
+        slots=res.slots[:, None],
+        lengths=n,
+    )
+    logits, pages = paged_forward(model, pages, batch, tokens.astype(jnp.int32), impl=impl)
+    return state, pages, logits, res.status, res.num_copies
+
+
+def block_counts(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(blocks in use in the whole pool, blocks shared among ``seq_ids``' tables), int32 scalars.
+
+    In use is O(1): every allocatable block not in the free queue. Shared is O(R * M), batch
+    scale: a block held by ``r > 1`` of these tables appears ``r`` times and adds ``1 / r`` each
+    time (exact when no other sequence holds the same block).
+    """
+    used = config.num_blocks - 1 - state.queue.num_free
+    sid = jnp.clip(seq_ids, 0, config.max_seqs - 1)
+    held = jnp.where(state.active[sid] & (seq_ids >= 0), blocks_held(config, state.num_tokens[sid]), 0)
+    tables = state.block_tables[sid]
+    j = jnp.arange(config.max_blocks_per_seq, dtype=jnp.int32)[None, :]
+    r = state.ref_count[tables].astype(jnp.float32)
+    share = jnp.where((j < held[:, None]) & (r > 1), 1.0 / jnp.maximum(r, 1.0), 0.0)
+    return used.astype(jnp.int32), jnp.round(jnp.sum(share)).astype(jnp.int32)
