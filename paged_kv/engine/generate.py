@@ -63,8 +63,9 @@ class BlockStats:
         return BlockStats(used=z, shared=z, copies=z)
 
     def record(self, step, used, shared, copies) -> "BlockStats":
-        return BlockStats(used=self.used.at[step].set(used), shared=self.shared.at[step].set(shared),
-                          copies=self.copies.at[step].set(copies))
+        return BlockStats(used=self.used.at[step].set(used, mode="drop"),
+                          shared=self.shared.at[step].set(shared, mode="drop"),
+                          copies=self.copies.at[step].set(copies, mode="drop"))
 
 
 @struct.dataclass
@@ -88,11 +89,13 @@ class GenerateOutput:
 
 @struct.dataclass
 class _SampleLoop:
-    """The while-loop carry."""
+    """The while-loop carry. Iteration ``s`` samples token ``s`` from ``logits``, then (unless
+    everything finished) feeds it through one decode step to get the logits of token ``s + 1``."""
 
     step: jax.Array
-    cur: jax.Array  # [R] token to feed next
+    logits: jax.Array  # [R, V] logits of the token to sample this step
     live: jax.Array  # [R]
+    release: jax.Array  # [R] rows to free at the next step (their append failed)
     budget: jax.Array  # [R] tokens this row may generate
     tokens: jax.Array  # [R, N]
     logprobs: jax.Array  # [R, N]
@@ -101,21 +104,6 @@ class _SampleLoop:
     stats: BlockStats
     state: BlockManagerState
     pages: jax.Array
-
-
-def _emit(loop: _SampleLoop, step, tok, logp, rows, config: ManagerConfig, params: SamplingParams) -> _SampleLoop:
-    """Record this step's tokens for live rows, finish rows at EOS/budget, free finished rows."""
-    live = loop.live
-    tokens = loop.tokens.at[:, step].set(jnp.where(live, tok, -1))
-    logprobs = loop.logprobs.at[:, step].set(jnp.where(live, logp, 0.0))
-    lengths = loop.lengths + live.astype(jnp.int32)
-    eos = live & is_eos(tok, params.eos_token_ids)
-    out_of_budget = live & ~eos & (lengths >= loop.budget)
-    finish = jnp.where(eos, FinishReason.EOS, jnp.where(out_of_budget, FinishReason.LENGTH, loop.finish))
-    done = eos | out_of_budget
-    state, _ = free(config, loop.state, jnp.where(done, rows, -1))
-    return loop.replace(cur=jnp.where(live, tok, loop.cur), live=live & ~done, tokens=tokens, logprobs=logprobs,
-                        lengths=lengths, finish=finish.astype(jnp.int32), state=state)
 
 
 def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
@@ -128,10 +116,10 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     n, steps = params.n, params.max_new_tokens
     r = b * n
     rows = jnp.arange(r, dtype=jnp.int32)
-    firsts = rows[::n]
     lens = prompt_lens.astype(jnp.int32)
 
-    state, pages, logits, status = prefill(model, pages, manager, state, firsts, prompt_tokens, lens,
+    # Each prompt is admitted and prefilled once, into its first sample's row; the others fork it.
+    state, pages, logits, status = prefill(model, pages, manager, state, rows[::n], prompt_tokens, lens,
                                            chunk_size=chunk_size, impl=impl)
     admitted = jnp.repeat(status == Status.OK, n)
     if n > 1:
@@ -141,38 +129,48 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     budget = jnp.minimum(jnp.clip(budgets.astype(jnp.int32), 1, steps), context - lens + 1)
     used, shared = block_counts(manager, state, rows)
     loop = _SampleLoop(
-        step=jnp.int32(1), cur=jnp.zeros((r,), jnp.int32), live=admitted, budget=jnp.repeat(budget, n),
-        tokens=jnp.full((r, steps), -1, jnp.int32), logprobs=jnp.zeros((r, steps), jnp.float32),
-        lengths=jnp.zeros((r,), jnp.int32),
+        step=jnp.int32(0), logits=jnp.repeat(logits, n, axis=0), live=admitted, release=jnp.zeros((r,), bool),
+        budget=jnp.repeat(budget, n), tokens=jnp.full((r, steps), -1, jnp.int32),
+        logprobs=jnp.zeros((r, steps), jnp.float32), lengths=jnp.zeros((r,), jnp.int32),
         finish=jnp.where(admitted, 0, FinishReason.REJECTED).astype(jnp.int32),
         stats=BlockStats.zeros(steps).record(0, used, shared, 0), state=state, pages=pages)
-    tok, logp = sample_tokens(jnp.repeat(logits, n, axis=0), jax.random.fold_in(key, 0), params)
-    loop = _emit(loop, 0, tok, logp, rows, manager, params)
 
-    def cond(loop: _SampleLoop):
-        return (loop.step < steps) & jnp.any(loop.live)
-
-    def body(loop: _SampleLoop):
-        s = loop.step
-        state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur,
-                                                  loop.live, impl=impl)
+    def feed(loop: _SampleLoop, tok):
+        """Decode step feeding ``tok``: logits of the next token, statistics of step s + 1."""
+        state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, tok, loop.live,
+                                                  impl=impl)
         failed = loop.live & (st != Status.OK)
         used, shared = block_counts(manager, state, rows)
-        state, _ = free(manager, state, jnp.where(failed, rows, -1))
-        loop = loop.replace(
-            state=state, pages=pages, live=loop.live & ~failed,
+        return loop.replace(
+            logits=logits, state=state, pages=pages, live=loop.live & ~failed, release=failed,
             finish=jnp.where(failed, FinishReason.NO_BLOCKS, loop.finish).astype(jnp.int32),
-            stats=loop.stats.record(s, used, shared, copies))
-        tok, logp = sample_tokens(logits, jax.random.fold_in(key, s), params)
-        return _emit(loop, s, tok, logp, rows, manager, params).replace(step=s + 1)
+            stats=loop.stats.record(loop.step + 1, used, shared, copies))
 
-    loop = jax.lax.while_loop(cond, body, loop)
-    state, _ = free(manager, loop.state, jnp.where(loop.live, rows, -1))  # nothing is left; kept for safety
+    def body(loop: _SampleLoop):
+        s, live = loop.step, loop.live
+        tok, logp = sample_tokens(loop.logits, jax.random.fold_in(key, s), params)
+        lengths = loop.lengths + live.astype(jnp.int32)
+        eos = live & is_eos(tok, params.eos_token_ids)
+        out_of_budget = live & ~eos & (lengths >= loop.budget)
+        done = eos | out_of_budget
+        # A finished sequence's blocks go back to the free queue now, not at the end of the call.
+        state, _ = free(manager, loop.state, jnp.where(done | loop.release, rows, -1))
+        loop = loop.replace(
+            state=state, live=live & ~done, release=jnp.zeros_like(live), lengths=lengths,
+            tokens=loop.tokens.at[:, s].set(jnp.where(live, tok, -1)),
+            logprobs=loop.logprobs.at[:, s].set(jnp.where(live, logp, 0.0)),
+            finish=jnp.where(eos, FinishReason.EOS, jnp.where(out_of_budget, FinishReason.LENGTH,
+                                                              loop.finish)).astype(jnp.int32))
+        loop = jax.lax.cond(jnp.any(loop.live) & (s + 1 < steps), feed, lambda loop, tok: loop, loop, tok)
+        return loop.replace(step=s + 1)
+
+    # Rows whose append failed at the last decode step are freed by one more (sampling-free) pass.
+    loop = jax.lax.while_loop(lambda loop: (loop.step < steps) & jnp.any(loop.live | loop.release), body, loop)
     out = GenerateOutput(
         tokens=loop.tokens.reshape(b, n, steps), logprobs=loop.logprobs.reshape(b, n, steps),
         lengths=loop.lengths.reshape(b, n), finish_reason=loop.finish.reshape(b, n), stats=loop.stats,
         steps=jnp.max(loop.lengths))
-    return out, loop.pages, state
+    return out, loop.pages, loop.state
 
 
 generate_jit = jax.jit(generate_loop, static_argnames=("graphdef", "manager", "params", "impl", "chunk_size",
