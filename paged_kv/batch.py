@@ -6,8 +6,11 @@ negative ids are padding, so callers can keep ``B`` fixed and never retrace.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from paged_kv.config import ManagerConfig
 from paged_kv.state import BlockManagerState
@@ -69,3 +72,26 @@ def tail_first(tables: jax.Array, num_blocks: jax.Array, mask: jax.Array) -> tup
     valid = mask[:, None] & (col >= 0)
     blocks = jnp.take_along_axis(tables, jnp.clip(col, 0, m - 1), axis=1)
     return blocks.reshape(-1), valid.reshape(-1)
+
+
+def width_buckets(max_blocks_per_seq: int) -> list[int]:
+    """Static table widths an operation may restrict itself to: powers of two from 16, and the
+    full width."""
+    widths = [w for w in (1 << k for k in range(4, 31)) if w < max_blocks_per_seq]
+    return widths + [max_blocks_per_seq]
+
+
+def by_width(needed: jax.Array, max_blocks_per_seq: int, fn, *operands):
+    """Calls ``fn(width, *operands)`` with the smallest bucket ``width >= needed``.
+
+    Operations that touch every held block (fork, select, free) would otherwise pay for all
+    ``max_blocks_per_seq`` columns of each row even when sequences are short; ``lax.switch`` over
+    a few static widths makes their cost follow the longest sequence in the batch instead.
+
+    Args:
+      needed: int32 scalar, the most table columns any row of the batch uses.
+    """
+    widths = width_buckets(max_blocks_per_seq)
+    index = jnp.sum(needed > jnp.asarray(widths[:-1], jnp.int32)) if len(widths) > 1 else 0
+    branches = [functools.partial(fn, w) for w in widths]
+    return lax.switch(index, branches, *operands)

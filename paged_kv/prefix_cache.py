@@ -16,9 +16,12 @@ from paged_kv.config import ManagerConfig
 from paged_kv.state import BlockManagerState, PrefixCache
 
 
-def uncache(cache: PrefixCache, blocks: jax.Array, mask: jax.Array) -> tuple[PrefixCache, jax.Array]:
+def uncache(
+    cache: PrefixCache, blocks: jax.Array, mask: jax.Array, *, bump: bool = True
+) -> tuple[PrefixCache, jax.Array]:
     """Drops the hashes of ``blocks[mask]`` (distinct) that are cached; returns the cache and how
-    many were dropped. Their generation moves on, which unlinks children cached under them."""
+    many were dropped. With ``bump``, their generation moves on, which unlinks children cached
+    under them."""
     n = cache.slot.shape[0]
     slots = cache.slot[blocks]
     drop = mask & (slots >= 0)
@@ -26,16 +29,23 @@ def uncache(cache: PrefixCache, blocks: jax.Array, mask: jax.Array) -> tuple[Pre
     cache = cache.replace(
         table=hash_table.remove(cache.table, slots, drop),
         slot=cache.slot.at[target].set(-1, mode="drop"),
-        generation=cache.generation.at[target].add(1, mode="drop"),
     )
+    if bump:
+        cache = cache.replace(generation=cache.generation.at[target].add(1, mode="drop"))
     return cache, jnp.sum(drop, dtype=jnp.int32)
 
 
 def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array) -> PrefixCache:
-    """Blocks just taken from the free queue lose their hashes before they are overwritten."""
+    """Blocks just taken from the free queue are about to get new contents: each one's
+    generation moves on (so a cached child that named it as parent no longer links to it, even if
+    it was never cached itself), and cached ones lose their hashes."""
+    n = cache.slot.shape[0]
+    cache = cache.replace(
+        generation=cache.generation.at[jnp.where(mask, taken, n)].add(1, mode="drop")
+    )
 
     def drop(cache):
-        cache, dropped = uncache(cache, taken, mask)
+        cache, dropped = uncache(cache, taken, mask, bump=False)
         stats = cache.stats
         return cache.replace(stats=stats.replace(evictions=stats.evictions + dropped))
 

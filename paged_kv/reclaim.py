@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_kv import free_queue
-from paged_kv.batch import blocks_held, check_rows, tail_first
+from paged_kv.batch import blocks_held, by_width, check_rows, tail_first
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.state import BlockManagerState, FreeQueue
 from paged_kv.status import Status
@@ -77,9 +77,15 @@ def free(
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
     ok = status == Status.OK
     rows = state.block_tables[sid]
-    blocks, valid = tail_first(rows, blocks_held(config, state.num_tokens[sid]), ok)
-    ref_count, queue = release(
-        state.ref_count, state.queue, blocks, valid, cache_slots(config, state)
+    held = jnp.where(ok, blocks_held(config, state.num_tokens[sid]), 0)
+    slots = cache_slots(config, state)
+
+    def drop(width, ref_count, queue):
+        blocks, valid = tail_first(rows[:, :width], held, ok)
+        return release(ref_count, queue, blocks, valid, slots)
+
+    ref_count, queue = by_width(
+        jnp.max(held), config.max_blocks_per_seq, drop, state.ref_count, state.queue
     )
     s = config.max_seqs
     target = jnp.where(ok, sid, s)

@@ -47,19 +47,21 @@ class ReferenceBlockManager:
             return Status.BAD_SEQUENCE
         return Status.OK
 
-    def _uncache(self, block: int) -> bool:
+    def _uncache(self, block: int, bump: bool = True) -> bool:
         key = self.key_of.pop(block, None)
         if key is None:
             return False
         del self.cached[key]
-        self.generation[block] += 1
+        self.generation[block] += bump
         return True
 
     def _take(self) -> int:
-        """The front free block, its hash dropped; the caller counts its references."""
+        """The front free block, its hash dropped and its generation moved on (it is about to
+        get new contents); the caller counts its references."""
         block, _ = self.free_queue.popitem(last=False)
-        if self._uncache(block):
+        if self._uncache(block, bump=False):
             self.stats["evictions"] += 1
+        self.generation[block] += 1
         return block
 
     def _cache(self, block: int, key: tuple, parent: int) -> None:

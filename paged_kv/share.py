@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paged_kv.batch import blocks_held, first_occurrence, tail_first
+from paged_kv.batch import blocks_held, by_width, first_occurrence, tail_first
 from paged_kv.config import ManagerConfig
 from paged_kv.reclaim import cache_slots, release
 from paged_kv.state import BlockManagerState
@@ -41,17 +41,21 @@ def _take_tables(
     # Everything reads the state before the call: a row can be a source and a destination at once.
     src_rows = state.block_tables[src]
     src_tokens = state.num_tokens[src]
-    src_held = blocks_held(config, src_tokens)
-    m = config.max_blocks_per_seq
-    j = jnp.arange(m, dtype=jnp.int32)[None, :]
-    gained = ok[:, None] & (j < src_held[:, None])
-    ref_count = state.ref_count.at[jnp.where(gained, src_rows, n)].add(1, mode="drop")
-
+    src_held = jnp.where(ok, blocks_held(config, src_tokens), 0)
     dropping = ok & state.active[dst]
-    blocks, valid = tail_first(
-        state.block_tables[dst], blocks_held(config, state.num_tokens[dst]), dropping
-    )
-    ref_count, queue = release(ref_count, state.queue, blocks, valid, cache_slots(config, state))
+    dst_rows = state.block_tables[dst]
+    dst_held = jnp.where(dropping, blocks_held(config, state.num_tokens[dst]), 0)
+    slots = cache_slots(config, state)
+
+    def recount(width, ref_count, queue):
+        j = jnp.arange(width, dtype=jnp.int32)[None, :]
+        gained = j < src_held[:, None]
+        ref_count = ref_count.at[jnp.where(gained, src_rows[:, :width], n)].add(1, mode="drop")
+        blocks, valid = tail_first(dst_rows[:, :width], dst_held, dropping)
+        return release(ref_count, queue, blocks, valid, slots)
+
+    needed = jnp.maximum(jnp.max(src_held), jnp.max(dst_held))
+    ref_count, queue = by_width(needed, config.max_blocks_per_seq, recount, state.ref_count, state.queue)
 
     target = jnp.where(ok, dst, s)
     state = state.replace(

@@ -168,7 +168,16 @@ class PlainMachine(ManagerMachine):
                               prefix_caching=False)
 
 
+class WideTableMachine(ManagerMachine):
+    """One-token blocks and 24-column tables: fork, select and free switch between restricting
+    themselves to 16 columns and using all 24."""
+
+    config = pk.ManagerConfig(num_blocks=40, block_size=1, max_seqs=MAX_SEQS, max_blocks_per_seq=24)
+
+
 CachingMachine.TestCase.settings = SETTINGS
 PlainMachine.TestCase.settings = SETTINGS
+WideTableMachine.TestCase.settings = settings(SETTINGS, max_examples=50)
 TestPrefixCachingManager = CachingMachine.TestCase
 TestPlainManager = PlainMachine.TestCase
+TestWideTableManager = WideTableMachine.TestCase
