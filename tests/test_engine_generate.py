@@ -200,3 +200,49 @@ def test_bad_requests_raise_before_compiling(model):
     with pytest.raises(ValueError, match=r"rows \[1\] are already running"):
         engine.generate(model, pages, toks, lens, key, SamplingParams(), manager=mgr, state=state)
     assert engine.generate_jit._cache_size() == before
+
+
+def test_out_of_blocks_rejects_and_cuts_short(model):
+    """5 allocatable blocks for three 16-token prompts (2 blocks each): the third is not admitted;
+    at the first decode step the one free block goes to the first prompt (first come, first
+    served), the second is cut short and freed, and the first finishes with its blocks."""
+    n_new = 12
+    mgr = _manager(num_blocks=6)
+    rs = np.random.RandomState(3)
+    prompts = [rs.randint(0, 256, 16).tolist() for _ in range(3)]
+    ref, _ = greedy_generate_contiguous(model, prompts[:2], n_new, chunk_size=16)
+    toks, lens = engine.pad_prompts(prompts)
+    out, _, state = engine.generate(model, _pages(model, mgr), toks, lens, jax.random.key(0),
+                                    SamplingParams(max_new_tokens=n_new), manager=mgr, impl="reference")
+    assert out.finish_reason[:, 0].tolist() == [FinishReason.LENGTH, FinishReason.NO_BLOCKS, FinishReason.REJECTED]
+    assert out.lengths[:, 0].tolist() == [n_new, 1, 0]
+    np.testing.assert_array_equal(np.asarray(out.tokens[0, 0]), ref[0])
+    assert int(out.tokens[1, 0, 0]) == ref[1, 0] and (np.asarray(out.tokens[2]) == -1).all()
+    assert out.stats.used.tolist()[:3] == [4, 5, 3]  # row 1's two blocks are back after one step
+    _assert_all_free(mgr, state)
+
+
+def test_traceable_inside_callers_jit(model):
+    """generate and beam_search trace inside the caller's own jit (tracer arguments; only the
+    shape checks run). make_jaxpr traces without compiling."""
+    from flax import nnx
+    graphdef, weights = nnx.split(model)
+    mgr = _manager()
+    pages = _pages(model, mgr)
+    toks, lens = engine.pad_prompts([[1, 2, 3], [4, 5]], width=8)
+
+    def sample(weights, pages, toks, lens, key):
+        out, pages, _ = engine.generate((graphdef, weights), pages, toks, lens, key, SamplingParams(n=2),
+                                        manager=mgr, impl="reference")
+        return out.tokens, pages
+
+    def beams(weights, pages, toks, lens):
+        out, pages, _ = engine.beam_search((graphdef, weights), pages, toks, lens, engine.BeamParams(2, 4),
+                                           manager=mgr, impl="reference")
+        return out.tokens, pages
+
+    jaxpr = jax.make_jaxpr(sample)(weights, pages, toks, lens, jax.random.key(0))
+    assert jaxpr.out_avals[0].shape == (2, 2, 16)
+    assert "while" in str(jaxpr)
+    jaxpr = jax.make_jaxpr(beams)(weights, pages, toks, lens)
+    assert jaxpr.out_avals[0].shape == (2, 2, 4)

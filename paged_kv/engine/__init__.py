@@ -6,6 +6,25 @@ On-device generation under one ``jax.jit`` (``lax.while_loop``, no host round tr
   the prompt's blocks (``fork``; copy-on-write of the partly full last block on first write).
 * ``beam_search``: width-k beam search whose candidates share blocks through ``select``.
 
+Example::
+
+    import jax, paged_kv as pk
+    from models import allocate_pages, init_model, page_spec, tiny
+    from paged_kv import engine
+
+    model = init_model(tiny())
+    mgr = pk.ManagerConfig(num_blocks=256, block_size=16, max_seqs=32, max_blocks_per_seq=16)
+    pages = allocate_pages(page_spec(model.config, mgr.num_blocks, mgr.block_size))
+    toks, lens = engine.pad_prompts([[1, 2, 3], [4, 5, 6, 7, 8]], width=16)
+    params = engine.SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, n=4)
+    out, pages, state = engine.generate(model, pages, toks, lens, jax.random.key(0), params, manager=mgr)
+    # out.tokens [2, 4, 32], out.logprobs, out.lengths, out.finish_reason, out.stats.{used,shared,copies}
+    beams, pages, state = engine.beam_search(model, pages, toks, lens, engine.BeamParams(beam_width=4),
+                                             manager=mgr, state=state)
+
+Both donate ``pages`` and ``state``; pass them back in for the next call (new prompts of the
+same padded shape reuse the compiled loop). Both can be called inside the caller's own ``jit``.
+
 Modules: ``sampling`` (parameters, sampler), ``steps`` (chunked prefill and the decode step with
 their block-manager side), ``generate``, ``beam_search``, ``requests`` (request checks).
 """
