@@ -152,7 +152,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=100,
+    max_examples=60,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -176,8 +176,8 @@ class WideTableMachine(ManagerMachine):
 
 
 CachingMachine.TestCase.settings = SETTINGS
-PlainMachine.TestCase.settings = SETTINGS
-WideTableMachine.TestCase.settings = settings(SETTINGS, max_examples=50)
+PlainMachine.TestCase.settings = settings(SETTINGS, max_examples=40)
+WideTableMachine.TestCase.settings = settings(SETTINGS, max_examples=30)
 TestPrefixCachingManager = CachingMachine.TestCase
 TestPlainManager = PlainMachine.TestCase
 TestWideTableManager = WideTableMachine.TestCase
