@@ -89,13 +89,13 @@ class GenerateOutput:
 
 @struct.dataclass
 class _SampleLoop:
-    """The while-loop carry. Iteration ``s`` samples token ``s`` from ``logits``, then (unless
-    everything finished) feeds it through one decode step to get the logits of token ``s + 1``."""
+    """The while-loop carry. Iteration ``s >= 1`` feeds token ``s - 1`` (``cur``) through one
+    decode step and samples token ``s``; token 0 is sampled from the prefill's logits before the
+    loop. (A ``lax.cond`` around the decode step instead costs a copy of the pages per step.)"""
 
     step: jax.Array
-    logits: jax.Array  # [R, V] logits of the token to sample this step
+    cur: jax.Array  # [R] the newest token of each row
     live: jax.Array  # [R]
-    release: jax.Array  # [R] rows to free at the next step (their append failed)
     budget: jax.Array  # [R] tokens this row may generate
     tokens: jax.Array  # [R, N]
     logprobs: jax.Array  # [R, N]
@@ -104,6 +104,25 @@ class _SampleLoop:
     stats: BlockStats
     state: BlockManagerState
     pages: jax.Array
+
+
+def _emit(loop: _SampleLoop, logits, key, rows, release, manager: ManagerConfig,
+          params: SamplingParams) -> _SampleLoop:
+    """Sample token ``loop.step`` for the live rows, record it, finish rows at EOS or budget, and
+    free finished rows (and ``release`` rows) at once, not at the end of the call."""
+    s, live = loop.step, loop.live
+    tok, logp = sample_tokens(logits, jax.random.fold_in(key, s), params)
+    lengths = loop.lengths + live.astype(jnp.int32)
+    eos = live & is_eos(tok, params.eos_token_ids)
+    out_of_budget = live & ~eos & (lengths >= loop.budget)
+    done = eos | out_of_budget
+    state, _ = free(manager, loop.state, jnp.where(done | release, rows, -1))
+    return loop.replace(
+        state=state, cur=jnp.where(live, tok, 0), live=live & ~done, lengths=lengths,
+        tokens=loop.tokens.at[:, s].set(jnp.where(live, tok, -1)),
+        logprobs=loop.logprobs.at[:, s].set(jnp.where(live, logp, 0.0)),
+        finish=jnp.where(eos, FinishReason.EOS, jnp.where(out_of_budget, FinishReason.LENGTH,
+                                                          loop.finish)).astype(jnp.int32))
 
 
 def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
@@ -129,43 +148,26 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     budget = jnp.minimum(jnp.clip(budgets.astype(jnp.int32), 1, steps), context - lens + 1)
     used, shared = block_counts(manager, state, rows)
     loop = _SampleLoop(
-        step=jnp.int32(0), logits=jnp.repeat(logits, n, axis=0), live=admitted, release=jnp.zeros((r,), bool),
-        budget=jnp.repeat(budget, n), tokens=jnp.full((r, steps), -1, jnp.int32),
-        logprobs=jnp.zeros((r, steps), jnp.float32), lengths=jnp.zeros((r,), jnp.int32),
-        finish=jnp.where(admitted, 0, FinishReason.REJECTED).astype(jnp.int32),
+        step=jnp.int32(0), cur=jnp.zeros((r,), jnp.int32), live=admitted, budget=jnp.repeat(budget, n),
+        tokens=jnp.full((r, steps), -1, jnp.int32), logprobs=jnp.zeros((r, steps), jnp.float32),
+        lengths=jnp.zeros((r,), jnp.int32), finish=jnp.where(admitted, 0, FinishReason.REJECTED).astype(jnp.int32),
         stats=BlockStats.zeros(steps).record(0, used, shared, 0), state=state, pages=pages)
+    no_release = jnp.zeros((r,), bool)
+    loop = _emit(loop, jnp.repeat(logits, n, axis=0), key, rows, no_release, manager, params)
 
-    def feed(loop: _SampleLoop, tok):
-        """Decode step feeding ``tok``: logits of the next token, statistics of step s + 1."""
-        state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, tok, loop.live,
+    def body(loop: _SampleLoop):
+        s = loop.step + 1
+        state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur, loop.live,
                                                   impl=impl)
         failed = loop.live & (st != Status.OK)
         used, shared = block_counts(manager, state, rows)
-        return loop.replace(
-            logits=logits, state=state, pages=pages, live=loop.live & ~failed, release=failed,
-            finish=jnp.where(failed, FinishReason.NO_BLOCKS, loop.finish).astype(jnp.int32),
-            stats=loop.stats.record(loop.step + 1, used, shared, copies))
-
-    def body(loop: _SampleLoop):
-        s, live = loop.step, loop.live
-        tok, logp = sample_tokens(loop.logits, jax.random.fold_in(key, s), params)
-        lengths = loop.lengths + live.astype(jnp.int32)
-        eos = live & is_eos(tok, params.eos_token_ids)
-        out_of_budget = live & ~eos & (lengths >= loop.budget)
-        done = eos | out_of_budget
-        # A finished sequence's blocks go back to the free queue now, not at the end of the call.
-        state, _ = free(manager, loop.state, jnp.where(done | loop.release, rows, -1))
         loop = loop.replace(
-            state=state, live=live & ~done, release=jnp.zeros_like(live), lengths=lengths,
-            tokens=loop.tokens.at[:, s].set(jnp.where(live, tok, -1)),
-            logprobs=loop.logprobs.at[:, s].set(jnp.where(live, logp, 0.0)),
-            finish=jnp.where(eos, FinishReason.EOS, jnp.where(out_of_budget, FinishReason.LENGTH,
-                                                              loop.finish)).astype(jnp.int32))
-        loop = jax.lax.cond(jnp.any(loop.live) & (s + 1 < steps), feed, lambda loop, tok: loop, loop, tok)
-        return loop.replace(step=s + 1)
+            step=s, state=state, pages=pages, live=loop.live & ~failed,
+            finish=jnp.where(failed, FinishReason.NO_BLOCKS, loop.finish).astype(jnp.int32),
+            stats=loop.stats.record(s, used, shared, copies))
+        return _emit(loop, logits, key, rows, failed, manager, params)
 
-    # Rows whose append failed at the last decode step are freed by one more (sampling-free) pass.
-    loop = jax.lax.while_loop(lambda loop: (loop.step < steps) & jnp.any(loop.live | loop.release), body, loop)
+    loop = jax.lax.while_loop(lambda loop: (loop.step + 1 < steps) & jnp.any(loop.live), body, loop)
     out = GenerateOutput(
         tokens=loop.tokens.reshape(b, n, steps), logprobs=loop.logprobs.reshape(b, n, steps),
         lengths=loop.lengths.reshape(b, n), finish_reason=loop.finish.reshape(b, n), stats=loop.stats,
