@@ -115,3 +115,26 @@ def test_too_many_beams_raise_before_compiling(model):
         engine.beam_search(model, pages, toks[:1], lens[:1], BeamParams(beam_width=150), manager=mgr.__class__(
             num_blocks=16, block_size=BS, max_seqs=200, max_blocks_per_seq=4))
     assert engine.beam_search_jit._cache_size() == before
+
+
+def test_beam_search_out_of_blocks(model):
+    """3 allocatable blocks: the 30-token prompt (4 blocks) is not admitted; the 8-token prompt's
+    two beams fit until both need a third block at position 16, where the prompt stops with its
+    beams as hypotheses of 9 tokens, the same as a 9-token beam search. Every block comes back."""
+    k, penalty = 2, 1.0
+    prompts = [list(range(10, 18)), list(range(30))]
+    mgr = pk.ManagerConfig(num_blocks=4, block_size=BS, max_seqs=4, max_blocks_per_seq=8)
+    pages = allocate_pages(page_spec(model.config, mgr.num_blocks, mgr.block_size))
+    toks, lens = engine.pad_prompts(prompts)
+    out, _, state = engine.beam_search(model, pages, toks, lens, BeamParams(k, 12, penalty), manager=mgr,
+                                       impl="reference")
+    assert out.out_of_blocks.tolist() == [True, True]
+    assert out.lengths.tolist() == [[9, 9], [0, 0]]
+    assert np.isneginf(np.asarray(out.scores[1])).all() and (np.asarray(out.tokens[1]) == -1).all()
+    ref = reference_beam_search(model, prompts[0], k, 9, penalty, ())
+    for j, (score, _, tokens) in enumerate(ref):
+        np.testing.assert_array_equal(np.asarray(out.tokens[0, j, :9]), tokens)
+        np.testing.assert_allclose(float(out.scores[0, j]), score, rtol=1e-5, atol=1e-5)
+    assert int(out.stats.used.max()) == 3
+    u = pk.usage(mgr, state)
+    assert int(u.used) == 0 and int(u.running) == 0 and int(jnp.sum(state.ref_count)) == 0

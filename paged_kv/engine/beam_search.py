@@ -66,13 +66,13 @@ class BeamOutput:
 
 @struct.dataclass
 class _BeamLoop:
-    """The while-loop carry. Iteration ``s`` chooses the beams' token ``s`` from ``logits``,
-    reselects the block tables, then feeds the new tokens through one decode step."""
+    """The while-loop carry. Iteration ``s >= 1`` feeds the beams' token ``s - 1`` through one
+    decode step, chooses token ``s`` and reselects the block tables; step 0 chooses from the
+    prefill's logits before the loop."""
 
     step: jax.Array
-    logits: jax.Array  # [B * k, V] next-token logits of each beam
+    cur: jax.Array  # [B * k] each beam's newest token
     done: jax.Array  # [B]
-    release: jax.Array  # [B] prompts whose rows are to be freed at the next step (out of blocks)
     out_of_blocks: jax.Array  # [B]
     beam_scores: jax.Array  # [B, k] sum of log-probs
     beam_tokens: jax.Array  # [B, k, N]
@@ -136,16 +136,18 @@ def _choose(loop: _BeamLoop, logp, step, active, budget, params: BeamParams):
     return loop, new_parent, new_tok, finished
 
 
-def _reselect(loop: _BeamLoop, manager: ManagerConfig, parents, finished, active, k: int) -> _BeamLoop:
+def _reselect(loop: _BeamLoop, manager: ManagerConfig, parents, tokens, finished, active, release,
+              k: int) -> _BeamLoop:
     """Block-manager side of a step: continuing prompts' rows take their parents' tables; finished
-    prompts (and those that ran out of blocks) free their rows."""
+    prompts (and ``release``: those that ran out of blocks) free their rows at once."""
     b = parents.shape[0]
     rows = jnp.arange(b * k, dtype=jnp.int32).reshape(b, k)
     going = (active & ~finished)[:, None]
     state, _ = select(manager, loop.state, jnp.where(going, rows, -1).reshape(-1),
                       jnp.where(going, rows[:, :1] + parents, -1).reshape(-1))
-    state, _ = free(manager, state, jnp.where((finished | loop.release)[:, None], rows, -1).reshape(-1))
-    return loop.replace(state=state, done=loop.done | finished, release=jnp.zeros_like(loop.release))
+    state, _ = free(manager, state, jnp.where((finished | release)[:, None], rows, -1).reshape(-1))
+    return loop.replace(state=state, done=loop.done | finished,
+                        cur=jnp.where(going, tokens, 0).reshape(-1).astype(jnp.int32))
 
 
 def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
@@ -168,39 +170,34 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
     used, shared = block_counts(manager, state, rows)
     first = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF).astype(jnp.float32)
     loop = _BeamLoop(
-        step=jnp.int32(0), logits=jnp.repeat(logits, k, axis=0), done=~admitted, release=jnp.zeros((b,), bool),
-        out_of_blocks=~admitted, beam_scores=jnp.broadcast_to(first, (b, k)),
-        beam_tokens=jnp.full((b, k, steps), -1, jnp.int32),
+        step=jnp.int32(0), cur=jnp.zeros((b * k,), jnp.int32), done=~admitted, out_of_blocks=~admitted,
+        beam_scores=jnp.broadcast_to(first, (b, k)), beam_tokens=jnp.full((b, k, steps), -1, jnp.int32),
         pool_scores=jnp.full((b, k), NEG_INF, jnp.float32), pool_sums=jnp.full((b, k), NEG_INF, jnp.float32),
         pool_tokens=jnp.full((b, k, steps), -1, jnp.int32), pool_lens=jnp.zeros((b, k), jnp.int32),
         stats=BlockStats.zeros(steps).record(0, used, shared, 0), state=state, pages=pages)
-
-    def feed(loop: _BeamLoop, tokens):
-        """Decode step feeding each live beam's token ``s``; statistics of step s + 1."""
-        s = loop.step
-        live = jnp.repeat(~loop.done, k)
-        state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, tokens, live,
-                                                  impl=impl)
-        used, shared = block_counts(manager, state, rows)
-        loop = loop.replace(logits=logits, state=state, pages=pages,
-                            stats=loop.stats.record(s + 1, used, shared, copies))
-        # A prompt that ran out of blocks stops: its beams are hypotheses of their current length.
-        failed = ~loop.done & jnp.any((live & (st != Status.OK)).reshape(b, k), axis=1)
-        loop = _merge(loop, loop.beam_scores, loop.beam_tokens, jnp.full((b, k), s + 1, jnp.int32),
-                      failed[:, None] & jnp.isfinite(loop.beam_scores), params.length_penalty)
-        return loop.replace(done=loop.done | failed, release=failed, out_of_blocks=loop.out_of_blocks | failed)
+    logp = jnp.broadcast_to(jax.nn.log_softmax(logits, axis=-1)[:, None], (b, k, logits.shape[-1]))
+    loop, parents, toks, finished = _choose(loop, logp, 0, admitted, budget, params)
+    loop = _reselect(loop, manager, parents, toks, finished, admitted, jnp.zeros((b,), bool), k)
 
     def body(loop: _BeamLoop):
-        s = loop.step
+        s = loop.step + 1
         active = ~loop.done
-        logp = jax.nn.log_softmax(loop.logits, axis=-1).reshape(b, k, -1)
+        live = jnp.repeat(active, k)
+        state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur, live,
+                                                  impl=impl)
+        used, shared = block_counts(manager, state, rows)
+        loop = loop.replace(step=s, state=state, pages=pages, stats=loop.stats.record(s, used, shared, copies))
+        # A prompt that ran out of blocks stops: its beams are hypotheses of their current length.
+        failed = active & jnp.any((live & (st != Status.OK)).reshape(b, k), axis=1)
+        loop = _merge(loop, loop.beam_scores, loop.beam_tokens, jnp.full((b, k), s, jnp.int32),
+                      failed[:, None] & jnp.isfinite(loop.beam_scores), params.length_penalty)
+        loop = loop.replace(done=loop.done | failed, out_of_blocks=loop.out_of_blocks | failed)
+        active = active & ~failed
+        logp = jax.nn.log_softmax(logits, axis=-1).reshape(b, k, -1)
         loop, parents, toks, finished = _choose(loop, logp, s, active, budget, params)
-        loop = _reselect(loop, manager, parents, finished, active, k)
-        tokens = jnp.where(loop.done[:, None], 0, toks).reshape(-1).astype(jnp.int32)
-        loop = jax.lax.cond(jnp.any(~loop.done) & (s + 1 < steps), feed, lambda loop, t: loop, loop, tokens)
-        return loop.replace(step=s + 1)
+        return _reselect(loop, manager, parents, toks, finished, active, failed, k)
 
-    loop = jax.lax.while_loop(lambda loop: (loop.step < steps) & jnp.any(~loop.done | loop.release), body, loop)
+    loop = jax.lax.while_loop(lambda loop: (loop.step + 1 < steps) & ~jnp.all(loop.done), body, loop)
     out = BeamOutput(tokens=loop.pool_tokens, lengths=loop.pool_lens, scores=loop.pool_scores,
                      sum_logprobs=loop.pool_sums, out_of_blocks=loop.out_of_blocks, stats=loop.stats,
                      steps=jnp.max(loop.pool_lens))
