@@ -20,7 +20,6 @@ everywhere. Positions past ``length`` inside the last tile are masked.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,27 @@ from pallas_kernels.reference import sanitize_block_tables
 
 # A finite "minus infinity": exp(MASK - m) is 0, and MASK - MASK is 0, never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def online_softmax_init(rows: int, head_dim: int):
+  """(output accumulator, running max, running denominator) before the first key tile."""
+  return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
+def online_softmax_step(carry, s, v, mask):
+  """Folds one tile of scores ``s [rows, keys]`` (float32, scaled) and values ``v [keys, D]`` into
+  the running softmax ``carry``; masked scores count as absent. Shared by the decode and prefill
+  kernels (flash attention's rescaling: old terms are scaled by exp(m_old - m_new))."""
+  o, m, l = carry
+  s = jnp.where(mask, s, MASK_VALUE)
+  m_new = jnp.maximum(m, s.max(axis=1))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+  l_new = alpha * l + p.sum(axis=1)
+  pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                       preferred_element_type=jnp.float32)
+  return alpha[:, None] * o + pv, m_new, l_new
 
 
 # Smallest M, N and K of a Triton dot.
@@ -67,19 +87,9 @@ def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = s * scale
     pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
-    s = jnp.where(pos < length, s, MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
-    l_new = alpha * l + p.sum(axis=1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-    return alpha[:, None] * o + pv, m_new, l_new
+    return online_softmax_step((o, m, l), s, v, pos < length)
 
-  o = jnp.zeros((rows, head_dim), jnp.float32)
-  m = jnp.full((rows,), MASK_VALUE, jnp.float32)
-  l = jnp.zeros((rows,), jnp.float32)
-  o, m, l = lax.fori_loop(0, my_tiles, body, (o, m, l))
+  o, m, l = lax.fori_loop(0, my_tiles, body, online_softmax_init(rows, head_dim))
   o_ref[...] = o
   m_ref[...] = m
   l_ref[...] = l

@@ -24,7 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode_attention import MASK_VALUE, MIN_DOT, next_power_of_two
+from pallas_kernels.decode_attention import (
+    MIN_DOT, next_power_of_two, online_softmax_init, online_softmax_step)
 from pallas_kernels.reference import sanitize_block_tables
 
 
@@ -59,19 +60,9 @@ def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, 
     s = s * scale
     pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
     mask = (pos <= q_pos) & valid
-    s = jnp.where(mask, s, MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-    l_new = alpha * l + p.sum(axis=1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-    return alpha[:, None] * o + pv, m_new, l_new
+    return online_softmax_step((o, m, l), s, v, mask)
 
-  o = jnp.zeros((rows, head_dim), jnp.float32)
-  m = jnp.full((rows,), MASK_VALUE, jnp.float32)
-  l = jnp.zeros((rows,), jnp.float32)
-  o, m, l = lax.fori_loop(0, num_tiles, body, (o, m, l))
+  o, m, l = lax.fori_loop(0, num_tiles, body, online_softmax_init(rows, head_dim))
   out = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
   o_ref[...] = out.astype(o_ref.dtype)
 
