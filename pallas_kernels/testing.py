@@ -14,6 +14,21 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+# Relative-error bounds of the kernel tests (issue 4): float32 and bfloat16.
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+# (dtype, block_size, head_dim, group) shared by the decode and prefill kernel tests: every block
+# size, head dim and GQA ratio appears at least once per dtype, without the full product
+# (interpret mode is slow on a CPU).
+KERNEL_CASES = [
+    (jnp.float32, 8, 64, 1),
+    (jnp.float32, 16, 128, 4),
+    (jnp.float32, 32, 64, 8),
+    (jnp.bfloat16, 8, 128, 8),
+    (jnp.bfloat16, 16, 64, 1),
+    (jnp.bfloat16, 32, 128, 4),
+]
+
 
 @dataclasses.dataclass
 class PagedCase:

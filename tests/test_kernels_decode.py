@@ -10,18 +10,7 @@ import pallas_kernels as pk
 from pallas_kernels import decode_attention
 from pallas_kernels import testing as kt
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-# (dtype, block_size, head_dim, group): every block size, head dim and GQA ratio appears at
-# least once per dtype, without the full product (interpret mode is slow on a CPU).
-CASES = [
-    (jnp.float32, 8, 64, 1),
-    (jnp.float32, 16, 128, 4),
-    (jnp.float32, 32, 64, 8),
-    (jnp.bfloat16, 8, 128, 8),
-    (jnp.bfloat16, 16, 64, 1),
-    (jnp.bfloat16, 32, 128, 4),
-]
+TOL, CASES = kt.TOL, kt.KERNEL_CASES
 
 
 def _lengths(block_size):

@@ -8,16 +8,7 @@ import pallas_kernels as pk
 from pallas_kernels import prefill_attention
 from pallas_kernels import testing as kt
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-CASES = [
-    (jnp.float32, 8, 64, 1),
-    (jnp.float32, 16, 128, 4),
-    (jnp.float32, 32, 64, 8),
-    (jnp.bfloat16, 8, 128, 8),
-    (jnp.bfloat16, 16, 64, 1),
-    (jnp.bfloat16, 32, 128, 4),
-]
+TOL, CASES = kt.TOL, kt.KERNEL_CASES
 
 
 def _chunks(block_size, num_tokens):
