@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from models.config import LlamaConfig
@@ -85,8 +86,8 @@ def make_paged_batch(block_tables, q_start, q_lens, num_tokens: int, block_size:
 
 
 # ---------------------------------------------------------------------------- forward
-def _make_attend(batch: PagedBatch, scale: float, impl: str, decode: bool):
-    def attend(layer, q, k, v, pages):
+def _make_attend(batch: PagedBatch, scale: float, impl: str, decode: bool, mesh=None):
+    def attend_local(layer, q, k, v, pages, batch):
         b, t, _, _ = q.shape
         kvh, e = k.shape[2], k.shape[3]
         q = q.astype(pages.dtype)
@@ -101,22 +102,59 @@ def _make_attend(batch: PagedBatch, scale: float, impl: str, decode: bool):
                                              scale=scale, impl=impl)
         return out, pages
 
+    if mesh is None:
+        return lambda layer, q, k, v, pages: attend_local(layer, q, k, v, pages, batch)
+
+    from models.sharding import AXIS, PAGE_SPEC
+
+    # Each device writes and attends over its own KV heads (and the query heads that read them):
+    # block ids are global and the metadata is replicated, so nothing crosses devices here.
+    heads = P(None, None, AXIS, None)
+
+    def attend(layer, q, k, v, pages):
+        fn = jax.shard_map(functools.partial(attend_local, layer), mesh=mesh,
+                           in_specs=(heads, heads, heads, PAGE_SPEC, P()), out_specs=(heads, PAGE_SPEC),
+                           check_vma=False)
+        return fn(q, k, v, pages, batch)
+
     return attend
 
 
+def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str = "auto", mesh=None) -> jax.Array:
+    """`pallas_kernels.copy_blocks`, run per device under `shard_map` when `mesh` is given (pages
+    sharded on KV heads hold every block, so a block copy is device-local)."""
+    if mesh is None:
+        return pk.copy_blocks(pages, src, dst, impl=impl)
+    from models.sharding import PAGE_SPEC
+    fn = jax.shard_map(functools.partial(pk.copy_blocks, impl=impl), mesh=mesh, in_specs=(PAGE_SPEC, P(), P()),
+                       out_specs=PAGE_SPEC, check_vma=False)
+    return fn(pages, src, dst)
+
+
+def _check_mesh(config: LlamaConfig, mesh) -> None:
+    if mesh is not None:
+        from models.sharding import check_on_mesh
+        check_on_mesh(config, mesh, config.num_kv_heads)
+
+
 def paged_forward(model, pages: jax.Array, batch: PagedBatch, tokens: jax.Array, *, impl: str = "auto",
-                  last_only: bool = False):
+                  last_only: bool = False, mesh=None):
     """Un-jitted forward. tokens int32[B, T] (a prefill chunk) or int32[B] (decode, one per sequence).
 
     Returns (float32 logits, pages): logits [B, T, V] for a chunk ([B, V] at the last valid token
     when `last_only`), [B, V] for decode.
+
+    `mesh`: a `jax.sharding.Mesh` with a "tp" axis when the model and pages were placed with
+    `models.sharding.shard`; the KV write and paged attention then run per device under
+    `jax.shard_map` over KV heads, and XLA inserts the all-reduces of the sharded matmuls.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    _check_mesh(model.config, mesh)
     decode = tokens.ndim == 1
     toks = tokens[:, None] if decode else tokens
     scale = model.config.head_dim ** -0.5
-    hidden, pages = model(toks, batch.positions, pages, _make_attend(batch, scale, impl, decode))
+    hidden, pages = model(toks, batch.positions, pages, _make_attend(batch, scale, impl, decode, mesh))
     if decode:
         hidden = hidden[:, 0]
     elif last_only:
@@ -124,24 +162,27 @@ def paged_forward(model, pages: jax.Array, batch: PagedBatch, tokens: jax.Array,
     return model.logits(hidden), pages
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "last_only"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "last_only", "mesh"), donate_argnames=("pages",))
 def paged_prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array, batch: PagedBatch,
-                       tokens: jax.Array, *, impl: str = "auto", last_only: bool = False):
+                       tokens: jax.Array, *, impl: str = "auto", last_only: bool = False, mesh=None):
     """`(graphdef, state, pages, batch, tokens int32[B, T]) -> (logits, pages)`: one prefill chunk
-    per sequence, K/V written at `batch.slots`, causal paged attention. `pages` is donated."""
+    per sequence, K/V written at `batch.slots`, causal paged attention. `pages` is donated.
+    `mesh`: as in `paged_forward` (static)."""
     if tokens.ndim != 2:
         raise ValueError(f"prefill tokens must be [B, T], got shape {tokens.shape}")
-    return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl, last_only=last_only)
+    return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl, last_only=last_only,
+                         mesh=mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh"), donate_argnames=("pages",))
 def paged_decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array, batch: PagedBatch,
-                      tokens: jax.Array, *, impl: str = "auto"):
+                      tokens: jax.Array, *, impl: str = "auto", mesh=None):
     """`(graphdef, state, pages, batch, tokens int32[B]) -> (logits float32[B, V], pages)`: one token
-    per sequence (batch.q_lens 1, or 0 for padding rows). `pages` is donated."""
+    per sequence (batch.q_lens 1, or 0 for padding rows). `pages` is donated. `mesh`: as in
+    `paged_forward` (static)."""
     if tokens.ndim != 1:
         raise ValueError(f"decode tokens must be [B], got shape {tokens.shape}")
-    return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl)
+    return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl, mesh=mesh)
 
 
 # ---------------------------------------------------------------------------- page sizing

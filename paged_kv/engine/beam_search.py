@@ -152,7 +152,7 @@ def _reselect(loop: _BeamLoop, manager: ManagerConfig, parents, tokens, finished
 
 def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
                      prompt_tokens: jax.Array, prompt_lens: jax.Array, *, manager: ManagerConfig, params: BeamParams,
-                     impl: str, chunk_size: int, context: int):
+                     impl: str, chunk_size: int, context: int, mesh=None):
     """The traceable body of ``beam_search`` (arguments already checked). Returns
     ``(BeamOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
@@ -165,7 +165,7 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
     # Each prompt is admitted and prefilled once, into its first beam's row; step 0's ``select``
     # gives the other beams its table.
     state, pages, logits, status = prefill(model, pages, manager, state, rows[::k], prompt_tokens, lens,
-                                           chunk_size=chunk_size, impl=impl)
+                                           chunk_size=chunk_size, impl=impl, mesh=mesh)
     admitted = status == Status.OK
     used, shared = block_counts(manager, state, rows)
     first = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF).astype(jnp.float32)
@@ -184,7 +184,7 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
         active = ~loop.done
         live = jnp.repeat(active, k)
         state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur, live,
-                                                  impl=impl)
+                                                  impl=impl, mesh=mesh)
         used, shared = block_counts(manager, state, rows)
         loop = loop.replace(step=s, state=state, pages=pages, stats=loop.stats.record(s, used, shared, copies))
         # A prompt that ran out of blocks stops: its beams are hypotheses of their current length.
@@ -205,34 +205,37 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
 
 
 beam_search_jit = jax.jit(beam_search_loop, static_argnames=("graphdef", "manager", "params", "impl", "chunk_size",
-                                                             "context"),
+                                                             "context", "mesh"),
                           donate_argnames=("pages", "state"))
 
 
 def beam_search(model, pages: jax.Array, prompt_tokens, prompt_lens, params: BeamParams, *, manager: ManagerConfig,
-                state: BlockManagerState | None = None, impl: str = "auto", chunk_size: int | None = None):
+                state: BlockManagerState | None = None, impl: str = "auto", chunk_size: int | None = None,
+                mesh=None):
     """Beam search of width ``params.beam_width`` for each prompt, on the device in one jitted loop.
 
-    Arguments as in ``generate`` (no key: beam search is deterministic); rows ``[0, B * k)`` of the
-    block manager must be free and are free again on return. Returns ``(BeamOutput, pages, state)``.
+    Arguments as in ``generate`` (no key: beam search is deterministic; ``mesh`` likewise runs it
+    tensor-parallel); rows ``[0, B * k)`` of the block manager must be free and are free again on
+    return. Returns ``(BeamOutput, pages, state)``.
 
     Raises:
       ValueError: bad parameters or shapes, ``B * k`` more sequences than ``manager.max_seqs``, a
-        prompt longer than the context, or a vocabulary smaller than the candidates per step.
+        prompt longer than the context, a vocabulary smaller than the candidates per step, or a
+        bad mesh.
     """
     if not isinstance(params, BeamParams):
         raise ValueError(f"params must be a BeamParams, got {type(params).__name__}")
-    graphdef, weights = requests.split_model(model)
-    model_config = model.config if hasattr(model, "config") else nnx.merge(graphdef, weights).config
+    graphdef, weights, model_config, pages, mesh = requests.place(model, pages, mesh)
     k = params.beam_width
     req = requests.check_request(model_config, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=k, what="beam_width", chunk_size=chunk_size, impl=impl,
                                  eos_token_ids=params.eos_token_ids,
                                  vocab_needed=k * (1 + max(len(params.eos_token_ids), 1)))
     state = requests.initial_state(manager, state)
-    return beam_search_jit(graphdef, weights, pages, state, jnp.asarray(prompt_tokens, jnp.int32),
-                           jnp.asarray(prompt_lens, jnp.int32), manager=manager, params=params, impl=impl,
-                           chunk_size=req.chunk_size, context=req.context)
+    state, toks, lens = requests.replicate_inputs(mesh, state, jnp.asarray(prompt_tokens, jnp.int32),
+                                                  jnp.asarray(prompt_lens, jnp.int32))
+    return beam_search_jit(graphdef, weights, pages, state, toks, lens, manager=manager, params=params, impl=impl,
+                           chunk_size=req.chunk_size, context=req.context, mesh=mesh)
 
 
 __all__ = ["BeamOutput", "beam_search", "beam_search_jit", "beam_search_loop"]

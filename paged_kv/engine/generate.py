@@ -127,7 +127,7 @@ def _emit(loop: _SampleLoop, logits, key, rows, release, manager: ManagerConfig,
 
 def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
                   prompt_tokens: jax.Array, prompt_lens: jax.Array, budgets: jax.Array, key: jax.Array, *,
-                  manager: ManagerConfig, params: SamplingParams, impl: str, chunk_size: int, context: int):
+                  manager: ManagerConfig, params: SamplingParams, impl: str, chunk_size: int, context: int, mesh=None):
     """The traceable body of ``generate`` (arguments already checked). Returns
     ``(GenerateOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
@@ -139,7 +139,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
 
     # Each prompt is admitted and prefilled once, into its first sample's row; the others fork it.
     state, pages, logits, status = prefill(model, pages, manager, state, rows[::n], prompt_tokens, lens,
-                                           chunk_size=chunk_size, impl=impl)
+                                           chunk_size=chunk_size, impl=impl, mesh=mesh)
     admitted = jnp.repeat(status == Status.OK, n)
     if n > 1:
         is_child = rows % n != 0
@@ -158,7 +158,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     def body(loop: _SampleLoop):
         s = loop.step + 1
         state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur, loop.live,
-                                                  impl=impl)
+                                                  impl=impl, mesh=mesh)
         failed = loop.live & (st != Status.OK)
         used, shared = block_counts(manager, state, rows)
         loop = loop.replace(
@@ -176,7 +176,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
 
 
 generate_jit = jax.jit(generate_loop, static_argnames=("graphdef", "manager", "params", "impl", "chunk_size",
-                                                       "context"),
+                                                       "context", "mesh"),
                        donate_argnames=("pages", "state"))
 """``generate_loop`` compiled once per (model graph, manager config, params, shapes); pages and
 block-manager state are donated."""
@@ -184,7 +184,7 @@ block-manager state are donated."""
 
 def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array, params: SamplingParams, *,
              manager: ManagerConfig, state: BlockManagerState | None = None, max_new_tokens=None,
-             impl: str = "auto", chunk_size: int | None = None):
+             impl: str = "auto", chunk_size: int | None = None, mesh=None):
     """Samples ``params.n`` answers for each prompt, all on the device in one jitted loop.
 
     Args:
@@ -201,21 +201,26 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
       max_new_tokens: optional int32 ``[B]`` per-prompt budgets (clipped to ``params.max_new_tokens``).
       impl: kernel implementation ("auto", "pallas", "interpret", "reference").
       chunk_size: prefill chunk length (default ``min(L, 256)``).
+      mesh: a ``jax.sharding.Mesh`` with a "tp" axis to run tensor-parallel (``models.sharding``);
+        the model and pages are placed on it (a no-op when ``models.sharding.shard`` already did;
+        pages with the model's original KV-head count get replicated heads when tp exceeds it, and
+        the returned pages keep that layout). None: the pages' own mesh if they are sharded, else
+        one device. The block-manager state and the outputs are replicated.
 
     Returns:
       ``(GenerateOutput, pages, state)``.
 
     Raises:
       ValueError: bad parameters, shapes, or more sequences than the manager holds, or a prompt
-        longer than the context, before anything is compiled.
+        longer than the context, or a mesh without a "tp" axis or whose size fits no head layout,
+        before anything is compiled.
 
-    Callable inside the caller's own ``jax.jit`` (value checks that need concrete arrays are
+    Callable inside the caller's own ``jit`` (value checks that need concrete arrays are
     then skipped).
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    graphdef, weights = requests.split_model(model)
-    model_config = model.config if hasattr(model, "config") else nnx.merge(graphdef, weights).config
+    graphdef, weights, model_config, pages, mesh = requests.place(model, pages, mesh)
     req = requests.check_request(model_config, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
@@ -224,9 +229,10 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
     b = req.num_prompts
     budgets = jnp.full((b,), params.max_new_tokens, jnp.int32) if max_new_tokens is None else \
         jnp.asarray(max_new_tokens, jnp.int32)
-    return generate_jit(graphdef, weights, pages, state, jnp.asarray(prompt_tokens, jnp.int32),
-                        jnp.asarray(prompt_lens, jnp.int32), budgets, key, manager=manager, params=params,
-                        impl=impl, chunk_size=req.chunk_size, context=req.context)
+    state, toks, lens, budgets, key = requests.replicate_inputs(
+        mesh, state, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), budgets, key)
+    return generate_jit(graphdef, weights, pages, state, toks, lens, budgets, key, manager=manager, params=params,
+                        impl=impl, chunk_size=req.chunk_size, context=req.context, mesh=mesh)
 
 
 __all__ = ["BlockStats", "FinishReason", "GenerateOutput", "generate", "generate_jit", "generate_loop"]

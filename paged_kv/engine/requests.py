@@ -33,6 +33,35 @@ def split_model(model):
     raise ValueError(f"model must be an nnx.Module or a (graphdef, state) pair, got {type(model).__name__}")
 
 
+def place(model, pages, mesh):
+    """Resolve the mesh of a call and put the model and pages on it.
+
+    ``mesh`` None: the mesh the pages are already sharded over (``models.sharding.shard``), or none
+    (one device: nothing changes). Returns ``(graphdef, weights, model_config, pages, mesh)``; with
+    a mesh the model and pages are placed (a no-op when they already are), and ``model_config`` is
+    the placed model's (KV heads replicated when tp exceeds them).
+    """
+    from models import sharding
+
+    graphdef, weights = split_model(model)
+    mesh = sharding.mesh_of(pages) if mesh is None else mesh
+    if mesh is None:
+        config = model.config if hasattr(model, "config") else nnx.merge(graphdef, weights).config
+        return graphdef, weights, config, pages, None
+    sharding.tp_degree(mesh)
+    (graphdef, weights), pages = sharding.shard((graphdef, weights), pages, mesh)
+    return graphdef, weights, nnx.merge(graphdef, weights).config, pages, mesh
+
+
+def replicate_inputs(mesh, *arrays):
+    """Arrays (block-manager state, prompts, keys) replicated over ``mesh``, or as given without one.
+    Over several processes every process must pass the same values."""
+    if mesh is None:
+        return arrays
+    from models import sharding
+    return sharding.replicate(arrays, mesh)
+
+
 def pad_prompts(prompts, width: int | None = None, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Token lists -> (int32 ``[B, W]`` zero-padded tokens, int32 ``[B]`` lengths).
 

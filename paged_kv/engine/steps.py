@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import pallas_kernels
-from models.paged import PagedBatch, make_paged_batch, paged_forward
+from models.paged import PagedBatch, copy_blocks, make_paged_batch, paged_forward
 from paged_kv.admission import admit
 from paged_kv.allocate import append
 from paged_kv.batch import blocks_held
@@ -31,10 +30,10 @@ from paged_kv.status import Status
 
 
 def prefill(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
-            prompt_tokens: jax.Array, prompt_lens: jax.Array, *, chunk_size: int, impl: str):
+            prompt_tokens: jax.Array, prompt_lens: jax.Array, *, chunk_size: int, impl: str, mesh=None):
     """Admit and prefill prompts. Returns (state, pages, logits float32 [B, V] at each prompt's
     last token, admission status int32 [B]). Rows that were not admitted get garbage logits and
-    write only into the null block."""
+    write only into the null block. ``mesh``: see ``models.paged.paged_forward``."""
     b, length = prompt_tokens.shape
     bs = config.block_size
     prompt_tokens = prompt_tokens.astype(jnp.int32)
@@ -56,7 +55,7 @@ def prefill(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerS
         q_lens = jnp.clip(jnp.minimum(lo + chunk_size, lens) - q_start, 0, chunk_size)
         toks = jnp.take_along_axis(padded, q_start[:, None] + offsets, axis=1)
         batch = make_paged_batch(tables, q_start, q_lens, chunk_size, bs)
-        logits, pages = paged_forward(model, pages, batch, toks, impl=impl, last_only=True)
+        logits, pages = paged_forward(model, pages, batch, toks, impl=impl, last_only=True, mesh=mesh)
         ends_here = (q_lens > 0) & (q_start + q_lens == lens)
         return pages, jnp.where(ends_here[:, None], logits, last)
 
@@ -69,16 +68,17 @@ def prefill(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerS
 
 
 def decode(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
-           tokens: jax.Array, live: jax.Array, *, impl: str):
+           tokens: jax.Array, live: jax.Array, *, impl: str, mesh=None):
     """One token per live row (``seq_ids[r]`` running, ``tokens[r]`` the token to feed).
 
     Returns (state, pages, logits float32 [R, V], append status int32 [R] (PADDING where not
     live), copies made int32 scalar). Rows whose append failed attend to nothing and write only
-    into the null block.
+    into the null block. With a ``mesh`` (see ``models.paged.paged_forward``) the block copies run
+    per device: each holds every block for its own KV heads.
     """
     ids = jnp.where(live, seq_ids, -1)
     state, res = append(config, state, ids, tokens.astype(jnp.int32) if config.prefix_caching else None)
-    pages = pallas_kernels.copy_blocks(pages, res.copy_src, res.copy_dst, impl=impl)
+    pages = copy_blocks(pages, res.copy_src, res.copy_dst, impl=impl, mesh=mesh)
     ok = res.status == Status.OK
     sid = jnp.clip(seq_ids, 0, config.max_seqs - 1)
     n = jnp.where(ok, state.num_tokens[sid], 0)
@@ -89,7 +89,7 @@ def decode(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerSt
         slots=res.slots[:, None],
         lengths=n,
     )
-    logits, pages = paged_forward(model, pages, batch, tokens.astype(jnp.int32), impl=impl)
+    logits, pages = paged_forward(model, pages, batch, tokens.astype(jnp.int32), impl=impl, mesh=mesh)
     return state, pages, logits, res.status, res.num_copies
 
 

@@ -1,0 +1,425 @@
+"""Tensor parallelism over a `jax.sharding.Mesh` axis named "tp" (Megatron-style, XLA SPMD).
+
+What is sharded over the "tp" axis of size `tp` (everything else is replicated):
+
+| array | shape (model layout) | sharded axis |
+|---|---|---|
+| `q_proj` | `[d, num_heads, head_dim]` | heads |
+| `k_proj`, `v_proj` | `[d, kv_heads, head_dim]` | KV heads |
+| `o_proj` | `[num_heads, head_dim, d]` | heads (row-parallel: XLA all-reduces its output) |
+| `gate`, `up` | `[d, f]` | `f` (column-parallel) |
+| `down` | `[f, d]` | `f` (row-parallel: XLA all-reduces its output) |
+| `lm_head` (or the tied `embed`) | `[vocab, d]` | vocab, when `tp` divides it |
+| KV `pages` | `[layers, 2, kv_heads, blocks, block_size, head_dim]` | KV heads |
+
+So each device holds every block for its own KV heads: block ids are global, the block-manager
+state stays small and replicated, and block copies, KV writes and paged attention are
+device-local; `models.paged` runs those kernels under `jax.shard_map` over "tp" (a Pallas call is
+opaque to the SPMD partitioner, and shard_map makes the locality explicit for the reference path
+too). A decode step needs two all-reduces of the hidden state per layer, inserted by XLA.
+
+Head layouts: `tp` must divide `num_heads` and `intermediate_size`, and either divide
+`num_kv_heads` or be a multiple of it. In the second case each KV head is replicated
+`tp // num_kv_heads` times (`k_proj`/`v_proj` and the pages get `tp` KV heads, one per device):
+query head `h` then reads replicated head `h // (num_heads // tp)`, whose weights are those of
+original head `h // (num_heads // num_kv_heads)`, so the model computes exactly the same function.
+The placed model's `config.num_kv_heads` is that effective count; pages are sized from it.
+
+Entry points: `make_mesh`, `shard(model, pages, mesh)` (place a model and its pages),
+`allocate_pages_on_mesh`, `load_sharded` (each process reads only its slices of the safetensors
+tensors), `kv_capacity` (blocks and tokens per device after weights), `valid_degrees`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.config import LlamaConfig
+from models.llama import Llama, abstract_model
+
+AXIS = "tp"
+"""Name of the tensor-parallel mesh axis."""
+
+
+# ---------------------------------------------------------------------------- degrees and meshes
+def _divisors_up_to(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def degree_problem(config: LlamaConfig, tp: int) -> str | None:
+    """Why `tp` fits no head layout of `config` (None when it fits)."""
+    if not isinstance(tp, (int, np.integer)) or isinstance(tp, bool) or tp < 1:
+        return f"tensor-parallel degree {tp!r} must be an int >= 1"
+    if config.num_heads % tp:
+        return f"{tp} does not divide num_heads={config.num_heads}"
+    if config.intermediate_size % tp:
+        return f"{tp} does not divide intermediate_size={config.intermediate_size}"
+    kvh = config.num_kv_heads
+    if kvh % tp and tp % kvh:
+        return f"{tp} neither divides num_kv_heads={kvh} nor is a multiple of it (to replicate KV heads)"
+    return None
+
+
+def valid_degrees(config: LlamaConfig) -> list[int]:
+    """Every tensor-parallel degree with a head layout for `config` (all divide `num_heads`)."""
+    return [d for d in _divisors_up_to(config.num_heads) if degree_problem(config, d) is None]
+
+
+def check_degree(config: LlamaConfig, tp: int) -> None:
+    """Raise ValueError naming `tp`, the reason and the degrees that work."""
+    problem = degree_problem(config, tp)
+    if problem is not None:
+        raise ValueError(f"tensor-parallel degree tp={tp!r} fits no head layout: {problem}; "
+                         f"degrees that work for this model: {valid_degrees(config)}")
+
+
+def kv_heads_for(config: LlamaConfig, tp: int) -> int:
+    """KV heads of the placed model and its pages: `num_kv_heads`, or `tp` when KV heads are
+    replicated (tp a multiple of num_kv_heads)."""
+    check_degree(config, tp)
+    return max(config.num_kv_heads, tp)
+
+
+def tp_degree(mesh: Mesh) -> int:
+    """Size of the mesh's "tp" axis; ValueError when `mesh` is not a Mesh with that axis."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if AXIS not in mesh.axis_names:
+        raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}; expected a tensor-parallel axis named "
+                         f"{AXIS!r} (see models.sharding.make_mesh)")
+    return int(mesh.shape[AXIS])
+
+
+def make_mesh(tp: int | None = None, devices=None) -> Mesh:
+    """A 1-D mesh with axis "tp" over `devices` (default: every device of every process, in
+    `jax.devices()` order). `tp` defaults to all of them; else the first `tp` are used."""
+    devices = list(jax.devices() if devices is None else devices)
+    tp = len(devices) if tp is None else tp
+    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or not 1 <= tp <= len(devices):
+        raise ValueError(f"tp={tp!r} must be an int in [1, {len(devices)}] (the devices available)")
+    return Mesh(np.array(devices[:tp]), (AXIS,))
+
+
+def mesh_of(pages) -> Mesh | None:
+    """The mesh `pages` are sharded over by `shard` (NamedSharding on a mesh with a "tp" axis),
+    else None (a single-device or uncommitted array)."""
+    sh = getattr(pages, "sharding", None)
+    if isinstance(sh, NamedSharding) and isinstance(sh.mesh, Mesh) and AXIS in sh.mesh.axis_names \
+            and sh.mesh.size > 1:
+        return sh.mesh
+    return None
+
+
+# ---------------------------------------------------------------------------- partition specs
+PAGE_SPEC = P(None, None, AXIS, None, None, None)
+"""Pages `[layers, 2, kv_heads, blocks, block_size, head_dim]`: sharded on KV heads."""
+
+
+def weight_spec(name: str, shape: tuple[int, ...], tp: int, tied: bool) -> P:
+    """PartitionSpec of the weight whose last state-path key is `name` (model layout)."""
+    if name in ("q_proj", "k_proj", "v_proj"):
+        return P(None, AXIS, None)
+    if name == "o_proj":
+        return P(AXIS, None, None)
+    if name in ("gate", "up"):
+        return P(None, AXIS)
+    if name == "down":
+        return P(AXIS, None)
+    # The output head is vocab-parallel when tp divides the vocabulary (logits are gathered for the
+    # sampler); an embedding that is also the head is sharded the same way (XLA masks the lookup).
+    if name == "lm_head" or (name == "embed" and tied):
+        return P(AXIS, None) if shape[0] % tp == 0 else P()
+    return P()
+
+
+def _leaf_name(path) -> str:
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    keys = [k for k in keys if k != "value"]
+    return str(keys[-1])
+
+
+def weight_specs(weights: nnx.State, config: LlamaConfig, tp: int):
+    """PartitionSpecs for an `nnx.State` of a model (same tree structure)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: weight_spec(_leaf_name(path), tuple(x.shape), tp, config.tie_word_embeddings), weights)
+
+
+# ---------------------------------------------------------------------------- placing arrays
+def put(x, sharding: NamedSharding):
+    """`x` (numpy or jax array, same value on every process) placed with `sharding`, which may span
+    several processes: then each process builds only its own devices' shards."""
+    if isinstance(x, jax.Array):
+        if x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        if sharding.is_fully_addressable or not x.is_fully_addressable:  # a reshard XLA can do
+            return jax.device_put(x, sharding)
+    elif sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys: place their raw data, then re-wrap
+        return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def replicate(tree, mesh: Mesh):
+    """Every array leaf of `tree` replicated over `mesh` (block-manager state, prompts, keys)."""
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: put(x, rep), tree)
+
+
+def _expand_kv(w, r: int):
+    """Repeat each KV head `r` times along axis 1 (`[d, kv, e]` weights) -> `[d, kv * r, e]`."""
+    return w if r == 1 else jnp.repeat(w, r, axis=1)
+
+
+def shard_model(model, mesh: Mesh):
+    """Place a `Llama` (or its `(graphdef, state)` split) on `mesh`; returns the same kind.
+
+    KV heads are replicated when `tp > num_kv_heads` (the returned model's config says so). A model
+    already placed this way is returned as is (no copy)."""
+    tp = tp_degree(mesh)
+    is_pair = isinstance(model, tuple)
+    graphdef, weights = model if is_pair else nnx.split(model)
+    config = nnx.merge(graphdef, weights).config if is_pair else model.config
+    check_degree(config, tp)
+    kvh = kv_heads_for(config, tp)
+    if kvh != config.num_kv_heads:
+        r = kvh // config.num_kv_heads
+        weights = jax.tree_util.tree_map_with_path(
+            lambda path, x: _expand_kv(x, r) if _leaf_name(path) in ("k_proj", "v_proj") else x, weights)
+        config = config.replace(num_kv_heads=kvh)
+        graphdef, _ = nnx.split(abstract_model(config))
+    specs = weight_specs(weights, config, tp)
+    weights = jax.tree.map(lambda x, s: put(x, NamedSharding(mesh, s)), weights, specs)
+    return (graphdef, weights) if is_pair else nnx.merge(graphdef, weights)
+
+
+def shard_pages(pages, mesh: Mesh, config: LlamaConfig):
+    """Place pages on `mesh`, sharded on KV heads. `config` is the placed model's (or the original)
+    config: pages with the original KV-head count are repeated to the placed count first (fresh
+    pages are zeros; pages holding K/V stay exact since replicas hold the same K/V)."""
+    tp = tp_degree(mesh)
+    kvh = kv_heads_for(config, tp)
+    have = pages.shape[2]
+    if have != kvh:
+        if kvh % have:
+            raise ValueError(f"pages have {have} KV heads; at tp={tp} this model needs {kvh}")
+        pages = jnp.repeat(pages, kvh // have, axis=2)
+    return put(pages, NamedSharding(mesh, PAGE_SPEC))
+
+
+def shard(model, pages, mesh: Mesh):
+    """`(model, pages) -> (model, pages)` placed on `mesh` (pages may be None). Idempotent."""
+    model = shard_model(model, mesh)
+    config = model.config if isinstance(model, Llama) else nnx.merge(*model).config
+    return model, (None if pages is None else shard_pages(pages, mesh, config))
+
+
+def allocate_pages_on_mesh(spec, mesh: Mesh) -> jax.Array:
+    """Zeroed pages of `spec` (a `models.KVPageSpec` sized from the *placed* model's config),
+    created already sharded: no device ever holds the whole array."""
+    tp = tp_degree(mesh)
+    if spec.num_kv_heads % tp:
+        raise ValueError(f"pages with num_kv_heads={spec.num_kv_heads} cannot be split over tp={tp}; size "
+                         "them from the placed model's config (models.sharding.shard replicates KV heads)")
+    return jax.jit(lambda: jnp.zeros(spec.shape, jnp.dtype(spec.dtype)),
+                   out_shardings=NamedSharding(mesh, PAGE_SPEC))()
+
+
+def check_on_mesh(config: LlamaConfig, mesh: Mesh, num_kv_heads: int) -> int:
+    """Check a placed model (`num_kv_heads`: the placed count) against `mesh`; returns tp."""
+    tp = tp_degree(mesh)
+    check_degree(config, tp)
+    if num_kv_heads % tp:
+        raise ValueError(f"num_kv_heads={num_kv_heads} is not divisible by tp={tp}: place the model with "
+                         "models.sharding.shard(model, pages, mesh) first (it replicates KV heads)")
+    return tp
+
+
+# ---------------------------------------------------------------------------- sharded loading
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def _range(s: slice, n: int) -> tuple[int, int]:
+    start, stop, step = s.indices(n)
+    if step != 1:
+        raise ValueError(f"unsupported strided shard index {s}")
+    return start, stop
+
+
+def _read_slice(handle, name: str, index, model_shape, config: LlamaConfig, r: int, counter: list):
+    """The block `index` (slices in model layout, as jax hands to make_array_from_callback) of
+    tensor `name`, reading only the rows/columns of the HF `[out, in]` tensor it needs."""
+    sl = handle.get_slice(name)
+    index = tuple(index) + (slice(None),) * (len(model_shape) - len(index))
+    e = config.head_dim
+    rng = [_range(s, n) for s, n in zip(index, model_shape)]
+
+    def read(*hf_index):
+        w = sl[hf_index]
+        counter[0] += w.nbytes
+        return w
+
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+        (d0, d1), (h0, h1), (e0, e1) = rng
+        rep = r if name.endswith(("k_proj.weight", "v_proj.weight")) else 1
+        lo, hi = h0 // rep, (h1 - 1) // rep + 1  # original heads behind placed heads h0..h1-1
+        w = read(slice(lo * e, hi * e), slice(d0, d1))  # HF [heads * e, d]
+        w = w.T.reshape(d1 - d0, hi - lo, e)
+        return w[:, [h // rep - lo for h in range(h0, h1)], e0:e1]
+    if name.endswith("o_proj.weight"):
+        (h0, h1), (e0, e1), (d0, d1) = rng
+        w = read(slice(d0, d1), slice(h0 * e, h1 * e))  # HF [d, heads * e]
+        return w.T.reshape(h1 - h0, e, d1 - d0)[:, e0:e1]
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        (d0, d1), (f0, f1) = rng
+        return read(slice(f0, f1), slice(d0, d1)).T  # HF [f, d]
+    if name.endswith("down_proj.weight"):
+        (f0, f1), (d0, d1) = rng
+        return read(slice(d0, d1), slice(f0, f1)).T  # HF [d, f]
+    return read(*(slice(a, b) for a, b in rng))  # embeddings, head, norms: same layout
+
+
+def load_sharded(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = None, stats: dict | None = None) -> Llama:
+    """Load a Hugging Face Llama checkpoint directly onto `mesh`.
+
+    Every weight is built with `jax.make_array_from_callback`, whose callback runs only for this
+    process's devices and reads just their slice through `safe_open(...).get_slice` (a device
+    shard of `q_proj` reads only its heads' rows). Replicated KV heads (tp > num_kv_heads) are
+    read from the original head. `stats`, when given, receives `bytes_read` (this process) and
+    `bytes_total` (the checkpoint's tensors). Errors as `models.load_hf_checkpoint`.
+    """
+    from safetensors import safe_open
+
+    from models import hf_io
+
+    path = Path(path)
+    config = LlamaConfig.from_hf_config(hf_io.read_hf_config(path), dtype=dtype)
+    tp = tp_degree(mesh)
+    kvh = kv_heads_for(config, tp)
+    placed = config.replace(num_kv_heads=kvh)
+    r = kvh // config.num_kv_heads
+    files = hf_io._weight_map(path)
+    graphdef, state = nnx.split(abstract_model(placed))
+    target = placed.jnp_dtype
+    handles: dict[Path, object] = {}
+    counter, total = [0], 0
+    try:
+        for name, state_path, hf_shape in hf_io._hf_tensors(config):
+            if name not in files:
+                raise hf_io.CheckpointError(f"tensor {name!r} is missing from checkpoint {str(path)!r}")
+            file = files[name]
+            if file not in handles:
+                handles[file] = safe_open(file, framework="numpy").__enter__()
+            h = handles[file]
+            try:
+                shape = tuple(h.get_slice(name).get_shape())
+            except Exception as err:
+                raise hf_io.CheckpointError(f"tensor {name!r} listed for {file.name!r} cannot be read: {err}") from err
+            if shape != hf_shape:
+                raise hf_io.CheckpointError(f"tensor {name!r} in {file.name!r} has shape {shape}, "
+                                            f"expected {hf_shape} for this config")
+            node = state
+            for key in state_path:
+                node = node[key]
+            model_shape = tuple(node.get_value().shape)
+            total += math.prod(hf_shape) * _ST_ITEMSIZE.get(h.get_slice(name).get_dtype(), 0)
+            spec = weight_spec(str(state_path[-1]), model_shape, tp, placed.tie_word_embeddings)
+            sharding = NamedSharding(mesh, spec)
+            cache: dict = {}
+
+            def callback(index, name=name, h=h, model_shape=model_shape, cache=cache):
+                key = tuple(_range(s, n) for s, n in zip(index, model_shape))
+                if key not in cache:  # several local devices may hold the same (replicated) block
+                    cache[key] = np.asarray(_read_slice(h, name, index, model_shape, config, r, counter)
+                                            ).astype(target)
+                return cache[key]
+
+            node.set_value(jax.make_array_from_callback(model_shape, sharding, callback))
+    finally:
+        for fh in handles.values():
+            fh.__exit__(None, None, None)
+    if stats is not None:
+        stats.update(bytes_read=counter[0], bytes_total=total)
+    return nnx.merge(graphdef, state)
+
+
+# ---------------------------------------------------------------------------- capacity
+@dataclasses.dataclass(frozen=True)
+class KVCapacity:
+    """Per-device KV capacity at a tensor-parallel degree (all sizes in bytes).
+
+    Attributes:
+      tp: the degree. kv_heads_per_device: KV heads of each layer a device holds.
+      weight_bytes: weights held by one device. kv_bytes_per_token / kv_bytes_per_block: K and V
+        of one token / block over all layers, this device's heads only.
+      budget_bytes: `memory_fraction` of the device memory. kv_budget_bytes: what is left after
+        the weights. num_blocks: blocks that fit (block 0, the null block, included; every device
+        holds every block for its heads, so this is also the pool size). tokens: usable tokens,
+        `(num_blocks - 1) * block_size` (0 when the weights do not fit).
+    """
+
+    tp: int
+    kv_heads_per_device: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    budget_bytes: int
+    kv_budget_bytes: int
+    num_blocks: int
+    tokens: int
+
+
+def weight_bytes_per_device(config: LlamaConfig, tp: int) -> int:
+    """Bytes of weights on one device at degree `tp` (replicated KV heads counted)."""
+    kvh = kv_heads_for(config, tp)
+    _, weights = nnx.split(abstract_model(config.replace(num_kv_heads=kvh)))
+    specs = weight_specs(weights, config, tp)
+    total = 0
+    for x, spec in zip(jax.tree.leaves(weights), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        shards = tp if any(a == AXIS for a in spec) else 1
+        total += math.prod(x.shape) * jnp.dtype(x.dtype).itemsize // shards
+    return total
+
+
+def kv_capacity(config: LlamaConfig, device_bytes: int, tp: int = 1, *, block_size: int = 16,
+                memory_fraction: float = 0.9, dtype=None) -> KVCapacity:
+    """How many KV blocks and tokens fit on each device after its weights.
+
+    `device_bytes`: one device's memory; `memory_fraction` of it is the budget (the rest is left
+    for activations, the sampler and the runtime, as vLLM's `gpu_memory_utilization`). `dtype` of
+    the pages defaults to the model's.
+    """
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
+    if device_bytes <= 0:
+        raise ValueError(f"device_bytes={device_bytes} must be > 0")
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    kvh = kv_heads_for(config, tp)
+    per_dev_heads = kvh // tp
+    itemsize = jnp.dtype(config.dtype if dtype is None else dtype).itemsize
+    per_token = config.num_layers * 2 * per_dev_heads * config.head_dim * itemsize
+    weights = weight_bytes_per_device(config, tp)
+    budget = int(device_bytes * memory_fraction)
+    kv_budget = max(budget - weights, 0)
+    blocks = kv_budget // (per_token * block_size)
+    return KVCapacity(tp=tp, kv_heads_per_device=per_dev_heads, weight_bytes=weights, kv_bytes_per_token=per_token,
+                      kv_bytes_per_block=per_token * block_size, budget_bytes=budget, kv_budget_bytes=kv_budget,
+                      num_blocks=int(blocks), tokens=int(max(blocks - 1, 0) * block_size))
+
+
+__all__ = [
+    "AXIS", "KVCapacity", "PAGE_SPEC", "allocate_pages_on_mesh", "check_degree", "check_on_mesh", "kv_capacity",
+    "kv_heads_for", "load_sharded", "make_mesh", "mesh_of", "put", "replicate", "shard", "shard_model",
+    "shard_pages", "tp_degree", "valid_degrees", "weight_bytes_per_device", "weight_spec", "weight_specs",
+]

@@ -1,0 +1,132 @@
+"""Subprocess side of tests/test_sharding.py: runs on several simulated CPU devices, which must be
+configured before JAX starts (so never in the pytest process, whose other tests expect one).
+
+  python tests/sharding_worker.py four            4 devices in one process
+  python tests/sharding_worker.py multi ID PORT   process ID of 2 (2 devices each) on 127.0.0.1:PORT
+
+Prints one JSON line (prefixed RESULT) with the tokens and the facts the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+MODE = sys.argv[1]
+DEVICES = {"four": 4, "multi": 2}[MODE]
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={DEVICES}").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tiny-llama")
+# Shared with the test: the prompts, manager and parameters every run uses.
+PROMPTS = [[84, 104, 101, 32, 99, 111, 119, 32, 115, 97, 121, 115], [76, 101, 116, 32, 117, 115]]
+NUM_BLOCKS, BLOCK_SIZE, NEW = 48, 4, 10
+
+
+def _setup():
+    import paged_kv as pk
+    from paged_kv import engine
+    mgr = pk.ManagerConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_seqs=8, max_blocks_per_seq=8)
+    toks, lens = engine.pad_prompts(PROMPTS, width=12)
+    return mgr, toks, lens
+
+
+def _tokens(x) -> list:
+    from jax.experimental import multihost_utils
+    if not x.is_fully_addressable:
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x).tolist()
+
+
+def run_engine(model, mesh, pages):
+    """Greedy with n=2 (parallel sampling: forked prompt blocks, copy-on-write), then beam search of
+    width 2 on the same pages. Returns (result dict, pages)."""
+    from paged_kv import engine
+    mgr, toks, lens = _setup()
+    params = engine.SamplingParams(max_new_tokens=NEW, n=2)
+    out, pages, state = engine.generate(model, pages, toks, lens, jax.random.key(0), params, manager=mgr,
+                                        chunk_size=8, mesh=mesh)
+    beams, pages, state = engine.beam_search(model, pages, toks, lens,
+                                             engine.BeamParams(beam_width=2, max_new_tokens=NEW),
+                                             manager=mgr, state=state, chunk_size=8, mesh=mesh)
+    return {"greedy": _tokens(out.tokens), "copies": _tokens(out.stats.copies), "beam": _tokens(beams.tokens),
+            "beam_scores": _tokens(beams.scores)}, pages
+
+
+def four():
+    from flax import nnx
+
+    import time
+    t0 = time.time()
+    from models import allocate_pages, init_model, load_hf_checkpoint, make_paged_batch, page_spec, sharding, tiny
+    from models.paged import paged_decode_step, paged_prefill_step
+    assert jax.device_count() == 4
+    res = {}
+    model = load_hf_checkpoint(CHECKPOINT)  # 4 heads, 2 KV heads: tp=4 replicates KV heads
+    res["single"], _ = run_engine(model, None, allocate_pages(page_spec(model.config, NUM_BLOCKS, BLOCK_SIZE)))
+    mesh = sharding.make_mesh(4)
+    stats = {}
+    placed = sharding.load_sharded(CHECKPOINT, mesh, stats=stats)
+    res["load_stats"] = stats
+    res["placed_kv_heads"] = placed.config.num_kv_heads
+    # Loaded slices equal the full load placed by `shard`.
+    ref_placed = sharding.shard_model(model, mesh)
+    diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), nnx.state(placed), nnx.state(ref_placed))
+    res["load_max_diff"] = max(jax.tree.leaves(diffs))
+    # `generate` given the unplaced model, its original pages (2 KV heads) and just the mesh places
+    # them itself (KV heads replicated to 4, one per device).
+    res["tp4"], pages = run_engine(model, mesh, allocate_pages(page_spec(model.config, NUM_BLOCKS, BLOCK_SIZE)))
+    res["page_shards"] = [[list(s.data.shape), int(s.data.nbytes), str(s.device)] for s in pages.addressable_shards]
+    res["pages_shape"], res["pages_nbytes"] = list(pages.shape), int(pages.nbytes)
+    # 8 heads / 4 KV heads, vocab 256: KV heads split without replication, vocab-parallel head.
+    cfg = tiny(num_heads=8, num_kv_heads=4, hidden_size=64)
+    m2 = init_model(cfg, seed=1, init_std=0.2)
+    tables = jnp.array([[1, 2, 3, 0], [4, 5, 0, 0]], jnp.int32)
+    pre = make_paged_batch(tables, jnp.array([0, 0]), jnp.array([7, 5]), 8, BLOCK_SIZE)
+    toks = jnp.array(np.random.RandomState(0).randint(0, 256, (2, 8)), jnp.int32)
+    dec = make_paged_batch(tables, jnp.array([7, 5]), jnp.array([1, 1]), 1, BLOCK_SIZE)
+    out = {}
+    for name, mesh2 in (("single", None), ("tp4", sharding.make_mesh(4))):
+        mdl, pg = m2, allocate_pages(page_spec(cfg, 8, BLOCK_SIZE))
+        if mesh2 is not None:
+            mdl, pg = sharding.shard(m2, pg, mesh2)
+            out["lm_head_spec"] = str(mdl.lm_head[...].sharding.spec)
+        g, w = nnx.split(mdl)
+        l1, pg = paged_prefill_step(g, w, pg, pre, toks, impl="reference", mesh=mesh2)
+        l2, pg = paged_decode_step(g, w, pg, dec, jnp.array([3, 9], jnp.int32), impl="reference", mesh=mesh2)
+        out[name] = (np.asarray(l1), np.asarray(l2))
+    res["gqa_prefill_diff"] = float(np.max(np.abs(out["single"][0] - out["tp4"][0])))
+    res["gqa_decode_diff"] = float(np.max(np.abs(out["single"][1] - out["tp4"][1])))
+    res["lm_head_spec"] = out["lm_head_spec"]
+    res["seconds"] = time.time() - t0
+    return res
+
+
+def multi(process_id: int, port: int):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=60)
+    from models import page_spec, sharding
+    assert jax.device_count() == 4 and jax.local_device_count() == 2, (jax.device_count(), jax.local_device_count())
+    mesh = sharding.make_mesh(4)
+    stats = {}
+    model = sharding.load_sharded(CHECKPOINT, mesh, stats=stats)
+    pages = sharding.allocate_pages_on_mesh(page_spec(model.config, NUM_BLOCKS, BLOCK_SIZE), mesh)
+    res, pages = run_engine(model, mesh, pages)
+    res["load_stats"] = stats
+    res["process_index"] = jax.process_index()
+    res["local_page_shards"] = [list(s.data.shape) for s in pages.addressable_shards]
+    jax.distributed.shutdown()
+    return res
+
+
+if __name__ == "__main__":
+    result = four() if MODE == "four" else multi(int(sys.argv[2]), int(sys.argv[3]))
+    print("RESULT " + json.dumps(result), flush=True)
