@@ -130,17 +130,43 @@ def _admit_fresh(config, state, seq_ids, prompt_lens):
 
 def _representatives(keys: jax.Array, member: jax.Array) -> jax.Array:
     """int32 ``[E]``: for each member entry, the first member entry (in index order) with the same
-    key. One sort of E entries; O(E log E), independent of the pool."""
+    key (non-members: anything; callers mask them).
+
+    Small calls (``E <= PAIRWISE_MAX``, e.g. one request) compare all pairs; large ones group the
+    keys through a scratch open-addressing table (``hash_table.first_of_keys``), O(E) expected
+    instead of the O(E log E) sort, which on XLA:CPU was most of a 256-request admission.
+    """
     e = member.shape[0]
-    lanes = jnp.arange(e, dtype=jnp.int32)
-    outsider = (~member).astype(jnp.uint32)
-    s_out, s_k0, s_k1, s_idx = lax.sort((outsider, keys[:, 0], keys[:, 1], lanes), num_keys=4)
-    new_run = jnp.concatenate([
-        jnp.ones((1,), bool),
-        (s_out[1:] != s_out[:-1]) | (s_k0[1:] != s_k0[:-1]) | (s_k1[1:] != s_k1[:-1]),
-    ])
-    run_start = lax.cummax(jnp.where(new_run, lanes, 0))
-    return jnp.zeros((e,), jnp.int32).at[s_idx].set(s_idx[run_start])
+    if e <= PAIRWISE_MAX:
+        same = member[None, :] & jnp.all(keys[:, None, :] == keys[None, :, :], axis=-1)
+        return jnp.argmax(same, axis=1).astype(jnp.int32)  # the first True; i itself if member
+    return hash_table.first_of_keys(keys, member)
+
+
+PAIRWISE_MAX = 512
+"""Up to this many table entries per call, entries are grouped by an ``[E, E]`` comparison."""
+
+
+def _first_claims(ref_count: jax.Array, ids: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """bool ``[E]``: the masked entries that are the first (lowest index) to name their block, and
+    ``ref_count`` (returned unchanged, so that XLA can keep updating the same buffer).
+
+    ``ids[mask]`` are free blocks (count 0); several requests of one call may hit the same one,
+    and only the first pulls it out of the free queue. Up to ``PAIRWISE_MAX`` entries an ``[E, E]``
+    comparison finds them; above it, stamps scattered into the reference counts (O(E), but
+    XLA:CPU then copies the pool-sized count array, which costs more than the comparison for small
+    calls). The choice is static (by ``E``); both give the same answer."""
+    e, n = ids.shape[0], ref_count.shape[0]
+    if e <= PAIRWISE_MAX:
+        earlier = jnp.arange(e)[None, :] < jnp.arange(e)[:, None]
+        dup = jnp.any(earlier & mask[None, :] & (ids[None, :] == ids[:, None]), axis=1)
+        return mask & ~dup, ref_count
+    # Stamps into the zero counts of the hit blocks: the largest (earliest entry) wins; restored.
+    stamp = e - jnp.arange(e, dtype=jnp.int32)
+    target = jnp.where(mask, ids, n)
+    rc = ref_count.at[target].max(stamp, mode="drop")
+    first = mask & (rc[jnp.clip(ids, 0, n - 1)] == stamp)
+    return first, rc.at[target].set(0, mode="drop")
 
 
 def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
@@ -205,11 +231,8 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     #    out of the queue (found with a stamp scatter into the zero counts, then restored).
     fresh = ok0[:, None] & (j < n_blocks[:, None]) & ~hit
     free_hit = cached_hit & (state.ref_count[cand_c] == 0)
-    stamp = e - flat  # larger for earlier entries
-    hit_idx = jnp.where(free_hit, cand_c, n)
-    rc = state.ref_count.at[hit_idx].max(stamp, mode="drop")
-    pulls = free_hit & (rc[cand_c] == stamp)
-    rc = rc.at[hit_idx].set(0, mode="drop")
+    pulls, rc = _first_claims(state.ref_count, cand_c.reshape(e), free_hit.reshape(e))
+    pulls = pulls.reshape(b, c)
     cost = jnp.sum(fresh, axis=1) + jnp.sum(pulls, axis=1)
     fits = _first_come_first_served(cost, state.queue.num_free)
     status = jnp.where(ok0 & ~fits, Status.NO_FREE_BLOCKS, status)

@@ -51,6 +51,29 @@ def _same(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.all(a == b, axis=-1)
 
 
+PROBE_WINDOW = 8
+"""Slots every lookup or insertion examines at once before any loop. At the table's load (at
+most 1/2, usually far less) nearly every probe sequence ends inside the first window, so the
+``while_loop`` that continues linear probing usually runs zero iterations: on XLA:CPU each loop
+iteration costs several small kernels, which made the loops most of a one-request admission."""
+
+
+def _window(table: HashTable, home: jax.Array, keys: jax.Array):
+    """The first ``PROBE_WINDOW`` probe positions of each key: int32 ``[K, W]`` positions, their
+    values, whether each holds the key, and the offset of the first slot that ends the probe
+    sequence (the key or an EMPTY slot; ``W`` if none)."""
+    size = table.vals.shape[0]
+    pos = (home[:, None] + jnp.arange(PROBE_WINDOW, dtype=jnp.int32)[None, :]) & (size - 1)
+    # Gathers of flat index vectors: XLA:CPU turned the 2-D-indexed form into a slow fusion.
+    flat = pos.reshape(-1)
+    vals = table.vals[flat].reshape(pos.shape)
+    stored = table.keys[flat].reshape(*pos.shape, 2)
+    has_key = (vals >= 0) & _same(stored, keys[:, None, :])
+    stop = has_key | (vals == EMPTY)
+    first = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), PROBE_WINDOW).astype(jnp.int32)
+    return pos, vals, has_key, first
+
+
 def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
     """int32 ``[K]``: the block stored under each key, -1 if absent or not masked.
 
@@ -59,6 +82,10 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
     """
     size = table.vals.shape[0]
     home = _home(keys, size)
+    pos, vals, has_key, first = _window(table, home, keys)
+    at = jnp.minimum(first, PROBE_WINDOW - 1)[:, None]
+    hit = mask & (first < PROBE_WINDOW) & jnp.take_along_axis(has_key, at, axis=1)[:, 0]
+    found = jnp.where(hit, jnp.take_along_axis(vals, at, axis=1)[:, 0], -1)
 
     def body(carry):
         probe, pending, found = carry
@@ -69,28 +96,27 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
         pending = pending & ~hit & (val != EMPTY)
         return probe + 1, pending, found
 
-    init = (jnp.int32(0), mask, jnp.full(mask.shape, -1, jnp.int32))
+    # Only probe sequences longer than the window continue, from where the window ended.
+    init = (jnp.int32(PROBE_WINDOW), mask & (first == PROBE_WINDOW), found)
     _, _, found = lax.while_loop(lambda c: jnp.any(c[1]) & (c[0] < size), body, init)
     return found
 
 
 def _claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
     """Inserts absent keys; returns the table and int32 ``[K]`` slots (-1: not inserted because
-    the key was present, or repeated earlier in this batch, or not masked)."""
+    the key was present, or repeated earlier in this batch, or not masked).
+
+    Of equal keys in one batch, the earliest entry is the one inserted (equal keys have equal
+    probe sequences, so they always contend for the same slot)."""
     size = table.vals.shape[0]
     home = _home(keys, size)
     k = keys.shape[0]
     # Claim markers, all below TOMBSTONE; the earliest entry has the smallest.
     code = jnp.arange(k, dtype=jnp.int32) - (3 + k)
 
-    def body(carry):
-        probe, pending, slots, t = carry
-        pos = (home + probe) & (size - 1)
-        val = t.vals[pos]
-        present = pending & (val >= 0) & _same(t.keys[pos], keys)
-        empty = pending & (val == EMPTY) & ~present
-        # Several entries may reach one empty slot: the earliest entry (smallest marker) wins.
-        # Equal keys probe in lockstep, so the losers of a slot won by their own key stop there.
+    def attempt(t, pos, pending, present, empty, slots):
+        """Entries at an EMPTY slot ``pos`` try to claim it: the earliest (smallest marker) wins
+        each slot; an entry that lost to an equal key stops (its key is in)."""
         claimed = t.vals.at[jnp.where(empty, pos, size)].min(code, mode="drop")
         won = empty & (claimed[pos] == code)
         target = jnp.where(won, pos, size)
@@ -100,10 +126,29 @@ def _claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
         )
         lost_to_twin = empty & ~won & _same(t.keys[pos], keys)
         slots = jnp.where(won, pos, slots)
-        pending = pending & ~present & ~won & ~lost_to_twin
+        return t, pending & ~present & ~won & ~lost_to_twin, slots
+
+    # First, the whole window at once: present in it, or claim its first EMPTY slot.
+    pos_w, vals_w, has_key, first = _window(table, home, keys)
+    at = jnp.minimum(first, PROBE_WINDOW - 1)[:, None]
+    ends = mask & (first < PROBE_WINDOW)
+    present = ends & jnp.take_along_axis(has_key, at, axis=1)[:, 0]
+    empty = ends & ~present
+    pos = jnp.take_along_axis(pos_w, at, axis=1)[:, 0]
+    table, pending, slots = attempt(table, pos, mask, present, empty, jnp.full(mask.shape, -1, jnp.int32))
+
+    def body(carry):
+        probe, pending, slots, t = carry
+        pos = (home + probe) & (size - 1)
+        val = t.vals[pos]
+        present = pending & (val >= 0) & _same(t.keys[pos], keys)
+        empty = pending & (val == EMPTY) & ~present
+        t, pending, slots = attempt(t, pos, pending, present, empty, slots)
         return probe + 1, pending, slots, t
 
-    init = (jnp.int32(0), mask, jnp.full(mask.shape, -1, jnp.int32), table)
+    # The rest (a lost claim, or no end inside the window) walk again from home, one slot per
+    # iteration, in lockstep; rare, so the loop usually runs zero iterations.
+    init = (jnp.int32(0), pending, slots, table)
     _, _, slots, table = lax.while_loop(lambda c: jnp.any(c[1]) & (c[0] < size), body, init)
     inserted = jnp.sum(slots >= 0, dtype=jnp.int32)
     return table.replace(num_live=table.num_live + inserted), slots
@@ -143,6 +188,23 @@ def insert(
     table, all_slots = lax.cond(crowded, rebuild, lambda args: args, (table, all_slots))
     table, slots = _claim(table, keys, vals, mask)
     return table, all_slots, slots
+
+
+def first_of_keys(keys: jax.Array, mask: jax.Array) -> jax.Array:
+    """int32 ``[K]``: for each masked entry, the index of the first masked entry with the same key
+    (unmasked entries: -1).
+
+    Groups a batch by key in O(K) expected work without a sort: the entries are claimed into a
+    fresh scratch table (load at most 1/8) with their indices as values, where the earliest of
+    equal keys wins (``_claim``), and then looked up.
+
+    Args:
+      keys: uint32 ``[K, 2]``; mask: bool ``[K]``.
+    """
+    k = keys.shape[0]
+    size = 1 << max(4, (8 * k - 1).bit_length())
+    table, _ = _claim(empty_table(size), keys, jnp.arange(k, dtype=jnp.int32), mask)
+    return lookup(table, keys, mask)
 
 
 def remove(table: HashTable, slots: jax.Array, mask: jax.Array) -> HashTable:

@@ -184,3 +184,36 @@ def test_hash_is_deterministic_and_chained():
     assert (c[1, 0] == a[0, 0]).all() and not (c[1, 1] == a[1, 1]).all()
     # Pinned values: a change to the hash function changes cache keys everywhere; do it on purpose.
     assert a[0, 0].tolist() == [3800983191, 3639337636]
+
+
+def _first_same_key_np(keys, member):
+    """Reference: for each member entry, the first member entry with the same key."""
+    out = np.full(len(member), -1)
+    first = {}
+    for i, (k, m) in enumerate(zip(map(tuple, keys), member)):
+        if m:
+            out[i] = first.setdefault(k, i)
+    return out
+
+
+@pytest.mark.parametrize("e", [37, 512, 513, 3000])
+def test_in_call_grouping_matches_reference_on_both_paths(e):
+    """``_representatives`` switches from an [E, E] comparison to a scratch hash table above
+    ``PAIRWISE_MAX`` entries; both must give the first member with the same key."""
+    from paged_kv.admission import _first_claims, _representatives
+
+    rng = np.random.default_rng(e)
+    pool = rng.integers(0, 2**32, (max(4, e // 5), 2), dtype=np.uint32)
+    keys = pool[rng.integers(0, len(pool), e)]
+    keys[: e // 10, 1] = pool[0, 1]  # some keys equal in one lane only
+    member = rng.random(e) < 0.8
+    rep = np.asarray(jax.jit(_representatives)(jnp.asarray(keys), jnp.asarray(member)))
+    want = _first_same_key_np(keys, member)
+    np.testing.assert_array_equal(rep[member], want[member])
+
+    ids = rng.integers(1, 50, e).astype(np.int32)
+    counts = jnp.zeros(64, jnp.int32)
+    first, counts_after = jax.jit(_first_claims)(counts, jnp.asarray(ids), jnp.asarray(member))
+    want_first = _first_same_key_np(ids[:, None], member) == np.arange(e)
+    np.testing.assert_array_equal(np.asarray(first), want_first & member)
+    np.testing.assert_array_equal(np.asarray(counts_after), np.zeros(64))

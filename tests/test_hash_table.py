@@ -1,0 +1,88 @@
+"""The open-addressing hash table against a dict: windowed probing, the probing loop beyond the
+window (forced with keys that share a home slot), duplicates in a batch, tombstones, rebuilds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_kv import hash_table as ht
+
+
+def _keys(rng, n, size, clustered):
+    keys = rng.integers(0, 2**32, (n, 2), dtype=np.uint32)
+    if clustered:  # every key starts probing at one of three home slots
+        keys[:, 0] = (keys[:, 0] & ~np.uint32(size - 1)) | rng.integers(0, 3, n).astype(np.uint32)
+    return keys
+
+
+@pytest.mark.parametrize("clustered", [False, True])
+def test_insert_lookup_remove_match_a_dict(clustered):
+    size, n_blocks = 256, 300  # block ids are never reused; rebuilds happen (size / 2 = 128)
+    rng = np.random.default_rng(7 + clustered)
+    table = ht.empty_table(size)
+    all_keys = np.zeros((n_blocks, 2), np.uint32)
+    all_slots = jnp.full((n_blocks,), -1, jnp.int32)
+    model: dict[tuple[int, int], int] = {}
+    insert = jax.jit(ht.insert)
+    lookup = jax.jit(ht.lookup)
+    remove = jax.jit(ht.remove)
+    next_block = 0
+    rebuilds, dead = 0, 0
+    for step in range(12):
+        k = 24
+        fresh = _keys(rng, k, size, clustered)
+        fresh[k // 2:] = fresh[: k // 2][rng.permutation(k // 2)]  # duplicates within the batch
+        present = [key for key in model]
+        if present:  # some keys already in the table
+            pick = rng.integers(0, len(present), 4)
+            fresh[:4] = np.array([present[i] for i in pick], np.uint32)
+        blocks = (next_block + np.arange(k)) % n_blocks
+        mask = rng.random(k) < 0.9
+        all_keys[blocks] = fresh
+        table, all_slots, slots = insert(table, jnp.asarray(fresh), jnp.asarray(blocks, jnp.int32),
+                                         jnp.asarray(mask), jnp.asarray(all_keys), all_slots)
+        slots = np.asarray(slots)
+        rebuilds += int(table.num_dead) < dead
+        for i in range(k):
+            key = tuple(int(x) for x in fresh[i])
+            if mask[i] and key not in model:
+                model[key] = int(blocks[i])
+                assert slots[i] >= 0, (step, i)
+            else:
+                assert slots[i] == -1, (step, i)
+        all_slots = all_slots.at[jnp.asarray(blocks)].set(jnp.where(jnp.asarray(slots) >= 0, jnp.asarray(slots),
+                                                                    all_slots[jnp.asarray(blocks)]))
+        next_block += k
+        # Remove a few present keys (tombstones).
+        victims = list(model)[: 3]
+        vslots = []
+        for key in victims:
+            b = model.pop(key)
+            vslots.append(int(all_slots[b]))
+            all_slots = all_slots.at[b].set(-1)
+        if vslots:
+            table = remove(table, jnp.asarray(vslots, jnp.int32), jnp.ones(len(vslots), bool))
+        dead = int(table.num_dead)
+        # Every present key is found with its block; absent ones are not.
+        probe = np.concatenate([np.array(list(model), np.uint32).reshape(-1, 2),
+                                _keys(rng, 16, size, clustered)])
+        found = np.asarray(lookup(table, jnp.asarray(probe), jnp.ones(len(probe), bool)))
+        want = [model.get(tuple(int(x) for x in key), -1) for key in probe]
+        np.testing.assert_array_equal(found, want)
+    assert int(table.num_live) == len(model)
+    assert rebuilds >= 1
+
+
+def test_first_of_keys_groups_by_key():
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 2**32, (50, 2), dtype=np.uint32)
+    keys = base[rng.integers(0, 50, 700)]
+    mask = rng.random(700) < 0.7
+    got = np.asarray(jax.jit(ht.first_of_keys)(jnp.asarray(keys), jnp.asarray(mask)))
+    first: dict = {}
+    for i in range(700):
+        if mask[i]:
+            assert got[i] == first.setdefault(tuple(keys[i]), i)
+        else:
+            assert got[i] == -1
