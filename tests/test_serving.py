@@ -1,0 +1,197 @@
+"""Serving loop (paged_kv.engine.serving): outputs independent of memory pressure (greedy, sampled,
+beam), preemption and re-admission with prefix-cache hits, shared system prompts, rejection of
+requests that can never fit, streaming order and statistics, per-row sampling filters.
+
+Every run uses one ``ServingConfig`` (a 24-block pool: 23 usable blocks of 16 tokens) so the step
+compiles once for the whole module; "ample blocks" means each request running alone."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paged_kv as pk
+from models import load_hf_checkpoint
+from models.tokenizer import ByteTokenizer
+from paged_kv.engine import BeamParams, SamplingParams, filter_logits
+from paged_kv.engine.serving import Request, ServingConfig, ServingEngine, filter_rows, sample_rows
+
+TOK = ByteTokenizer()
+MGR = pk.ManagerConfig(num_blocks=24, block_size=16, max_seqs=16, max_blocks_per_seq=16)
+CFG = ServingConfig(MGR, chunk_size=32, max_prefill_rows=4, top_candidates=8, impl="reference")
+SYSTEM = "Q: What does the cow say? A: The cow says moo. "
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_hf_checkpoint("checkpoints/tiny-llama")
+
+
+def _workload(spread: int):
+    """Greedy requests (two sharing a 48-token system prompt), an n=3 sampled request and a
+    width-3 beam request. ``spread`` = steps between arrivals (0: all at once)."""
+    prompts = ["The cow says", "Let us count: 12, 13,", SYSTEM + "Q: What do bees make? A:",
+               SYSTEM + "Q: Where do fish live? A:", "Once upon a time"]
+    reqs = [Request(TOK.encode(p), SamplingParams(max_new_tokens=60), arrival=i * spread, request_id=i)
+            for i, p in enumerate(prompts)]
+    reqs.append(Request(TOK.encode("The dog says"), SamplingParams(max_new_tokens=40, n=3, temperature=0.8),
+                        arrival=5 * spread, request_id="n3"))
+    reqs.append(Request(TOK.encode("The cat says"), BeamParams(beam_width=3, max_new_tokens=30),
+                        arrival=6 * spread, request_id="beam"))
+    return reqs
+
+
+def _run(model, reqs, seed=0):
+    eng = ServingEngine(model, CFG, seed=seed)
+    outs = list(eng.run(reqs))
+    return eng, outs
+
+
+@pytest.fixture(scope="module")
+def pressured(model):
+    return _run(model, _workload(0))
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    return _run(model, _workload(200))
+
+
+def test_outputs_independent_of_memory_pressure(pressured, alone):
+    """All requests at once in 23 blocks preempt repeatedly; each request alone never does. Greedy
+    tokens, sampled tokens (same seed) and beam hypotheses are identical."""
+    eng_p, outs_p = pressured
+    eng_a, outs_a = alone
+    assert eng_p.stats().preemptions >= 2
+    assert eng_a.stats().preemptions == 0
+    assert sum(o.stats.preemptions for o in outs_p) == eng_p.stats().preemptions
+    a = {o.request_id: o for o in outs_a}
+    for o in outs_p:
+        assert o.ok
+        assert o.tokens == a[o.request_id].tokens, o.request_id
+        if o.scores is not None:
+            np.testing.assert_allclose(o.scores, a[o.request_id].scores, rtol=1e-4)
+    # Every block is free again at the end.
+    assert int(pk.num_free_blocks(eng_p.state)) == MGR.num_blocks - 1
+    assert not bool(jnp.any(eng_p.state.active))
+
+
+def test_outputs_continue_prompts(alone):
+    _, outs = alone
+    text = {o.request_id: [TOK.decode(t) for t in o.tokens] for o in outs}
+    assert text[0][0].startswith(" moo.")
+    assert text[1][0].startswith(" 14, 15, 16")
+    assert len(text["n3"]) == 3 and len(set(text["n3"])) > 1  # temperature 0.8: samples differ
+    assert len(text["beam"]) == 3 and len(set(text["beam"])) == 3
+
+
+def test_streaming_order_and_stats(alone, pressured):
+    for eng, outs in (alone, pressured):
+        steps = [o.stats.finish_step for o in outs]
+        assert steps == sorted(steps)  # streamed as they finish
+        for o in outs:
+            st = o.stats
+            assert st.arrival_step <= st.first_token_step <= st.finish_step
+            assert st.time_to_first_token_s is not None and 0 <= st.time_to_first_token_s <= st.latency_s
+            assert st.generated_tokens == sum(len(t) for t in o.tokens)
+            assert st.admissions == 1 + st.preemptions
+            assert st.prompt_tokens == len(o.request.prompt)
+        st = eng.stats()
+        assert st.finished == len(outs) and st.rejected == 0
+        assert 0 < st.peak_blocks_used <= MGR.num_blocks - 1
+        assert st.tokens_per_s > 0
+    # In the spread run, the request arriving at step 0 with 60 tokens finishes first.
+    assert alone[1][0].request_id == 0
+    # Parallel samples and beams held fewer blocks than unshared copies would.
+    st = pressured[0].stats()
+    assert st.sampling_blocks_shared < st.sampling_blocks_unshared
+    assert st.beam_blocks_shared < st.beam_blocks_unshared
+    snap = pressured[0].snapshot
+    assert snap is not None and snap.saved_blocks > 0
+    assert any(r > 1 for refs in snap.refs for r in refs)
+
+
+def test_shared_system_prompt_hits_cache(alone, pressured):
+    """Arriving later, the second system-prompt request reuses the first one's 3 full blocks; arriving
+    in the same admission, it shares the blocks the first one computes."""
+    a = {o.request_id: o for o in alone[1]}
+    assert a[3].stats.cached_prompt_tokens == 48
+    assert alone[0].stats().cache_hit_tokens >= 48
+    p = {o.request_id: o for o in pressured[1]}
+    assert p[3].stats.cached_prompt_tokens + p[3].stats.shared_prompt_tokens >= 48
+
+
+def test_readmission_hits_cache(model):
+    """A long request and a newer one outgrow the pool: the newer one is preempted, re-admitted once
+    blocks free up, and finds most of its prompt and generated tokens still cached; its tokens are
+    those of a run alone."""
+    long_prompt = TOK.encode("Once upon a time there was a happy cat named Rosa. Rosa lived near the "
+                             "river and liked to")
+    reqs = [Request(TOK.encode("Let us count: 1, 2,"), SamplingParams(max_new_tokens=230), request_id="x"),
+            Request(long_prompt, SamplingParams(max_new_tokens=150), arrival=5, request_id="y")]
+    eng, outs = _run(model, reqs)
+    y = {o.request_id: o for o in outs}["y"]
+    assert y.stats.preemptions >= 1
+    assert y.stats.cached_prompt_tokens >= 64
+    _, alone = _run(model, [reqs[1]])
+    assert alone[0].tokens == y.tokens
+
+
+def test_rejects_requests_that_never_fit(model):
+    """A prompt longer than a sequence can hold and a beam family larger than the pool are rejected
+    with a clear message (streamed at arrival); the other requests finish."""
+    eng = ServingEngine(model, CFG)
+    too_long = Request([65] * 300, SamplingParams(max_new_tokens=4), request_id="long")
+    too_wide = Request(TOK.encode("The cow says"), BeamParams(beam_width=2, max_new_tokens=240), request_id="wide")
+    ok = Request(TOK.encode("The cow says"), SamplingParams(max_new_tokens=8), request_id="ok")
+    outs = list(eng.run([too_long, ok, too_wide]))
+    by = {o.request_id: o for o in outs}
+    assert "300 tokens" in by["long"].error and "256" in by["long"].error
+    assert "beam_width=2" in by["wide"].error and "23 allocatable blocks" in by["wide"].error
+    assert by["ok"].ok and TOK.decode(by["ok"].tokens[0]).startswith(" moo.")
+    assert eng.stats().rejected == 2
+    with pytest.raises(ValueError, match="300 tokens"):
+        eng.submit(too_long)
+    with pytest.raises(ValueError, match="top_candidates=8"):
+        eng.submit(Request([1, 2], BeamParams(beam_width=3, eos_token_ids=(1, 2))))
+    with pytest.raises(ValueError, match="max_prefill_rows=4"):
+        eng.submit(Request([1, 2], SamplingParams(n=5)))
+    with pytest.raises(ValueError, match="salt"):
+        Request([1], salt=-1)
+    with pytest.raises(ValueError, match="empty"):
+        Request([])
+
+
+def test_beam_width_one_is_greedy(model):
+    """Beam search of width 1 keeps the greedy path; its score is the mean log-probability."""
+    p = TOK.encode("Let us count: 12, 13,")
+    eng, outs = _run(model, [Request(p, SamplingParams(max_new_tokens=12), request_id="g"),
+                             Request(p, BeamParams(beam_width=1, max_new_tokens=12), request_id="b")])
+    by = {o.request_id: o for o in outs}
+    assert by["b"].tokens[0] == by["g"].tokens[0]
+    np.testing.assert_allclose(by["b"].scores[0], np.mean(by["g"].logprobs[0]), rtol=1e-4)
+
+
+def test_sampling_seeds(model):
+    """Same engine seed: same samples; another seed: different ones."""
+    reqs = [Request(TOK.encode("Once upon a time"), SamplingParams(max_new_tokens=24, n=2, temperature=1.5),
+                    request_id="s")]
+    _, a = _run(model, reqs, seed=1)
+    _, b = _run(model, reqs, seed=1)
+    _, c = _run(model, reqs, seed=2)
+    assert a[0].tokens == b[0].tokens
+    assert a[0].tokens != c[0].tokens
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 3, 0.6)])
+def test_filter_rows_matches_filter_logits(temperature, top_k, top_p):
+    logits = jax.random.normal(jax.random.key(0), (3, 50)) * 3
+    r = logits.shape[0]
+    got = filter_rows(logits, jnp.full((r,), temperature), jnp.full((r,), top_k, jnp.int32), jnp.full((r,), top_p))
+    want = filter_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(np.where(np.isfinite(got), got, 0), np.where(np.isfinite(want), want, 0), rtol=1e-6)
+    keys = jax.random.split(jax.random.key(1), r)
+    tok, logp = sample_rows(logits, keys, jnp.zeros((r,)), jnp.zeros((r,), jnp.int32), jnp.ones((r,)))
+    np.testing.assert_array_equal(tok, jnp.argmax(logits, axis=-1))
+    np.testing.assert_allclose(logp, jnp.max(jax.nn.log_softmax(logits), axis=-1), rtol=1e-6)
