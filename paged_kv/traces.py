@@ -132,8 +132,14 @@ def read_json_array(text: str) -> JsonArrayPrefix:
             obj, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError as err:
             return stopped(i, "truncated" if _is_cut_off(err, n) else "malformed", str(err))
+        nxt = _WS.match(text, end).end()
+        if isinstance(obj, (int, float)) and not isinstance(obj, bool) and (nxt >= n or text[nxt] not in ",]"):
+            # A number is complete only once a delimiter follows ("3" of a cut "3.5" or "3.");
+            # the other values are self-delimiting.
+            cut = nxt >= n - 6
+            return stopped(i, "truncated" if cut else "malformed", f"number at char {i} not followed by ',' or ']'")
         records.append(obj)
-        i = _WS.match(text, end).end()
+        i = nxt
 
 
 def read_json_array_file(path: str | os.PathLike) -> JsonArrayPrefix:
