@@ -1,6 +1,9 @@
-"""``python -m paged_kv`` / ``paged-kv``: the block-manager walkthrough (the serving demo replaces it later)."""
+"""``python -m paged_kv`` / ``paged-kv``: serve the ready-made workload and print the KV-cache report
+(``--walkthrough``: the block-manager walkthrough). See ``paged_kv.cli``."""
 
-from paged_kv.walkthrough import main
+import sys
+
+from paged_kv.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

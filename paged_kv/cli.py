@@ -1,0 +1,287 @@
+"""``python -m paged_kv`` / ``paged-kv``: serve a ready-made workload and report on the KV cache.
+
+The workload mixes prompts from the built-in tiny model's domain (stories, animal facts, Q&A,
+counting, days, sums): some share a Q&A preamble (prefix-cache hits), some ask for ``n = 4``
+parallel samples, some for beam search of width 4, all arriving over time into a block pool small
+enough that requests get preempted and re-admitted. It ends with a report (throughput, peak
+blocks, KV memory saved by sharing, prefix-cache hit rate, preemptions) and a picture of one
+request family's block tables, in the terminal and as a PNG.
+
+    python -m paged_kv                       # the built-in checkpoints/tiny-llama
+    python -m paged_kv --checkpoint DIR      # any Hugging Face Llama directory (byte-level prompts)
+    python -m paged_kv --walkthrough         # the block-manager walkthrough instead
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+BUILTIN_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-llama"
+
+PREAMBLE = ("Q: What does the cow say? A: The cow says moo. "
+            "Q: Where does the duck live? A: The duck lives in the pond. ")
+
+# (prompt, kind): kind is "greedy", "sample" (one answer, temperature 0.7), "n4" (four answers,
+# temperature 0.8, top-p 0.95) or "beam4" (beam search of width 4).
+TEMPLATES = [
+    ("Once upon a time there was a", "greedy"),
+    (PREAMBLE + "Q: What color is a banana? A:", "greedy"),
+    ("The cow says", "n4"),
+    ("Let us count: 12, 13,", "greedy"),
+    (PREAMBLE + "Q: Where does the owl live? A:", "sample"),
+    ("The cow says", "beam4"),
+    ("After Monday comes", "greedy"),
+    (PREAMBLE + "Q: What day comes after Friday? A:", "greedy"),
+    ("Once upon a time there was a brave lion named Rosa.", "n4"),
+    ("3 plus 4 is", "greedy"),
+    (PREAMBLE + "Q: What does the lion say? A:", "beam4"),
+    ("Count with me: two, three,", "sample"),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="paged-kv",
+        description="Serve a ready-made workload through the paged KV cache (host scheduler, one jitted step, "
+                    "preemption by recompute, prefix caching, parallel sampling and beam search) and report "
+                    "tokens/s, peak blocks, KV memory saved by sharing, prefix-cache hit rate and preemptions, "
+                    "with a picture of one request family's block tables.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and workload")
+    g.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="Hugging Face Llama checkpoint directory (config.json + safetensors); prompts are UTF-8 "
+                        "bytes, so the vocabulary needs >= 259 ids. Default: the built-in checkpoints/tiny-llama")
+    g.add_argument("--requests", type=_positive, default=24, metavar="N",
+                   help="requests in the workload (the 12 templates repeat)")
+    g.add_argument("--max-new-tokens", type=_positive, default=48, metavar="N",
+                   help="generated tokens per answer at most (an answer also ends at the EOS token)")
+    g.add_argument("--arrival-gap", type=_non_negative, default=2, metavar="STEPS",
+                   help="engine steps between two arrivals (0: all at once)")
+    g.add_argument("--seed", type=_non_negative, default=0, help="sampling seed (same seed, same outputs)")
+    g = p.add_argument_group("KV cache and scheduler")
+    g.add_argument("--num-blocks", type=_positive, default=64, metavar="N",
+                   help="KV blocks in the pool (block 0 is reserved); small pools force preemptions")
+    g.add_argument("--block-size", type=_positive, default=16, metavar="TOKENS",
+                   help="tokens per block (a power of two)")
+    g.add_argument("--max-seqs", type=_positive, default=32, metavar="N",
+                   help="sequences running at once (rows of every step; a request holds n or beam-width rows)")
+    g.add_argument("--max-seq-len", type=_positive, default=256, metavar="TOKENS",
+                   help="tokens per sequence at most (prompt + answer; rounded up to whole blocks, capped by the "
+                        "model's context)")
+    g.add_argument("--chunk-size", type=_positive, default=64, metavar="TOKENS",
+                   help="prefill positions per step")
+    g.add_argument("--max-prefill-rows", type=_positive, default=8, metavar="N",
+                   help="prompts admitted (and prefilled) together at most")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    g.add_argument("--impl", choices=("auto", "reference", "interpret", "pallas"), default="auto",
+                   help="attention/copy kernels: auto = Pallas on GPU, the jnp reference on CPU")
+    g = p.add_argument_group("output")
+    g.add_argument("--show", type=_non_negative, default=4, metavar="N",
+                   help="decoded outputs to print (a greedy answer, parallel samples, a beam search)")
+    g.add_argument("--png", metavar="PATH", default="paged_kv_block_tables.png",
+                   help="where to write the block-table picture")
+    g.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON here")
+    g.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="colour the terminal block tables by reference count")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--walkthrough", action="store_true",
+                   help="run the block-manager walkthrough (worked examples of DESIGN.md) instead of the workload")
+    return p
+
+
+def build_workload(tokenizer, num_requests: int, max_new_tokens: int, arrival_gap: int, eos_id: int):
+    """The ready-made requests (ids ``0 .. num_requests - 1``, arrival ``i * arrival_gap``)."""
+    from paged_kv.engine import BeamParams, SamplingParams
+    from paged_kv.engine.serving import Request
+
+    eos = (eos_id,)
+    kinds = {
+        "greedy": SamplingParams(max_new_tokens=max_new_tokens, eos_token_ids=eos),
+        "sample": SamplingParams(max_new_tokens=max_new_tokens, temperature=0.7, eos_token_ids=eos),
+        "n4": SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8, top_p=0.95, n=4, eos_token_ids=eos),
+        "beam4": BeamParams(beam_width=4, max_new_tokens=max_new_tokens, eos_token_ids=eos),
+    }
+    reqs = []
+    for i in range(num_requests):
+        text, kind = TEMPLATES[i % len(TEMPLATES)]
+        reqs.append(Request(tokenizer.encode(text, add_bos=True), kinds[kind], arrival=i * arrival_gap,
+                            request_id=i))
+    return reqs
+
+
+def _short(text: str, limit: int = 60) -> str:
+    text = text.replace(PREAMBLE, "<Q&A preamble> ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(req) -> str:
+    p = req.params
+    if req.is_beam:
+        return f"beam search, width {p.beam_width}"
+    if p.temperature == 0:
+        return "greedy" if p.n == 1 else f"greedy, n={p.n}"
+    return f"n={p.n}, temperature {p.temperature:g}" + (f", top-p {p.top_p:g}" if p.top_p < 1 else "")
+
+
+def _pick_outputs(outputs, count: int):
+    """A greedy answer, a parallel-sampling request and a beam request with the same prompt, then others."""
+    ok = [o for o in outputs if o.ok]
+    picked = []
+    greedy = [o for o in ok if not o.request.is_beam and o.request.width == 1 and o.request.params.temperature == 0]
+    beams = [o for o in ok if o.request.is_beam]
+    multi = [o for o in ok if not o.request.is_beam and o.request.width > 1]
+    if greedy:
+        picked.append(greedy[0])
+    if beams:
+        twin = [o for o in multi if o.request.prompt == beams[0].request.prompt]
+        picked += (twin[:1] or multi[:1]) + [beams[0]]
+    elif multi:
+        picked.append(multi[0])
+    picked += [o for o in ok if o not in picked]
+    return picked[:count]
+
+
+def _print_outputs(outputs, tokenizer, count: int) -> None:
+    for o in _pick_outputs(outputs, count):
+        prompt = tokenizer.decode(o.request.prompt)
+        print(f"\n[request {o.request_id}: {_describe(o.request)}; {o.stats.preemptions} preemptions, "
+              f"{o.stats.cached_prompt_tokens} prompt tokens from cache]  {_short(prompt)!r}")
+        for j, toks in enumerate(o.tokens):
+            text = tokenizer.decode(toks, stop_at_eos=True)
+            tag = f"beam {j} (score {o.scores[j]:.3f})" if o.scores is not None else f"sample {j}"
+            print(f"    {tag}: {_short(text, 90)!r}")
+
+
+def _run(args) -> int:
+    import jax  # noqa: F401  (imported here so that --help and argument errors stay fast)
+
+    import paged_kv as pk
+    from models import load_hf_checkpoint
+    from models.hf_io import CheckpointError
+    from models.tokenizer import TOKENIZER_FILE, ByteTokenizer
+    from paged_kv import report
+    from paged_kv.engine.serving import ServingConfig, ServingEngine
+
+    ckpt = Path(args.checkpoint) if args.checkpoint else BUILTIN_CHECKPOINT
+    if not ckpt.is_dir():
+        raise ValueError(f"checkpoint directory {str(ckpt)!r} does not exist"
+                         + ("" if args.checkpoint else " (built-in model missing; pass --checkpoint DIR)"))
+    try:
+        model = load_hf_checkpoint(ckpt)
+    except CheckpointError as e:
+        raise ValueError(f"cannot load checkpoint {str(ckpt)!r}: {e}") from None
+    tok = ByteTokenizer.load(ckpt) if (ckpt / TOKENIZER_FILE).is_file() else ByteTokenizer()
+    vocab = model.config.vocab_size
+    if vocab < tok.vocab_size:
+        raise ValueError(f"the model's vocabulary has {vocab} ids; byte-level prompts need {tok.vocab_size}")
+    context = min(args.max_seq_len, model.config.max_position_embeddings)
+    mgr = pk.ManagerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
+                           max_blocks_per_seq=-(-context // args.block_size),
+                           prefix_caching=not args.no_prefix_caching)
+    cfg = ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(args.max_prefill_rows, args.max_seqs),
+                        impl=args.impl)
+    engine = ServingEngine(model, cfg, seed=args.seed)
+    reqs = build_workload(tok, args.requests, args.max_new_tokens, args.arrival_gap, tok.eos_id)
+
+    import jax as _jax
+    print(f"paged-kv: {len(reqs)} requests on {ckpt.name} ({model.config.num_params() / 1e6:.2f}M parameters, "
+          f"JAX {_jax.__version__} on {_jax.default_backend()}); pool of {mgr.num_blocks} blocks x "
+          f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}", flush=True)
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(reqs), unit="req", desc="serving", file=sys.stderr, disable=args.no_progress,
+               dynamic_ncols=True)
+
+    def on_step(eng):
+        if eng.step_count % 5 == 0:
+            st = eng._stats
+            bar.set_postfix(step=eng.step_count, running=eng.num_running, waiting=eng.num_waiting,
+                            blocks=mgr.num_blocks - 1 - eng._num_free, preempted=st.preemptions, refresh=False)
+            bar.refresh()
+
+    outputs = []
+    for out in engine.run(reqs, on_step=on_step):
+        outputs.append(out)
+        bar.update(1)
+        if out.error is not None:
+            bar.write(f"request {out.request_id} rejected: {out.error}")
+    bar.close()
+
+    if args.show:
+        _print_outputs(outputs, tok, args.show)
+    rep = report.build_report(engine, outputs, extra={"checkpoint": str(ckpt), "seed": args.seed,
+                                                      "workload": {"requests": args.requests,
+                                                                   "max_new_tokens": args.max_new_tokens,
+                                                                   "arrival_gap": args.arrival_gap}})
+    print()
+    print(report.format_report(rep))
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    if engine.snapshot is not None:
+        print()
+        print(report.render_block_tables(engine.snapshot, color=color))
+        png = report.save_block_tables_png(engine.snapshot, args.png)
+        print(f"block-table picture: {png}")
+    else:
+        print("no request with n > 1 or beam search ran: no block-table picture")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rep, fh, indent=2)
+        print(f"report JSON: {args.json}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.block_size & (args.block_size - 1):
+        parser.error(f"--block-size {args.block_size} must be a power of two")
+    if args.num_blocks < 2:
+        parser.error(f"--num-blocks {args.num_blocks} must be >= 2 (block 0 is reserved)")
+    for path in (args.png, args.json):
+        if path and not Path(path).resolve().parent.is_dir():
+            parser.error(f"directory of {path!r} does not exist")
+    if args.walkthrough:
+        from paged_kv.walkthrough import main as walkthrough
+
+        walkthrough()
+        return 0
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("paged-kv: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:
+        print(f"paged-kv: error: {e}", file=sys.stderr)
+        return 1
+
+
+__all__ = ["TEMPLATES", "build_parser", "build_workload", "main"]

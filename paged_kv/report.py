@@ -1,0 +1,204 @@
+"""The main job's report: numbers from a serving run, and pictures of one request family's block
+tables (terminal and PNG).
+
+``build_report`` turns a ``ServingEngine`` run into a JSON-able dict; ``format_report`` prints it;
+``render_block_tables`` draws a ``TableSnapshot`` for the terminal (rows: the family's sequences;
+cells: physical block ids, marked and coloured by reference count); ``save_block_tables_png``
+draws the same with matplotlib.
+
+KV memory saved by sharing (parallel sampling and beam search): at every step, for each running
+request with ``n > 1`` samples or beam width ``k > 1``, *blocks without sharing* is the sum over
+its sequences of ``ceil(tokens / block_size)`` (each sequence holding its own copy) and *blocks
+with sharing* is the number of distinct physical blocks its block tables hold; summed over
+steps (block-steps), saved = 1 - with / without.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+from paged_kv.engine.serving import EngineStats, RequestOutput, ServingEngine, TableSnapshot
+
+SHARING_DEFINITION = (
+    "KV memory saved by sharing: each step, for every running request with n > 1 samples or beam width > 1, "
+    "blocks without sharing = sum over its sequences of ceil(tokens / block_size); blocks with sharing = distinct "
+    "physical blocks in its block tables; saved = 1 - (with / without), over block-steps of the whole run.")
+
+# ANSI background colours by reference count (1, 2, 3, >= 4).
+_ANSI = {1: "\x1b[48;5;252m\x1b[30m", 2: "\x1b[48;5;229m\x1b[30m", 3: "\x1b[48;5;215m\x1b[30m",
+         4: "\x1b[48;5;203m\x1b[30m"}
+_RESET = "\x1b[0m"
+
+
+def _saved(shared: int, unshared: int) -> float:
+    return 1.0 - shared / unshared if unshared else 0.0
+
+
+def _kib(nbytes: float) -> str:
+    if nbytes >= 1 << 20:
+        return f"{nbytes / (1 << 20):.1f} MiB"
+    return f"{nbytes / 1024:.1f} KiB"
+
+
+def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, extra: dict | None = None) -> dict:
+    """A JSON-able summary of a finished run: configuration, engine statistics, sharing, prefix
+    cache, preemptions, per-request statistics and the block-table snapshot."""
+    st: EngineStats = engine.stats()
+    mgr = engine.manager
+    bpb = engine.bytes_per_block
+    ok = [o for o in outputs if o.ok]
+    per_req = []
+    for o in outputs:
+        s = o.stats
+        per_req.append({
+            "id": str(o.request_id), "kind": "beam" if o.request.is_beam else "sample",
+            "width": o.request.width, "prompt_tokens": s.prompt_tokens,
+            "cached_prompt_tokens": s.cached_prompt_tokens, "shared_prompt_tokens": s.shared_prompt_tokens,
+            "preemptions": s.preemptions, "generated_tokens": s.generated_tokens,
+            "arrival_step": s.arrival_step, "first_token_step": s.first_token_step, "finish_step": s.finish_step,
+            "time_to_first_token_s": s.time_to_first_token_s, "latency_s": s.latency_s, "error": o.error})
+    ttft = sorted(o.stats.time_to_first_token_s for o in ok if o.stats.time_to_first_token_s is not None)
+    report = {
+        "config": {"num_blocks": mgr.num_blocks, "block_size": mgr.block_size, "max_seqs": mgr.max_seqs,
+                   "max_blocks_per_seq": mgr.max_blocks_per_seq, "prefix_caching": mgr.prefix_caching,
+                   "chunk_size": engine.config.chunk_size, "max_prefill_rows": engine.config.max_prefill_rows,
+                   "kv_bytes_per_block": bpb},
+        "requests": {"total": len(outputs), "finished": len(ok), "rejected": len(outputs) - len(ok),
+                     "sampling_n_gt_1": sum(1 for o in outputs if not o.request.is_beam and o.request.width > 1),
+                     "beam": sum(1 for o in outputs if o.request.is_beam)},
+        "throughput": {"generated_tokens": st.generated_tokens, "prefill_tokens": st.prefill_tokens,
+                       "steps": st.steps, "prefill_steps": st.prefill_steps, "wall_s": round(st.wall_s, 3),
+                       "compile_s": round(st.compile_s, 3), "tokens_per_s": round(st.tokens_per_s, 1),
+                       "time_to_first_token_median_s": round(ttft[len(ttft) // 2], 4) if ttft else None},
+        "blocks": {"peak_used": st.peak_blocks_used, "allocatable": mgr.num_blocks - 1,
+                   "peak_used_bytes": st.peak_blocks_used * bpb, "copy_on_write_copies": st.copies},
+        "sharing": {
+            "definition": SHARING_DEFINITION,
+            "parallel_sampling": {"block_steps_with_sharing": st.sampling_blocks_shared,
+                                  "block_steps_without_sharing": st.sampling_blocks_unshared,
+                                  "saved_fraction": round(_saved(st.sampling_blocks_shared,
+                                                                 st.sampling_blocks_unshared), 4),
+                                  "peak_blocks_saved": st.peak_sampling_saved,
+                                  "peak_bytes_saved": st.peak_sampling_saved * bpb},
+            "beam_search": {"block_steps_with_sharing": st.beam_blocks_shared,
+                            "block_steps_without_sharing": st.beam_blocks_unshared,
+                            "saved_fraction": round(_saved(st.beam_blocks_shared, st.beam_blocks_unshared), 4),
+                            "peak_blocks_saved": st.peak_beam_saved, "peak_bytes_saved": st.peak_beam_saved * bpb},
+        },
+        "prefix_cache": {"hit_rate": round(st.cache_hit_rate, 4), "hit_tokens": st.cache_hit_tokens,
+                         "query_tokens": st.cache_query_tokens, "lookups": st.cache_lookups,
+                         "evictions": st.cache_evictions,
+                         "prompt_tokens_from_cache": sum(o.stats.cached_prompt_tokens for o in outputs),
+                         "prompt_tokens_shared_in_admission": sum(o.stats.shared_prompt_tokens for o in outputs)},
+        "preemptions": {"total": st.preemptions,
+                        "requests_preempted": sum(1 for o in outputs if o.stats.preemptions),
+                        "readmission_cached_tokens": sum(o.stats.cached_prompt_tokens for o in outputs
+                                                         if o.stats.preemptions)},
+        "per_request": per_req,
+        "block_tables": dataclasses.asdict(engine.snapshot) if engine.snapshot is not None else None,
+    }
+    if report["block_tables"] is not None:
+        report["block_tables"]["request_id"] = str(report["block_tables"]["request_id"])
+    if extra:
+        report.update(extra)
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The report as text for the terminal."""
+    t, b, sh, pc, pre = (report[k] for k in ("throughput", "blocks", "sharing", "prefix_cache", "preemptions"))
+    cfg, rq = report["config"], report["requests"]
+    bpb = cfg["kv_bytes_per_block"]
+    lines = [
+        "== paged-kv serving report ==",
+        f"requests            {rq['finished']} finished, {rq['rejected']} rejected "
+        f"({rq['sampling_n_gt_1']} with n > 1, {rq['beam']} beam search)",
+        f"throughput          {t['tokens_per_s']:.1f} generated tokens/s ({t['generated_tokens']} tokens, "
+        f"{t['steps']} steps in {t['wall_s'] - t['compile_s']:.1f} s; + {t['compile_s']:.1f} s compiling)",
+        f"time to first token median {t['time_to_first_token_median_s']} s",
+        f"peak blocks in use  {b['peak_used']} of {b['allocatable']} ({_kib(b['peak_used_bytes'])} of KV; "
+        f"{cfg['block_size']} tokens x {_kib(bpb)} per block), {b['copy_on_write_copies']} copy-on-write copies",
+    ]
+    for name, key in (("parallel sampling", "parallel_sampling"), ("beam search", "beam_search")):
+        s = sh[key]
+        lines.append(f"saved by sharing    {name}: {100 * s['saved_fraction']:.1f}% of block-steps "
+                     f"({s['block_steps_with_sharing']} held vs {s['block_steps_without_sharing']} unshared); "
+                     f"peak {s['peak_blocks_saved']} blocks = {_kib(s['peak_bytes_saved'])}")
+    lines += [
+        f"prefix cache        hit rate {100 * pc['hit_rate']:.1f}% ({pc['hit_tokens']} of {pc['query_tokens']} "
+        f"prompt tokens), {pc['evictions']} evictions",
+        f"preemptions         {pre['total']} ({pre['requests_preempted']} requests; their re-admissions "
+        f"found {pre['readmission_cached_tokens']} prompt tokens cached)",
+        f"({sh['definition']})",
+    ]
+    return "\n".join(lines)
+
+
+def _ref_style(r: int) -> str:
+    return _ANSI[min(max(r, 1), 4)]
+
+
+def render_block_tables(snap: TableSnapshot, *, color: bool = False) -> str:
+    """Terminal picture of one family's block tables: a row per sequence, a cell per table entry
+    holding the physical block id and, when the block is shared, ``xN`` (its reference count).
+    With ``color``, cells are shaded by reference count (ANSI)."""
+    width = max([len(f"{blk}x{r}") for row, refs in zip(snap.blocks, snap.refs) for blk, r in zip(row, refs)] + [3])
+    label_w = max(len(x) for x in snap.labels)
+    head = (f"block tables of request {snap.request_id} ({snap.kind}s) at step {snap.step}: "
+            f"{snap.saved_blocks} blocks saved by sharing")
+    cols = max(len(r) for r in snap.blocks)
+    out = [head, " " * (label_w + 9) + " ".join(f"{j:>{width}}" for j in range(cols))]
+    for label, row, refs, n in zip(snap.labels, snap.blocks, snap.refs, snap.num_tokens):
+        cells = []
+        for blk, r in zip(row, refs):
+            text = f"{blk}x{r}" if r > 1 else f"{blk}"
+            cell = f"{text:>{width}}"
+            cells.append(f"{_ref_style(r)}{cell}{_RESET}" if color else cell)
+        out.append(f"{label:<{label_w}} {n:4d} tok " + " ".join(cells))
+    legend = "cells: physical block id; xN: held by N block tables (shared; a copy-on-write happens before " \
+             "a shared, partly full block is written)"
+    if color:
+        legend += "  " + " ".join(f"{_ref_style(r)} x{r}{'+' if r == 4 else ''} {_RESET}" for r in (1, 2, 3, 4))
+    out.append(legend)
+    return "\n".join(out)
+
+
+def save_block_tables_png(snap: TableSnapshot, path: str | os.PathLike, *, title: str | None = None) -> str:
+    """PNG of the same picture: a grid of (sequence x logical block), each cell coloured by its
+    block's reference count and labelled with the physical block id. Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    rows, cols = len(snap.blocks), max(len(r) for r in snap.blocks)
+    grid = np.zeros((rows, cols))
+    for i, refs in enumerate(snap.refs):
+        grid[i, :len(refs)] = refs
+    top = int(max(4, grid.max()))
+    cmap = ListedColormap(["#ffffff", "#d9d9d9", "#fff2a8", "#fdb863", "#e66101"] +
+                          ["#b2182b"] * max(0, top - 4))
+    norm = BoundaryNorm(np.arange(-0.5, top + 1.5), cmap.N)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * cols + 2.5), 0.6 * rows + 1.8))
+    im = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
+    for i, (row, refs) in enumerate(zip(snap.blocks, snap.refs)):
+        for j, (blk, r) in enumerate(zip(row, refs)):
+            ax.text(j, i, f"{blk}" + (f"\n×{r}" if r > 1 else ""), ha="center", va="center", fontsize=8)
+    ax.set_yticks(range(rows), [f"{label} ({n} tok)" for label, n in zip(snap.labels, snap.num_tokens)])
+    ax.set_xticks(range(cols))
+    ax.set_xlabel("logical block (position // block_size)")
+    ax.set_title(title or f"Block tables of request {snap.request_id} ({snap.kind}s) at step {snap.step}: "
+                          f"{snap.saved_blocks} blocks saved by sharing", fontsize=10)
+    bar = fig.colorbar(im, ax=ax, ticks=range(1, top + 1), fraction=0.04)
+    bar.set_label("reference count (tables holding the block)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+__all__ = ["SHARING_DEFINITION", "build_report", "format_report", "render_block_tables", "save_block_tables_png"]
