@@ -380,14 +380,19 @@ class KVCapacity:
 
 
 def weight_bytes_per_device(config: LlamaConfig, tp: int) -> int:
-    """Bytes of weights on one device at degree `tp` (replicated KV heads counted)."""
+    """Bytes of weights on one device at degree `tp` (replicated KV heads counted). Arithmetic on
+    the checkpoint's tensor list: no model is built."""
+    from models.hf_io import _hf_tensors
+
     kvh = kv_heads_for(config, tp)
-    _, weights = nnx.split(abstract_model(config.replace(num_kv_heads=kvh)))
-    specs = weight_specs(weights, config, tp)
+    r = kvh // config.num_kv_heads
+    itemsize = jnp.dtype(config.dtype).itemsize
     total = 0
-    for x, spec in zip(jax.tree.leaves(weights), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
-        shards = tp if any(a == AXIS for a in spec) else 1
-        total += math.prod(x.shape) * jnp.dtype(x.dtype).itemsize // shards
+    for name, state_path, hf_shape in _hf_tensors(config):
+        numel = math.prod(hf_shape) * (r if name.endswith(("k_proj.weight", "v_proj.weight")) else 1)
+        model_shape = (config.vocab_size,) if state_path[-1] in ("embed", "lm_head") else ()
+        spec = weight_spec(str(state_path[-1]), model_shape, tp, config.tie_word_embeddings)
+        total += numel * itemsize // (tp if AXIS in tuple(spec) else 1)
     return total
 
 

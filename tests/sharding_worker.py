@@ -1,8 +1,11 @@
 """Subprocess side of tests/test_sharding.py: runs on several simulated CPU devices, which must be
 configured before JAX starts (so never in the pytest process, whose other tests expect one).
 
-  python tests/sharding_worker.py four            4 devices in one process
-  python tests/sharding_worker.py multi ID PORT   process ID of 2 (2 devices each) on 127.0.0.1:PORT
+  python tests/sharding_worker.py four CKPT            4 devices in one process
+  python tests/sharding_worker.py multi CKPT ID PORT   process ID of 2 (2 devices each) on 127.0.0.1:PORT
+
+CKPT: a Hugging Face checkpoint directory of a small model with 4 heads and 2 KV heads (the test
+writes one), so tp=4 replicates KV heads.
 
 Prints one JSON line (prefixed RESULT) with the tokens and the facts the test checks.
 """
@@ -24,7 +27,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tiny-llama")
+# Compile time dominates these runs (each engine loop compiles once); XLA's optimisation passes
+# are off for every run here alike (the SPMD partitioner still runs: it is not an optimisation).
+# scripts/sharding_report.py inspects fully optimised programs.
+jax.config.update("jax_disable_most_optimizations", True)
+
+TINY_LLAMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "tiny-llama")
 # Shared with the test: the prompts, manager and parameters every run uses.
 PROMPTS = [[84, 104, 101, 32, 99, 111, 119, 32, 115, 97, 121, 115], [76, 101, 116, 32, 117, 115]]
 NUM_BLOCKS, BLOCK_SIZE, NEW = 48, 4, 10
@@ -45,22 +53,24 @@ def _tokens(x) -> list:
     return np.asarray(x).tolist()
 
 
-def run_engine(model, mesh, pages):
-    """Greedy with n=2 (parallel sampling: forked prompt blocks, copy-on-write), then beam search of
-    width 2 on the same pages. Returns (result dict, pages)."""
+def run_engine(model, mesh, pages, beam: bool = True):
+    """Greedy with n=2 (parallel sampling: forked prompt blocks, copy-on-write), then (if `beam`)
+    beam search of width 2 on the same pages. Returns (result dict, pages)."""
     from paged_kv import engine
     mgr, toks, lens = _setup()
     params = engine.SamplingParams(max_new_tokens=NEW, n=2)
     out, pages, state = engine.generate(model, pages, toks, lens, jax.random.key(0), params, manager=mgr,
                                         chunk_size=8, mesh=mesh)
-    beams, pages, state = engine.beam_search(model, pages, toks, lens,
-                                             engine.BeamParams(beam_width=2, max_new_tokens=NEW),
-                                             manager=mgr, state=state, chunk_size=8, mesh=mesh)
-    return {"greedy": _tokens(out.tokens), "copies": _tokens(out.stats.copies), "beam": _tokens(beams.tokens),
-            "beam_scores": _tokens(beams.scores)}, pages
+    res = {"greedy": _tokens(out.tokens), "copies": _tokens(out.stats.copies)}
+    if beam:
+        beams, pages, state = engine.beam_search(model, pages, toks, lens,
+                                                 engine.BeamParams(beam_width=2, max_new_tokens=NEW),
+                                                 manager=mgr, state=state, chunk_size=8, mesh=mesh)
+        res.update(beam=_tokens(beams.tokens), beam_scores=_tokens(beams.scores))
+    return res, pages
 
 
-def four():
+def four(ckpt: str):
     from flax import nnx
 
     import time
@@ -69,22 +79,29 @@ def four():
     from models.paged import paged_decode_step, paged_prefill_step
     assert jax.device_count() == 4
     res = {}
-    model = load_hf_checkpoint(CHECKPOINT)  # 4 heads, 2 KV heads: tp=4 replicates KV heads
+    model = load_hf_checkpoint(ckpt)  # 4 heads, 2 KV heads: tp=4 replicates KV heads
+    res["t_import"] = time.time() - t0
     res["single"], _ = run_engine(model, None, allocate_pages(page_spec(model.config, NUM_BLOCKS, BLOCK_SIZE)))
+    res["t_single"] = time.time() - t0
     mesh = sharding.make_mesh(4)
+    # Slices read by the sharded loader equal the full load placed by `shard` (the built-in
+    # checkpoint: 4 heads, 2 KV heads, vocab 259 which 4 does not divide, so a replicated head).
     stats = {}
-    placed = sharding.load_sharded(CHECKPOINT, mesh, stats=stats)
+    placed = sharding.load_sharded(TINY_LLAMA, mesh, stats=stats)
     res["load_stats"] = stats
     res["placed_kv_heads"] = placed.config.num_kv_heads
-    # Loaded slices equal the full load placed by `shard`.
-    ref_placed = sharding.shard_model(model, mesh)
+    ref_placed = sharding.shard_model(load_hf_checkpoint(TINY_LLAMA), mesh)
     diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), nnx.state(placed), nnx.state(ref_placed))
     res["load_max_diff"] = max(jax.tree.leaves(diffs))
+    res["load_same_specs"] = all(jax.tree.leaves(jax.tree.map(
+        lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), nnx.state(placed), nnx.state(ref_placed))))
+    res["t_load"] = time.time() - t0
     # `generate` given the unplaced model, its original pages (2 KV heads) and just the mesh places
     # them itself (KV heads replicated to 4, one per device).
     res["tp4"], pages = run_engine(model, mesh, allocate_pages(page_spec(model.config, NUM_BLOCKS, BLOCK_SIZE)))
     res["page_shards"] = [[list(s.data.shape), int(s.data.nbytes), str(s.device)] for s in pages.addressable_shards]
     res["pages_shape"], res["pages_nbytes"] = list(pages.shape), int(pages.nbytes)
+    res["t_tp4"] = time.time() - t0
     # 8 heads / 4 KV heads, vocab 256: KV heads split without replication, vocab-parallel head.
     cfg = tiny(num_heads=8, num_kv_heads=4, hidden_size=64)
     m2 = init_model(cfg, seed=1, init_std=0.2)
@@ -109,7 +126,7 @@ def four():
     return res
 
 
-def multi(process_id: int, port: int):
+def multi(ckpt: str, process_id: int, port: int):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=60)
@@ -117,9 +134,9 @@ def multi(process_id: int, port: int):
     assert jax.device_count() == 4 and jax.local_device_count() == 2, (jax.device_count(), jax.local_device_count())
     mesh = sharding.make_mesh(4)
     stats = {}
-    model = sharding.load_sharded(CHECKPOINT, mesh, stats=stats)
+    model = sharding.load_sharded(ckpt, mesh, stats=stats)
     pages = sharding.allocate_pages_on_mesh(page_spec(model.config, NUM_BLOCKS, BLOCK_SIZE), mesh)
-    res, pages = run_engine(model, mesh, pages)
+    res, pages = run_engine(model, mesh, pages, beam=False)
     res["load_stats"] = stats
     res["process_index"] = jax.process_index()
     res["local_page_shards"] = [list(s.data.shape) for s in pages.addressable_shards]
@@ -128,5 +145,5 @@ def multi(process_id: int, port: int):
 
 
 if __name__ == "__main__":
-    result = four() if MODE == "four" else multi(int(sys.argv[2]), int(sys.argv[3]))
+    result = four(sys.argv[2]) if MODE == "four" else multi(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     print("RESULT " + json.dumps(result), flush=True)

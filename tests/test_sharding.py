@@ -1,0 +1,211 @@
+"""Tensor parallelism (models.sharding): degree validation, KV capacity arithmetic and sharded
+loading in this process (one device); generation on 4 simulated devices and on a 2-process,
+4-device mesh over loopback in subprocesses (tests/sharding_worker.py), since the device count
+is fixed when JAX starts and the other tests expect one device.
+
+Every subprocess is bounded in time and killed (with its process group) on failure.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import paged_kv as pk
+from models import (abstract_model, init_model, llama31_8b, load_hf_checkpoint, page_spec, save_hf_checkpoint,
+                    sharding, tiny)
+from paged_kv import engine
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "sharding_worker.py"
+TIMEOUT_S = 420  # generous: the CPU is shared; normally the slowest run takes well under a minute
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen([sys.executable, str(WORKER), *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _collect(procs: list[subprocess.Popen], deadline: float) -> list[dict] | str:
+    """Each worker's RESULT, or an error text. Waits until `deadline` (time.monotonic()) at most;
+    every worker of the group is killed (with its process group) on any failure."""
+    outs = [""] * len(procs)
+    try:
+        for i, p in enumerate(procs):
+            outs[i], _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+            if p.returncode != 0:
+                return f"worker {p.args[2:]} exited with {p.returncode}:\n{outs[i][-4000:]}"
+    except subprocess.TimeoutExpired:
+        return f"workers {[p.args[2:] for p in procs]} did not finish within {TIMEOUT_S} s"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    results = []
+    for out in outs:
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        if not lines:
+            return f"no RESULT line in worker output:\n{out[-4000:]}"
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A 2-layer checkpoint with 4 query heads and 2 KV heads (tp=4 replicates KV heads) and vocab
+    256 (vocab-parallel head at tp=4)."""
+    path = tmp_path_factory.mktemp("tiny_tp")
+    save_hf_checkpoint(init_model(tiny(), seed=3, init_std=0.2), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def workers(ckpt):
+    """The 4-device worker and the two processes of the 2-process mesh, started together (the
+    waits overlap); {"four": [result] | error, "multi": [result, result] | error}."""
+    port = str(_free_port())
+    deadline = time.monotonic() + TIMEOUT_S
+    four = [_start(["four", ckpt])]
+    multi = [_start(["multi", ckpt, "0", port]), _start(["multi", ckpt, "1", port])]
+    try:
+        return {"four": _collect(four, deadline), "multi": _collect(multi, deadline)}
+    finally:
+        for p in four + multi:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def _ok(result):
+    if isinstance(result, str):
+        pytest.fail(result)
+    return result
+
+
+@pytest.fixture(scope="module")
+def four(workers):
+    return _ok(workers["four"])[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- one device, in process
+def test_degrees_and_errors():
+    cfg = load_hf_checkpoint(ROOT / "checkpoints" / "tiny-llama").config  # 4 heads, 2 KV heads
+    assert sharding.valid_degrees(cfg) == [1, 2, 4]
+    assert [sharding.kv_heads_for(cfg, t) for t in (1, 2, 4)] == [2, 2, 4]
+    with pytest.raises(ValueError, match=r"tp=3 .*does not divide num_heads=4.*degrees that work.*\[1, 2, 4\]"):
+        sharding.check_degree(cfg, 3)
+    odd = tiny(num_heads=12, num_kv_heads=4, hidden_size=96, intermediate_size=96)
+    assert sharding.valid_degrees(odd) == [1, 2, 4, 12]
+    with pytest.raises(ValueError, match=r"tp=6 .*neither divides num_kv_heads=4.*\[1, 2, 4, 12\]"):
+        sharding.check_degree(odd, 6)
+    assert sharding.valid_degrees(llama31_8b()) == [1, 2, 4, 8, 16, 32]
+    with pytest.raises(ValueError, match="tp=0"):
+        sharding.check_degree(cfg, 0)
+    with pytest.raises(ValueError, match=r"tp=2 must be an int in \[1, 1\]"):
+        sharding.make_mesh(2)
+
+
+def test_bad_mesh_rejected_before_tracing():
+    model = abstract_model(tiny())  # shapes only: nothing may be traced or compiled
+    mgr = pk.ManagerConfig(num_blocks=16, block_size=8, max_seqs=2, max_blocks_per_seq=4)
+    toks, lens = engine.pad_prompts([[1, 2, 3]], width=8)
+    no_tp = Mesh(np.array(jax.devices()[:1]), ("data",))
+    pages = np.zeros(page_spec(model.config, 16, 8).shape, np.float32)
+    with pytest.raises(ValueError, match=r"mesh has axes \('data',\); expected a tensor-parallel axis named 'tp'"):
+        engine.generate(model, pages, toks, lens, jax.random.key(0), engine.SamplingParams(max_new_tokens=2),
+                        manager=mgr, mesh=no_tp)
+    with pytest.raises(ValueError, match="expected a tensor-parallel axis named 'tp'"):
+        engine.beam_search(model, pages, toks, lens, engine.BeamParams(beam_width=2), manager=mgr, mesh=no_tp)
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+        sharding.shard(model, pages, mesh="tp")
+
+
+def test_kv_capacity_llama31_8b():
+    cfg = llama31_8b()
+    one = sharding.kv_capacity(cfg, 80 * 10**9, 1)
+    assert one.weight_bytes == cfg.num_params() * 2  # bfloat16, all on one device
+    assert one.kv_bytes_per_token == 128 * 1024 and one.kv_bytes_per_block == 2 * 1024 * 1024
+    assert one.num_blocks == (int(80e9 * 0.9) - one.weight_bytes) // (2 * 1024 * 1024)
+    assert one.tokens == (one.num_blocks - 1) * 16
+    eight = sharding.kv_capacity(cfg, 80 * 10**9, 8)
+    assert eight.kv_heads_per_device == 1 and eight.kv_bytes_per_token == 16 * 1024
+    # Norms and the (untied) input embedding stay replicated: 8 devices hold 8 copies of them.
+    replicated = ((2 * cfg.num_layers + 1) * cfg.hidden_size + cfg.vocab_size * cfg.hidden_size) * 2
+    assert eight.weight_bytes * 8 == one.weight_bytes + 7 * replicated
+    assert eight.num_blocks > 8 * one.num_blocks  # less weight per device and 1/8 of the KV
+    # Beyond the KV-head count the KV heads are replicated: still one head per device.
+    sixteen = sharding.kv_capacity(cfg, 80 * 10**9, 16)
+    assert sixteen.kv_heads_per_device == 1 and sixteen.kv_bytes_per_token == 16 * 1024
+    tiny_gpu = sharding.kv_capacity(cfg, 8 * 10**9, 1)
+    assert tiny_gpu.num_blocks == 0 and tiny_gpu.tokens == 0  # the weights alone do not fit
+    with pytest.raises(ValueError, match="memory_fraction=0"):
+        sharding.kv_capacity(cfg, 80 * 10**9, 1, memory_fraction=0)
+
+
+def test_sharded_load_on_one_device(ckpt):
+    """On a 1-device mesh the sharded loader reads every tensor once and matches the plain loader."""
+    stats = {}
+    placed = sharding.load_sharded(ckpt, sharding.make_mesh(1), stats=stats)
+    ref = load_hf_checkpoint(ckpt)
+    assert stats["bytes_read"] == stats["bytes_total"] > 0
+    got, want = jax.tree.leaves(placed), jax.tree.leaves(ref)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------- 4 simulated devices
+def test_four_devices_same_tokens(four):
+    """tp=4 on a model with 2 KV heads (replicated to 4): greedy with n=2 (forked blocks and a
+    copy-on-write copy) and beam search give the single-device tokens; each device holds 1/4 of
+    the pages (one KV head of every block)."""
+    single, tp4 = four["single"], four["tp4"]
+    assert tp4["greedy"] == single["greedy"]
+    assert tp4["copies"] == single["copies"] and sum(single["copies"]) >= 1
+    assert tp4["beam"] == single["beam"]
+    np.testing.assert_allclose(tp4["beam_scores"], single["beam_scores"], rtol=1e-5)
+    assert four["pages_shape"][2] == 4
+    assert len(four["page_shards"]) == 4
+    for shape, nbytes, _ in four["page_shards"]:
+        assert shape[2] == 1 and nbytes * 4 == four["pages_nbytes"]
+    assert sorted(dev for _, _, dev in four["page_shards"]) == [f"cpu:{i}" for i in range(4)]
+
+
+def test_four_devices_loading_and_head_layouts(four):
+    """Sharded loading of the built-in checkpoint equals loading then placing; 8 heads / 4 KV
+    heads (no replication, vocab-parallel head) give the single-device logits."""
+    assert four["placed_kv_heads"] == 4 and four["load_max_diff"] == 0.0 and four["load_same_specs"]
+    assert four["lm_head_spec"] == "P('tp', None)"
+    assert four["gqa_prefill_diff"] < 1e-4 and four["gqa_decode_diff"] < 1e-4
+
+
+# ---------------------------------------------------------------------------- 2 processes
+def test_two_processes_one_mesh(workers, four):
+    """Two processes with 2 devices each form one 4-device mesh (gloo collectives over loopback),
+    each loading only its slices of the sharded weights: the single-device greedy tokens."""
+    results = _ok(workers["multi"])
+    assert sorted(r["process_index"] for r in results) == [0, 1]
+    for r in results:
+        assert r["greedy"] == four["single"]["greedy"]
+        assert r["copies"] == four["single"]["copies"]
+        assert r["local_page_shards"] == [[2, 2, 1, 48, 4, 16]] * 2  # 1 of 4 KV heads on each local device
+        # Each process reads its halves of the sharded tensors plus the replicated ones (norms),
+        # never the whole checkpoint.
+        assert r["load_stats"]["bytes_read"] < 0.75 * r["load_stats"]["bytes_total"]
