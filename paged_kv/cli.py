@@ -197,7 +197,7 @@ def _run(args) -> int:
                          + ("" if args.checkpoint else " (built-in model missing; pass --checkpoint DIR)"))
     try:
         model = load_hf_checkpoint(ckpt)
-    except CheckpointError as e:
+    except (CheckpointError, OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot load checkpoint {str(ckpt)!r}: {e}") from None
     tok = ByteTokenizer.load(ckpt) if (ckpt / TOKENIZER_FILE).is_file() else ByteTokenizer()
     vocab = model.config.vocab_size
