@@ -216,6 +216,7 @@ def _run(args) -> int:
     print(f"paged-kv: {len(reqs)} requests on {ckpt.name} ({model.config.num_params() / 1e6:.2f}M parameters, "
           f"JAX {_jax.__version__} on {_jax.default_backend()}); pool of {mgr.num_blocks} blocks x "
           f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}", flush=True)
+    print("the first step of each shape compiles (about a minute on a 2-core CPU) ...", flush=True)
     from tqdm import tqdm
 
     bar = tqdm(total=len(reqs), unit="req", desc="serving", file=sys.stderr, disable=args.no_progress,
@@ -269,6 +270,13 @@ def main(argv=None) -> int:
     for path in (args.png, args.json):
         if path and not Path(path).resolve().parent.is_dir():
             parser.error(f"directory of {path!r} does not exist")
+    try:  # the pool's own checks (sizes, int32 slot indices), before anything is loaded
+        import paged_kv as pk
+
+        pk.ManagerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
+                         max_blocks_per_seq=-(-args.max_seq_len // args.block_size))
+    except ValueError as e:
+        parser.error(str(e))
     if args.walkthrough:
         from paged_kv.walkthrough import main as walkthrough
 

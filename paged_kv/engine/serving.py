@@ -31,8 +31,8 @@ one's prefill ends: ``admit`` registers a prompt's full blocks in the prefix cac
 K/V is written, so no later request may hit them earlier, and a request in the middle of its
 prefill is never preempted (its freed blocks would stay cached without their K/V).
 
-The step (device, one ``jax.jit``, shapes fixed by ``R``, the prefill bucket ``P`` (0 or a power
-of two <= ``max_prefill_rows``) and ``chunk_size``): ``free`` finished or preempted rows ->
+The step (device, one ``jax.jit``, shapes fixed by ``R``, ``P`` (0 when no prefill chunk runs,
+else ``max_prefill_rows``: two compiled variants) and ``C = chunk_size``): ``free`` finished or preempted rows ->
 ``select`` (beam reselection) -> paged prefill forward of one cohort chunk ``[P, C]`` -> ``append``
 one token per decoding row, ``copy_blocks`` for copy-on-write, paged decode forward ``[R]`` ->
 ``fork`` the samples of prompts whose prefill ended -> per-row sampling (greedy / temperature /
@@ -92,8 +92,9 @@ class ServingConfig:
     Attributes:
       manager: the block manager's config; ``max_seqs`` is the batch ``R`` of every step.
       chunk_size: prefill positions per step (the ``C`` of the ``[P, C]`` prefill batch).
-      max_prefill_rows: prompts per admission (cohort) at most; ``P`` is bucketed to powers of
-        two up to it. Also the widest ``n`` / beam width a request may have.
+      max_prefill_rows: prompts per admission (cohort) at most: the ``P`` of the prefill batch
+        of a step that runs a chunk (0 otherwise), and the shape of every ``admit`` call. Also the
+        widest ``n`` / beam width a request may have (a preempted one is re-admitted as a unit).
       top_candidates: log-probabilities returned per row for beam search; a beam request needs
         ``k * (1 + max(#EOS ids, 1)) <= top_candidates``.
       impl: kernel implementation (``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``).
@@ -455,6 +456,7 @@ class _CohortRow:
     tokens: np.ndarray
     start: int  # first position to compute (after cached/shared blocks)
     fork_to: list[int]  # rows forked from this one when its prefill ends (a new n > 1 request)
+    discard: bool = False  # prefilled only so that its cached blocks hold their K/V; then freed
 
 
 @dataclasses.dataclass
@@ -731,19 +733,22 @@ class ServingEngine:
                                                            num_free))
         self._note_compile(("admit", a, width), t0)
         self._num_free = int(num_free)
-        failed = set()
+        failed = {fam.seq for i, (fam, *_) in enumerate(plan) if status[i] != Status.OK}
+        # Admission is first come, first served: once a prompt fails, every later one fails, but
+        # the first rows of a re-admitted family may already be in. Such a family goes back to the
+        # queue; its admitted rows are still prefilled (``admit`` cached their full blocks, which
+        # must not stay cached without their K/V), then freed: a later re-admission hits them.
+        cohort = []
+        kept_rows = set()
         for i, (fam, row, idx, t) in enumerate(plan):
             if status[i] != Status.OK:
-                failed.add(fam.seq)
-        # Admission is first come, first served: a failing prompt fails every later one too, so a
-        # family is either all in or (if any row failed) all out. Undo partial families.
-        cohort = []
-        for i, (fam, row, idx, t) in enumerate(plan):
-            if fam.seq in failed:
-                if status[i] == Status.OK:  # cannot happen (FCFS), but never leak a row
-                    self._to_free.append(row)
                 continue
             start = int(cached[i]) + int(shared[i])
+            if fam.seq in failed:
+                kept_rows.add(row)
+                cohort.append(_CohortRow(row=row, family=fam, index=idx, tokens=np.asarray(t, np.int32),
+                                         start=min(start, len(t) - 1), fork_to=[], discard=True))
+                continue
             fam.stats.cached_prompt_tokens += int(cached[i])
             fam.stats.shared_prompt_tokens += int(shared[i])
             new_n = (not fam.req.is_beam) and all(not s.tokens for s in fam.samples)
@@ -752,7 +757,7 @@ class ServingEngine:
                                      start=min(start, len(t) - 1), fork_to=fork_to))
         for fam, _ in picked:
             if fam.seq in failed:
-                self._free_rows.extend(fam_rows[fam.seq])
+                self._free_rows.extend(r for r in fam_rows[fam.seq] if r not in kept_rows)
                 continue
             self._waiting.remove(fam)
             fam.phase = _Phase.RUNNING
@@ -764,6 +769,8 @@ class ServingEngine:
                 self._row_owner[row] = (fam, j)
         self._free_rows.sort()
         for c in cohort:
+            if c.discard:
+                continue
             c.family.prefilling.add(c.row)
             if c.family.req.is_beam:
                 b = c.family.beams[c.index] if c.family.beams else None
@@ -922,6 +929,11 @@ class ServingEngine:
             for cr, end in zip(list(self._cohort), ends):
                 if not end:
                     continue
+                if cr.discard:
+                    self._to_free.append(cr.row)
+                    self._free_rows.append(cr.row)
+                    self._free_rows.sort()
+                    continue
                 produced.append(cr.row)
                 produced.extend(cr.fork_to)
                 cr.family.prefilling.discard(cr.row)
@@ -930,9 +942,10 @@ class ServingEngine:
                 self._cohort = []
         beam_fams = {}
         for row in produced:
-            fam, j = self._row_owner[row]
-            if fam.phase is not _Phase.RUNNING:
-                continue
+            owner = self._row_owner.get(row)
+            if owner is None or owner[0].phase is not _Phase.RUNNING:
+                continue  # released while processing this step (its request ended)
+            fam = owner[0]
             if fam.req.is_beam:
                 self._results[row] = (out.top_logprobs[row], out.top_ids[row])
                 beam_fams[fam.seq] = fam
