@@ -3,13 +3,16 @@ contiguous baseline cache, and loads/saves Hugging Face Llama checkpoints.
 
 Modules: `config` (LlamaConfig, presets, RoPE frequencies), `llama` (NNX modules), `paged` (paged
 forward, PagedBatch metadata, jitted steps, page sizing), `contiguous` (baseline cache path),
-`hf_io` (safetensors checkpoints), `generate` (host greedy loops for tests and benchmarks).
+`hf_io` (safetensors checkpoints), `generate` (host greedy loops for tests and benchmarks), `sharding`
+(tensor parallelism over a `jax.sharding.Mesh`: placing a model and its pages, sharded loading, KV
+capacity per device).
 """
 
 from models.config import Llama3RopeScaling, LlamaConfig, llama31_8b, llama32_1b, rope_inv_freq, tiny
 from models.contiguous import contiguous_forward, contiguous_step, init_contiguous_cache
 from models.generate import greedy_generate_contiguous, greedy_generate_paged
 from models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
+from models import sharding
 from models.llama import Llama, abstract_model, init_model
 from models.paged import (
     KVPageSpec,
@@ -32,5 +35,5 @@ __all__ = [
     "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "init_contiguous_cache",
     "init_model", "kv_bytes_per_block", "kv_bytes_per_token", "llama31_8b", "llama32_1b",
     "load_hf_checkpoint", "make_paged_batch", "page_spec", "page_spec_for_budget", "paged_decode_step",
-    "paged_forward", "paged_prefill_step", "rope_inv_freq", "save_hf_checkpoint", "tiny",
+    "paged_forward", "paged_prefill_step", "rope_inv_freq", "save_hf_checkpoint", "sharding", "tiny",
 ]

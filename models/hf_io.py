@@ -103,14 +103,19 @@ def _weight_map(path: Path) -> dict[str, Path]:
         return {name: single for name in fh.keys()}
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> Llama:
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> Llama:
     """Load a Hugging Face `LlamaForCausalLM` checkpoint directory into a `Llama`.
 
     `dtype` ("float32"/"bfloat16") overrides the checkpoint's dtype; weights are cast to it.
+    `mesh`: a `jax.sharding.Mesh` with a "tp" axis to load tensor-parallel, each process reading
+    only the slices its devices hold (`models.sharding.load_sharded`).
     Raises FileNotFoundError (missing directory, config.json, weight file or shard), ValueError
     (unsupported architecture/variant) and CheckpointError (missing tensor, wrong shape), each
     naming the file or tensor.
     """
+    if mesh is not None:
+        from models.sharding import load_sharded
+        return load_sharded(path, mesh, dtype=dtype)
     path = Path(path)
     config = LlamaConfig.from_hf_config(read_hf_config(path), dtype=dtype)
     files = _weight_map(path)
