@@ -1,7 +1,8 @@
 """Prefix-cache admission cost and hit rates, jitted on this machine, over a 100,000-block pool.
 
 1. Shared system prompt: 256 requests = one 512-token system prompt + 64 unique tokens each.
-   a) admitted one call at a time (a jitted ``admit`` of one request per call);
+   a) admitted one call at a time (a jitted ``admit`` of one request per call), and the same
+      admissions one per iteration of a jitted ``fori_loop`` (no dispatch per request);
    b) the same requests as one batched admission (one call of 256) on a fresh manager.
    Reports hit tokens per request, the median admission cost per request and the hit rate, and
    the plain-Python reference manager (exact-prefix dict) on (a) in the same process.
@@ -9,6 +10,9 @@
    1,024 tokens (Zipf popularity) + ~1,000 unique tokens each, 20 generated tokens, then freed; 40
    waves hold far more than the pool, so eviction decides which prompts survive. Run with freed
    uncached blocks at the front of the free queue (default) and with everything at the back.
+3. Short chat turns at the pool's edge (``CHAT_EDGE``): every request frees one uncached, partly
+   full block beside four cached ones, so where the uncached blocks go decides how much of the pool
+   the cache keeps; same two policies.
 
     python scripts/bench_prefix_cache.py     # writes results/bench_prefix_cache.json
 """
@@ -74,6 +78,36 @@ def one_at_a_time(prompts):
     )
 
 
+def one_at_a_time_in_loop(prompts, repeats=3):
+    """The same 256 one-request admissions inside one jitted ``fori_loop``: the per-admission
+    cost without the host dispatch of a call (how an on-device loop would admit)."""
+    n, length = prompts.shape
+    cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
+    toks = jnp.asarray(prompts)
+
+    @jax.jit
+    def admit_all(state):
+        def body(i, carry):
+            state, hits = carry
+            state, res = pk.admit(cfg, state, i[None], jnp.full((1,), length, jnp.int32),
+                                  jax.lax.dynamic_slice_in_dim(toks, i, 1))
+            return state, hits.at[i].set(res.cached_tokens[0])
+        return jax.lax.fori_loop(0, n, body, (state, jnp.zeros((n,), jnp.int32)))
+
+    times = []
+    for r in range(repeats + 1):
+        state = pk.init_state(cfg)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        state, hits = admit_all(state)
+        jax.block_until_ready(hits)
+        if r:
+            times.append(time.perf_counter() - t0)
+    hits = hits.tolist()
+    return dict(admit_us_per_request=statistics.median(times) / n * 1e6, hit_tokens_first=hits[0],
+                hit_tokens_rest_min=min(hits[1:]), hit_tokens_rest_max=max(hits[1:]))
+
+
 def batched(prompts, repeats=5):
     n, length = prompts.shape
     cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
@@ -111,13 +145,16 @@ def reference_one_at_a_time(prompts):
     return dict(admit_us_median=statistics.median(times) * 1e6)
 
 
-def mixed(uncached_to_front, waves=40, batch=256, families=200, seed=0):
+def mixed(uncached_to_front, waves=40, batch=256, families=200, system_len=1024, unique=(900, 1100), gen=20,
+          pool=POOL, seed=0, label="mixed"):
+    """Waves of ``batch`` requests: a system prompt drawn from ``families`` (Zipf popularity) plus
+    a unique tail, ``gen`` generated tokens, then freed. Returns hit rates and evictions."""
     rng = np.random.default_rng(seed)
-    system = rng.integers(0, 32_000, (families, 1024))
+    system = rng.integers(0, 32_000, (families, system_len))
     popularity = 1.0 / np.arange(1, families + 1) ** 1.1
     popularity /= popularity.sum()
-    width, gen = 1024 + 1100, 20
-    cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=batch,
+    width = system_len + unique[1]
+    cfg = pk.ManagerConfig(num_blocks=pool, block_size=BS, max_seqs=batch,
                            max_blocks_per_seq=-(-(width + gen) // BS),
                            uncached_to_front=uncached_to_front)
     admit = jax.jit(pk.admit, static_argnums=0, donate_argnums=1)
@@ -127,56 +164,70 @@ def mixed(uncached_to_front, waves=40, batch=256, families=200, seed=0):
     ids = jnp.arange(batch, dtype=jnp.int32)
     for w in range(waves):
         fam = rng.choice(families, size=batch, p=popularity)
-        unique = rng.integers(900, 1101, size=batch)
+        tail = rng.integers(unique[0], unique[1] + 1, size=batch)
         toks = np.zeros((batch, width), np.int32)
-        toks[:, :1024] = system[fam]
-        toks[:, 1024:] = rng.integers(0, 32_000, (batch, width - 1024))
-        lens = 1024 + unique
+        toks[:, :system_len] = system[fam]
+        toks[:, system_len:] = rng.integers(0, 32_000, (batch, width - system_len))
+        lens = system_len + tail
         state, result = admit(cfg, state, ids, jnp.asarray(lens, jnp.int32), jnp.asarray(toks))
         assert (np.asarray(result.status) == 0).all(), np.asarray(result.status)
         for t in range(gen):
             state, r = append(cfg, state, ids, jnp.asarray(rng.integers(0, 32_000, batch), jnp.int32))
         state, _ = free(cfg, state, ids)
-        progress(w, waves, f"mixed, uncached_to_front={uncached_to_front}")
+        progress(w, waves, f"{label}, uncached_to_front={uncached_to_front}")
     st = state.cache.stats
     return dict(
-        uncached_to_front=uncached_to_front,
+        workload=label, uncached_to_front=uncached_to_front, pool=pool,
         hit_rate=int(st.hit_tokens) / int(st.query_tokens),
-        system_prompt_hit_rate=int(st.hit_tokens) / (waves * batch * 1024),
+        system_prompt_hit_rate=int(st.hit_tokens) / (waves * batch * system_len),
         evictions=int(st.evictions), requests=waves * batch,
     )
+
+
+# Short chat turns at the edge of the pool: a 64-token system prompt (4 full blocks) from 2,000
+# families plus 1-11 unique tokens and 4 generated, so every request frees exactly one partly full,
+# uncached block beside its 4 cached ones. The pool holds the hot families only if those uncached
+# blocks do not take up room in the LRU order: this is where sending them to the front matters.
+CHAT_EDGE = dict(batch=64, families=2_000, system_len=64, unique=(1, 11), gen=4, pool=3_000,
+                 label="short chat turns at the pool's edge")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/bench_prefix_cache.json"))
     parser.add_argument("--waves", type=int, default=40)
+    parser.add_argument("--chat-waves", type=int, default=300)
     args = parser.parse_args()
 
     prompts = shared_prompt_requests()
     one = one_at_a_time(prompts)
+    loop = one_at_a_time_in_loop(prompts)
     ref = reference_one_at_a_time(prompts)
     many = batched(prompts)
-    mix = [mixed(True, waves=args.waves), mixed(False, waves=args.waves)]
+    mix = [mixed(True, waves=args.waves), mixed(False, waves=args.waves),
+           mixed(True, waves=args.chat_waves, **CHAT_EDGE), mixed(False, waves=args.chat_waves, **CHAT_EDGE)]
 
     print("\nShared 512-token system prompt, 256 requests of 576 tokens, pool 100,000 blocks")
     print("| admission | hit tokens (first / rest) | cost per request (µs) | hit rate |")
     print("|---|---|---|---|")
     print(f"| jitted, one request per call | {one['hit_tokens_first']} / {one['hit_tokens_rest_min']}"
           f" | {one['admit_us_median']:.1f} | {one['hit_rate']:.3f} |")
+    print(f"| one request per step of a jitted loop | {loop['hit_tokens_first']} / {loop['hit_tokens_rest_min']}"
+          f" | {loop['admit_us_per_request']:.1f} | |")
     print(f"| jitted, 256 in one call | {many['hit_tokens_first']} / {many['hit_tokens_rest_min']}"
           f" | {many['admit_us_per_request']:.2f} ({many['admit_us_total']:.0f} in all) | {many['hit_rate']:.3f} |")
     print(f"| Python reference, one per call | 0 / 512 | {ref['admit_us_median']:.1f} | |")
-    print("\nMixed workload (200 system prompts, Zipf; 40 waves of 256 requests)")
-    print("| freed uncached blocks go to | hit rate (all prompt tokens) | system-prompt tokens hit | cached blocks evicted |")
-    print("|---|---|---|---|")
+    print("\nMixed workloads under memory pressure (Zipf-popular system prompts)")
+    print("| workload | pool | freed uncached blocks go to | hit rate (all prompt tokens) | system-prompt tokens hit | cached blocks evicted |")
+    print("|---|---|---|---|---|---|")
     for m in mix:
         where = "front (default)" if m["uncached_to_front"] else "back"
-        print(f"| {where} | {m['hit_rate']:.3f} | {m['system_prompt_hit_rate']:.3f} | {m['evictions']} |")
+        print(f"| {m['workload']} | {m['pool']} | {where} | {m['hit_rate']:.3f} | {m['system_prompt_hit_rate']:.3f}"
+              f" | {m['evictions']} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
                 pool=POOL, block_size=BS, command="python scripts/bench_prefix_cache.py")
-    args.out.write_text(json.dumps(dict(meta=meta, one_at_a_time=one, batched=many,
+    args.out.write_text(json.dumps(dict(meta=meta, one_at_a_time=one, one_at_a_time_in_loop=loop, batched=many,
                                         reference_one_at_a_time=ref, mixed=mix), indent=2) + "\n")
     print(f"\nwrote {args.out}")
 

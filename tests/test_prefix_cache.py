@@ -183,7 +183,7 @@ def test_hash_is_deterministic_and_chained():
     c = block_hash.key_of(block_hash.chain_states(jnp.array([0, 0], jnp.uint32), t2, 16))
     assert (c[1, 0] == a[0, 0]).all() and not (c[1, 1] == a[1, 1]).all()
     # Pinned values: a change to the hash function changes cache keys everywhere; do it on purpose.
-    assert a[0, 0].tolist() == [3800983191, 3639337636]
+    assert a[0, 0].tolist() == [3278217875, 4154983832]
 
 
 def _first_same_key_np(keys, member):
