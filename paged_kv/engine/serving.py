@@ -246,6 +246,7 @@ class RequestOutput:
 class _StepShape:
     config: ServingConfig
     prefill_rows: int  # P: 0 when no prefill chunk runs this step
+    mesh: object = None  # a jax.sharding.Mesh with a "tp" axis, or None (one device)
 
 
 @struct.dataclass
@@ -356,9 +357,10 @@ def _step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepI
         tables = jnp.where(valid[:, None], state.block_tables[jnp.clip(pr, 0, r - 1)], NULL_BLOCK)
         q_lens = jnp.where(valid, inp.pf_lens, 0)
         batch = make_paged_batch(tables, inp.pf_start, q_lens, cfg.chunk_size, mgr.block_size)
-        pf_logits, pages = paged_forward(model, pages, batch, inp.pf_tokens, impl=cfg.impl, last_only=True)
+        pf_logits, pages = paged_forward(model, pages, batch, inp.pf_tokens, impl=cfg.impl, last_only=True,
+                                         mesh=shape.mesh)
     state, pages, logits, status, copies = decode(model, pages, mgr, state, rows, inp.dec_tokens, inp.dec_live,
-                                                  impl=cfg.impl)
+                                                  impl=cfg.impl, mesh=shape.mesh)
     if pf_logits is not None:
         logits = logits.at[jnp.where(inp.pf_rows >= 0, inp.pf_rows, r)].set(pf_logits, mode="drop")
     state, _ = fork(mgr, state, inp.fork_src, inp.fork_dst)
@@ -540,22 +542,34 @@ class ServingEngine:
         print(engine.stats().tokens_per_s)
     """
 
-    def __init__(self, model, config: ServingConfig, *, seed: int = 0):
+    def __init__(self, model, config: ServingConfig, *, seed: int = 0, mesh=None):
+        """Args:
+          model: a ``models.Llama`` (NNX module) or its ``(graphdef, state)`` split.
+          config: the ``ServingConfig``.
+          seed: the engine's sampling seed (with each request's seed, it fixes sampled tokens).
+          mesh: a ``jax.sharding.Mesh`` with a "tp" axis (``models.sharding.make_mesh``) to run
+            tensor-parallel: weights and KV pages are sharded over it (KV heads), the block-manager
+            state and step inputs are replicated. None: one device.
+        """
         if not isinstance(config, ServingConfig):
             raise ValueError(f"config must be a ServingConfig, got {type(config).__name__}")
         if not _is_int(seed) or not 0 <= seed < 2**31:
             raise ValueError(f"seed={seed!r} must be an int in [0, 2**31)")
         self.config = config
-        self.graphdef, self.weights = _requests.split_model(model)
-        self.model_config = model.config if hasattr(model, "config") else nnx.merge(self.graphdef,
-                                                                                       self.weights).config
         mgr = config.manager
         self.manager = mgr
-        self.pages = allocate_pages(page_spec(self.model_config, mgr.num_blocks, mgr.block_size))
-        self.state = init_state(mgr)
-        self.key = jax.random.key(seed)
+        graphdef, weights = _requests.split_model(model)
+        base_config = model.config if hasattr(model, "config") else nnx.merge(graphdef, weights).config
+        pages = allocate_pages(page_spec(base_config, mgr.num_blocks, mgr.block_size))
+        if mesh is None:
+            self.graphdef, self.weights, self.model_config, self.pages = graphdef, weights, base_config, pages
+        else:
+            self.graphdef, self.weights, self.model_config, self.pages, mesh = _requests.place(
+                (graphdef, weights), pages, mesh)
+        self.mesh = mesh
+        self.state, self.key = _requests.replicate_inputs(mesh, init_state(mgr), jax.random.key(seed))
         self.context = min(mgr.max_tokens_per_seq, self.model_config.max_position_embeddings)
-        self.bytes_per_block = kv_bytes_per_block(self.model_config, mgr.block_size)
+        self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size)
         self._admit_width = min(mgr.max_tokens_per_seq, -(-self.context // mgr.block_size) * mgr.block_size)
         self._waiting: collections.deque[_Family] = collections.deque()
         self._running: dict[int, _Family] = {}  # by seq
@@ -728,7 +742,8 @@ class ServingEngine:
             toks[i, :len(t)] = t
         free_ids = self._take_frees()
         t0 = time.perf_counter()
-        self.state, res, num_free = _admit_jit(mgr, self.state, free_ids, ids, lens, toks, salts)
+        args = _requests.replicate_inputs(self.mesh, free_ids, ids, lens, toks, salts)
+        self.state, res, num_free = _admit_jit(mgr, self.state, *args)
         status, cached, shared, num_free = jax.device_get((res.status, res.cached_tokens, res.shared_tokens,
                                                            num_free))
         self._note_compile(("admit", a, width), t0)
@@ -809,12 +824,15 @@ class ServingEngine:
         has_work = bool(self._cohort or self._pending)
         if not has_work:
             if self._to_free:
-                self.state, num_free = _free_jit(self.manager, self.state, self._take_frees())
+                (free_ids,) = _requests.replicate_inputs(self.mesh, self._take_frees())
+                self.state, num_free = _free_jit(self.manager, self.state, free_ids)
                 self._num_free = int(num_free)
             self._refresh_cache_stats()
             return self._drain(t0)
         inp, pf = self._inputs()
-        shape = _StepShape(cfg, len(pf[0]) if pf else 0)
+        shape = _StepShape(cfg, len(pf[0]) if pf else 0, self.mesh)
+        if self.mesh is not None:
+            (inp,) = _requests.replicate_inputs(self.mesh, inp)
         t1 = time.perf_counter()
         self.pages, self.state, out = _step_jit(self.graphdef, self.weights, self.pages, self.state, self.key,
                                                 inp, shape=shape)
