@@ -17,7 +17,9 @@ Admission (host). When no prefill is in progress, the scheduler takes waiting fa
 front of the queue, first come first served, while they fit: free rows, at most
 ``max_prefill_rows`` prompts, and the prompts' blocks (counted as if nothing were cached) within
 the free blocks minus one block per running row (headroom for the next decode steps). One jitted
-``admit`` call (prefix-cache lookup first) starts them; when nothing else runs, the head of the
+``admit`` call (prefix-cache lookup first) starts them (the estimate is an upper bound of what
+``admit`` takes, so it does not fail; if it ever did for part of a re-admitted family, the admitted
+rows are still prefilled, so that their cached blocks hold K/V, and then freed); when nothing else runs, the head of the
 queue is tried even if the estimate says no, since cache hits may make it fit. A new request is
 admitted into one row (its ``n`` samples ``fork`` that row when its prefill ends, its ``k``
 beams ``select`` it); a preempted one into one row per unfinished sample or beam, each with its
@@ -49,6 +51,11 @@ preempted as a unit.
 Determinism. Sampling keys are ``fold_in(seed, request seed, sample index, token index)``, so
 tokens do not depend on batch composition, preemption or arrival timing; with greedy decoding a
 run that preempts gives the tokens of a run with ample blocks.
+
+Tensor parallelism: ``ServingEngine(..., mesh=models.sharding.make_mesh(tp))`` shards the weights
+and the KV pages over the mesh's "tp" axis (KV heads) and replicates the block-manager state and
+the step inputs; the step is the same function (the forward and the copy-on-write copies run per
+device under ``shard_map``), and the host still reads back only the small per-row outputs.
 
 Beam search follows ``engine.beam_search`` (same scoring, tie breaking and stopping rules); the
 device returns each beam row's ``top_candidates`` best log-probabilities, which always contain
