@@ -25,6 +25,11 @@ Example::
 Both donate ``pages`` and ``state``; pass them back in for the next call (new prompts of the
 same padded shape reuse the compiled loop). Both can be called inside the caller's own ``jit``.
 
+Tensor parallel: pass ``mesh=models.sharding.make_mesh(tp)`` (a ``jax.sharding.Mesh`` with a
+"tp" axis, possibly spanning processes); the model and pages are placed on it (or place them once
+with ``models.sharding.shard``), the block-manager state and prompts are replicated, and the
+loops run unchanged (the kernels per device under ``shard_map``).
+
 Modules: ``sampling`` (parameters, sampler), ``steps`` (chunked prefill and the decode step with
 their block-manager side), ``generate``, ``beam_search``, ``requests`` (request checks).
 """
