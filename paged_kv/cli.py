@@ -149,7 +149,8 @@ def _describe(req) -> str:
         return f"beam search, width {p.beam_width}"
     if p.temperature == 0:
         return "greedy" if p.n == 1 else f"greedy, n={p.n}"
-    return f"n={p.n}, temperature {p.temperature:g}" + (f", top-p {p.top_p:g}" if p.top_p < 1 else "")
+    return (f"n={p.n}, " if p.n > 1 else "") + f"temperature {p.temperature:g}" + \
+        (f", top-p {p.top_p:g}" if p.top_p < 1 else "")
 
 
 def _pick_outputs(outputs, count: int):
@@ -230,11 +231,18 @@ def _run(args) -> int:
             bar.refresh()
 
     outputs = []
-    for out in engine.run(reqs, on_step=on_step):
+    for out in engine.run(reqs, on_step=on_step):  # streamed as each request finishes
         outputs.append(out)
         bar.update(1)
         if out.error is not None:
-            bar.write(f"request {out.request_id} rejected: {out.error}")
+            bar.write(f"request {out.request_id:>3} rejected: {out.error}")
+            continue
+        st = out.stats
+        bar.write(f"request {out.request_id:>3} done at step {st.finish_step:4d}: {_describe(out.request):<34} "
+                  f"{st.prompt_tokens:4d} prompt tokens, {st.cached_prompt_tokens:3d} tokens from cache in "
+                  f"{st.admissions} admission{'s' if st.admissions > 1 else ''}, "
+                  f"{st.generated_tokens:4d} generated, {st.preemptions} preemptions, "
+                  f"first token after {st.time_to_first_token_s:.2f} s")
     bar.close()
 
     if args.show:

@@ -94,6 +94,7 @@ def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, ext
                          "prompt_tokens_shared_in_admission": sum(o.stats.shared_prompt_tokens for o in outputs)},
         "preemptions": {"total": st.preemptions,
                         "requests_preempted": sum(1 for o in outputs if o.stats.preemptions),
+                        # over all admissions (first one included) of the preempted requests
                         "readmission_cached_tokens": sum(o.stats.cached_prompt_tokens for o in outputs
                                                          if o.stats.preemptions)},
         "per_request": per_req,
@@ -129,8 +130,8 @@ def format_report(report: dict) -> str:
     lines += [
         f"prefix cache        hit rate {100 * pc['hit_rate']:.1f}% ({pc['hit_tokens']} of {pc['query_tokens']} "
         f"prompt tokens), {pc['evictions']} evictions",
-        f"preemptions         {pre['total']} ({pre['requests_preempted']} requests; their re-admissions "
-        f"found {pre['readmission_cached_tokens']} prompt tokens cached)",
+        f"preemptions         {pre['total']} ({pre['requests_preempted']} requests, re-admitted by recompute; "
+        f"their admissions found {pre['readmission_cached_tokens']} prompt tokens cached)",
         f"({sh['definition']})",
     ]
     return "\n".join(lines)
