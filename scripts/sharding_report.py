@@ -7,7 +7,10 @@ with the weights and pages placed as `models.sharding` places them and reads fro
 HLO every collective (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute)
 with its result bytes. The textbook expectation for Megatron-style tensor parallelism is two
 all-reduces of the hidden state `[B, d]` per layer (after the attention output projection and
-after the MLP down projection); a vocab-parallel output head adds one gather of the logits.
+after the MLP down projection); the vocab-parallel output head leaves the logits sharded.
+On the CPU, XLA computes bfloat16 matmuls in float32, so the partial sums it all-reduces are
+float32 (twice the bytes of the textbook bfloat16 figure) and its temporary memory holds float32
+copies of the weights; a GPU keeps both in bfloat16.
 
 Then `models.sharding.kv_capacity` for Llama 3.1 8B in bfloat16 on one 80 GB and one 141 GB
 GPU at degrees 1, 2, 4, 8 (90% of the memory as the budget, 16-token blocks).
@@ -93,11 +96,14 @@ def decode_report(name: str, config: LlamaConfig, tp: int, *, batch: int, num_bl
     coll = collectives(compiled.as_text())
     mem = compiled.memory_analysis()
     itemsize = jnp.dtype(config.dtype).itemsize
-    layers, d, v = config.num_layers, config.hidden_size, config.vocab_size
-    head_sharded = tp > 1 and v % tp == 0
-    expected = [] if tp == 1 else [{"op": "all-reduce", "bytes": batch * d * itemsize, "count": 2 * layers}]
-    if head_sharded:
-        expected.append({"op": "all-gather", "bytes": batch * v * 4, "count": 1})
+    layers, d = config.num_layers, config.hidden_size
+    # Megatron: the attention output projection and the MLP down projection are row-parallel, so
+    # each ends in an all-reduce of the hidden state [B, 1, d]. The vocab-parallel head needs no
+    # collective inside the step: its logits leave the step sharded over the vocabulary (the
+    # sampler of a loop gathers them).
+    expected = [] if tp == 1 else [{"op": "all-reduce", "shape": [batch, 1, d], "bytes": batch * d * itemsize,
+                                    "count": 2 * layers}]
+    logits_sharding = compiled.output_shardings[0]
     by_op: dict[str, dict] = {}
     for c in coll:
         e = by_op.setdefault(c["op"], {"count": 0, "bytes": 0, "shapes": {}})
@@ -117,6 +123,7 @@ def decode_report(name: str, config: LlamaConfig, tp: int, *, batch: int, num_bl
         "collective_bytes_per_step": sum(c["bytes"] for c in coll),
         "expected": expected,
         "expected_bytes_per_step": sum(e["bytes"] * e["count"] for e in expected),
+        "logits_spec": str(getattr(logits_sharding, "spec", "single device")),
     }
 
 
@@ -152,7 +159,10 @@ def main(argv=None):
             print(f"llama-3.1-8b bf16 {gb:3d} GB tp={tp}: weights/dev {c.weight_bytes / 1e9:6.2f} GB, "
                   f"KV {c.kv_bytes_per_token // 1024} KiB/token/dev, {c.num_blocks:7d} blocks, {c.tokens:9d} tokens",
                   flush=True)
-    out = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": jax.device_count(),
+    note = ("decode step of batch B=8 (one token per sequence), compiled for simulated CPU devices; collective "
+            "bytes are result sizes per step; on the CPU bfloat16 matmuls run in float32, so their all-reduces "
+            "carry float32 (2x the bfloat16 expectation)")
+    out = {"note": note, "jax": jax.__version__, "backend": jax.default_backend(), "devices": jax.device_count(),
            "memory_fraction": 0.9, "decode_step": rows, "kv_capacity": capacity}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:
