@@ -128,6 +128,23 @@ def test_shared_system_prompt_hits_cache(alone, pressured):
     assert p[3].stats.cached_prompt_tokens + p[3].stats.shared_prompt_tokens >= 48
 
 
+def test_salts_separate_cache_tenants(model):
+    """Requests share cached blocks only under the same salt; ``arrivals`` overrides the requests'."""
+    prompt = TOK.encode(SYSTEM + "Q: What do bees make? A:")
+    reqs = [Request(prompt, SamplingParams(max_new_tokens=4), salt=s, request_id=i) for i, s in enumerate((7, 8, 7))]
+    eng, outs = _run_arrivals(model, reqs, [0, 10, 20])
+    by = {o.request_id: o for o in outs}
+    assert [by[i].stats.cached_prompt_tokens for i in range(3)] == [0, 0, 64]
+    assert by[0].tokens == by[1].tokens == by[2].tokens
+    with pytest.raises(ValueError, match="2 arrival steps for 3 requests"):
+        list(eng.run(reqs, [0, 1]))
+
+
+def _run_arrivals(model, reqs, arrivals):
+    eng = ServingEngine(model, CFG)
+    return eng, list(eng.run(reqs, arrivals))
+
+
 def test_readmission_hits_cache(model):
     """A long request and a newer one outgrow the pool: the newer one is preempted, re-admitted once
     blocks free up, and finds most of its prompt and generated tokens still cached; its tokens are

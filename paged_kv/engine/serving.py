@@ -1172,17 +1172,25 @@ class ServingEngine:
         return dataclasses.replace(self._stats)
 
     # ------------------------------------------------------------------ the loop
-    def run(self, requests: Iterable[Request], *, max_steps: int | None = None,
+    def run(self, requests: Iterable[Request], arrivals: Sequence[int] | None = None, *,
+            max_steps: int | None = None,
             on_step: Callable[["ServingEngine"], None] | None = None) -> Iterator[RequestOutput]:
-        """Submits each request when ``step_count`` reaches its ``arrival`` and steps until every
+        """Submits each request when ``step_count`` reaches its arrival step and steps until every
         request has finished; yields outputs as they finish (rejected requests: an output with
         ``error`` set, when they arrive). When nothing runs, the clock jumps to the next arrival.
 
         Args:
           requests: the workload (any order; submitted by arrival, ties in the given order).
+          arrivals: arrival step per request (default: each request's ``arrival``).
           max_steps: stop after this many steps (``RuntimeError`` if work is left).
           on_step: called after each step (progress reporting).
         """
+        requests = list(requests)
+        if arrivals is not None:
+            arrivals = list(arrivals)
+            if len(arrivals) != len(requests):
+                raise ValueError(f"{len(arrivals)} arrival steps for {len(requests)} requests")
+            requests = [dataclasses.replace(q, arrival=a) for q, a in zip(requests, arrivals)]
         pending = collections.deque(sorted(requests, key=lambda q: q.arrival))
         start = self.step_count
         while pending or not self.idle:
