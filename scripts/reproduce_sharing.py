@@ -278,7 +278,8 @@ def parse_args(argv=None):
     ap.add_argument("--k", type=int, nargs="+", default=(2, 4, 6), help="beam widths")
     ap.add_argument("--rows", type=int, default=240,
                     help="sequences per parallel-sampling batch (divisible by every n) and per 'without sharing' batch")
-    ap.add_argument("--beam-batch", type=int, default=20, help="prompts per beam-search batch")
+    ap.add_argument("--beam-batch", type=int, default=10,
+                    help="prompts per beam-search batch (small: every row's attention walks the batch's longest context)")
     ap.add_argument("--max-prompt", type=int, default=1024, help="drop ShareGPT prompts longer than this (tokens)")
     ap.add_argument("--max-total", type=int, default=2048, help="drop requests with prompt + output longer (tokens)")
     ap.add_argument("--seed", type=int, default=0)
