@@ -225,9 +225,8 @@ def _run(args) -> int:
 
     def on_step(eng):
         if eng.step_count % 5 == 0:
-            st = eng._stats
             bar.set_postfix(step=eng.step_count, running=eng.num_running, waiting=eng.num_waiting,
-                            blocks=mgr.num_blocks - 1 - eng._num_free, preempted=st.preemptions, refresh=False)
+                            blocks=eng.blocks_in_use, preempted=eng.preemptions, refresh=False)
             bar.refresh()
 
     outputs = []

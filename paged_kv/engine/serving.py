@@ -67,7 +67,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import functools
 import math
 import time
 from typing import Callable, Iterable, Iterator, Sequence
@@ -408,10 +407,6 @@ def _free_fn(manager: ManagerConfig, state, free_ids):
 _free_jit = jax.jit(_free_fn, static_argnums=0, donate_argnums=1)
 
 
-def _pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << max(0, n - 1).bit_length())
-
-
 # ---------------------------------------------------------------------------- host-side state
 class _Phase(enum.Enum):
     WAITING = 0
@@ -686,6 +681,15 @@ class ServingEngine:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks held by running sequences after the last step (host copy; no device read)."""
+        return self.manager.num_blocks - 1 - self._num_free
+
+    @property
+    def preemptions(self) -> int:
+        return self._stats.preemptions
+
     # ------------------------------------------------------------------ admission
     def _admission_rows(self, fam: _Family) -> list[tuple[int, list[int], list[int]]]:
         """(index, tokens, fork targets) per row to admit: one row for a new request, one per
@@ -827,7 +831,7 @@ class ServingEngine:
         if self._t_start is None:
             self._t_start = t0
         self._try_admit()
-        r, cfg = self.manager.max_seqs, self.config
+        cfg = self.config
         has_work = bool(self._cohort or self._pending)
         if not has_work:
             if self._to_free:
@@ -871,7 +875,7 @@ class ServingEngine:
         return done
 
     def _inputs(self):
-        r, cfg, mgr = self.manager.max_seqs, self.config, self.manager
+        r, cfg = self.manager.max_seqs, self.config
         i32 = lambda fill=-1: np.full((r,), fill, np.int32)  # noqa: E731
         free_ids = self._take_frees()
         sel_dst, sel_parent = i32(), i32()
@@ -950,7 +954,7 @@ class ServingEngine:
         if pf is not None:
             st.prefill_steps += 1
             st.prefill_tokens += int(np.sum(pf[3]))
-            rows_, ends = pf[0], pf[4]
+            ends = pf[4]
             for cr, end in zip(list(self._cohort), ends):
                 if not end:
                     continue
