@@ -76,7 +76,7 @@ def four(ckpt: str):
     import time
     t0 = time.time()
     from models import allocate_pages, init_model, load_hf_checkpoint, make_paged_batch, page_spec, sharding, tiny
-    from models.paged import paged_decode_step, paged_prefill_step
+    from models.paged import copy_blocks, paged_decode_step, paged_prefill_step
     assert jax.device_count() == 4
     res = {}
     model = load_hf_checkpoint(ckpt)  # 4 heads, 2 KV heads: tp=4 replicates KV heads
@@ -102,7 +102,8 @@ def four(ckpt: str):
     res["page_shards"] = [[list(s.data.shape), int(s.data.nbytes), str(s.device)] for s in pages.addressable_shards]
     res["pages_shape"], res["pages_nbytes"] = list(pages.shape), int(pages.nbytes)
     res["t_tp4"] = time.time() - t0
-    # 8 heads / 4 KV heads, vocab 256: KV heads split without replication, vocab-parallel head.
+    # 8 heads / 4 KV heads, vocab 256: KV heads split without replication, vocab-parallel head;
+    # on the mesh the Pallas kernels themselves (interpret mode) run per device under shard_map.
     cfg = tiny(num_heads=8, num_kv_heads=4, hidden_size=64)
     m2 = init_model(cfg, seed=1, init_std=0.2)
     tables = jnp.array([[1, 2, 3, 0], [4, 5, 0, 0]], jnp.int32)
@@ -110,17 +111,21 @@ def four(ckpt: str):
     toks = jnp.array(np.random.RandomState(0).randint(0, 256, (2, 8)), jnp.int32)
     dec = make_paged_batch(tables, jnp.array([7, 5]), jnp.array([1, 1]), 1, BLOCK_SIZE)
     out = {}
-    for name, mesh2 in (("single", None), ("tp4", sharding.make_mesh(4))):
+    src, dst = jnp.array([1, 4, 0], jnp.int32), jnp.array([6, 7, 0], jnp.int32)
+    for name, mesh2, impl in (("single", None, "reference"), ("tp4", sharding.make_mesh(4), "interpret")):
         mdl, pg = m2, allocate_pages(page_spec(cfg, 8, BLOCK_SIZE))
         if mesh2 is not None:
             mdl, pg = sharding.shard(m2, pg, mesh2)
             out["lm_head_spec"] = str(mdl.lm_head[...].sharding.spec)
         g, w = nnx.split(mdl)
-        l1, pg = paged_prefill_step(g, w, pg, pre, toks, impl="reference", mesh=mesh2)
-        l2, pg = paged_decode_step(g, w, pg, dec, jnp.array([3, 9], jnp.int32), impl="reference", mesh=mesh2)
-        out[name] = (np.asarray(l1), np.asarray(l2))
+        l1, pg = paged_prefill_step(g, w, pg, pre, toks, impl=impl, mesh=mesh2)
+        l2, pg = paged_decode_step(g, w, pg, dec, jnp.array([3, 9], jnp.int32), impl=impl, mesh=mesh2)
+        pg = copy_blocks(pg, src, dst, impl=impl, mesh=mesh2)
+        out[name] = (np.asarray(l1), np.asarray(l2), np.asarray(pg))
     res["gqa_prefill_diff"] = float(np.max(np.abs(out["single"][0] - out["tp4"][0])))
     res["gqa_decode_diff"] = float(np.max(np.abs(out["single"][1] - out["tp4"][1])))
+    res["gqa_pages_diff"] = float(np.max(np.abs(out["single"][2] - out["tp4"][2])))
+    res["gqa_copied"] = bool(np.abs(out["tp4"][2][:, :, :, 6]).sum() > 0)
     res["lm_head_spec"] = out["lm_head_spec"]
     res["seconds"] = time.time() - t0
     return res

@@ -190,10 +190,12 @@ def test_four_devices_same_tokens(four):
 
 def test_four_devices_loading_and_head_layouts(four):
     """Sharded loading of the built-in checkpoint equals loading then placing; 8 heads / 4 KV
-    heads (no replication, vocab-parallel head) give the single-device logits."""
+    heads (no replication, vocab-parallel head) with the Pallas kernels in interpret mode under
+    shard_map give the single-device reference's logits and pages (block copies included)."""
     assert four["placed_kv_heads"] == 4 and four["load_max_diff"] == 0.0 and four["load_same_specs"]
     assert four["lm_head_spec"] == "P('tp', None)"
     assert four["gqa_prefill_diff"] < 1e-4 and four["gqa_decode_diff"] < 1e-4
+    assert four["gqa_pages_diff"] < 1e-5 and four["gqa_copied"]
 
 
 # ---------------------------------------------------------------------------- 2 processes
