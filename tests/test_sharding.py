@@ -18,10 +18,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh
 
 import paged_kv as pk
-from models import (abstract_model, init_model, llama31_8b, load_hf_checkpoint, page_spec, save_hf_checkpoint,
+from models import (abstract_model, llama31_8b, load_hf_checkpoint, page_spec, save_hf_checkpoint,
                     sharding, tiny)
 from paged_kv import engine
 
@@ -66,7 +67,13 @@ def ckpt(tmp_path_factory):
     """A 2-layer checkpoint with 4 query heads and 2 KV heads (tp=4 replicates KV heads) and vocab
     256 (vocab-parallel head at tp=4)."""
     path = tmp_path_factory.mktemp("tiny_tp")
-    save_hf_checkpoint(init_model(tiny(), seed=3, init_std=0.2), path)
+    # Weights drawn with numpy into the abstract model: no JAX computation (the workers wait on this).
+    rng = np.random.RandomState(3)
+    graphdef, state = nnx.split(abstract_model(tiny()))
+    state = jax.tree_util.tree_map_with_path(
+        lambda p, x: (1.0 + 0.1 * rng.randn(*x.shape) if "norm" in jax.tree_util.keystr(p) else
+                      0.2 * rng.randn(*x.shape)).astype(np.float32), state)
+    save_hf_checkpoint(nnx.merge(graphdef, state), path)
     return str(path)
 
 
