@@ -272,7 +272,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="1-minute smoke run (few short requests, n=k=2), output under /tmp")
     ap.add_argument("--requests", type=int, default=600,
                     help="requests per trace for parallel sampling (a multiple of every --rows / n keeps batches full)")
-    ap.add_argument("--beam-requests", type=int, nargs=2, default=(20, 60), metavar=("SHAREGPT", "ALPACA"),
+    ap.add_argument("--beam-requests", type=int, nargs=2, default=(40, 60), metavar=("SHAREGPT", "ALPACA"),
                     help="requests per trace for beam search (a seeded subset of the sampled ones)")
     ap.add_argument("--n", type=int, nargs="+", default=(2, 4, 6), help="parallel samples per prompt")
     ap.add_argument("--k", type=int, nargs="+", default=(2, 4, 6), help="beam widths")
