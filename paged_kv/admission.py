@@ -147,26 +147,15 @@ PAIRWISE_MAX = 512
 """Up to this many table entries per call, entries are grouped by an ``[E, E]`` comparison."""
 
 
-def _first_claims(ref_count: jax.Array, ids: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """bool ``[E]``: the masked entries that are the first (lowest index) to name their block, and
-    ``ref_count`` (returned unchanged, so that XLA can keep updating the same buffer).
+def _first_claims(ids: jax.Array, mask: jax.Array) -> jax.Array:
+    """bool ``[E]``: the masked entries that are the first (lowest index) to name their block.
 
     ``ids[mask]`` are free blocks (count 0); several requests of one call may hit the same one,
-    and only the first pulls it out of the free queue. Up to ``PAIRWISE_MAX`` entries an ``[E, E]``
-    comparison finds them; above it, stamps scattered into the reference counts (O(E), but
-    XLA:CPU then copies the pool-sized count array, which costs more than the comparison for small
-    calls). The choice is static (by ``E``); both give the same answer."""
-    e, n = ids.shape[0], ref_count.shape[0]
-    if e <= PAIRWISE_MAX:
-        earlier = jnp.arange(e)[None, :] < jnp.arange(e)[:, None]
-        dup = jnp.any(earlier & mask[None, :] & (ids[None, :] == ids[:, None]), axis=1)
-        return mask & ~dup, ref_count
-    # Stamps into the zero counts of the hit blocks: the largest (earliest entry) wins; restored.
-    stamp = e - jnp.arange(e, dtype=jnp.int32)
-    target = jnp.where(mask, ids, n)
-    rc = ref_count.at[target].max(stamp, mode="drop")
-    first = mask & (rc[jnp.clip(ids, 0, n - 1)] == stamp)
-    return first, rc.at[target].set(0, mode="drop")
+    and only the first pulls it out of the free queue. Grouped like keys (``_representatives``),
+    never through the pool-sized reference counts: stamps scattered into those made XLA:CPU copy
+    the whole array two or three times per call."""
+    keys = jnp.stack([ids.astype(jnp.uint32), jnp.zeros_like(ids, jnp.uint32)], axis=1)
+    return mask & (_representatives(keys, mask) == jnp.arange(ids.shape[0], dtype=jnp.int32))
 
 
 def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
@@ -231,8 +220,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     #    out of the queue (found with a stamp scatter into the zero counts, then restored).
     fresh = ok0[:, None] & (j < n_blocks[:, None]) & ~hit
     free_hit = cached_hit & (state.ref_count[cand_c] == 0)
-    pulls, rc = _first_claims(state.ref_count, cand_c.reshape(e), free_hit.reshape(e))
-    pulls = pulls.reshape(b, c)
+    pulls = _first_claims(cand_c.reshape(e), free_hit.reshape(e)).reshape(b, c)
     cost = jnp.sum(fresh, axis=1) + jnp.sum(pulls, axis=1)
     fits = _first_come_first_served(cost, state.queue.num_free)
     status = jnp.where(ok0 & ~fits, Status.NO_FREE_BLOCKS, status)
@@ -252,7 +240,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     block = jnp.where(in_table, block, NULL_BLOCK)
 
     # 5. Counts, tables, stored tokens, and the new full blocks into the cache.
-    ref_count = rc.at[jnp.where(in_table, block, n)].add(1, mode="drop")
+    ref_count = state.ref_count.at[jnp.where(in_table, block, n)].add(1, mode="drop")
     rows = jnp.pad(block, ((0, 0), (0, config.max_blocks_per_seq - c)))
     cache = cache.replace(
         tokens=cache.tokens.at[jnp.where(fresh, block, n)].set(block_tokens, mode="drop")
