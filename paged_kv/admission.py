@@ -128,7 +128,7 @@ def _admit_fresh(config, state, seq_ids, prompt_lens):
     return state, status
 
 
-def _representatives(keys: jax.Array, member: jax.Array) -> jax.Array:
+def _representatives(keys: jax.Array, member: jax.Array, slots_per_key: int = 8) -> jax.Array:
     """int32 ``[E]``: for each member entry, the first member entry (in index order) with the same
     key (non-members: anything; callers mask them).
 
@@ -140,7 +140,7 @@ def _representatives(keys: jax.Array, member: jax.Array) -> jax.Array:
     if e <= PAIRWISE_MAX:
         same = member[None, :] & jnp.all(keys[:, None, :] == keys[None, :, :], axis=-1)
         return jnp.argmax(same, axis=1).astype(jnp.int32)  # the first True; i itself if member
-    return hash_table.first_of_keys(keys, member)
+    return hash_table.first_of_keys(keys, member, slots_per_key)
 
 
 PAIRWISE_MAX = 512
@@ -155,7 +155,8 @@ def _first_claims(ids: jax.Array, mask: jax.Array) -> jax.Array:
     never through the pool-sized reference counts: stamps scattered into those made XLA:CPU copy
     the whole array two or three times per call."""
     keys = jnp.stack([ids.astype(jnp.uint32), jnp.zeros_like(ids, jnp.uint32)], axis=1)
-    return mask & (_representatives(keys, mask) == jnp.arange(ids.shape[0], dtype=jnp.int32))
+    # A sparser scratch table than the key grouping's: see ``hash_table.first_of_keys``.
+    return mask & (_representatives(keys, mask, slots_per_key=4) == jnp.arange(ids.shape[0], dtype=jnp.int32))
 
 
 def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):

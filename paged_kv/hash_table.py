@@ -190,19 +190,22 @@ def insert(
     return table, all_slots, slots
 
 
-def first_of_keys(keys: jax.Array, mask: jax.Array) -> jax.Array:
+def first_of_keys(keys: jax.Array, mask: jax.Array, slots_per_key: int = 8) -> jax.Array:
     """int32 ``[K]``: for each masked entry, the index of the first masked entry with the same key
     (unmasked entries: -1).
 
     Groups a batch by key in O(K) expected work without a sort: the entries are claimed into a
-    fresh scratch table (load at most 1/8) with their indices as values, where the earliest of
-    equal keys wins (``_claim``), and then looked up.
+    fresh scratch table (load at most ``1 / slots_per_key``) with their indices as values, where
+    the earliest of equal keys wins (``_claim``), and then looked up.
 
     Args:
       keys: uint32 ``[K, 2]``; mask: bool ``[K]``.
+      slots_per_key: scratch slots per entry (static). Two scratch tables of one shape in one
+        computation are a single constant to XLA, copied before each use: callers that group
+        twice give the two calls different values.
     """
     k = keys.shape[0]
-    size = 1 << max(4, (8 * k - 1).bit_length())
+    size = 1 << max(4, (slots_per_key * k - 1).bit_length())
     table, _ = _claim(empty_table(size), keys, jnp.arange(k, dtype=jnp.int32), mask)
     return lookup(table, keys, mask)
 
