@@ -13,7 +13,6 @@ free). With prefix caching on, prompts that repeat cached blocks skip their pref
 from __future__ import annotations
 
 import enum
-import functools
 
 import jax
 import jax.numpy as jnp
