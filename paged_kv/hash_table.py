@@ -57,20 +57,30 @@ most 1/2, usually far less) nearly every probe sequence ends inside the first wi
 ``while_loop`` that continues linear probing usually runs zero iterations: on XLA:CPU each loop
 iteration costs several small kernels, which made the loops most of a one-request admission."""
 
+WIDE_BATCH = 1024
+"""From this many keys on, the window is a single slot (plain probing by the loop): for thousands
+of keys, gathering 8 slots each cost more than the loop iterations it saves (a 256-request
+admission, 9,216 keys: 17.1 µs per request with 1 slot, 18.6 with 2, 19.5 with 4 or 8)."""
+
+
+def _window_size(num_keys: int) -> int:
+    return PROBE_WINDOW if num_keys < WIDE_BATCH else 1
+
 
 def _window(table: HashTable, home: jax.Array, keys: jax.Array):
-    """The first ``PROBE_WINDOW`` probe positions of each key: int32 ``[K, W]`` positions, their
+    """The first ``W = _window_size(K)`` probe positions of each key: int32 ``[K, W]`` positions, their
     values, whether each holds the key, and the offset of the first slot that ends the probe
     sequence (the key or an EMPTY slot; ``W`` if none)."""
     size = table.vals.shape[0]
-    pos = (home[:, None] + jnp.arange(PROBE_WINDOW, dtype=jnp.int32)[None, :]) & (size - 1)
+    w = _window_size(keys.shape[0])
+    pos = (home[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]) & (size - 1)
     # Gathers of flat index vectors: XLA:CPU turned the 2-D-indexed form into a slow fusion.
     flat = pos.reshape(-1)
     vals = table.vals[flat].reshape(pos.shape)
     stored = table.keys[flat].reshape(*pos.shape, 2)
     has_key = (vals >= 0) & _same(stored, keys[:, None, :])
     stop = has_key | (vals == EMPTY)
-    first = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), PROBE_WINDOW).astype(jnp.int32)
+    first = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), w).astype(jnp.int32)
     return pos, vals, has_key, first
 
 
@@ -83,8 +93,9 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
     size = table.vals.shape[0]
     home = _home(keys, size)
     pos, vals, has_key, first = _window(table, home, keys)
-    at = jnp.minimum(first, PROBE_WINDOW - 1)[:, None]
-    hit = mask & (first < PROBE_WINDOW) & jnp.take_along_axis(has_key, at, axis=1)[:, 0]
+    w = pos.shape[1]
+    at = jnp.minimum(first, w - 1)[:, None]
+    hit = mask & (first < w) & jnp.take_along_axis(has_key, at, axis=1)[:, 0]
     found = jnp.where(hit, jnp.take_along_axis(vals, at, axis=1)[:, 0], -1)
 
     def body(carry):
@@ -97,7 +108,7 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
         return probe + 1, pending, found
 
     # Only probe sequences longer than the window continue, from where the window ended.
-    init = (jnp.int32(PROBE_WINDOW), mask & (first == PROBE_WINDOW), found)
+    init = (jnp.int32(w), mask & (first == w), found)
     _, _, found = lax.while_loop(lambda c: jnp.any(c[1]) & (c[0] < size), body, init)
     return found
 
@@ -130,8 +141,9 @@ def _claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
 
     # First, the whole window at once: present in it, or claim its first EMPTY slot.
     pos_w, vals_w, has_key, first = _window(table, home, keys)
-    at = jnp.minimum(first, PROBE_WINDOW - 1)[:, None]
-    ends = mask & (first < PROBE_WINDOW)
+    w = pos_w.shape[1]
+    at = jnp.minimum(first, w - 1)[:, None]
+    ends = mask & (first < w)
     present = ends & jnp.take_along_axis(has_key, at, axis=1)[:, 0]
     empty = ends & ~present
     pos = jnp.take_along_axis(pos_w, at, axis=1)[:, 0]

@@ -74,14 +74,15 @@ def test_insert_lookup_remove_match_a_dict(clustered):
     assert rebuilds >= 1
 
 
-def test_first_of_keys_groups_by_key():
+@pytest.mark.parametrize("k", [700, 3000])  # a windowed and a single-slot (>= WIDE_BATCH) probe
+def test_first_of_keys_groups_by_key(k):
     rng = np.random.default_rng(3)
-    base = rng.integers(0, 2**32, (50, 2), dtype=np.uint32)
-    keys = base[rng.integers(0, 50, 700)]
-    mask = rng.random(700) < 0.7
+    base = rng.integers(0, 2**32, (k // 14, 2), dtype=np.uint32)
+    keys = base[rng.integers(0, len(base), k)]
+    mask = rng.random(k) < 0.7
     got = np.asarray(jax.jit(ht.first_of_keys)(jnp.asarray(keys), jnp.asarray(mask)))
     first: dict = {}
-    for i in range(700):
+    for i in range(k):
         if mask[i]:
             assert got[i] == first.setdefault(tuple(keys[i]), i)
         else:
