@@ -20,7 +20,8 @@ import paged_kv as pk
 from models import load_hf_checkpoint
 from models.tokenizer import ByteTokenizer
 from paged_kv.engine import BeamParams, SamplingParams, filter_logits
-from paged_kv.engine.serving import Request, ServingConfig, ServingEngine, filter_rows, sample_rows
+from paged_kv.engine.sampling import filter_rows, sample_rows
+from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = ByteTokenizer()

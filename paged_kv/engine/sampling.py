@@ -155,8 +155,46 @@ def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> 
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
         tokens = jax.random.categorical(key, filter_logits(logits, params), axis=-1).astype(jnp.int32)
+    return tokens, _logprob_of(logits, tokens)
+
+
+def _logprob_of(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """float32 ``[R]``: log-probability of ``tokens`` (int32 ``[R]``) under raw ``logits`` ``[R, V]``."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``filter_logits`` with per-row parameters (the serving loop's rows each have their own): float32 logits [R, V], temperature float32
+    [R] (rows <= 0 are left unscaled), top_k int32 [R] (0: all), top_p float32 [R] (1: all) ->
+    float32 [R, V] with dropped tokens at -inf. Temperature, then top-k, then top-p; ties at a
+    threshold are kept."""
+    logits = logits.astype(jnp.float32)
+    v = logits.shape[-1]
+    x = logits / jnp.where(temperature <= 0, 1.0, temperature)[:, None]
+    desc = -jnp.sort(-x, axis=-1)  # one sort serves both filters
+    kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=1)
+    kth = jnp.where((top_k > 0)[:, None], kth, -jnp.inf)
+    x = jnp.where(x < kth, -jnp.inf, x)
+    desc = jnp.where(desc < kth, -jnp.inf, desc)  # still sorted
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
+    threshold = jnp.min(jnp.where(before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x < threshold, -jnp.inf, x)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-row sampling: float32 logits [R, V], keys [R] (typed PRNG keys), temperature float32 [R]
+    (0: greedy), top_k int32 [R], top_p float32 [R] -> (int32 tokens [R], float32 log-probabilities
+    [R] of the chosen tokens under the model's raw distribution, as ``sample_tokens``).
+
+    Each row draws with its own key, so a row's token does not depend on the other rows."""
+    logits = logits.astype(jnp.float32)
+    x = filter_rows(logits, temperature, top_k, top_p)
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, x)
+    tokens = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    return tokens, _logprob_of(logits, tokens)
 
 
 def is_eos(tokens: jax.Array, eos_token_ids: tuple[int, ...]) -> jax.Array:

@@ -80,7 +80,7 @@ from models.paged import allocate_pages, kv_bytes_per_block, make_paged_batch, p
 from paged_kv.admission import admit
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.engine import requests as _requests
-from paged_kv.engine.sampling import BeamParams, SamplingParams, check_vocab
+from paged_kv.engine.sampling import BeamParams, SamplingParams, check_vocab, sample_rows
 from paged_kv.engine.steps import decode
 from paged_kv.reclaim import free
 from paged_kv.share import fork, select
@@ -312,40 +312,6 @@ class StepOutputs:
     tables: jax.Array
     num_tokens: jax.Array
     refs: jax.Array
-
-
-def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """``engine.filter_logits`` with per-row parameters: float32 logits [R, V], temperature float32
-    [R] (rows <= 0 are left unscaled), top_k int32 [R] (0: all), top_p float32 [R] (1: all) ->
-    float32 [R, V] with dropped tokens at -inf. Temperature, then top-k, then top-p; ties at a
-    threshold are kept."""
-    logits = logits.astype(jnp.float32)
-    v = logits.shape[-1]
-    x = logits / jnp.where(temperature <= 0, 1.0, temperature)[:, None]
-    desc = -jnp.sort(-x, axis=-1)  # one sort serves both filters
-    kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=1)
-    kth = jnp.where((top_k > 0)[:, None], kth, -jnp.inf)
-    x = jnp.where(x < kth, -jnp.inf, x)
-    desc = jnp.where(desc < kth, -jnp.inf, desc)  # still sorted
-    probs = jax.nn.softmax(desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
-    threshold = jnp.min(jnp.where(before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(x < threshold, -jnp.inf, x)
-
-
-def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-row sampling: float32 logits [R, V], keys [R] (typed PRNG keys), temperature float32 [R]
-    (0: greedy), top_k int32 [R], top_p float32 [R] -> (int32 tokens [R], float32 log-probabilities
-    [R] of the chosen tokens under the model's raw distribution, as ``engine.sample_tokens``).
-
-    Each row draws with its own key, so a row's token does not depend on the other rows."""
-    logits = logits.astype(jnp.float32)
-    x = filter_rows(logits, temperature, top_k, top_p)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, x)
-    tokens = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
 
 
 def _step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, *, shape: _StepShape):
@@ -1218,4 +1184,4 @@ class ServingEngine:
 
 
 __all__ = ["EngineStats", "Request", "RequestOutput", "RequestStats", "ServingConfig", "ServingEngine",
-           "StepInputs", "StepOutputs", "TableSnapshot", "filter_rows", "sample_rows"]
+           "StepInputs", "StepOutputs", "TableSnapshot"]
