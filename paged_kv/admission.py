@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
-from paged_kv.batch import check_rows
+from paged_kv.batch import check_rows, start_rows
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
@@ -118,14 +118,8 @@ def _admit_fresh(config, state, seq_ids, prompt_lens):
 
     target = jnp.where(ok, sid, config.max_seqs)
     n = config.num_blocks
-    state = state.replace(
-        queue=queue,
-        ref_count=state.ref_count.at[jnp.where(has, rows, n)].set(1, mode="drop"),
-        block_tables=state.block_tables.at[target].set(rows, mode="drop"),
-        num_tokens=state.num_tokens.at[target].set(lens, mode="drop"),
-        active=state.active.at[target].set(True, mode="drop"),
-    )
-    return state, status
+    state = state.replace(queue=queue, ref_count=state.ref_count.at[jnp.where(has, rows, n)].set(1, mode="drop"))
+    return start_rows(state, target, rows, lens), status
 
 
 def _representatives(keys: jax.Array, member: jax.Array, slots_per_key: int = 8) -> jax.Array:
@@ -267,16 +261,8 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
         hit_tokens=stats.hit_tokens + jnp.sum(n_hit, dtype=jnp.int32) * bs,
     ))
     target = jnp.where(ok, sid, s)
-    state = state.replace(
-        queue=queue,
-        ref_count=ref_count,
-        block_tables=state.block_tables.at[target].set(rows, mode="drop"),
-        num_tokens=state.num_tokens.at[target].set(lens, mode="drop"),
-        active=state.active.at[target].set(True, mode="drop"),
-        seq_chain=state.seq_chain.at[target].set(seq_chain, mode="drop"),
-        seq_salt=state.seq_salt.at[target].set(salts, mode="drop"),
-        cache=cache,
-    )
+    state = start_rows(state.replace(queue=queue, ref_count=ref_count, cache=cache), target, rows, lens,
+                       seq_chain, salts)
     return state, AdmitResult(
         status=status, cached_tokens=n_cached * bs, shared_tokens=(n_hit - n_cached) * bs
     )

@@ -38,6 +38,29 @@ def check_rows(
     return status.astype(jnp.int32), sid
 
 
+def start_rows(
+    state: BlockManagerState,
+    target: jax.Array,
+    tables: jax.Array,
+    num_tokens: jax.Array,
+    chain: jax.Array | None = None,
+    salt: jax.Array | None = None,
+) -> BlockManagerState:
+    """Writes rows ``target`` (int32 ``[B]``; ``max_seqs`` drops a row) as running sequences with
+    block tables ``tables`` (int32 ``[B, max_blocks_per_seq]``) and ``num_tokens`` (int32 ``[B]``),
+    plus, with prefix caching, their chain states (uint32 ``[B, 2]``) and salts (uint32 ``[B]``).
+    Reference counts and the free queue are the caller's."""
+    state = state.replace(
+        block_tables=state.block_tables.at[target].set(tables, mode="drop"),
+        num_tokens=state.num_tokens.at[target].set(num_tokens, mode="drop"),
+        active=state.active.at[target].set(True, mode="drop"),
+    )
+    if chain is not None:
+        state = state.replace(seq_chain=state.seq_chain.at[target].set(chain, mode="drop"),
+                              seq_salt=state.seq_salt.at[target].set(salt, mode="drop"))
+    return state
+
+
 def first_occurrence(ids: jax.Array, size: int) -> jax.Array:
     """bool ``[B]``: whether each id in ``[0, size)`` is its first occurrence in the batch.
 

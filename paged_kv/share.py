@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paged_kv.batch import blocks_held, by_width, first_occurrence, tail_first
+from paged_kv.batch import blocks_held, by_width, first_occurrence, start_rows, tail_first
 from paged_kv.config import ManagerConfig
 from paged_kv.reclaim import cache_slots, release
 from paged_kv.state import BlockManagerState
@@ -58,15 +58,8 @@ def _take_tables(
     ref_count, queue = by_width(needed, config.max_blocks_per_seq, recount, state.ref_count, state.queue)
 
     target = jnp.where(ok, dst, s)
-    state = state.replace(
-        ref_count=ref_count,
-        queue=queue,
-        block_tables=state.block_tables.at[target].set(src_rows, mode="drop"),
-        num_tokens=state.num_tokens.at[target].set(src_tokens, mode="drop"),
-        active=state.active.at[target].set(True, mode="drop"),
-        seq_chain=state.seq_chain.at[target].set(state.seq_chain[src], mode="drop"),
-        seq_salt=state.seq_salt.at[target].set(state.seq_salt[src], mode="drop"),
-    )
+    state = start_rows(state.replace(ref_count=ref_count, queue=queue), target, src_rows, src_tokens,
+                       state.seq_chain[src], state.seq_salt[src])
     return state, status
 
 
