@@ -25,6 +25,7 @@ from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
 from paged_kv.batch import check_rows, start_rows
+from paged_kv.scan import leading_true, prefix_sum
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
@@ -87,7 +88,7 @@ def admit(
 
 
 def _first_come_first_served(cost: jax.Array, num_free: jax.Array) -> jax.Array:
-    return jnp.cumsum(cost, dtype=jnp.int32) <= num_free
+    return prefix_sum(cost) <= num_free
 
 
 def _check_lengths(config, state, seq_ids, prompt_lens, max_len):
@@ -111,7 +112,7 @@ def _admit_fresh(config, state, seq_ids, prompt_lens):
     b = seq_ids.shape[0]
     queue, taken = free_queue.take_front(state.queue, jnp.sum(need), b * m)
     # Row i's blocks are taken[start_i : start_i + need_i].
-    start = jnp.cumsum(need) - need
+    start = prefix_sum(need) - need
     j = jnp.arange(m, dtype=jnp.int32)[None, :]
     has = j < need[:, None]
     rows = jnp.where(has, taken[jnp.where(has, start[:, None] + j, 0)], NULL_BLOCK)
@@ -122,7 +123,7 @@ def _admit_fresh(config, state, seq_ids, prompt_lens):
     return start_rows(state, target, rows, lens), status
 
 
-def _representatives(keys: jax.Array, member: jax.Array, slots_per_key: int = 8) -> jax.Array:
+def _representatives(keys: jax.Array, member: jax.Array) -> jax.Array:
     """int32 ``[E]``: for each member entry, the first member entry (in index order) with the same
     key (non-members: anything; callers mask them).
 
@@ -134,7 +135,7 @@ def _representatives(keys: jax.Array, member: jax.Array, slots_per_key: int = 8)
     if e <= PAIRWISE_MAX:
         same = member[None, :] & jnp.all(keys[:, None, :] == keys[None, :, :], axis=-1)
         return jnp.argmax(same, axis=1).astype(jnp.int32)  # the first True; i itself if member
-    return hash_table.first_of_keys(keys, member, slots_per_key)
+    return hash_table.first_of_keys(keys, member)
 
 
 PAIRWISE_MAX = 512
@@ -149,8 +150,7 @@ def _first_claims(ids: jax.Array, mask: jax.Array) -> jax.Array:
     never through the pool-sized reference counts: stamps scattered into those made XLA:CPU copy
     the whole array two or three times per call."""
     keys = jnp.stack([ids.astype(jnp.uint32), jnp.zeros_like(ids, jnp.uint32)], axis=1)
-    # A sparser scratch table than the key grouping's: see ``hash_table.first_of_keys``.
-    return mask & (_representatives(keys, mask, slots_per_key=4) == jnp.arange(ids.shape[0], dtype=jnp.int32))
+    return mask & (_representatives(keys, mask) == jnp.arange(ids.shape[0], dtype=jnp.int32))
 
 
 def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
@@ -190,18 +190,20 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
         & jnp.all(cache.tokens[cand_c] == block_tokens, axis=-1)
         & (cache.salt[cand_c] == salts[:, None])
     )
-    cached_hit = jnp.cumprod(verified, axis=1).astype(bool)
+    cached_hit = leading_true(verified)
 
     # 2. Then the longest prefix of blocks an earlier request of this call computes.
     owns_full = ok0[:, None] & (j < n_full[:, None]) & ~cached_hit
     rep = _representatives(keys.reshape(e, 2), owns_full.reshape(e)).reshape(b, c)
     rep_row, rep_col = rep // c, rep % c
+    # Gathered as flat rows: the [row, column] form made XLA:CPU copy the prompts first.
+    rep_tokens = block_tokens.reshape(e, bs)[rep.reshape(e)].reshape(b, c, bs)
     same = (
         (rep != flat) & (rep_col == j)
-        & jnp.all(block_tokens[rep_row, rep_col] == block_tokens, axis=-1)
+        & jnp.all(rep_tokens == block_tokens, axis=-1)
         & (salts[rep_row] == salts[:, None])
     )
-    hit = jnp.cumprod(cached_hit | (cacheable & same), axis=1).astype(bool)
+    hit = leading_true(cached_hit | (cacheable & same))
     shared = hit & ~cached_hit
     # A shared block must also follow the same block as its representative. With an honest hash
     # that always holds; after a collision the whole call falls back to no sharing (still safe).
@@ -229,7 +231,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     count = jnp.sum(fresh, dtype=jnp.int32)
     queue, taken = free_queue.take_front(queue, count, e)
     cache = prefix_cache.evict(cache, taken, jnp.arange(e) < count)
-    rank = jnp.cumsum(fresh.reshape(e), dtype=jnp.int32) - 1
+    rank = prefix_sum(fresh.reshape(e)) - 1
     fresh_id = jnp.where(fresh.reshape(e), taken[jnp.maximum(rank, 0)], NULL_BLOCK)
     block = jnp.where(cached_hit, cand, jnp.where(shared, fresh_id[rep], fresh_id.reshape(b, c)))
     block = jnp.where(in_table, block, NULL_BLOCK)

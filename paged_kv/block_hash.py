@@ -59,9 +59,12 @@ def block_contents(tokens: jax.Array) -> jax.Array:
     changes are possible, like any hash's, and the cache verifies every hit.
     """
     seeds, mults = _position_constants(tokens.shape[-1])
-    t = tokens.astype(jnp.uint32)[..., None, :]  # [..., 1, bs]
-    mixed = (t ^ jnp.asarray(seeds)) * jnp.asarray(mults)  # [..., LANES, bs]
-    return _fmix32(jnp.sum(mixed, axis=-1, dtype=jnp.uint32))
+    t = tokens.astype(jnp.uint32)
+    # One reduction per lane over the contiguous token axis: the [..., LANES, bs] form made
+    # XLA:CPU reduce across a strided axis, 1.5-2x slower on a 256-request admission.
+    sums = [jnp.sum((t ^ jnp.asarray(seeds[i])) * jnp.asarray(mults[i]), axis=-1, dtype=jnp.uint32)
+            for i in range(LANES)]
+    return _fmix32(jnp.stack(sums, axis=-1))
 
 
 def root_state(salt: jax.Array) -> jax.Array:

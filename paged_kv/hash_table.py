@@ -202,24 +202,50 @@ def insert(
     return table, all_slots, slots
 
 
-def first_of_keys(keys: jax.Array, mask: jax.Array, slots_per_key: int = 8) -> jax.Array:
+_UNCLAIMED = jnp.iinfo(jnp.int32).max
+"""An empty scratch slot in ``first_of_keys``: above every entry index, so a scatter-min claim
+always replaces it."""
+
+
+def first_of_keys(keys: jax.Array, mask: jax.Array, slots_per_key: int = 2) -> jax.Array:
     """int32 ``[K]``: for each masked entry, the index of the first masked entry with the same key
     (unmasked entries: -1).
 
-    Groups a batch by key in O(K) expected work without a sort: the entries are claimed into a
-    fresh scratch table (load at most ``1 / slots_per_key``) with their indices as values, where
-    the earliest of equal keys wins (``_claim``), and then looked up.
+    Groups a batch by key in O(K) expected work without a sort, through a scratch open-addressing
+    table of entry indices alone (``slots_per_key * K`` int32 slots, rounded up to a power of two;
+    the keys are read from ``keys`` itself, so only the index array is filled per call). Each round,
+    every unresolved entry looks at its next probe slot: a slot holding an entry with its key
+    resolves it; an EMPTY slot is claimed with a scatter-min of indices, and the entry that wins it
+    resolves to itself. Equal keys share their probe sequence and so move in lockstep: the earliest
+    of them is the one that claims, and the others find it in that same round.
 
     Args:
       keys: uint32 ``[K, 2]``; mask: bool ``[K]``.
-      slots_per_key: scratch slots per entry (static). Two scratch tables of one shape in one
-        computation are a single constant to XLA, copied before each use: callers that group
-        twice give the two calls different values.
+      slots_per_key: scratch slots per entry (static).
     """
     k = keys.shape[0]
     size = 1 << max(4, (slots_per_key * k - 1).bit_length())
-    table, _ = _claim(empty_table(size), keys, jnp.arange(k, dtype=jnp.int32), mask)
-    return lookup(table, keys, mask)
+    home = _home(keys, size)
+    index = jnp.arange(k, dtype=jnp.int32)
+
+    def round_(carry):
+        probe, pending, rep, slots = carry
+        pos = (home + probe) & (size - 1)
+        held = slots[pos]
+        empty = pending & (held == _UNCLAIMED)
+        found = pending & ~empty & _same(keys[jnp.minimum(held, k - 1)], keys)
+        slots = slots.at[jnp.where(empty, pos, size)].min(index, mode="drop")
+        winner = slots[pos]
+        won = empty & (winner == index)
+        # Losers of this round's claim whose winner has their key resolve to it now.
+        twin = empty & ~won & _same(keys[jnp.minimum(winner, k - 1)], keys)
+        rep = jnp.where(found, held, jnp.where(won, index, jnp.where(twin, winner, rep)))
+        return probe + 1, pending & ~found & ~won & ~twin, rep, slots
+
+    slots = jnp.full((size,), _UNCLAIMED, jnp.int32)
+    init = (jnp.int32(0), mask, jnp.full((k,), -1, jnp.int32), slots)
+    _, _, rep, _ = lax.while_loop(lambda c: jnp.any(c[1]) & (c[0] < size), round_, init)
+    return rep
 
 
 def remove(table: HashTable, slots: jax.Array, mask: jax.Array) -> HashTable:

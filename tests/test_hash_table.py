@@ -74,10 +74,12 @@ def test_insert_lookup_remove_match_a_dict(clustered):
     assert rebuilds >= 1
 
 
-@pytest.mark.parametrize("k", [700, 3000])  # a windowed and a single-slot (>= WIDE_BATCH) probe
-def test_first_of_keys_groups_by_key(k):
+@pytest.mark.parametrize("k,clustered", [(700, False), (3000, False), (500, True)])
+def test_first_of_keys_groups_by_key(k, clustered):
     rng = np.random.default_rng(3)
     base = rng.integers(0, 2**32, (k // 14, 2), dtype=np.uint32)
+    if clustered:  # distinct keys with one home slot: long probe runs, many claim rounds
+        base[:, 0] &= np.uint32(0xFFFF0000)
     keys = base[rng.integers(0, len(base), k)]
     mask = rng.random(k) < 0.7
     got = np.asarray(jax.jit(ht.first_of_keys)(jnp.asarray(keys), jnp.asarray(mask)))
