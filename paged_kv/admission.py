@@ -27,7 +27,7 @@ from paged_kv import block_hash, free_queue, hash_table, prefix_cache
 from paged_kv.batch import check_rows, start_rows
 from paged_kv.scan import leading_true, prefix_sum
 from paged_kv.config import NULL_BLOCK, ManagerConfig
-from paged_kv.state import BlockManagerState
+from paged_kv.state import GENERATION, PARENT, PARENT_GENERATION, SALT, BlockManagerState, add_stats
 from paged_kv.status import Status
 
 
@@ -178,17 +178,18 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     cacheable = ok0[:, None] & (j < n_cacheable[:, None])
     cand = hash_table.lookup(cache.table, keys.reshape(e, 2), cacheable.reshape(e)).reshape(b, c)
     cand_c = jnp.maximum(cand, 0)
+    meta = cache.meta[cand_c]  # [b, c, META_COLUMNS]: every fact a hit is checked against
     prev = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), cand[:, :-1]], axis=1)
+    prev_generation = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), meta[:, :-1, GENERATION]], axis=1)
     linked = jnp.where(
         j == 0,
-        cache.parent[cand_c] == -1,
-        (cache.parent[cand_c] == prev)
-        & (cache.parent_generation[cand_c] == cache.generation[jnp.maximum(prev, 0)]),
+        meta[..., PARENT] == -1,
+        (meta[..., PARENT] == prev) & (meta[..., PARENT_GENERATION] == prev_generation),
     )
     verified = (
         cacheable & (cand >= 0) & linked
         & jnp.all(cache.tokens[cand_c] == block_tokens, axis=-1)
-        & (cache.salt[cand_c] == salts[:, None])
+        & (meta[..., SALT] == lax.bitcast_convert_type(salts, jnp.int32)[:, None])
     )
     cached_hit = leading_true(verified)
 
@@ -256,11 +257,11 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
 
     n_hit = jnp.sum(hit, axis=1, dtype=jnp.int32)
     n_cached = jnp.sum(cached_hit, axis=1, dtype=jnp.int32)
-    stats = cache.stats
-    cache = cache.replace(stats=stats.replace(
-        lookups=stats.lookups + jnp.sum(ok, dtype=jnp.int32),
-        query_tokens=stats.query_tokens + jnp.sum(jnp.where(ok, lens, 0), dtype=jnp.int32),
-        hit_tokens=stats.hit_tokens + jnp.sum(n_hit, dtype=jnp.int32) * bs,
+    cache = cache.replace(stats=add_stats(
+        cache.stats,
+        lookups=jnp.sum(ok, dtype=jnp.int32),
+        query_tokens=jnp.sum(jnp.where(ok, lens, 0), dtype=jnp.int32),
+        hit_tokens=jnp.sum(n_hit, dtype=jnp.int32) * bs,
     ))
     target = jnp.where(ok, sid, s)
     state = start_rows(state.replace(queue=queue, ref_count=ref_count, cache=cache), target, rows, lens,

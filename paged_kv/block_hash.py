@@ -78,6 +78,24 @@ def extend(chain: jax.Array, contents: jax.Array) -> jax.Array:
     return chain * jnp.asarray(_CHAIN_MULT) + contents
 
 
+MATRIX_MAX = 1 << 16
+"""Up to this many ``B * C * C`` products, ``chain_states`` unrolls the recurrence as one
+matrix of powers (a single kernel); larger batches use the log-depth scan."""
+
+
+def _powers(c: int) -> np.ndarray:
+    """uint32 ``[C, C, LANES]``: ``P ** (j - i)`` per lane where ``i <= j``, else 0."""
+    out = np.zeros((c, c, LANES), np.uint32)
+    with np.errstate(over="ignore"):
+        for lane in range(LANES):
+            p = np.uint32(1)
+            for d in range(c):
+                idx = np.arange(c - d)
+                out[idx + d, idx, lane] = p
+                p = p * _CHAIN_MULT[lane]
+    return out
+
+
 def chain_states(salt: jax.Array, tokens: jax.Array, block_size: int) -> jax.Array:
     """uint32 ``[B, C, 2]``: chain state after each block of each prompt.
 
@@ -86,7 +104,16 @@ def chain_states(salt: jax.Array, tokens: jax.Array, block_size: int) -> jax.Arr
       tokens: int32 ``[B, C * block_size]``.
     """
     b, length = tokens.shape
-    contents = block_contents(tokens.reshape(b, length // block_size, block_size))
+    c = length // block_size
+    contents = block_contents(tokens.reshape(b, c, block_size))
+    root = root_state(salt)[:, None, :]
+    if b * c * c <= MATRIX_MAX:
+        # x_j = x_{-1} P^(j+1) + sum_{i<=j} c_i P^(j-i): one product with a constant matrix.
+        # Small calls (a one-request admission) are dominated by the number of kernels, and the
+        # scan below is a dozen of them.
+        powers = jnp.asarray(_powers(c + 1))
+        summed = jnp.sum(contents[:, None, :, :] * powers[None, :c, :c, :], axis=2, dtype=jnp.uint32)
+        return root * powers[1:, 0, :][None] + summed
     # x_j = x_{j-1} * P + c_j  is the composition of affine maps  x -> x * P + c.
     mult = jnp.broadcast_to(jnp.asarray(_CHAIN_MULT), contents.shape)
 
@@ -95,7 +122,7 @@ def chain_states(salt: jax.Array, tokens: jax.Array, block_size: int) -> jax.Arr
         return a1 * a2, c1 * a2 + c2
 
     scale, offset = lax.associative_scan(compose, (mult, contents), axis=1)
-    return root_state(salt)[:, None, :] * scale + offset
+    return root * scale + offset
 
 
 def key_of(chain: jax.Array) -> jax.Array:

@@ -21,26 +21,52 @@ TOMBSTONE = -2
 @flax.struct.dataclass
 class HashTable:
     """Attributes:
-    keys: uint32 ``[size, 2]``.
-    vals: int32 ``[size]``: a block id, ``EMPTY`` or ``TOMBSTONE``.
-    num_live: int32 scalar.
-    num_dead: int32 scalar, tombstones.
+    entries: int32 ``[size, 3]``: a slot's key (two uint32 lanes, stored bit for bit) and its
+      value (a block id, ``EMPTY`` or ``TOMBSTONE``), side by side so one gather reads both; read
+      as the properties ``keys`` (uint32 ``[size, 2]``) and ``vals`` (int32 ``[size]``).
+    counts: int32 ``[2]``, read as ``num_live`` and ``num_dead`` (tombstones).
     """
 
-    keys: jax.Array
-    vals: jax.Array
-    num_live: jax.Array
-    num_dead: jax.Array
+    entries: jax.Array
+    counts: jax.Array
+
+    @property
+    def keys(self) -> jax.Array:
+        return lax.bitcast_convert_type(self.entries[:, :2], jnp.uint32)
+
+    @property
+    def vals(self) -> jax.Array:
+        return self.entries[:, VAL]
+
+    @property
+    def num_live(self) -> jax.Array:
+        return self.counts[0]
+
+    @property
+    def num_dead(self) -> jax.Array:
+        return self.counts[1]
+
+
+VAL = 2
+"""Column of ``HashTable.entries`` holding the value."""
 
 
 def empty_table(size: int) -> HashTable:
     assert size & (size - 1) == 0, size
     return HashTable(
-        keys=jnp.zeros((size, 2), jnp.uint32),
-        vals=jnp.full((size,), EMPTY, jnp.int32),
-        num_live=jnp.int32(0),
-        num_dead=jnp.int32(0),
+        entries=jnp.zeros((size, 3), jnp.int32).at[:, VAL].set(EMPTY),
+        counts=jnp.zeros((2,), jnp.int32),
     )
+
+
+def _rows(keys: jax.Array, vals: jax.Array) -> jax.Array:
+    """int32 ``[K, 3]`` table rows for uint32 ``[K, 2]`` keys and int32 ``[K]`` values."""
+    return jnp.concatenate([lax.bitcast_convert_type(keys, jnp.int32), vals[:, None]], axis=1)
+
+
+def _split(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint32 ``[..., 2]`` keys and int32 ``[...]`` values of table rows ``[..., 3]``."""
+    return lax.bitcast_convert_type(rows[..., :2], jnp.uint32), rows[..., VAL]
 
 
 def _home(keys: jax.Array, size: int) -> jax.Array:
@@ -71,13 +97,11 @@ def _window(table: HashTable, home: jax.Array, keys: jax.Array):
     """The first ``W = _window_size(K)`` probe positions of each key: int32 ``[K, W]`` positions, their
     values, whether each holds the key, and the offset of the first slot that ends the probe
     sequence (the key or an EMPTY slot; ``W`` if none)."""
-    size = table.vals.shape[0]
+    size = table.entries.shape[0]
     w = _window_size(keys.shape[0])
     pos = (home[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]) & (size - 1)
     # Gathers of flat index vectors: XLA:CPU turned the 2-D-indexed form into a slow fusion.
-    flat = pos.reshape(-1)
-    vals = table.vals[flat].reshape(pos.shape)
-    stored = table.keys[flat].reshape(*pos.shape, 2)
+    stored, vals = _split(table.entries[pos.reshape(-1)].reshape(*pos.shape, 3))
     has_key = (vals >= 0) & _same(stored, keys[:, None, :])
     stop = has_key | (vals == EMPTY)
     first = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), w).astype(jnp.int32)
@@ -90,7 +114,7 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
     Args:
       keys: uint32 ``[K, 2]``; mask: bool ``[K]``.
     """
-    size = table.vals.shape[0]
+    size = table.entries.shape[0]
     home = _home(keys, size)
     pos, vals, has_key, first = _window(table, home, keys)
     w = pos.shape[1]
@@ -101,8 +125,8 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
     def body(carry):
         probe, pending, found = carry
         pos = (home + probe) & (size - 1)
-        val = table.vals[pos]
-        hit = pending & (val >= 0) & _same(table.keys[pos], keys)
+        stored, val = _split(table.entries[pos])
+        hit = pending & (val >= 0) & _same(stored, keys)
         found = jnp.where(hit, val, found)
         pending = pending & ~hit & (val != EMPTY)
         return probe + 1, pending, found
@@ -113,13 +137,13 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
     return found
 
 
-def _claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
+def claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
     """Inserts absent keys; returns the table and int32 ``[K]`` slots (-1: not inserted because
     the key was present, or repeated earlier in this batch, or not masked).
 
     Of equal keys in one batch, the earliest entry is the one inserted (equal keys have equal
     probe sequences, so they always contend for the same slot)."""
-    size = table.vals.shape[0]
+    size = table.entries.shape[0]
     home = _home(keys, size)
     k = keys.shape[0]
     # Claim markers, all below TOMBSTONE; the earliest entry has the smallest.
@@ -128,16 +152,13 @@ def _claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
     def attempt(t, pos, pending, present, empty, slots):
         """Entries at an EMPTY slot ``pos`` try to claim it: the earliest (smallest marker) wins
         each slot; an entry that lost to an equal key stops (its key is in)."""
-        claimed = t.vals.at[jnp.where(empty, pos, size)].min(code, mode="drop")
-        won = empty & (claimed[pos] == code)
+        claimed = t.entries.at[jnp.where(empty, pos, size), VAL].min(code, mode="drop")
+        won = empty & (claimed[pos, VAL] == code)
         target = jnp.where(won, pos, size)
-        t = t.replace(
-            vals=claimed.at[target].set(vals, mode="drop"),
-            keys=t.keys.at[target].set(keys, mode="drop"),
-        )
-        lost_to_twin = empty & ~won & _same(t.keys[pos], keys)
+        entries = claimed.at[target].set(_rows(keys, vals), mode="drop")
+        lost_to_twin = empty & ~won & _same(_split(entries[pos])[0], keys)
         slots = jnp.where(won, pos, slots)
-        return t, pending & ~present & ~won & ~lost_to_twin, slots
+        return t.replace(entries=entries), pending & ~present & ~won & ~lost_to_twin, slots
 
     # First, the whole window at once: present in it, or claim its first EMPTY slot.
     pos_w, vals_w, has_key, first = _window(table, home, keys)
@@ -152,8 +173,8 @@ def _claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
     def body(carry):
         probe, pending, slots, t = carry
         pos = (home + probe) & (size - 1)
-        val = t.vals[pos]
-        present = pending & (val >= 0) & _same(t.keys[pos], keys)
+        stored, val = _split(t.entries[pos])
+        present = pending & (val >= 0) & _same(stored, keys)
         empty = pending & (val == EMPTY) & ~present
         t, pending, slots = attempt(t, pos, pending, present, empty, slots)
         return probe + 1, pending, slots, t
@@ -163,7 +184,26 @@ def _claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
     init = (jnp.int32(0), pending, slots, table)
     _, _, slots, table = lax.while_loop(lambda c: jnp.any(c[1]) & (c[0] < size), body, init)
     inserted = jnp.sum(slots >= 0, dtype=jnp.int32)
-    return table.replace(num_live=table.num_live + inserted), slots
+    return table.replace(counts=table.counts.at[0].add(inserted)), slots
+
+
+def needs_rebuild(table: HashTable, count: jax.Array) -> jax.Array:
+    """bool scalar: inserting ``count`` more keys would push live entries plus tombstones past
+    half the table, so it must be rebuilt first (at most once per ``size / 4`` deletions)."""
+    return table.num_live + table.num_dead + count > table.entries.shape[0] // 2
+
+
+def rebuild(size: int, all_keys: jax.Array, cached: jax.Array) -> tuple[HashTable, jax.Array]:
+    """A fresh table holding ``all_keys[cached] -> index``, without tombstones. O(N + size).
+
+    Args:
+      all_keys: uint32 ``[N, 2]`` the key of every block; cached: bool ``[N]``.
+
+    Returns:
+      The table and int32 ``[N]``: each cached block's new slot (-1 for the others).
+    """
+    n = cached.shape[0]
+    return claim(empty_table(size), all_keys, jnp.arange(n, dtype=jnp.int32), cached)
 
 
 def insert(
@@ -174,7 +214,8 @@ def insert(
     all_keys: jax.Array,
     all_slots: jax.Array,
 ) -> tuple[HashTable, jax.Array, jax.Array]:
-    """Inserts ``keys[mask] -> vals[mask]`` where the key is not present yet.
+    """Inserts ``keys[mask] -> vals[mask]`` where the key is not present yet, rebuilding the
+    table first when it is crowded (``needs_rebuild``).
 
     Args:
       keys: uint32 ``[K, 2]``; vals: int32 ``[K]`` (block ids); mask: bool ``[K]``.
@@ -185,20 +226,14 @@ def insert(
       The table, ``all_slots`` (changed only by a rebuild) and int32 ``[K]`` slots of the new
       entries (-1 where not inserted).
     """
-    size = table.vals.shape[0]
-    count = jnp.sum(mask, dtype=jnp.int32)
-    crowded = table.num_live + table.num_dead + count > size // 2
-
-    def rebuild(args):
-        table, all_slots = args
-        n = all_slots.shape[0]
-        fresh, slots = _claim(
-            empty_table(size), all_keys, jnp.arange(n, dtype=jnp.int32), all_slots >= 0
-        )
-        return fresh, slots
-
-    table, all_slots = lax.cond(crowded, rebuild, lambda args: args, (table, all_slots))
-    table, slots = _claim(table, keys, vals, mask)
+    size = table.entries.shape[0]
+    table, all_slots = lax.cond(
+        needs_rebuild(table, jnp.sum(mask, dtype=jnp.int32)),
+        lambda args: rebuild(size, all_keys, args[1] >= 0),
+        lambda args: args,
+        (table, all_slots),
+    )
+    table, slots = claim(table, keys, vals, mask)
     return table, all_slots, slots
 
 
@@ -250,7 +285,7 @@ def first_of_keys(keys: jax.Array, mask: jax.Array, slots_per_key: int = 2) -> j
 
 def remove(table: HashTable, slots: jax.Array, mask: jax.Array) -> HashTable:
     """Tombstones the entries at ``slots[mask]`` (distinct, live)."""
-    size = table.vals.shape[0]
+    size = table.entries.shape[0]
     count = jnp.sum(mask, dtype=jnp.int32)
-    vals = table.vals.at[jnp.where(mask, slots, size)].set(TOMBSTONE, mode="drop")
-    return table.replace(vals=vals, num_live=table.num_live - count, num_dead=table.num_dead + count)
+    entries = table.entries.at[jnp.where(mask, slots, size), VAL].set(TOMBSTONE, mode="drop")
+    return table.replace(entries=entries, counts=table.counts + jnp.stack([-count, count]))

@@ -13,7 +13,9 @@ from jax import lax
 
 from paged_kv import block_hash, hash_table
 from paged_kv.config import ManagerConfig
-from paged_kv.state import BlockManagerState, PrefixCache
+from paged_kv.state import (
+    GENERATION, KEY0, PARENT_GENERATION, SLOT, BlockManagerState, PrefixCache, add_stats,
+)
 
 
 def uncache(
@@ -22,16 +24,19 @@ def uncache(
     """Drops the hashes of ``blocks[mask]`` (distinct) that are cached; returns the cache and how
     many were dropped. With ``bump``, their generation moves on, which unlinks children cached
     under them."""
-    n = cache.slot.shape[0]
-    slots = cache.slot[blocks]
+    n = cache.meta.shape[0]
+    row = cache.meta[blocks]
+    slots = row[:, SLOT]
     drop = mask & (slots >= 0)
     target = jnp.where(drop, blocks, n)
+    # One scatter of whole rows: slot -1 and, with ``bump``, the next generation.
+    row = row.at[:, SLOT].set(-1)
+    if bump:
+        row = row.at[:, GENERATION].add(1)
     cache = cache.replace(
         table=hash_table.remove(cache.table, slots, drop),
-        slot=cache.slot.at[target].set(-1, mode="drop"),
+        meta=cache.meta.at[target].set(row, mode="drop"),
     )
-    if bump:
-        cache = cache.replace(generation=cache.generation.at[target].add(1, mode="drop"))
     return cache, jnp.sum(drop, dtype=jnp.int32)
 
 
@@ -39,18 +44,17 @@ def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array) -> PrefixCache:
     """Blocks just taken from the free queue are about to get new contents: each one's
     generation moves on (so a cached child that named it as parent no longer links to it, even if
     it was never cached itself), and cached ones lose their hashes."""
-    n = cache.slot.shape[0]
+    n = cache.meta.shape[0]
     cache = cache.replace(
-        generation=cache.generation.at[jnp.where(mask, taken, n)].add(1, mode="drop")
+        meta=cache.meta.at[jnp.where(mask, taken, n), GENERATION].add(1, mode="drop")
     )
 
     def drop(cache):
         cache, dropped = uncache(cache, taken, mask, bump=False)
-        stats = cache.stats
-        return cache.replace(stats=stats.replace(evictions=stats.evictions + dropped))
+        return cache.replace(stats=add_stats(cache.stats, evictions=dropped))
 
     # Skipped (one gather) when no taken block is cached, the usual case while the pool has room.
-    return lax.cond(jnp.any(mask & (cache.slot[taken] >= 0)), drop, lambda cache: cache, cache)
+    return lax.cond(jnp.any(mask & (cache.meta[taken, SLOT] >= 0)), drop, lambda cache: cache, cache)
 
 
 def register(
@@ -75,22 +79,37 @@ def register(
     )
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """uint32 values as the int32 with the same bits (how ``meta`` stores keys and salts)."""
+    return lax.bitcast_convert_type(x.astype(jnp.uint32), jnp.int32)
+
+
+def _rebuild_table(cache: PrefixCache) -> PrefixCache:
+    size = cache.table.entries.shape[0]
+    table, slots = hash_table.rebuild(size, cache.key, cache.slot >= 0)
+    return cache.replace(table=table, meta=cache.meta.at[:, SLOT].set(slots))
+
+
 def _register(cache, blocks, chains, salts, parents, mask):
-    n = cache.slot.shape[0]
+    n = cache.meta.shape[0]
     keys = block_hash.key_of(chains)
-    table, all_slots, slots = hash_table.insert(
-        cache.table, keys, blocks, mask, cache.key, cache.slot
-    )
+    # The rebuild lives here rather than in ``hash_table.insert`` so that the common branch
+    # passes ``meta`` through untouched (a column written back would cost O(pool) per call).
+    crowded = hash_table.needs_rebuild(cache.table, jnp.sum(mask, dtype=jnp.int32))
+    cache = lax.cond(crowded, _rebuild_table, lambda cache: cache, cache)
+    table, slots = hash_table.claim(cache.table, keys, blocks, mask)
     added = slots >= 0
     target = jnp.where(added, blocks, n)
-    parent_gen = jnp.where(parents >= 0, cache.generation[jnp.maximum(parents, 0)], 0)
+    parent_gen = jnp.where(parents >= 0, cache.meta[jnp.maximum(parents, 0), GENERATION], 0)
+    # Columns KEY0 .. PARENT_GENERATION of the new rows, in one scatter (GENERATION stays).
+    fields = jnp.concatenate(
+        [_bits(keys), slots[:, None], _bits(salts)[:, None], parents[:, None], parent_gen[:, None]],
+        axis=1,
+    )
+    columns = jnp.arange(KEY0, PARENT_GENERATION + 1)
     return cache.replace(
         table=table,
-        slot=all_slots.at[target].set(slots, mode="drop"),
-        key=cache.key.at[target].set(keys, mode="drop"),
-        salt=cache.salt.at[target].set(salts, mode="drop"),
-        parent=cache.parent.at[target].set(parents, mode="drop"),
-        parent_generation=cache.parent_generation.at[target].set(parent_gen, mode="drop"),
+        meta=cache.meta.at[target[:, None], columns[None, :]].set(fields, mode="drop"),
     )
 
 

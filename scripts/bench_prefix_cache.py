@@ -14,6 +14,13 @@
    full block beside four cached ones, so where the uncached blocks go decides how much of the pool
    the cache keeps; same two policies.
 
+The one-request-per-call admissions run twice, each in its own process: with JAX's default
+asynchronous CPU dispatch, and with ``jax_cpu_enable_async_dispatch=False``, which runs a small
+computation on the calling thread instead of handing it to a runtime thread and waiting for it
+(the setting for a host loop that reads every result before its next call). Beside them, the
+cost of a jitted call that takes the same state and changes one array (the floor of any jitted
+per-request call on this machine).
+
     python scripts/bench_prefix_cache.py     # writes results/bench_prefix_cache.json
 """
 
@@ -23,6 +30,8 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -49,33 +58,57 @@ def shared_prompt_requests(n=256, system=512, unique=64, seed=0):
                     ).astype(np.int32)
 
 
-def one_at_a_time(prompts):
+def one_at_a_time(prompts, repeats=3):
+    """Median admission time of one request per jitted call (the median of ``repeats`` passes
+    over the 256 requests, each on a fresh manager), and the same for a call that only touches
+    the state (the per-call floor)."""
     n, length = prompts.shape
     cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
     admit = jax.jit(pk.admit, static_argnums=0, donate_argnums=1)
-    # Compile on a throwaway state first.
-    warm = pk.init_state(cfg)
-    warm, _ = admit(cfg, warm, jnp.zeros(1, jnp.int32), jnp.full(1, length, jnp.int32),
-                    jnp.asarray(prompts[:1]))
-    jax.block_until_ready(warm)
-    state = pk.init_state(cfg)
-    times, hits = [], []
+    touch = jax.jit(lambda state, sid: (state.replace(num_tokens=state.num_tokens.at[sid].add(1)), sid),
+                    donate_argnums=0)
     lens = jnp.full((1,), length, jnp.int32)
-    for i in range(n):
-        sid, toks = jnp.full((1,), i, jnp.int32), jnp.asarray(prompts[i: i + 1])
-        jax.block_until_ready((sid, toks))
-        t0 = time.perf_counter()
-        state, result = admit(cfg, state, sid, lens, toks)
-        jax.block_until_ready(result)
-        times.append(time.perf_counter() - t0)
-        hits.append(int(result.cached_tokens[0]))
-        progress(i, n, "one at a time")
+    sids = [jnp.full((1,), i, jnp.int32) for i in range(n)]
+    toks = [jnp.asarray(prompts[i: i + 1]) for i in range(n)]
+    # Compile on a throwaway state first.
+    warm, _ = admit(cfg, pk.init_state(cfg), sids[0], lens, toks[0])
+    warm, _ = touch(warm, sids[0])
+    jax.block_until_ready(warm)
+    medians, floors = [], []
+    for r in range(repeats):
+        state = pk.init_state(cfg)
+        times, hits = [], []
+        for i in range(n):
+            t0 = time.perf_counter()
+            state, result = admit(cfg, state, sids[i], lens, toks[i])
+            jax.block_until_ready(result)
+            times.append(time.perf_counter() - t0)
+            hits.append(int(result.cached_tokens[0]))
+            progress(r * n + i, repeats * n, "one at a time")
+        medians.append(statistics.median(times))
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            state, out = touch(state, sids[i])
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t0)
+        floors.append(statistics.median(times))
     st = state.cache.stats
     return dict(
-        admit_us_median=statistics.median(times) * 1e6,
+        admit_us_median=statistics.median(medians) * 1e6,
+        admit_us_per_pass=[m * 1e6 for m in medians],
+        state_call_floor_us=statistics.median(floors) * 1e6,
+        state_leaves=len(jax.tree.leaves(state)),
         hit_tokens_first=hits[0], hit_tokens_rest_min=min(hits[1:]), hit_tokens_rest_max=max(hits[1:]),
         hit_rate=int(st.hit_tokens) / int(st.query_tokens),
     )
+
+
+def one_at_a_time_in_process(sync_dispatch: bool) -> dict:
+    """``one_at_a_time`` in a fresh process: the dispatch mode is fixed when JAX starts."""
+    cmd = [sys.executable, __file__, "--one-at-a-time-only"] + (["--sync-dispatch"] if sync_dispatch else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def one_at_a_time_in_loop(prompts, repeats=3):
@@ -108,7 +141,7 @@ def one_at_a_time_in_loop(prompts, repeats=3):
                 hit_tokens_rest_min=min(hits[1:]), hit_tokens_rest_max=max(hits[1:]))
 
 
-def batched(prompts, repeats=5):
+def batched(prompts, repeats=11):
     n, length = prompts.shape
     cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
     admit = jax.jit(pk.admit, static_argnums=0, donate_argnums=1)
@@ -197,10 +230,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/bench_prefix_cache.json"))
     parser.add_argument("--waves", type=int, default=40)
     parser.add_argument("--chat-waves", type=int, default=300)
+    parser.add_argument("--one-at-a-time-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sync-dispatch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     prompts = shared_prompt_requests()
-    one = one_at_a_time(prompts)
+    if args.one_at_a_time_only:  # a child process of the full run
+        if args.sync_dispatch:
+            jax.config.update("jax_cpu_enable_async_dispatch", False)
+        print(json.dumps(one_at_a_time(prompts)))
+        return
+    print("one request per call, default (asynchronous) dispatch ...", flush=True)
+    one_async = one_at_a_time_in_process(sync_dispatch=False)
+    print("one request per call, jax_cpu_enable_async_dispatch=False ...", flush=True)
+    one = one_at_a_time_in_process(sync_dispatch=True)
     loop = one_at_a_time_in_loop(prompts)
     ref = reference_one_at_a_time(prompts)
     many = batched(prompts)
@@ -210,8 +253,12 @@ def main() -> None:
     print("\nShared 512-token system prompt, 256 requests of 576 tokens, pool 100,000 blocks")
     print("| admission | hit tokens (first / rest) | cost per request (µs) | hit rate |")
     print("|---|---|---|---|")
-    print(f"| jitted, one request per call | {one['hit_tokens_first']} / {one['hit_tokens_rest_min']}"
-          f" | {one['admit_us_median']:.1f} | {one['hit_rate']:.3f} |")
+    print(f"| jitted, one request per call (synchronous dispatch) | {one['hit_tokens_first']} / "
+          f"{one['hit_tokens_rest_min']} | {one['admit_us_median']:.1f} | {one['hit_rate']:.3f} |")
+    print(f"| jitted, one request per call (default dispatch) | {one_async['hit_tokens_first']} / "
+          f"{one_async['hit_tokens_rest_min']} | {one_async['admit_us_median']:.1f} | {one_async['hit_rate']:.3f} |")
+    print(f"| floor: a jitted call that takes the state ({one['state_leaves']} arrays) and changes one "
+          f"| | {one['state_call_floor_us']:.1f} (default dispatch {one_async['state_call_floor_us']:.1f}) | |")
     print(f"| one request per step of a jitted loop | {loop['hit_tokens_first']} / {loop['hit_tokens_rest_min']}"
           f" | {loop['admit_us_per_request']:.1f} | |")
     print(f"| jitted, 256 in one call | {many['hit_tokens_first']} / {many['hit_tokens_rest_min']}"
@@ -227,7 +274,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
                 pool=POOL, block_size=BS, command="python scripts/bench_prefix_cache.py")
-    args.out.write_text(json.dumps(dict(meta=meta, one_at_a_time=one, one_at_a_time_in_loop=loop, batched=many,
+    args.out.write_text(json.dumps(dict(meta=meta, one_at_a_time=one, one_at_a_time_default_dispatch=one_async,
+                                        one_at_a_time_in_loop=loop, batched=many,
                                         reference_one_at_a_time=ref, mixed=mix), indent=2) + "\n")
     print(f"\nwrote {args.out}")
 

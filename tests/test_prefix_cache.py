@@ -186,6 +186,22 @@ def test_hash_is_deterministic_and_chained():
     assert a[0, 0].tolist() == [3278217875, 4154983832]
 
 
+@pytest.mark.parametrize("b,c", [(1, 36), (3, 5), (256, 36)])  # matrix, matrix, scan
+def test_chain_states_match_the_sequential_recurrence(b, c):
+    rng = np.random.default_rng(b + c)
+    tokens = jnp.asarray(rng.integers(0, 32_000, (b, c * 16)), jnp.int32)
+    salt = jnp.asarray(rng.integers(0, 2**32, b, dtype=np.uint32))
+    got = np.asarray(jax.jit(block_hash.chain_states, static_argnums=2)(salt, tokens, 16))
+    contents = np.asarray(block_hash.block_contents(tokens.reshape(b, c, 16)))
+    x, want = np.asarray(block_hash.root_state(salt)), []
+    with np.errstate(over="ignore"):
+        for j in range(c):
+            x = x * block_hash._CHAIN_MULT + contents[:, j]
+            want.append(x)
+    np.testing.assert_array_equal(got, np.stack(want, axis=1))
+    assert (b * c * c <= block_hash.MATRIX_MAX) == (b < 256)
+
+
 def _first_same_key_np(keys, member):
     """Reference: for each member entry, the first member entry with the same key."""
     out = np.full(len(member), -1)
