@@ -241,7 +241,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     ref_count = state.ref_count.at[jnp.where(in_table, block, n)].add(1, mode="drop")
     rows = jnp.pad(block, ((0, 0), (0, config.max_blocks_per_seq - c)))
     cache = cache.replace(
-        tokens=cache.tokens.at[jnp.where(fresh, block, n)].set(block_tokens, mode="drop")
+        tokens=cache.tokens.at[jnp.where(fresh, block, n).reshape(e)].set(block_tokens.reshape(e, bs), mode="drop")
     )
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), block[:, :-1]], axis=1)
     cache = prefix_cache.register(

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paged_kv.config import NULL_BLOCK
-from paged_kv.scan import prefix_sum
+from paged_kv.scan import prefix_sum, while_needed
 from paged_kv.state import FreeQueue
 
 
@@ -62,7 +62,7 @@ def take_front(q: FreeQueue, count: jax.Array, max_take: int) -> tuple[FreeQueue
     # One window suffices unless stale entries (blocks a prefix-cache hit pulled out of the
     # middle) sit among the first ``count``; only then does the loop run at all.
     carry = scan_window((q, jnp.int32(0), out0))
-    q, _, out = lax.while_loop(lambda c: (c[1] < count) & (c[0].size > 0), scan_window, carry)
+    q, _, out = while_needed(lambda c: (c[1] < count) & (c[0].size > 0), scan_window, carry)
     return q, out
 
 

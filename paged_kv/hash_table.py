@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from paged_kv.scan import while_needed
+
 EMPTY = -1
 TOMBSTONE = -2
 
@@ -133,7 +135,7 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
 
     # Only probe sequences longer than the window continue, from where the window ended.
     init = (jnp.int32(w), mask & (first == w), found)
-    _, _, found = lax.while_loop(lambda c: jnp.any(c[1]) & (c[0] < size), body, init)
+    _, _, found = while_needed(lambda c: jnp.any(c[1]) & (c[0] < size), body, init)
     return found
 
 
@@ -182,7 +184,7 @@ def claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
     # The rest (a lost claim, or no end inside the window) walk again from home, one slot per
     # iteration, in lockstep; rare, so the loop usually runs zero iterations.
     init = (jnp.int32(0), pending, slots, table)
-    _, _, slots, table = lax.while_loop(lambda c: jnp.any(c[1]) & (c[0] < size), body, init)
+    _, _, slots, table = while_needed(lambda c: jnp.any(c[1]) & (c[0] < size), body, init)
     inserted = jnp.sum(slots >= 0, dtype=jnp.int32)
     return table.replace(counts=table.counts.at[0].add(inserted)), slots
 

@@ -14,7 +14,8 @@ from jax import lax
 from paged_kv import block_hash, hash_table
 from paged_kv.config import ManagerConfig
 from paged_kv.state import (
-    GENERATION, KEY0, PARENT_GENERATION, SLOT, BlockManagerState, PrefixCache, add_stats,
+    GENERATION, KEY0, META_COLUMNS, PARENT_GENERATION, SLOT, BlockManagerState, PrefixCache,
+    add_stats,
 )
 
 
@@ -101,16 +102,15 @@ def _register(cache, blocks, chains, salts, parents, mask):
     added = slots >= 0
     target = jnp.where(added, blocks, n)
     parent_gen = jnp.where(parents >= 0, cache.meta[jnp.maximum(parents, 0), GENERATION], 0)
-    # Columns KEY0 .. PARENT_GENERATION of the new rows, in one scatter (GENERATION stays).
-    fields = jnp.concatenate(
-        [_bits(keys), slots[:, None], _bits(salts)[:, None], parents[:, None], parent_gen[:, None]],
+    # Whole new rows in one row scatter (a [row, column] scatter became one scatter per element
+    # on XLA:CPU); a block keeps its generation.
+    rows = jnp.concatenate(
+        [_bits(keys), slots[:, None], _bits(salts)[:, None], parents[:, None], parent_gen[:, None],
+         cache.meta[blocks, GENERATION][:, None]],
         axis=1,
     )
-    columns = jnp.arange(KEY0, PARENT_GENERATION + 1)
-    return cache.replace(
-        table=table,
-        meta=cache.meta.at[target[:, None], columns[None, :]].set(fields, mode="drop"),
-    )
+    assert rows.shape[1] == META_COLUMNS and (KEY0, PARENT_GENERATION, GENERATION) == (0, 5, 6)
+    return cache.replace(table=table, meta=cache.meta.at[target].set(rows, mode="drop"))
 
 
 def reset_prefix_cache(
