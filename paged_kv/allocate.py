@@ -11,7 +11,6 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from paged_kv import block_hash, free_queue, prefix_cache
 from paged_kv.batch import check_rows
