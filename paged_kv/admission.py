@@ -25,7 +25,7 @@ from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
 from paged_kv.batch import check_rows, start_rows
-from paged_kv.scan import leading_true, prefix_sum
+from paged_kv.scan import leading_true
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.state import GENERATION, PARENT, PARENT_GENERATION, SALT, BlockManagerState, add_stats
 from paged_kv.status import Status
@@ -88,7 +88,7 @@ def admit(
 
 
 def _first_come_first_served(cost: jax.Array, num_free: jax.Array) -> jax.Array:
-    return prefix_sum(cost) <= num_free
+    return jnp.cumsum(cost, dtype=jnp.int32) <= num_free
 
 
 def _check_lengths(config, state, seq_ids, prompt_lens, max_len):
@@ -112,7 +112,7 @@ def _admit_fresh(config, state, seq_ids, prompt_lens):
     b = seq_ids.shape[0]
     queue, taken = free_queue.take_front(state.queue, jnp.sum(need), b * m)
     # Row i's blocks are taken[start_i : start_i + need_i].
-    start = prefix_sum(need) - need
+    start = jnp.cumsum(need, dtype=jnp.int32) - need
     j = jnp.arange(m, dtype=jnp.int32)[None, :]
     has = j < need[:, None]
     rows = jnp.where(has, taken[jnp.where(has, start[:, None] + j, 0)], NULL_BLOCK)
@@ -215,7 +215,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     hit = cached_hit | shared
 
     # 3. Cost and first come, first served. The first request to hit a free cached block pulls it
-    #    out of the queue (found with a stamp scatter into the zero counts, then restored).
+    #    out of the queue (``_first_claims``).
     fresh = ok0[:, None] & (j < n_blocks[:, None]) & ~hit
     free_hit = cached_hit & (state.ref_count[cand_c] == 0)
     pulls = _first_claims(cand_c.reshape(e), free_hit.reshape(e)).reshape(b, c)
@@ -232,7 +232,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     count = jnp.sum(fresh, dtype=jnp.int32)
     queue, taken = free_queue.take_front(queue, count, e)
     cache = prefix_cache.evict(cache, taken, jnp.arange(e) < count)
-    rank = prefix_sum(fresh.reshape(e)) - 1
+    rank = jnp.cumsum(fresh.reshape(e), dtype=jnp.int32) - 1
     fresh_id = jnp.where(fresh.reshape(e), taken[jnp.maximum(rank, 0)], NULL_BLOCK)
     block = jnp.where(cached_hit, cand, jnp.where(shared, fresh_id[rep], fresh_id.reshape(b, c)))
     block = jnp.where(in_table, block, NULL_BLOCK)
@@ -241,7 +241,9 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     ref_count = state.ref_count.at[jnp.where(in_table, block, n)].add(1, mode="drop")
     rows = jnp.pad(block, ((0, 0), (0, config.max_blocks_per_seq - c)))
     cache = cache.replace(
-        tokens=cache.tokens.at[jnp.where(fresh, block, n).reshape(e)].set(block_tokens.reshape(e, bs), mode="drop")
+        tokens=cache.tokens.at[jnp.where(fresh, block, n).reshape(e)].set(
+            block_tokens.reshape(e, bs), mode="drop"
+        )
     )
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), block[:, :-1]], axis=1)
     cache = prefix_cache.register(

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from paged_kv.packed import with_packed_scalars
 from paged_kv.scan import while_needed
 
 EMPTY = -1
@@ -40,14 +41,9 @@ class HashTable:
     def vals(self) -> jax.Array:
         return self.entries[:, VAL]
 
-    @property
-    def num_live(self) -> jax.Array:
-        return self.counts[0]
 
-    @property
-    def num_dead(self) -> jax.Array:
-        return self.counts[1]
 
+with_packed_scalars(HashTable, "counts", ("num_live", "num_dead"))
 
 VAL = 2
 """Column of ``HashTable.entries`` holding the value."""

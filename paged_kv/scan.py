@@ -1,26 +1,11 @@
-"""Prefix scans over small batch axes and a rarely-looping ``while``, in the forms that XLA:CPU
-runs fastest."""
+"""A cumulative AND over small batch axes and a rarely-looping ``while``, in the forms that
+XLA:CPU runs fastest."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-SCAN_MIN = 1 << 30
-"""From this many elements on, ``prefix_sum`` runs as a log-depth ``lax.associative_scan``:
-XLA:CPU lowers ``jnp.cumsum`` to a reduce-window, which took about 2x as long on the 9,216
-table entries of a 256-request admission. Shorter vectors keep ``jnp.cumsum`` (one kernel
-instead of a dozen)."""
-
-
-def prefix_sum(x: jax.Array) -> jax.Array:
-    """int32 inclusive prefix sums of ``x`` (bool or int, ``[..., K]``) along its last axis."""
-    x = x.astype(jnp.int32)
-    if x.shape[-1] < SCAN_MIN:
-        return jnp.cumsum(x, axis=-1, dtype=jnp.int32)
-    return lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
-
 
 def leading_true(mask: jax.Array) -> jax.Array:
     """bool ``[..., K]``: the longest all-True prefix of ``mask`` along its last axis (a
