@@ -25,7 +25,7 @@ from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
 from paged_kv.batch import check_rows, start_rows
-from paged_kv.scan import leading_true
+from paged_kv.scan import leading_true, prefix_sum
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.state import GENERATION, PARENT, PARENT_GENERATION, SALT, BlockManagerState, add_stats
 from paged_kv.status import Status
@@ -88,7 +88,7 @@ def admit(
 
 
 def _first_come_first_served(cost: jax.Array, num_free: jax.Array) -> jax.Array:
-    return jnp.cumsum(cost, dtype=jnp.int32) <= num_free
+    return prefix_sum(cost) <= num_free
 
 
 def _check_lengths(config, state, seq_ids, prompt_lens, max_len):
@@ -112,7 +112,7 @@ def _admit_fresh(config, state, seq_ids, prompt_lens):
     b = seq_ids.shape[0]
     queue, taken = free_queue.take_front(state.queue, jnp.sum(need), b * m)
     # Row i's blocks are taken[start_i : start_i + need_i].
-    start = jnp.cumsum(need, dtype=jnp.int32) - need
+    start = prefix_sum(need) - need
     j = jnp.arange(m, dtype=jnp.int32)[None, :]
     has = j < need[:, None]
     rows = jnp.where(has, taken[jnp.where(has, start[:, None] + j, 0)], NULL_BLOCK)
@@ -151,6 +151,42 @@ def _first_claims(ids: jax.Array, mask: jax.Array) -> jax.Array:
     the whole array two or three times per call."""
     keys = jnp.stack([ids.astype(jnp.uint32), jnp.zeros_like(ids, jnp.uint32)], axis=1)
     return mask & (_representatives(keys, mask) == jnp.arange(ids.shape[0], dtype=jnp.int32))
+
+
+def _shared_with_earlier(n, keys, block_tokens, salts, ok0, n_full, cacheable, cand, cached_hit):
+    """Step 2 of a call of several requests: after its cached prefix, the longest further prefix
+    of a request's blocks that an earlier request of the call computes.
+
+    Args (B requests, C blocks each): n, the pool size; keys uint32 ``[B, C, 2]``; block_tokens
+    int32 ``[B, C, block_size]``; salts uint32 ``[B]``; ok0 bool ``[B]``; n_full int32 ``[B]``;
+    cacheable, cached_hit bool ``[B, C]``; cand int32 ``[B, C]`` the cached candidates.
+
+    Returns bool ``[B, C]`` hits (cached or shared), bool ``[B, C]`` shared, and int32 ``[B, C]``
+    the flat entry each block is shared from (``rep``, meaningful where shared).
+    """
+    b, c, bs = block_tokens.shape
+    e = b * c
+    j = jnp.arange(c, dtype=jnp.int32)[None, :]
+    flat = jnp.arange(e, dtype=jnp.int32).reshape(b, c)
+    owns_full = ok0[:, None] & (j < n_full[:, None]) & ~cached_hit
+    rep = _representatives(keys.reshape(e, 2), owns_full.reshape(e)).reshape(b, c)
+    rep_row, rep_col = rep // c, rep % c
+    # Gathered as flat rows: the [row, column] form made XLA:CPU copy the prompts first.
+    rep_tokens = block_tokens.reshape(e, bs)[rep.reshape(e)].reshape(b, c, bs)
+    same = (
+        (rep != flat) & (rep_col == j)
+        & jnp.all(rep_tokens == block_tokens, axis=-1)
+        & (salts[rep_row] == salts[:, None])
+    )
+    hit = leading_true(cached_hit | (cacheable & same))
+    shared = hit & ~cached_hit
+    # A shared block must also follow the same block as its representative. With an honest hash
+    # that always holds; after a collision the whole call falls back to no sharing (still safe).
+    ref = jnp.where(cached_hit, cand, n + jnp.where(shared, rep, flat))
+    prev_ref = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), ref[:, :-1]], axis=1)
+    rep_prev_ref = jnp.where(j == 0, -1, ref.reshape(e)[jnp.maximum(rep - 1, 0)])
+    shared = shared & jnp.all(~shared | (prev_ref == rep_prev_ref))
+    return cached_hit | shared, shared, rep
 
 
 def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
@@ -193,32 +229,23 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     )
     cached_hit = leading_true(verified)
 
-    # 2. Then the longest prefix of blocks an earlier request of this call computes.
-    owns_full = ok0[:, None] & (j < n_full[:, None]) & ~cached_hit
-    rep = _representatives(keys.reshape(e, 2), owns_full.reshape(e)).reshape(b, c)
-    rep_row, rep_col = rep // c, rep % c
-    # Gathered as flat rows: the [row, column] form made XLA:CPU copy the prompts first.
-    rep_tokens = block_tokens.reshape(e, bs)[rep.reshape(e)].reshape(b, c, bs)
-    same = (
-        (rep != flat) & (rep_col == j)
-        & jnp.all(rep_tokens == block_tokens, axis=-1)
-        & (salts[rep_row] == salts[:, None])
-    )
-    hit = leading_true(cached_hit | (cacheable & same))
-    shared = hit & ~cached_hit
-    # A shared block must also follow the same block as its representative. With an honest hash
-    # that always holds; after a collision the whole call falls back to no sharing (still safe).
-    ref = jnp.where(cached_hit, cand, n + jnp.where(shared, rep, flat))
-    prev_ref = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), ref[:, :-1]], axis=1)
-    rep_prev_ref = jnp.where(j == 0, -1, ref.reshape(e)[jnp.maximum(rep - 1, 0)])
-    shared = shared & jnp.all(~shared | (prev_ref == rep_prev_ref))
-    hit = cached_hit | shared
+    # 2. Then the longest prefix of blocks an earlier request of this call computes (a single
+    #    request has no earlier one: skipped, with its all-pairs key comparison).
+    if b == 1:
+        hit, shared = cached_hit, jnp.zeros_like(cached_hit)
+        rep = flat
+    else:
+        hit, shared, rep = _shared_with_earlier(
+            n, keys, block_tokens, salts, ok0, n_full, cacheable, cand, cached_hit
+        )
 
     # 3. Cost and first come, first served. The first request to hit a free cached block pulls it
     #    out of the queue (``_first_claims``).
     fresh = ok0[:, None] & (j < n_blocks[:, None]) & ~hit
     free_hit = cached_hit & (state.ref_count[cand_c] == 0)
-    pulls = _first_claims(cand_c.reshape(e), free_hit.reshape(e)).reshape(b, c)
+    # Several requests may hit one free block; only the first pulls it out of the queue. One
+    # request's hits are distinct blocks.
+    pulls = free_hit if b == 1 else _first_claims(cand_c.reshape(e), free_hit.reshape(e)).reshape(b, c)
     cost = jnp.sum(fresh, axis=1) + jnp.sum(pulls, axis=1)
     fits = _first_come_first_served(cost, state.queue.num_free)
     status = jnp.where(ok0 & ~fits, Status.NO_FREE_BLOCKS, status)
@@ -232,7 +259,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     count = jnp.sum(fresh, dtype=jnp.int32)
     queue, taken = free_queue.take_front(queue, count, e)
     cache = prefix_cache.evict(cache, taken, jnp.arange(e) < count)
-    rank = jnp.cumsum(fresh.reshape(e), dtype=jnp.int32) - 1
+    rank = prefix_sum(fresh.reshape(e)) - 1
     fresh_id = jnp.where(fresh.reshape(e), taken[jnp.maximum(rank, 0)], NULL_BLOCK)
     block = jnp.where(cached_hit, cand, jnp.where(shared, fresh_id[rep], fresh_id.reshape(b, c)))
     block = jnp.where(in_table, block, NULL_BLOCK)

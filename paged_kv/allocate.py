@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from paged_kv import block_hash, free_queue, prefix_cache
 from paged_kv.batch import check_rows
 from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.scan import prefix_sum
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
 
@@ -41,7 +42,7 @@ class AppendResult:
 
 def _first_come_first_served(need: jax.Array, num_free: jax.Array) -> jax.Array:
     """bool ``[B]``: rows whose need fits when rows are served in batch order without overtaking."""
-    return jnp.cumsum(need, dtype=jnp.int32) <= num_free
+    return prefix_sum(need) <= num_free
 
 
 def append(
@@ -119,7 +120,7 @@ def append(
     copies = copies & ok
 
     queue, taken = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b)
-    fresh = jnp.where(takes, taken[jnp.cumsum(takes, dtype=jnp.int32) - 1], NULL_BLOCK)
+    fresh = jnp.where(takes, taken[prefix_sum(takes) - 1], NULL_BLOCK)
     block = jnp.where(takes, fresh, last_block)
     slots = jnp.where(ok, block * bs + offset, NULL_BLOCK * bs)
 

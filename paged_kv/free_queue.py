@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paged_kv.config import NULL_BLOCK
-from paged_kv.scan import while_needed
+from paged_kv.scan import prefix_sum, while_needed
 from paged_kv.state import FreeQueue
 
 
@@ -41,7 +41,7 @@ def take_front(q: FreeQueue, count: jax.Array, max_take: int) -> tuple[FreeQueue
         q, got, out = carry
         positions = (q.head + lanes) % cap
         ids, live = _live(q, positions, lanes < q.size)
-        rank = got + jnp.cumsum(live, dtype=jnp.int32) - 1
+        rank = got + prefix_sum(live) - 1
         take = live & (rank < count)
         out = out.at[jnp.where(take, rank, max_take)].set(ids, mode="drop")
         slot = q.slot.at[jnp.where(take, ids, q.slot.shape[0])].set(-1, mode="drop")
@@ -72,7 +72,7 @@ def compact(q: FreeQueue) -> FreeQueue:
     lanes = jnp.arange(cap, dtype=jnp.int32)
     positions = (q.head + lanes) % cap
     ids, live = _live(q, positions, lanes < q.size)
-    rank = jnp.cumsum(live, dtype=jnp.int32) - 1
+    rank = prefix_sum(live) - 1
     ring = jnp.zeros_like(q.ring).at[jnp.where(live, rank, cap)].set(ids, mode="drop")
     slot = q.slot.at[jnp.where(live, ids, q.slot.shape[0])].set(rank, mode="drop")
     return q.replace(ring=ring, slot=slot, head=jnp.int32(0), size=q.num_free)
@@ -93,7 +93,7 @@ def push_back(q: FreeQueue, ids: jax.Array, mask: jax.Array) -> FreeQueue:
     count = jnp.sum(mask, dtype=jnp.int32)
     q = _make_room(q, count)
     cap = q.ring.shape[0]
-    rank = jnp.cumsum(mask, dtype=jnp.int32) - 1
+    rank = prefix_sum(mask) - 1
     positions = (q.head + q.size + rank) % cap
     return _write(q, ids, mask, positions).replace(size=q.size + count, num_free=q.num_free + count)
 
@@ -103,7 +103,7 @@ def push_front(q: FreeQueue, ids: jax.Array, mask: jax.Array) -> FreeQueue:
     count = jnp.sum(mask, dtype=jnp.int32)
     q = _make_room(q, count)
     cap = q.ring.shape[0]
-    rank = jnp.cumsum(mask, dtype=jnp.int32) - 1
+    rank = prefix_sum(mask) - 1
     head = (q.head - count) % cap
     positions = (head + rank) % cap
     return _write(q, ids, mask, positions).replace(
@@ -133,5 +133,5 @@ def live_entries(q: FreeQueue) -> jax.Array:
     lanes = jnp.arange(cap, dtype=jnp.int32)
     positions = (q.head + lanes) % cap
     ids, live = _live(q, positions, lanes < q.size)
-    rank = jnp.cumsum(live, dtype=jnp.int32) - 1
+    rank = prefix_sum(live) - 1
     return jnp.full((cap,), -1, jnp.int32).at[jnp.where(live, rank, cap)].set(ids, mode="drop")

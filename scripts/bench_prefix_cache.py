@@ -14,10 +14,14 @@
    full block beside four cached ones, so where the uncached blocks go decides how much of the pool
    the cache keeps; same two policies.
 
-The one-request-per-call admissions run twice, each in its own process: with JAX's default
-asynchronous CPU dispatch, and with ``jax_cpu_enable_async_dispatch=False``, which runs a small
+The one-request-per-call admissions run three times, each in its own process: with JAX's default
+asynchronous CPU dispatch; with ``jax_cpu_enable_async_dispatch=False``, which runs a small
 computation on the calling thread instead of handing it to a runtime thread and waiting for it
-(the setting for a host loop that reads every result before its next call). Beside them, the
+(the setting for a host loop that reads every result before its next call); and the latter with
+the process restricted to one CPU (what ``taskset -c 0`` does). On more than one CPU, XLA:CPU
+splits every kernel that reads or writes more than ~512 KB (each one touching a pool-sized array)
+in two and runs independent kernels of a call on its worker threads; for a call of ~130 small
+kernels the hand-offs between threads cost more than they save on this 2-vCPU VM. Beside them, the
 cost of a jitted call that takes the same state and changes one array (the floor of any jitted
 per-request call on this machine).
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -104,9 +109,11 @@ def one_at_a_time(prompts, repeats=3):
     )
 
 
-def one_at_a_time_in_process(sync_dispatch: bool) -> dict:
-    """``one_at_a_time`` in a fresh process: the dispatch mode is fixed when JAX starts."""
+def one_at_a_time_in_process(sync_dispatch: bool, one_core: bool = False) -> dict:
+    """``one_at_a_time`` in a fresh process: the dispatch mode and the CPUs are fixed when JAX
+    starts."""
     cmd = [sys.executable, __file__, "--one-at-a-time-only"] + (["--sync-dispatch"] if sync_dispatch else [])
+    cmd += ["--one-core"] if one_core else []
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -232,10 +239,13 @@ def main() -> None:
     parser.add_argument("--chat-waves", type=int, default=300)
     parser.add_argument("--one-at-a-time-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sync-dispatch", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--one-core", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     prompts = shared_prompt_requests()
     if args.one_at_a_time_only:  # a child process of the full run
+        if args.one_core:  # like `taskset -c N`: before JAX creates its CPU client and threads
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         if args.sync_dispatch:
             jax.config.update("jax_cpu_enable_async_dispatch", False)
         print(json.dumps(one_at_a_time(prompts)))
@@ -244,6 +254,8 @@ def main() -> None:
     one_async = one_at_a_time_in_process(sync_dispatch=False)
     print("one request per call, jax_cpu_enable_async_dispatch=False ...", flush=True)
     one = one_at_a_time_in_process(sync_dispatch=True)
+    print("one request per call, synchronous dispatch, process on one CPU ...", flush=True)
+    one_pinned = one_at_a_time_in_process(sync_dispatch=True, one_core=True)
     loop = one_at_a_time_in_loop(prompts)
     ref = reference_one_at_a_time(prompts)
     many = batched(prompts)
@@ -257,6 +269,9 @@ def main() -> None:
           f"{one['hit_tokens_rest_min']} | {one['admit_us_median']:.1f} | {one['hit_rate']:.3f} |")
     print(f"| jitted, one request per call (default dispatch) | {one_async['hit_tokens_first']} / "
           f"{one_async['hit_tokens_rest_min']} | {one_async['admit_us_median']:.1f} | {one_async['hit_rate']:.3f} |")
+    print(f"| jitted, one request per call (synchronous dispatch, process on one CPU) | "
+          f"{one_pinned['hit_tokens_first']} / {one_pinned['hit_tokens_rest_min']} | "
+          f"{one_pinned['admit_us_median']:.1f} | {one_pinned['hit_rate']:.3f} |")
     print(f"| floor: a jitted call that takes the state ({one['state_leaves']} arrays) and changes one "
           f"| | {one['state_call_floor_us']:.1f} (default dispatch {one_async['state_call_floor_us']:.1f}) | |")
     print(f"| one request per step of a jitted loop | {loop['hit_tokens_first']} / {loop['hit_tokens_rest_min']}"
@@ -275,6 +290,7 @@ def main() -> None:
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
                 pool=POOL, block_size=BS, command="python scripts/bench_prefix_cache.py")
     args.out.write_text(json.dumps(dict(meta=meta, one_at_a_time=one, one_at_a_time_default_dispatch=one_async,
+                                        one_at_a_time_one_cpu=one_pinned,
                                         one_at_a_time_in_loop=loop, batched=many,
                                         reference_one_at_a_time=ref, mixed=mix), indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -83,6 +83,19 @@ class ManagerMachine(RuleBasedStateMachine):
         assert np.asarray(result.cached_tokens)[:k].tolist() == [e[1] for e in expected]
         assert np.asarray(result.shared_tokens)[:k].tolist() == [e[2] for e in expected]
 
+    @rule(row=st.tuples(seq_id, prompt, st.integers(0, 1)))
+    def admit_one(self, row):
+        """A call of exactly one request: the path that skips in-call sharing (shapes [1])."""
+        sid, p, salt = row[0], row[1][:WIDTH], row[2]
+        tokens = np.zeros((1, WIDTH), np.int32)
+        tokens[0, : len(p)] = p
+        self.state, result = ADMIT(self.config, self.state, jnp.array([sid], jnp.int32),
+                                   jnp.array([len(p)], jnp.int32), jnp.asarray(tokens),
+                                   jnp.array([salt], jnp.uint32))
+        (status, cached, shared), = self.ref.admit([sid], [p], [salt], max_len=WIDTH)
+        assert int(result.status[0]) == int(status)
+        assert (int(result.cached_tokens[0]), int(result.shared_tokens[0])) == (cached, shared)
+
     @rule(sids=ids, tokens=st.lists(token, min_size=BATCH, max_size=BATCH))
     def append_some(self, sids, tokens):
         self._append(sids, tokens[: len(sids)])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from paged_kv import block_hash
+from paged_kv import block_hash, scan
 from paged_kv.invariants import check_invariants
 
 BS = 16
@@ -231,3 +231,15 @@ def test_in_call_grouping_matches_reference_on_both_paths(e):
     first = jax.jit(_first_claims)(jnp.asarray(ids), jnp.asarray(member))
     want_first = _first_same_key_np(ids[:, None], member) == np.arange(e)
     np.testing.assert_array_equal(np.asarray(first), want_first & member)
+
+
+@pytest.mark.parametrize("k", [1, 36, scan.TRIANGLE_MAX, scan.TRIANGLE_MAX + 1, 3000])
+def test_prefix_sum_and_leading_true_match_numpy(k):
+    rng = np.random.default_rng(k)
+    x = rng.integers(0, 2, (3, k)).astype(bool)
+    x[1] = True
+    np.testing.assert_array_equal(jax.jit(scan.prefix_sum)(jnp.asarray(x)), np.cumsum(x, axis=-1))
+    counts = rng.integers(0, 5, k).astype(np.int32)
+    np.testing.assert_array_equal(scan.prefix_sum(jnp.asarray(counts)), np.cumsum(counts))
+    np.testing.assert_array_equal(jax.jit(scan.leading_true)(jnp.asarray(x)),
+                                  np.cumprod(x, axis=-1).astype(bool))
