@@ -25,7 +25,7 @@ from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
 from paged_kv.batch import check_rows, start_rows
-from paged_kv.scan import leading_true, prefix_sum
+from paged_kv.scan import leading_count, prefix_sum
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.state import GENERATION, PARENT, PARENT_GENERATION, SALT, BlockManagerState, add_stats
 from paged_kv.status import Status
@@ -153,21 +153,23 @@ def _first_claims(ids: jax.Array, mask: jax.Array) -> jax.Array:
     return mask & (_representatives(keys, mask) == jnp.arange(ids.shape[0], dtype=jnp.int32))
 
 
-def _shared_with_earlier(n, keys, block_tokens, salts, ok0, n_full, cacheable, cand, cached_hit):
+def _shared_with_earlier(n, keys, block_tokens, salts, ok0, n_full, cacheable, cand, n_cached):
     """Step 2 of a call of several requests: after its cached prefix, the longest further prefix
     of a request's blocks that an earlier request of the call computes.
 
     Args (B requests, C blocks each): n, the pool size; keys uint32 ``[B, C, 2]``; block_tokens
     int32 ``[B, C, block_size]``; salts uint32 ``[B]``; ok0 bool ``[B]``; n_full int32 ``[B]``;
-    cacheable, cached_hit bool ``[B, C]``; cand int32 ``[B, C]`` the cached candidates.
+    cacheable bool ``[B, C]``; cand int32 ``[B, C]`` the cached candidates; n_cached int32
+    ``[B]`` the length of each request's verified cached prefix.
 
-    Returns bool ``[B, C]`` hits (cached or shared), bool ``[B, C]`` shared, and int32 ``[B, C]``
-    the flat entry each block is shared from (``rep``, meaningful where shared).
+    Returns int32 ``[B]`` hit blocks (cached, then shared) per request, and int32 ``[B, C]`` the
+    flat entry each block is shared from (``rep``, meaningful where shared).
     """
     b, c, bs = block_tokens.shape
     e = b * c
     j = jnp.arange(c, dtype=jnp.int32)[None, :]
     flat = jnp.arange(e, dtype=jnp.int32).reshape(b, c)
+    cached_hit = j < n_cached[:, None]
     owns_full = ok0[:, None] & (j < n_full[:, None]) & ~cached_hit
     rep = _representatives(keys.reshape(e, 2), owns_full.reshape(e)).reshape(b, c)
     rep_row, rep_col = rep // c, rep % c
@@ -178,15 +180,15 @@ def _shared_with_earlier(n, keys, block_tokens, salts, ok0, n_full, cacheable, c
         & jnp.all(rep_tokens == block_tokens, axis=-1)
         & (salts[rep_row] == salts[:, None])
     )
-    hit = leading_true(cached_hit | (cacheable & same))
-    shared = hit & ~cached_hit
+    n_hit = leading_count(cached_hit | (cacheable & same))
+    shared = (j < n_hit[:, None]) & ~cached_hit
     # A shared block must also follow the same block as its representative. With an honest hash
     # that always holds; after a collision the whole call falls back to no sharing (still safe).
     ref = jnp.where(cached_hit, cand, n + jnp.where(shared, rep, flat))
     prev_ref = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), ref[:, :-1]], axis=1)
     rep_prev_ref = jnp.where(j == 0, -1, ref.reshape(e)[jnp.maximum(rep - 1, 0)])
-    shared = shared & jnp.all(~shared | (prev_ref == rep_prev_ref))
-    return cached_hit | shared, shared, rep
+    consistent = jnp.all(~shared | (prev_ref == rep_prev_ref))
+    return jnp.where(consistent, n_hit, n_cached), rep
 
 
 def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
@@ -227,41 +229,46 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
         & jnp.all(cache.tokens[cand_c] == block_tokens, axis=-1)
         & (meta[..., SALT] == lax.bitcast_convert_type(salts, jnp.int32)[:, None])
     )
-    cached_hit = leading_true(verified)
+    n_cached = leading_count(verified)  # int32 [b]
 
     # 2. Then the longest prefix of blocks an earlier request of this call computes (a single
     #    request has no earlier one: skipped, with its all-pairs key comparison).
     if b == 1:
-        hit, shared = cached_hit, jnp.zeros_like(cached_hit)
-        rep = flat
+        n_hit, rep = n_cached, flat
     else:
-        hit, shared, rep = _shared_with_earlier(
-            n, keys, block_tokens, salts, ok0, n_full, cacheable, cand, cached_hit
+        n_hit, rep = _shared_with_earlier(
+            n, keys, block_tokens, salts, ok0, n_full, cacheable, cand, n_cached
         )
+    # Hits are a prefix of each table and every other block of it is fresh, so counts and ranks
+    # follow from the prefix lengths without reductions over the blocks.
+    cached_hit = j < n_cached[:, None]
+    free_hit = cached_hit & (state.ref_count[cand_c] == 0)
 
     # 3. Cost and first come, first served. The first request to hit a free cached block pulls it
-    #    out of the queue (``_first_claims``).
-    fresh = ok0[:, None] & (j < n_blocks[:, None]) & ~hit
-    free_hit = cached_hit & (state.ref_count[cand_c] == 0)
-    # Several requests may hit one free block; only the first pulls it out of the queue. One
-    # request's hits are distinct blocks.
+    #    out of the queue (``_first_claims``); one request's hits are distinct blocks.
     pulls = free_hit if b == 1 else _first_claims(cand_c.reshape(e), free_hit.reshape(e)).reshape(b, c)
-    cost = jnp.sum(fresh, axis=1) + jnp.sum(pulls, axis=1)
-    fits = _first_come_first_served(cost, state.queue.num_free)
+    n_pulls = jnp.sum(pulls, axis=1, dtype=jnp.int32)
+    n_fresh = jnp.where(ok0, n_blocks - n_hit, 0)
+    fits = _first_come_first_served(n_fresh + n_pulls, state.queue.num_free)
     status = jnp.where(ok0 & ~fits, Status.NO_FREE_BLOCKS, status)
     ok = status == Status.OK
-    fresh, pulls, hit = fresh & ok[:, None], pulls & ok[:, None], hit & ok[:, None]
-    cached_hit, shared = cached_hit & ok[:, None], shared & ok[:, None]
+    n_cached, n_hit = jnp.where(ok, n_cached, 0), jnp.where(ok, n_hit, 0)
+    n_fresh, n_pulls = jnp.where(ok, n_fresh, 0), jnp.where(ok, n_pulls, 0)
     in_table = ok[:, None] & (j < n_blocks[:, None])
+    cached_hit = j < n_cached[:, None]
+    shared = ~cached_hit & (j < n_hit[:, None])
+    fresh = in_table & ~(j < n_hit[:, None])
 
-    # 4. Pull hits out of the queue, then take fresh blocks from its front.
-    queue = free_queue.remove(state.queue, cand_c.reshape(e), pulls.reshape(e))
-    count = jnp.sum(fresh, dtype=jnp.int32)
+    # 4. Pull hits out of the queue, then take fresh blocks from its front: request r's fresh
+    #    blocks are taken[start_r : start_r + n_fresh_r], in table order.
+    queue = free_queue.remove(state.queue, cand_c.reshape(e), (pulls & ok[:, None]).reshape(e),
+                              count=jnp.sum(n_pulls))
+    count = jnp.sum(n_fresh)
     queue, taken = free_queue.take_front(queue, count, e)
     cache = prefix_cache.evict(cache, taken, jnp.arange(e) < count)
-    rank = prefix_sum(fresh.reshape(e)) - 1
-    fresh_id = jnp.where(fresh.reshape(e), taken[jnp.maximum(rank, 0)], NULL_BLOCK)
-    block = jnp.where(cached_hit, cand, jnp.where(shared, fresh_id[rep], fresh_id.reshape(b, c)))
+    start = prefix_sum(n_fresh) - n_fresh
+    fresh_id = jnp.where(fresh, taken[jnp.clip(start[:, None] + j - n_hit[:, None], 0, e - 1)], NULL_BLOCK)
+    block = jnp.where(cached_hit, cand, jnp.where(shared, fresh_id.reshape(e)[rep], fresh_id))
     block = jnp.where(in_table, block, NULL_BLOCK)
 
     # 5. Counts, tables, stored tokens, and the new full blocks into the cache.
@@ -280,12 +287,11 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
         jnp.broadcast_to(salts[:, None], (b, c)).reshape(e),
         parents.reshape(e),
         (fresh & (j < n_full[:, None])).reshape(e),
+        count=jnp.sum(jnp.maximum(jnp.where(ok, n_full, 0) - n_hit, 0)),
     )
     last_full = jnp.take_along_axis(chains, jnp.maximum(n_full - 1, 0)[:, None, None], axis=1)[:, 0]
     seq_chain = jnp.where((n_full > 0)[:, None], last_full, block_hash.root_state(salts))
 
-    n_hit = jnp.sum(hit, axis=1, dtype=jnp.int32)
-    n_cached = jnp.sum(cached_hit, axis=1, dtype=jnp.int32)
     cache = cache.replace(stats=add_stats(
         cache.stats,
         lookups=jnp.sum(ok, dtype=jnp.int32),

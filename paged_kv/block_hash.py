@@ -112,8 +112,14 @@ def chain_states(salt: jax.Array, tokens: jax.Array, block_size: int) -> jax.Arr
         # Small calls (a one-request admission) are dominated by the number of kernels, and the
         # scan below is a dozen of them.
         powers = jnp.asarray(_powers(c + 1))
-        summed = jnp.sum(contents[:, None, :, :] * powers[None, :c, :c, :], axis=2, dtype=jnp.uint32)
-        return root * powers[1:, 0, :][None] + summed
+        terms = contents[:, None, :, :] * powers[None, :c, :c, :]  # [B, C (j), C (i), LANES]
+        # Both lanes in one two-output reduction: XLA:CPU splits a plain sum over more than 32
+        # blocks into two kernels (see ``paged_kv.scan``).
+        summed = lax.reduce(
+            (terms[..., 0], terms[..., 1]), (jnp.uint32(0), jnp.uint32(0)),
+            lambda a, b: (a[0] + b[0], a[1] + b[1]), (2,),
+        )
+        return root * powers[1:, 0, :][None] + jnp.stack(summed, axis=-1)
     # x_j = x_{j-1} * P + c_j  is the composition of affine maps  x -> x * P + c.
     mult = jnp.broadcast_to(jnp.asarray(_CHAIN_MULT), contents.shape)
 

@@ -41,14 +41,16 @@ def take_front(q: FreeQueue, count: jax.Array, max_take: int) -> tuple[FreeQueue
         q, got, out = carry
         positions = (q.head + lanes) % cap
         ids, live = _live(q, positions, lanes < q.size)
-        rank = got + prefix_sum(live) - 1
-        take = live & (rank < count)
+        before = prefix_sum(live)  # live entries up to and including each lane
+        n_taken = jnp.minimum(count - got, before[-1])
+        take = live & (before <= n_taken)
+        rank = got + before - 1
         out = out.at[jnp.where(take, rank, max_take)].set(ids, mode="drop")
         slot = q.slot.at[jnp.where(take, ids, q.slot.shape[0])].set(-1, mode="drop")
-        n_taken = jnp.sum(take, dtype=jnp.int32)
         done = got + n_taken >= count
-        # Consume up to the last entry taken; stale entries before it are dropped on the way.
-        last = jnp.max(jnp.where(take, lanes, -1))
+        # Consume up to the last entry taken (the first lane whose count reaches n_taken; an
+        # argmax, one kernel); stale entries before it are dropped on the way.
+        last = jnp.where(n_taken > 0, jnp.argmax(before >= n_taken), -1)
         consumed = jnp.where(done, last + 1, jnp.minimum(max_take, q.size))
         q = q.replace(
             slot=slot,
@@ -118,12 +120,14 @@ def _write(q: FreeQueue, ids: jax.Array, mask: jax.Array, positions: jax.Array) 
     return q.replace(ring=ring, slot=slot)
 
 
-def remove(q: FreeQueue, ids: jax.Array, mask: jax.Array) -> FreeQueue:
+def remove(q: FreeQueue, ids: jax.Array, mask: jax.Array, count: jax.Array | None = None) -> FreeQueue:
     """Takes ``ids[mask]`` (free, distinct blocks) out of the queue wherever they are, in O(E):
-    their entries turn stale and ``take_front`` skips them later."""
+    their entries turn stale and ``take_front`` skips them later. ``count``: ``sum(mask)`` if the
+    caller knows it (saves a reduction)."""
     n = q.slot.shape[0]
     slot = q.slot.at[jnp.where(mask, ids, n)].set(-1, mode="drop")
-    return q.replace(slot=slot, num_free=q.num_free - jnp.sum(mask, dtype=jnp.int32))
+    count = jnp.sum(mask, dtype=jnp.int32) if count is None else count
+    return q.replace(slot=slot, num_free=q.num_free - count)
 
 
 def live_entries(q: FreeQueue) -> jax.Array:

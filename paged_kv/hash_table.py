@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paged_kv.packed import with_packed_scalars
-from paged_kv.scan import while_needed
+from paged_kv.scan import any_true, while_needed
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -131,7 +131,7 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
 
     # Only probe sequences longer than the window continue, from where the window ended.
     init = (jnp.int32(w), mask & (first == w), found)
-    _, _, found = while_needed(lambda c: jnp.any(c[1]) & (c[0] < size), body, init)
+    _, _, found = while_needed(lambda c: any_true(c[1]) & (c[0] < size), body, init)
     return found
 
 
@@ -180,7 +180,7 @@ def claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
     # The rest (a lost claim, or no end inside the window) walk again from home, one slot per
     # iteration, in lockstep; rare, so the loop usually runs zero iterations.
     init = (jnp.int32(0), pending, slots, table)
-    _, _, slots, table = while_needed(lambda c: jnp.any(c[1]) & (c[0] < size), body, init)
+    _, _, slots, table = while_needed(lambda c: any_true(c[1]) & (c[0] < size), body, init)
     inserted = jnp.sum(slots >= 0, dtype=jnp.int32)
     return table.replace(counts=table.counts.at[0].add(inserted)), slots
 
@@ -277,7 +277,7 @@ def first_of_keys(keys: jax.Array, mask: jax.Array, slots_per_key: int = 2) -> j
 
     slots = jnp.full((size,), _UNCLAIMED, jnp.int32)
     init = (jnp.int32(0), mask, jnp.full((k,), -1, jnp.int32), slots)
-    _, _, rep, _ = lax.while_loop(lambda c: jnp.any(c[1]) & (c[0] < size), round_, init)
+    _, _, rep, _ = lax.while_loop(lambda c: any_true(c[1]) & (c[0] < size), round_, init)
     return rep
 
 

@@ -13,6 +13,7 @@ from jax import lax
 
 from paged_kv import block_hash, hash_table
 from paged_kv.config import ManagerConfig
+from paged_kv.scan import any_true
 from paged_kv.state import (
     GENERATION, KEY0, META_COLUMNS, PARENT_GENERATION, SLOT, BlockManagerState, PrefixCache,
     add_stats,
@@ -55,7 +56,7 @@ def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array) -> PrefixCache:
         return cache.replace(stats=add_stats(cache.stats, evictions=dropped))
 
     # Skipped (one gather) when no taken block is cached, the usual case while the pool has room.
-    return lax.cond(jnp.any(mask & (cache.meta[taken, SLOT] >= 0)), drop, lambda cache: cache, cache)
+    return lax.cond(any_true(mask & (cache.meta[taken, SLOT] >= 0)), drop, lambda cache: cache, cache)
 
 
 def register(
@@ -65,6 +66,7 @@ def register(
     salts: jax.Array,
     parents: jax.Array,
     mask: jax.Array,
+    count: jax.Array | None = None,
 ) -> PrefixCache:
     """Caches full blocks under the key of their chain state, unless the key is cached already.
 
@@ -74,9 +76,11 @@ def register(
       salts: uint32 ``[K]``.
       parents: int32 ``[K]`` the block before each in its table, -1 for a first block.
       mask: bool ``[K]``.
+      count: int32 scalar ``sum(mask)``, if the caller knows it (saves a reduction).
     """
+    count = jnp.sum(mask, dtype=jnp.int32) if count is None else count
     return lax.cond(
-        jnp.any(mask), _register, lambda cache, *_: cache, cache, blocks, chains, salts, parents, mask
+        count > 0, _register, lambda cache, *_: cache, cache, blocks, chains, salts, parents, mask, count
     )
 
 
@@ -91,12 +95,12 @@ def _rebuild_table(cache: PrefixCache) -> PrefixCache:
     return cache.replace(table=table, meta=cache.meta.at[:, SLOT].set(slots))
 
 
-def _register(cache, blocks, chains, salts, parents, mask):
+def _register(cache, blocks, chains, salts, parents, mask, count):
     n = cache.meta.shape[0]
     keys = block_hash.key_of(chains)
     # The rebuild lives here rather than in ``hash_table.insert`` so that the common branch
     # passes ``meta`` through untouched (a column written back would cost O(pool) per call).
-    crowded = hash_table.needs_rebuild(cache.table, jnp.sum(mask, dtype=jnp.int32))
+    crowded = hash_table.needs_rebuild(cache.table, count)
     cache = lax.cond(crowded, _rebuild_table, lambda cache: cache, cache)
     table, slots = hash_table.claim(cache.table, keys, blocks, mask)
     added = slots >= 0

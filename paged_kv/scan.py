@@ -1,5 +1,11 @@
-"""Prefix sums and a cumulative AND over small batch axes and a rarely-looping ``while``, in the
-forms that XLA:CPU runs fastest."""
+"""Prefix sums, leading runs and ``any`` over small batch axes, and a rarely-looping ``while``, in
+the forms that XLA:CPU runs fastest.
+
+Why these forms: a one-request admission is ~130 small kernels, each costing a fixed fraction of a
+microsecond, so the number of kernels decides its cost. XLA:CPU rewrites every single-output
+reduction over an axis longer than 32 into two kernels (a reduce-window of 32-element partials,
+then a reduce) and ``jnp.cumsum`` into a tree of them; a two-output reduction such as ``argmax``
+it leaves whole, as one kernel that also absorbs the elementwise work producing its input."""
 
 from __future__ import annotations
 
@@ -25,12 +31,24 @@ def prefix_sum(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(upto, x[..., None, :], 0), axis=-1, dtype=jnp.int32)
 
 
+def leading_count(mask: jax.Array) -> jax.Array:
+    """int32 ``[...]``: the length of the all-True run at the start of ``mask`` (bool
+    ``[..., K]``) along its last axis: the position of the first False, found by one ``argmin``
+    over ``mask`` with a False appended (so an all-True row gives ``K``)."""
+    pad = [(0, 0)] * (mask.ndim - 1) + [(0, 1)]
+    return jnp.argmin(jnp.pad(mask, pad), axis=-1).astype(jnp.int32)
+
+
 def leading_true(mask: jax.Array) -> jax.Array:
     """bool ``[..., K]``: the longest all-True prefix of ``mask`` along its last axis (a
-    cumulative AND, found from the first False: one reduction instead of a scan)."""
-    k = mask.shape[-1]
-    first_false = jnp.where(jnp.all(mask, axis=-1), k, jnp.argmin(mask, axis=-1))
-    return jnp.arange(k, dtype=jnp.int32) < first_false[..., None]
+    cumulative AND)."""
+    return jnp.arange(mask.shape[-1], dtype=jnp.int32) < leading_count(mask)[..., None]
+
+
+def any_true(mask: jax.Array) -> jax.Array:
+    """bool scalar: ``jnp.any(mask)`` as one ``argmax`` kernel (see the module note)."""
+    flat = mask.reshape(-1)
+    return flat[jnp.argmax(flat)]
 
 
 def while_needed(cond_fun, body_fun, init):
