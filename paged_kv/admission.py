@@ -226,10 +226,9 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     )
     verified = (
         cacheable & (cand >= 0) & linked
-        & jnp.all(cache.tokens[cand_c] == block_tokens, axis=-1)
         & (meta[..., SALT] == lax.bitcast_convert_type(salts, jnp.int32)[:, None])
     )
-    n_cached = leading_count(verified)  # int32 [b]
+    n_cached = leading_count(verified & jnp.all(cache.tokens[cand_c] == block_tokens, axis=-1))
 
     # 2. Then the longest prefix of blocks an earlier request of this call computes (a single
     #    request has no earlier one: skipped, with its all-pairs key comparison).

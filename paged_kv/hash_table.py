@@ -91,19 +91,34 @@ def _window_size(num_keys: int) -> int:
     return PROBE_WINDOW if num_keys < WIDE_BATCH else 1
 
 
-def _window(table: HashTable, home: jax.Array, keys: jax.Array):
-    """The first ``W = _window_size(K)`` probe positions of each key: int32 ``[K, W]`` positions, their
-    values, whether each holds the key, and the offset of the first slot that ends the probe
-    sequence (the key or an EMPTY slot; ``W`` if none)."""
+def _window(table: HashTable, home: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The first ``W = _window_size(K)`` probe positions of each key, examined at once.
+
+    Returns int32 ``[K]`` the offset of the first slot that ends the probe sequence (the key or an
+    EMPTY slot; ``W`` if none) and int32 ``[K]`` the block stored there if it is the key (else
+    -1). Found by one two-output reduction over the window that picks the lowest stopping offset,
+    so the gather, the comparisons and the choice are a single kernel, which XLA:CPU does not split
+    across threads (a plain gather from the table it does, costing a hand-off per call).
+    """
     size = table.entries.shape[0]
     w = _window_size(keys.shape[0])
-    pos = (home[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]) & (size - 1)
+    offsets = jnp.arange(w, dtype=jnp.int32)
+    pos = (home[:, None] + offsets[None, :]) & (size - 1)
     # Gathers of flat index vectors: XLA:CPU turned the 2-D-indexed form into a slow fusion.
     stored, vals = _split(table.entries[pos.reshape(-1)].reshape(*pos.shape, 3))
     has_key = (vals >= 0) & _same(stored, keys[:, None, :])
     stop = has_key | (vals == EMPTY)
-    first = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), w).astype(jnp.int32)
-    return pos, vals, has_key, first
+    # Non-stopping offsets rank after every stopping one, and all ranks are distinct, so keeping
+    # the lower-ranked pair is associative and commutative.
+    rank = jnp.where(stop, offsets[None, :], w + offsets[None, :])
+    block = jnp.where(has_key, vals, -1)
+
+    def lower(a, b):
+        keep_a = a[0] < b[0]
+        return jnp.where(keep_a, a[0], b[0]), jnp.where(keep_a, a[1], b[1])
+
+    first, found = lax.reduce((rank, block), (jnp.int32(2 * w), jnp.int32(-1)), lower, (1,))
+    return jnp.minimum(first, w), found
 
 
 def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
@@ -114,11 +129,9 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
     """
     size = table.entries.shape[0]
     home = _home(keys, size)
-    pos, vals, has_key, first = _window(table, home, keys)
-    w = pos.shape[1]
-    at = jnp.minimum(first, w - 1)[:, None]
-    hit = mask & (first < w) & jnp.take_along_axis(has_key, at, axis=1)[:, 0]
-    found = jnp.where(hit, jnp.take_along_axis(vals, at, axis=1)[:, 0], -1)
+    first, found = _window(table, home, keys)
+    w = _window_size(keys.shape[0])
+    found = jnp.where(mask, found, -1)
 
     def body(carry):
         probe, pending, found = carry
@@ -159,13 +172,12 @@ def claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
         return t.replace(entries=entries), pending & ~present & ~won & ~lost_to_twin, slots
 
     # First, the whole window at once: present in it, or claim its first EMPTY slot.
-    pos_w, vals_w, has_key, first = _window(table, home, keys)
-    w = pos_w.shape[1]
-    at = jnp.minimum(first, w - 1)[:, None]
+    first, found = _window(table, home, keys)
+    w = _window_size(k)
     ends = mask & (first < w)
-    present = ends & jnp.take_along_axis(has_key, at, axis=1)[:, 0]
+    present = ends & (found >= 0)
     empty = ends & ~present
-    pos = jnp.take_along_axis(pos_w, at, axis=1)[:, 0]
+    pos = (home + jnp.minimum(first, w - 1)) & (size - 1)
     table, pending, slots = attempt(table, pos, mask, present, empty, jnp.full(mask.shape, -1, jnp.int32))
 
     def body(carry):

@@ -5,7 +5,9 @@ Why these forms: a one-request admission is ~130 small kernels, each costing a f
 microsecond, so the number of kernels decides its cost. XLA:CPU rewrites every single-output
 reduction over an axis longer than 32 into two kernels (a reduce-window of 32-element partials,
 then a reduce) and ``jnp.cumsum`` into a tree of them; a two-output reduction such as ``argmax``
-it leaves whole, as one kernel that also absorbs the elementwise work producing its input."""
+it leaves whole, as one kernel that also absorbs the elementwise work producing its input. Such a
+kernel also has a tuple-shaped result, which XLA:CPU never splits across threads, while it splits
+every other kernel that reads or writes a pool-sized array (see ``scripts/bench_prefix_cache.py``)."""
 
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ def leading_true(mask: jax.Array) -> jax.Array:
 
 
 def any_true(mask: jax.Array) -> jax.Array:
-    """bool scalar: ``jnp.any(mask)`` as one ``argmax`` kernel (see the module note)."""
+    """bool scalar: ``jnp.any(mask)`` as one ``argmax`` kernel (see the module note): the first
+    True of ``mask`` with a True appended lies before the end iff ``mask`` has one."""
     flat = mask.reshape(-1)
-    return flat[jnp.argmax(flat)]
+    return jnp.argmax(jnp.pad(flat, (0, 1), constant_values=True)) < flat.shape[0]
 
 
 def while_needed(cond_fun, body_fun, init):
