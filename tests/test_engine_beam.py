@@ -94,6 +94,31 @@ def test_beam_search_equals_reference_and_releases_every_block(model):
     assert int(jnp.sum(state.ref_count)) == 0 and int(u.free) == mgr.num_blocks - 1
 
 
+def test_per_prompt_budgets_match_separate_beam_searches(model):
+    """``max_new_tokens`` per prompt: each prompt's hypotheses are those of a beam search run with
+    its own budget; the outputs keep the overall width, -1 beyond."""
+    k, penalty, budgets = 2, 1.0, [2, 5, 3]
+    rs = np.random.RandomState(4)
+    prompts = [rs.randint(0, 256, n).tolist() for n in (9, 5, 12)]
+    mgr = pk.ManagerConfig(num_blocks=48, block_size=BS, max_seqs=6, max_blocks_per_seq=4)
+    pages = allocate_pages(page_spec(model.config, mgr.num_blocks, mgr.block_size))
+    toks, lens = engine.pad_prompts(prompts, width=16)
+    out, _, state = engine.beam_search(model, pages, toks, lens, BeamParams(k, 6, penalty), manager=mgr,
+                                       max_new_tokens=np.array(budgets, np.int32), impl="reference", chunk_size=BS)
+    assert out.tokens.shape == (3, k, 6)
+    for b, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        ref = reference_beam_search(model, prompt, k, budget, penalty, ())
+        for j, (score, _, tokens) in enumerate(ref):
+            assert len(tokens) == budget and int(out.lengths[b, j]) == budget
+            np.testing.assert_array_equal(np.asarray(out.tokens[b, j, :budget]), tokens)
+            assert (np.asarray(out.tokens[b, j, budget:]) == -1).all()
+            np.testing.assert_allclose(float(out.scores[b, j]), score, rtol=1e-5, atol=1e-5)
+    assert int(jnp.sum(state.ref_count)) == 0
+    with pytest.raises(ValueError, match="max_new_tokens per prompt must be >= 1, got 0"):
+        engine.beam_search(model, pages, toks, lens, BeamParams(k, 6, penalty), manager=mgr,
+                           max_new_tokens=np.array([1, 0, 2], np.int32))
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(beam_width=0), "beam_width=0 must be an int >= 1"),
     (dict(max_new_tokens=-2), "max_new_tokens=-2 must be an int >= 1"),

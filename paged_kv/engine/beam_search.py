@@ -15,8 +15,8 @@ Algorithm (per prompt, deterministic, float32 log-probabilities of the model's r
      ``length`` = tokens generated (EOS included), scored ``sum_logprobs / length ** length_penalty``;
      the k best non-EOS continuations become the new beams.
   3. A prompt is done when it holds k finished hypotheses (early stopping, as ``transformers``'
-     ``early_stopping=True``) or when its budget (``max_new_tokens``, or the context) is used: the
-     last step's k beams are then finished hypotheses too.
+     ``early_stopping=True``) or when its budget (``max_new_tokens``, overall or per prompt, or the
+     context) is used: the last step's k beams are then finished hypotheses too.
   4. The k best finished hypotheses are returned, best first (ties: the earlier one first).
 If the block pool runs out, the prompt stops there: its live beams join the finished hypotheses
 at their current length and ``out_of_blocks`` is set.
@@ -151,15 +151,17 @@ def _reselect(loop: _BeamLoop, manager: ManagerConfig, parents, tokens, finished
 
 def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
                      prompt_tokens: jax.Array, prompt_lens: jax.Array, *, manager: ManagerConfig, params: BeamParams,
-                     impl: str, chunk_size: int, context: int, mesh=None):
-    """The traceable body of ``beam_search`` (arguments already checked). Returns
-    ``(BeamOutput, pages, state)``."""
+                     impl: str, chunk_size: int, context: int, mesh=None, budgets: jax.Array | None = None):
+    """The traceable body of ``beam_search`` (arguments already checked; ``budgets``: optional
+    int32 ``[B]`` per-prompt ``max_new_tokens``). Returns ``(BeamOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
     b = prompt_tokens.shape[0]
     k, steps = params.beam_width, params.max_new_tokens
     rows = jnp.arange(b * k, dtype=jnp.int32)
     lens = prompt_lens.astype(jnp.int32)
     budget = jnp.minimum(steps, context - lens + 1)
+    if budgets is not None:
+        budget = jnp.minimum(budget, budgets.astype(jnp.int32))
 
     # Each prompt is admitted and prefilled once, into its first beam's row; step 0's ``select``
     # gives the other beams its table.
@@ -209,13 +211,14 @@ beam_search_jit = jax.jit(beam_search_loop, static_argnames=("graphdef", "manage
 
 
 def beam_search(model, pages: jax.Array, prompt_tokens, prompt_lens, params: BeamParams, *, manager: ManagerConfig,
-                state: BlockManagerState | None = None, impl: str = "auto", chunk_size: int | None = None,
-                mesh=None):
+                state: BlockManagerState | None = None, max_new_tokens=None, impl: str = "auto",
+                chunk_size: int | None = None, mesh=None):
     """Beam search of width ``params.beam_width`` for each prompt, on the device in one jitted loop.
 
     Arguments as in ``generate`` (no key: beam search is deterministic; ``mesh`` likewise runs it
-    tensor-parallel); rows ``[0, B * k)`` of the block manager must be free and are free again on
-    return. Returns ``(BeamOutput, pages, state)``.
+    tensor-parallel; ``max_new_tokens``: optional int32 ``[B]`` per-prompt budgets, clipped to
+    ``params.max_new_tokens``, which sizes the outputs); rows ``[0, B * k)`` of the block manager
+    must be free and are free again on return. Returns ``(BeamOutput, pages, state)``.
 
     Raises:
       ValueError: bad parameters or shapes, ``B * k`` more sequences than ``manager.max_seqs``, a
@@ -227,14 +230,16 @@ def beam_search(model, pages: jax.Array, prompt_tokens, prompt_lens, params: Bea
     graphdef, weights, model_config, pages, mesh = requests.place(model, pages, mesh)
     k = params.beam_width
     req = requests.check_request(model_config, manager, pages, state, prompt_tokens, prompt_lens,
-                                 rows_per_prompt=k, what="beam_width", chunk_size=chunk_size, impl=impl,
-                                 eos_token_ids=params.eos_token_ids,
+                                 rows_per_prompt=k, what="beam_width", budgets=max_new_tokens,
+                                 chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
                                  vocab_needed=k * (1 + max(len(params.eos_token_ids), 1)))
     state = requests.initial_state(manager, state)
-    state, toks, lens = requests.replicate_inputs(mesh, state, jnp.asarray(prompt_tokens, jnp.int32),
-                                                  jnp.asarray(prompt_lens, jnp.int32))
+    budgets = jnp.full((req.num_prompts,), params.max_new_tokens, jnp.int32) if max_new_tokens is None else \
+        jnp.asarray(max_new_tokens, jnp.int32)
+    state, toks, lens, budgets = requests.replicate_inputs(mesh, state, jnp.asarray(prompt_tokens, jnp.int32),
+                                                           jnp.asarray(prompt_lens, jnp.int32), budgets)
     return beam_search_jit(graphdef, weights, pages, state, toks, lens, manager=manager, params=params, impl=impl,
-                           chunk_size=req.chunk_size, context=req.context, mesh=mesh)
+                           chunk_size=req.chunk_size, context=req.context, mesh=mesh, budgets=budgets)
 
 
 __all__ = ["BeamOutput", "beam_search", "beam_search_jit", "beam_search_loop"]
