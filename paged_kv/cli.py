@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prefill-rows", type=_positive, default=8, metavar="N",
                    help="prompts admitted (and prefilled) together at most")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    g.add_argument("--tp", type=_positive, default=1, metavar="N",
+                   help="tensor-parallel degree: shard the weights and KV heads over N devices "
+                        "(on a CPU, N host devices are created); must fit the model's heads")
     g.add_argument("--impl", choices=("auto", "reference", "interpret", "pallas"), default="auto",
                    help="attention/copy kernels: auto = Pallas on GPU, the jnp reference on CPU")
     g = p.add_argument_group("output")
@@ -181,7 +184,10 @@ def _print_outputs(outputs, tokenizer, count: int) -> None:
 
 
 def _run(args) -> int:
-    import jax  # noqa: F401  (imported here so that --help and argument errors stay fast)
+    import jax  # imported here so that --help and argument errors stay fast
+
+    if args.tp > 1:  # host devices to shard over when JAX runs on the CPU (before it starts)
+        jax.config.update("jax_num_cpu_devices", args.tp)
 
     import paged_kv as pk
     from models import load_hf_checkpoint
@@ -208,13 +214,20 @@ def _run(args) -> int:
                            prefix_caching=not args.no_prefix_caching)
     cfg = ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(args.max_prefill_rows, args.max_seqs),
                         impl=args.impl)
-    engine = ServingEngine(model, cfg, seed=args.seed)
+    mesh = None
+    if args.tp > 1:
+        from models import sharding
+
+        sharding.check_degree(model.config, args.tp)
+        mesh = sharding.make_mesh(args.tp)
+    engine = ServingEngine(model, cfg, seed=args.seed, mesh=mesh)
     reqs = build_workload(tok, args.requests, args.max_new_tokens, args.arrival_gap, tok.eos_id)
 
     import jax as _jax
     print(f"paged-kv: {len(reqs)} requests on {ckpt.name} ({model.config.num_params() / 1e6:.2f}M parameters, "
           f"JAX {_jax.__version__} on {_jax.default_backend()}); pool of {mgr.num_blocks} blocks x "
-          f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}", flush=True)
+          f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}"
+          + (f", tensor-parallel over {args.tp} devices" if mesh is not None else ""), flush=True)
     print("the first step of each shape compiles (about a minute on a 2-core CPU) ...", flush=True)
     from tqdm import tqdm
 

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = ["--checkpoint", "--requests", "--max-new-tokens", "--arrival-gap", "--seed", "--num-blocks",
            "--block-size", "--max-seqs", "--max-seq-len", "--chunk-size", "--max-prefill-rows",
-           "--no-prefix-caching", "--impl", "--show", "--png", "--json", "--color", "--no-progress",
+           "--no-prefix-caching", "--tp", "--impl", "--show", "--png", "--json", "--color", "--no-progress",
            "--walkthrough"]
 
 
@@ -38,6 +38,7 @@ def test_help_explains_every_option():
     (["--num-blocks", "zero"], "'zero' is not an integer"),
     (["--block-size", "12"], "must be a power of two"),
     (["--requests", "0"], "0 must be >= 1"),
+    (["--tp", "0"], "0 must be >= 1"),
     (["--impl", "cuda"], "invalid choice"),
     (["--png", "/no/such/dir/x.png"], "does not exist"),
 ])
@@ -57,6 +58,24 @@ def test_missing_checkpoint_is_one_line(tmp_path):
     r = _run("--checkpoint", str(tmp_path / "empty"))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "cannot load checkpoint" in r.stderr
+
+
+def test_tensor_parallel_degree_that_fits_no_head_layout_is_one_line():
+    r = _run("--tp", "3", "--requests", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "paged-kv: error: tensor-parallel degree tp=3 fits no head layout: 3 does not divide num_heads=4; "
+        "degrees that work for this model: [1, 2, 4]"]
+
+
+@pytest.mark.skipif(os.environ.get("PAGED_KV_MESH_TESTS") != "1",
+                    reason="compiles the serving step for 2 host devices; set PAGED_KV_MESH_TESTS=1")
+def test_tensor_parallel_run(tmp_path):
+    r = _run("--tp", "2", "--requests", "3", "--max-new-tokens", "6", "--num-blocks", "24", "--max-seqs", "12",
+             "--max-seq-len", "192", "--chunk-size", "32", "--max-prefill-rows", "4", "--no-progress",
+             "--png", str(tmp_path / "t.png"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tensor-parallel over 2 devices" in r.stdout and "generated tokens/s" in r.stdout
 
 
 def test_small_end_to_end_run(tmp_path):
