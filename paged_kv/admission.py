@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
-from paged_kv.batch import check_rows, start_rows
+from paged_kv.batch import check_rows, first_come_first_served, start_rows
 from paged_kv.scan import leading_count, prefix_sum
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.state import GENERATION, PARENT, PARENT_GENERATION, SALT, BlockManagerState, add_stats
@@ -87,10 +87,6 @@ def admit(
     return _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts)
 
 
-def _first_come_first_served(cost: jax.Array, num_free: jax.Array) -> jax.Array:
-    return prefix_sum(cost) <= num_free
-
-
 def _check_lengths(config, state, seq_ids, prompt_lens, max_len):
     status, sid = check_rows(config, state, seq_ids, must_be_active=False)
     lens = prompt_lens.astype(jnp.int32)
@@ -104,7 +100,7 @@ def _admit_fresh(config, state, seq_ids, prompt_lens):
     bs, m = config.block_size, config.max_blocks_per_seq
     status, sid, lens = _check_lengths(config, state, seq_ids, prompt_lens, config.max_tokens_per_seq)
     need = jnp.where(status == Status.OK, (lens + bs - 1) // bs, 0)
-    fits = _first_come_first_served(need, state.queue.num_free)
+    fits = first_come_first_served(need, state.queue.num_free)
     status = jnp.where((status == Status.OK) & ~fits, Status.NO_FREE_BLOCKS, status)
     ok = status == Status.OK
     need = jnp.where(ok, need, 0)
@@ -248,7 +244,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     pulls = free_hit if b == 1 else _first_claims(cand_c.reshape(e), free_hit.reshape(e)).reshape(b, c)
     n_pulls = jnp.sum(pulls, axis=1, dtype=jnp.int32)
     n_fresh = jnp.where(ok0, n_blocks - n_hit, 0)
-    fits = _first_come_first_served(n_fresh + n_pulls, state.queue.num_free)
+    fits = first_come_first_served(n_fresh + n_pulls, state.queue.num_free)
     status = jnp.where(ok0 & ~fits, Status.NO_FREE_BLOCKS, status)
     ok = status == Status.OK
     n_cached, n_hit = jnp.where(ok, n_cached, 0), jnp.where(ok, n_hit, 0)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_kv import block_hash, free_queue, prefix_cache
-from paged_kv.batch import check_rows
+from paged_kv.batch import check_rows, first_come_first_served
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.scan import prefix_sum
 from paged_kv.state import BlockManagerState
@@ -38,11 +38,6 @@ class AppendResult:
     copy_src: jax.Array
     copy_dst: jax.Array
     num_copies: jax.Array
-
-
-def _first_come_first_served(need: jax.Array, num_free: jax.Array) -> jax.Array:
-    """bool ``[B]``: rows whose need fits when rows are served in batch order without overtaking."""
-    return prefix_sum(need) <= num_free
 
 
 def append(
@@ -107,7 +102,7 @@ def append(
     copies = shared & ~keeps
 
     need = (needs_fresh | copies).astype(jnp.int32)
-    fits = _first_come_first_served(need, state.queue.num_free)
+    fits = first_come_first_served(need, state.queue.num_free)
     starved = (need > 0) & ~fits
     # A keeper must not write in place while a co-writer that failed to get its copy still reads
     # the block.

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paged_kv.config import ManagerConfig
+from paged_kv.scan import prefix_sum
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
 
@@ -36,6 +37,12 @@ def check_rows(
     bad = ~in_range | ~first_occurrence(seq_ids, s) | wrong_state
     status = jnp.where(seq_ids < 0, Status.PADDING, jnp.where(bad, Status.BAD_SEQUENCE, Status.OK))
     return status.astype(jnp.int32), sid
+
+
+def first_come_first_served(need: jax.Array, num_free: jax.Array) -> jax.Array:
+    """bool ``[B]``: rows whose need (int32 ``[B]`` blocks) fits when rows are served in batch
+    order without overtaking."""
+    return prefix_sum(need) <= num_free
 
 
 def start_rows(

@@ -223,9 +223,8 @@ def _run(args) -> int:
     engine = ServingEngine(model, cfg, seed=args.seed, mesh=mesh)
     reqs = build_workload(tok, args.requests, args.max_new_tokens, args.arrival_gap, tok.eos_id)
 
-    import jax as _jax
     print(f"paged-kv: {len(reqs)} requests on {ckpt.name} ({model.config.num_params() / 1e6:.2f}M parameters, "
-          f"JAX {_jax.__version__} on {_jax.default_backend()}); pool of {mgr.num_blocks} blocks x "
+          f"JAX {jax.__version__} on {jax.default_backend()}); pool of {mgr.num_blocks} blocks x "
           f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}"
           + (f", tensor-parallel over {args.tp} devices" if mesh is not None else ""), flush=True)
     print("the first step of each shape compiles (about a minute on a 2-core CPU) ...", flush=True)

@@ -1,7 +1,7 @@
 """Prefix sums, leading runs and ``any`` over small batch axes, and a rarely-looping ``while``, in
 the forms that XLA:CPU runs fastest.
 
-Why these forms: a one-request admission is ~130 small kernels, each costing a fixed fraction of a
+Why these forms: a one-request admission is ~100 small kernels, each costing a fixed fraction of a
 microsecond, so the number of kernels decides its cost. XLA:CPU rewrites every single-output
 reduction over an axis longer than 32 into two kernels (a reduce-window of 32-element partials,
 then a reduce) and ``jnp.cumsum`` into a tree of them; a two-output reduction such as ``argmax``
@@ -39,12 +39,6 @@ def leading_count(mask: jax.Array) -> jax.Array:
     over ``mask`` with a False appended (so an all-True row gives ``K``)."""
     pad = [(0, 0)] * (mask.ndim - 1) + [(0, 1)]
     return jnp.argmin(jnp.pad(mask, pad), axis=-1).astype(jnp.int32)
-
-
-def leading_true(mask: jax.Array) -> jax.Array:
-    """bool ``[..., K]``: the longest all-True prefix of ``mask`` along its last axis (a
-    cumulative AND)."""
-    return jnp.arange(mask.shape[-1], dtype=jnp.int32) < leading_count(mask)[..., None]
 
 
 def any_true(mask: jax.Array) -> jax.Array:

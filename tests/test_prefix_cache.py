@@ -234,12 +234,12 @@ def test_in_call_grouping_matches_reference_on_both_paths(e):
 
 
 @pytest.mark.parametrize("k", [1, 36, scan.TRIANGLE_MAX, scan.TRIANGLE_MAX + 1, 3000])
-def test_prefix_sum_and_leading_true_match_numpy(k):
+def test_prefix_sum_and_leading_count_match_numpy(k):
     rng = np.random.default_rng(k)
     x = rng.integers(0, 2, (3, k)).astype(bool)
     x[1] = True
     np.testing.assert_array_equal(jax.jit(scan.prefix_sum)(jnp.asarray(x)), np.cumsum(x, axis=-1))
     counts = rng.integers(0, 5, k).astype(np.int32)
     np.testing.assert_array_equal(scan.prefix_sum(jnp.asarray(counts)), np.cumsum(counts))
-    np.testing.assert_array_equal(jax.jit(scan.leading_true)(jnp.asarray(x)),
-                                  np.cumprod(x, axis=-1).astype(bool))
+    leading = np.arange(k) < np.asarray(jax.jit(scan.leading_count)(jnp.asarray(x)))[:, None]
+    np.testing.assert_array_equal(leading, np.cumprod(x, axis=-1).astype(bool))
