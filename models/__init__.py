@@ -13,7 +13,7 @@ from models.contiguous import contiguous_forward, contiguous_step, init_contiguo
 from models.generate import greedy_generate_contiguous, greedy_generate_paged
 from models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
 from models import sharding
-from models.llama import Llama, abstract_model, init_model
+from models.llama import Llama, abstract_model, in_vocab, init_model, safe_tokens
 from models.paged import (
     KVPageSpec,
     PagedBatch,
@@ -32,8 +32,8 @@ from models.paged import (
 __all__ = [
     "CheckpointError", "KVPageSpec", "Llama", "Llama3RopeScaling", "LlamaConfig", "PagedBatch",
     "abstract_model", "allocate_pages", "compute_slots", "contiguous_forward", "contiguous_step",
-    "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "init_contiguous_cache",
+    "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "in_vocab", "init_contiguous_cache",
     "init_model", "kv_bytes_per_block", "kv_bytes_per_token", "llama31_8b", "llama32_1b",
     "load_hf_checkpoint", "make_paged_batch", "page_spec", "page_spec_for_budget", "paged_decode_step",
-    "paged_forward", "paged_prefill_step", "rope_inv_freq", "save_hf_checkpoint", "sharding", "tiny",
+    "paged_forward", "paged_prefill_step", "rope_inv_freq", "safe_tokens", "save_hf_checkpoint", "sharding", "tiny",
 ]

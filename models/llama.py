@@ -112,6 +112,25 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attn_norm(x)), cache
 
 
+SAFE_TOKEN = 0
+"""The id an out-of-vocabulary token is looked up as inside ``jit`` (``safe_tokens``)."""
+
+
+def in_vocab(tokens: Array, vocab_size: int) -> Array:
+    """bool, same shape as ``tokens`` (any integer dtype): ``0 <= id < vocab_size``."""
+    return (tokens >= 0) & (tokens < vocab_size)
+
+
+def safe_tokens(tokens: Array, vocab_size: int) -> Array:
+    """``tokens`` (integer ``[...]``) with ids outside ``[0, vocab_size)`` replaced by ``SAFE_TOKEN``.
+
+    One compare and one select per token, no host sync. ``jnp.take`` would otherwise fill an
+    out-of-range row with NaN, and NaN K/V written into a page poison every later reader of that
+    block (0 * NaN is NaN in the attention's masked sums), including prefix-cache hits.
+    """
+    return jnp.where(in_vocab(tokens, vocab_size), tokens, SAFE_TOKEN)
+
+
 class Llama(nnx.Module):
     """Llama 3 decoder. `__call__` returns final-normed hidden states; `logits` applies the head."""
 
@@ -125,9 +144,14 @@ class Llama(nnx.Module):
             self.lm_head = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dt, std))
 
     def __call__(self, tokens: Array, positions: Array, cache, attend: AttendFn):
-        """tokens, positions int32[B, T] -> (hidden[B, T, d] in config dtype, cache)."""
+        """tokens, positions int32[B, T] -> (hidden[B, T, d] in config dtype, cache).
+
+        A token id outside ``[0, vocab_size)`` is looked up as ``SAFE_TOKEN`` (see ``safe_tokens``):
+        its hidden state and K/V are those of that token, never NaN. Callers flag such rows with
+        ``in_vocab``; the host-side entry points reject them before anything runs.
+        """
         inv_freq = jnp.asarray(rope_inv_freq(self.config))
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = jnp.take(self.embed[...], safe_tokens(tokens, self.config.vocab_size), axis=0)
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions, inv_freq, i, cache, attend)
         return self.final_norm(x), cache

@@ -31,7 +31,7 @@ from flax import nnx, struct
 
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import requests
-from paged_kv.engine.generate import BlockStats
+from paged_kv.engine.generate import BlockStats, bad_prompts
 from paged_kv.engine.sampling import BeamParams, is_eos
 from paged_kv.engine.steps import block_counts, decode, prefill
 from paged_kv.reclaim import free
@@ -52,6 +52,9 @@ class BeamOutput:
     out_of_blocks: bool ``[B]`` the prompt was cut short (or not admitted) for lack of blocks.
     stats: ``BlockStats`` per step.
     steps: int32 scalar, the longest returned hypothesis.
+    bad_tokens: bool ``[B]`` the prompt held a token id outside ``[0, vocab_size)`` (only possible
+      under the caller's ``jit``; otherwise ``beam_search`` raises ``ValueError``): it was not
+      admitted, nothing was computed or cached, and its hypotheses are empty.
     """
 
     tokens: jax.Array
@@ -61,6 +64,7 @@ class BeamOutput:
     out_of_blocks: jax.Array
     stats: BlockStats
     steps: jax.Array
+    bad_tokens: jax.Array
 
 
 @struct.dataclass
@@ -163,15 +167,17 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
     if budgets is not None:
         budget = jnp.minimum(budget, budgets.astype(jnp.int32))
 
+    # A prompt with an id outside the vocabulary is not admitted (nothing computed or cached).
+    bad = bad_prompts(prompt_tokens, lens, model.config.vocab_size)
     # Each prompt is admitted and prefilled once, into its first beam's row; step 0's ``select``
     # gives the other beams its table.
-    state, pages, logits, status = prefill(model, pages, manager, state, rows[::k], prompt_tokens, lens,
-                                           chunk_size=chunk_size, impl=impl, mesh=mesh)
+    state, pages, logits, status = prefill(model, pages, manager, state, jnp.where(bad, -1, rows[::k]),
+                                           prompt_tokens, lens, chunk_size=chunk_size, impl=impl, mesh=mesh)
     admitted = status == Status.OK
     used, shared = block_counts(manager, state, rows)
     first = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF).astype(jnp.float32)
     loop = _BeamLoop(
-        step=jnp.int32(0), cur=jnp.zeros((b * k,), jnp.int32), done=~admitted, out_of_blocks=~admitted,
+        step=jnp.int32(0), cur=jnp.zeros((b * k,), jnp.int32), done=~admitted, out_of_blocks=~admitted & ~bad,
         beam_scores=jnp.broadcast_to(first, (b, k)), beam_tokens=jnp.full((b, k, steps), -1, jnp.int32),
         pool_scores=jnp.full((b, k), NEG_INF, jnp.float32), pool_sums=jnp.full((b, k), NEG_INF, jnp.float32),
         pool_tokens=jnp.full((b, k, steps), -1, jnp.int32), pool_lens=jnp.zeros((b, k), jnp.int32),
@@ -201,7 +207,7 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
     loop = jax.lax.while_loop(lambda loop: (loop.step + 1 < steps) & ~jnp.all(loop.done), body, loop)
     out = BeamOutput(tokens=loop.pool_tokens, lengths=loop.pool_lens, scores=loop.pool_scores,
                      sum_logprobs=loop.pool_sums, out_of_blocks=loop.out_of_blocks, stats=loop.stats,
-                     steps=jnp.max(loop.pool_lens))
+                     steps=jnp.max(loop.pool_lens), bad_tokens=bad)
     return out, loop.pages, loop.state
 
 
@@ -220,10 +226,15 @@ def beam_search(model, pages: jax.Array, prompt_tokens, prompt_lens, params: Bea
     ``params.max_new_tokens``, which sizes the outputs); rows ``[0, B * k)`` of the block manager
     must be free and are free again on return. Returns ``(BeamOutput, pages, state)``.
 
+    ``prompt_tokens``: int32 ``[B, L]``; ids at positions ``< prompt_lens`` must be in
+    ``[0, vocab_size)`` (checked when concrete; under the caller's ``jit`` such a prompt is skipped
+    and flagged in ``BeamOutput.bad_tokens``).
+
     Raises:
-      ValueError: bad parameters or shapes, ``B * k`` more sequences than ``manager.max_seqs``, a
+      ValueError: bad parameters, shapes or dtypes, a token id outside ``[0, vocab_size)`` (named
+        with its prompt and position), ``B * k`` more sequences than ``manager.max_seqs``, a
         prompt longer than the context, a vocabulary smaller than the candidates per step, or a
-        bad mesh.
+        bad mesh, before anything is compiled.
     """
     if not isinstance(params, BeamParams):
         raise ValueError(f"params must be a BeamParams, got {type(params).__name__}")

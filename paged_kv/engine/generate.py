@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from models.llama import in_vocab
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import requests
 from paged_kv.engine.sampling import SamplingParams, is_eos, sample_tokens
@@ -39,6 +40,10 @@ class FinishReason(enum.IntEnum):
     does not preempt; a serving loop would)."""
     REJECTED = 4
     """Admission failed (not enough free blocks for the prompt): nothing generated."""
+    BAD_TOKEN = 5
+    """The prompt holds a token id outside ``[0, vocab_size)`` (only possible when ``generate``
+    runs inside the caller's ``jit``, where ids cannot be checked on the host; otherwise it raises
+    ``ValueError``): the prompt is not admitted, nothing is computed or cached, nothing generated."""
 
 
 @struct.dataclass
@@ -73,7 +78,8 @@ class GenerateOutput:
     tokens: int32 ``[B, n, N]`` generated tokens (EOS included), -1 after the end.
     logprobs: float32 ``[B, n, N]`` log-probability of each token under the model (0 after the end).
     lengths: int32 ``[B, n]`` tokens generated.
-    finish_reason: int32 ``[B, n]``, a ``FinishReason``.
+    finish_reason: int32 ``[B, n]``, a ``FinishReason`` (``BAD_TOKEN``: the prompt had an id
+      outside the vocabulary and was skipped).
     stats: ``BlockStats`` per step.
     steps: int32 scalar, steps run (the longest answer).
     """
@@ -103,6 +109,13 @@ class _SampleLoop:
     stats: BlockStats
     state: BlockManagerState
     pages: jax.Array
+
+
+def bad_prompts(prompt_tokens: jax.Array, prompt_lens: jax.Array, vocab_size: int) -> jax.Array:
+    """bool ``[B]``: prompt ``b`` (int ``[B, L]`` tokens, int32 ``[B]`` lengths) holds an id outside
+    ``[0, vocab_size)`` at a position ``< prompt_lens[b]``. One compare per token, on the device."""
+    valid = jnp.arange(prompt_tokens.shape[1], dtype=jnp.int32)[None, :] < prompt_lens[:, None]
+    return jnp.any(valid & ~in_vocab(prompt_tokens, vocab_size), axis=1)
 
 
 def _emit(loop: _SampleLoop, logits, key, rows, release, manager: ManagerConfig,
@@ -136,9 +149,13 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     rows = jnp.arange(r, dtype=jnp.int32)
     lens = prompt_lens.astype(jnp.int32)
 
+    # A prompt with an id outside the vocabulary is not admitted (a padding row for ``admit``):
+    # nothing of it is computed, written or registered in the prefix cache.
+    bad = bad_prompts(prompt_tokens, lens, model.config.vocab_size)
+    bad_rows = jnp.repeat(bad, n)
     # Each prompt is admitted and prefilled once, into its first sample's row; the others fork it.
-    state, pages, logits, status = prefill(model, pages, manager, state, rows[::n], prompt_tokens, lens,
-                                           chunk_size=chunk_size, impl=impl, mesh=mesh)
+    state, pages, logits, status = prefill(model, pages, manager, state, jnp.where(bad, -1, rows[::n]),
+                                           prompt_tokens, lens, chunk_size=chunk_size, impl=impl, mesh=mesh)
     admitted = jnp.repeat(status == Status.OK, n)
     if n > 1:
         is_child = rows % n != 0
@@ -149,7 +166,9 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     loop = _SampleLoop(
         step=jnp.int32(0), cur=jnp.zeros((r,), jnp.int32), live=admitted, budget=jnp.repeat(budget, n),
         tokens=jnp.full((r, steps), -1, jnp.int32), logprobs=jnp.zeros((r, steps), jnp.float32),
-        lengths=jnp.zeros((r,), jnp.int32), finish=jnp.where(admitted, 0, FinishReason.REJECTED).astype(jnp.int32),
+        lengths=jnp.zeros((r,), jnp.int32),
+        finish=jnp.where(admitted, 0, jnp.where(bad_rows, FinishReason.BAD_TOKEN, FinishReason.REJECTED)
+                         ).astype(jnp.int32),
         stats=BlockStats.zeros(steps).record(0, used, shared, 0), state=state, pages=pages)
     no_release = jnp.zeros((r,), bool)
     loop = _emit(loop, jnp.repeat(logits, n, axis=0), key, rows, no_release, manager, params)
@@ -190,9 +209,12 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
       model: a ``models.Llama`` (NNX module) or its ``(graphdef, state)`` split.
       pages: the KV pages ``[layers, 2, kv_heads, manager.num_blocks, manager.block_size, head_dim]``
         (donated).
-      prompt_tokens: int32 ``[B, L]`` zero-padded prompts (see ``pad_prompts``).
+      prompt_tokens: int32 ``[B, L]`` zero-padded prompts (see ``pad_prompts``); ids at positions
+        ``< prompt_lens`` must be in ``[0, vocab_size)`` (checked when concrete; under the caller's
+        ``jit`` such a prompt is skipped with ``FinishReason.BAD_TOKEN``).
       prompt_lens: int32 ``[B]`` prompt lengths in ``[1, L]``.
-      key: a PRNG key; the same key gives the same tokens (unused when greedy).
+      key: a PRNG key (``jax.random.key``: shape ``()``; or a raw uint32 ``[2]`` key), or an int
+        seed in ``[0, 2**32)``; the same key gives the same tokens (unused when greedy).
       params: ``SamplingParams`` (static: each distinct value compiles once).
       manager: the block manager's ``ManagerConfig``.
       state: the block manager's state (donated), or None for a fresh one. Rows ``[0, B * n)``
@@ -210,15 +232,18 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
       ``(GenerateOutput, pages, state)``.
 
     Raises:
-      ValueError: bad parameters, shapes, or more sequences than the manager holds, or a prompt
-        longer than the context, or a mesh without a "tp" axis or whose size fits no head layout,
-        before anything is compiled.
+      ValueError: bad parameters, shapes or dtypes (token ids, lengths and budgets must be
+        integers), a token id outside ``[0, vocab_size)`` (named with its prompt and position), a
+        bad key or seed, more sequences than the manager holds, a prompt longer than the context,
+        or a mesh without a "tp" axis or whose size fits no head layout, before anything is
+        compiled.
 
     Callable inside the caller's own ``jit`` (value checks that need concrete arrays are
     then skipped).
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    key = requests.check_key(key)
     graphdef, weights, model_config, pages, mesh = requests.place(model, pages, mesh)
     req = requests.check_request(model_config, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
@@ -234,4 +259,4 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
                         impl=impl, chunk_size=req.chunk_size, context=req.context, mesh=mesh)
 
 
-__all__ = ["BlockStats", "FinishReason", "GenerateOutput", "generate", "generate_jit", "generate_loop"]
+__all__ = ["BlockStats", "FinishReason", "GenerateOutput", "bad_prompts", "generate", "generate_jit", "generate_loop"]

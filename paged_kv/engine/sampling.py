@@ -28,9 +28,20 @@ def _is_real(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
+INT32_LIMIT = 2**31
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e6
+"""A non-zero temperature must lie in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``: far below, float32
+``logits / temperature`` overflows to inf (inf - inf = NaN in the softmax); far above, every token
+is equally likely and the value is almost certainly a mistake. Use 0 for greedy decoding."""
+
+
 def _check_count(name: str, value, minimum: int) -> None:
+    """An int (not a bool, not a float) in ``[minimum, 2**31)`` (int32 on the device)."""
     if not _is_int(value) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+    if value >= INT32_LIMIT:
+        raise ValueError(f"{name}={value!r} must be an int in [{minimum}, 2**31)")
 
 
 def _eos_tuple(value) -> tuple[int, ...]:
@@ -51,14 +62,18 @@ class SamplingParams:
     """How to sample answers.
 
     Attributes:
-      max_new_tokens: generated tokens per answer at most (>= 1; EOS included); also the size of
-        the output buffers.
-      temperature: 0 for greedy decoding (argmax), else logits are divided by it (>= 0).
-      top_k: keep the ``top_k`` most likely tokens; 0 keeps all (>= 0).
+      max_new_tokens: generated tokens per answer at most (int in ``[1, 2**31)``; EOS included);
+        also the size of the output buffers.
+      temperature: 0 for greedy decoding (argmax), else logits are divided by it (a float in
+        ``[1e-6, 1e6]``; NaN and inf are rejected).
+      top_k: keep the ``top_k`` most likely tokens; 0 keeps all (int >= 0; ``<= vocab_size`` is
+        checked where the model is known).
       top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p``;
-        in (0, 1], 1 keeps all.
-      n: answers per prompt (>= 1). The prompt is prefilled once and its blocks are shared.
-      eos_token_ids: an answer ends after sampling any of these tokens (the EOS is kept).
+        in (0, 1], 1 keeps all (NaN rejected).
+      n: answers per prompt (int >= 1, not a bool or float). The prompt is prefilled once and its
+        blocks are shared.
+      eos_token_ids: an answer ends after sampling any of these tokens (the EOS is kept); ints
+        >= 0 (``< vocab_size`` checked where the model is known).
     """
 
     max_new_tokens: int = 16
@@ -70,10 +85,13 @@ class SamplingParams:
 
     def __post_init__(self):
         _check_count("max_new_tokens", self.max_new_tokens, 1)
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r} must be a finite float >= 0")
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature={t!r} must be a finite float >= 0 (0: greedy)")
+        if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature={t!r} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
         _check_count("top_k", self.top_k, 0)
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:  # NaN fails the comparison too
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
         _check_count("n", self.n, 1)
         object.__setattr__(self, "temperature", float(self.temperature))
@@ -139,7 +157,7 @@ def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
         desc = -jnp.sort(-x, axis=-1)
         probs = jax.nn.softmax(desc, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
-        keep = before < params.top_p  # always keeps the best token
+        keep = (before < params.top_p) | (jnp.arange(v) == 0)  # always keeps the best token
         threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
         x = jnp.where(x < threshold, -jnp.inf, x)
     return x
@@ -179,7 +197,8 @@ def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     desc = jnp.where(desc < kth, -jnp.inf, desc)  # still sorted
     probs = jax.nn.softmax(desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
-    threshold = jnp.min(jnp.where(before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
+    keep = (before < top_p[:, None]) | (jnp.arange(v) == 0)  # the best token always (even top_p <= 0)
+    threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(x < threshold, -jnp.inf, x)
 
 

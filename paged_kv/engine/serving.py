@@ -140,7 +140,9 @@ class Request:
     """One request.
 
     Attributes:
-      prompt: token ids (ints in ``[0, 2**31)``), at least one.
+      prompt: token ids, at least one: a sequence of ints (not bools or floats) or a 1-D integer
+        array, each in ``[0, 2**31)``; stored as a tuple of ints. ``ServingEngine.submit`` checks
+        them against the model's vocabulary (``[0, vocab_size)``).
       params: ``SamplingParams`` (``n`` samples, greedy when ``temperature == 0``) or
         ``BeamParams`` (beam search of width ``beam_width``).
       salt: prefix-cache salt in ``[0, 2**32)``: requests share cached blocks only with equal salts.
@@ -158,16 +160,8 @@ class Request:
     seed: int | None = None
 
     def __post_init__(self):
-        try:
-            prompt = tuple(self.prompt)
-        except TypeError:
-            raise ValueError(f"prompt must be a sequence of token ids, got {type(self.prompt).__name__}") from None
-        if not prompt:
-            raise ValueError("prompt is empty; it needs at least 1 token")
-        for pos, t in enumerate(prompt):
-            if not _is_int(t) or not 0 <= t < 2**31:
-                raise ValueError(f"prompt token {t!r} at position {pos} is not an int in [0, 2**31)")
-        object.__setattr__(self, "prompt", tuple(int(t) for t in prompt))
+        # Vectorised checks (no per-token Python loop): ints, not bools or floats, in [0, 2**31).
+        object.__setattr__(self, "prompt", tuple(_requests.token_ids(self.prompt).tolist()))
         if not isinstance(self.params, (SamplingParams, BeamParams)):
             raise ValueError(f"params must be SamplingParams or BeamParams, got {type(self.params).__name__}")
         if not _is_int(self.salt) or not 0 <= self.salt < 2**32:
@@ -562,10 +556,16 @@ class ServingEngine:
     # ------------------------------------------------------------------ submission
     def check(self, request: Request) -> None:
         """``ValueError`` when ``request`` can never run on this engine (the message names the
-        value and the limit)."""
+        value and the limit): a prompt token id outside ``[0, vocab_size)`` (e.g. "prompt token id
+        259 at position 16 is out of range: ids must be in [0, vocab_size=259)"), a prompt longer
+        than the context or the pool, EOS ids or ``top_k`` beyond the vocabulary, a family too wide
+        or too large for the pool."""
         if not isinstance(request, Request):
             raise ValueError(f"expected a Request, got {type(request).__name__}")
         mgr, cfg = self.manager, self.config
+        # Token ids outside the vocabulary would embed as garbage and poison the KV blocks (and
+        # the prefix cache) other requests read: reject them with the id, position and limit.
+        _requests.token_ids(request.prompt, vocab_size=self.model_config.vocab_size)
         n = len(request.prompt)
         if n > self.context:
             raise ValueError(
@@ -608,8 +608,9 @@ class ServingEngine:
     def submit(self, request: Request) -> object:
         """Queues ``request`` (at the back of the waiting queue); returns its id.
 
-        Raises ``ValueError`` if it can never fit (prompt longer than the context or the pool,
-        ``n``/beam width too wide, its sequences larger than the pool); the engine is unchanged.
+        Raises ``ValueError`` if it is invalid for this model (a token id outside ``[0, vocab_size)``)
+        or can never fit (prompt longer than the context or the pool, ``n``/beam width too wide,
+        its sequences larger than the pool); nothing is queued and the engine is unchanged.
         """
         self.check(request)
         if self._t_start is None:
