@@ -13,7 +13,8 @@ Semantics of one call, which the reference manager implements row by row:
    hits do not fit fails with ``NO_FREE_BLOCKS`` and so does every later one.
 3. Hit blocks leave the free queue before fresh blocks are taken from its front (so a request
    never evicts a block the same call reuses); taken blocks that were cached lose their hash.
-4. Fresh full blocks are cached, in batch order, unless their key is cached already.
+4. Fresh full blocks are cached, in batch order, duplicates of cached blocks too (a lookup
+   finds the oldest block of a key; see ``state.PrefixCache`` for how hits are verified).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from paged_kv import block_hash, free_queue, hash_table, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served, start_rows
 from paged_kv.scan import leading_count, prefix_sum
 from paged_kv.config import NULL_BLOCK, ManagerConfig
-from paged_kv.state import GENERATION, PARENT, PARENT_GENERATION, SALT, BlockManagerState, add_stats
+from paged_kv.state import (
+    CLASS, CLASS_GENERATION, NO_PARENT, PARENT_CLASS, PARENT_CLASS_GENERATION, SALT, BlockManagerState,
+    add_stats,
+)
 from paged_kv.status import Status
 
 
@@ -213,13 +217,11 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     cand = hash_table.lookup(cache.table, keys.reshape(e, 2), cacheable.reshape(e)).reshape(b, c)
     cand_c = jnp.maximum(cand, 0)
     meta = cache.meta[cand_c]  # [b, c, META_COLUMNS]: every fact a hit is checked against
-    prev = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), cand[:, :-1]], axis=1)
-    prev_generation = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), meta[:, :-1, GENERATION]], axis=1)
-    linked = jnp.where(
-        j == 0,
-        meta[..., PARENT] == -1,
-        (meta[..., PARENT] == prev) & (meta[..., PARENT_GENERATION] == prev_generation),
-    )
+    # A hit's parent class must be the class of the hit before it (or none, for a first block).
+    hit_class = meta[..., CLASS:CLASS_GENERATION + 1]
+    no_parent = jnp.broadcast_to(jnp.array([NO_PARENT, 0], jnp.int32), (b, 1, 2))
+    prev_class = jnp.concatenate([no_parent, hit_class[:, :-1]], axis=1)
+    linked = jnp.all(meta[..., PARENT_CLASS:PARENT_CLASS_GENERATION + 1] == prev_class, axis=-1)
     verified = (
         cacheable & (cand >= 0) & linked
         & (meta[..., SALT] == lax.bitcast_convert_type(salts, jnp.int32)[:, None])
@@ -274,15 +276,20 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
             block_tokens.reshape(e, bs), mode="drop"
         )
     )
-    parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), block[:, :-1]], axis=1)
+    # Each block's class: a hit's own, and for a fresh or shared block the one it founds (only a
+    # prompt's last block, always computed, can be equal to an older cached block: it may join
+    # that block's class, and it is the parent of no block of this call).
+    block_class = jnp.where(cached_hit[..., None], hit_class, prefix_cache.own_class(cache, block))
+    parent_class = jnp.concatenate([no_parent, block_class[:, :-1]], axis=1)
     cache = prefix_cache.register(
         cache,
         block.reshape(e),
         chains.reshape(e, 2),
         jnp.broadcast_to(salts[:, None], (b, c)).reshape(e),
-        parents.reshape(e),
+        parent_class.reshape(e, 2),
         (fresh & (j < n_full[:, None])).reshape(e),
         count=jnp.sum(jnp.maximum(jnp.where(ok, n_full, 0) - n_hit, 0)),
+        may_join=jnp.arange(b, dtype=jnp.int32) * c + jnp.maximum(n_blocks - 1, 0),
     )
     last_full = jnp.take_along_axis(chains, jnp.maximum(n_full - 1, 0)[:, None, None], axis=1)[:, 0]
     seq_chain = jnp.where((n_full > 0)[:, None], last_full, block_hash.root_state(salts))

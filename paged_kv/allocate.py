@@ -16,7 +16,7 @@ from paged_kv import block_hash, free_queue, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.scan import prefix_sum
-from paged_kv.state import BlockManagerState
+from paged_kv.state import NO_PARENT, BlockManagerState
 from paged_kv.status import Status
 
 
@@ -152,9 +152,14 @@ def _cache_appended(config, state, sid, ok, takes, copies, fresh, last_block, bl
     tokens = tokens.at[jnp.where(ok, block, n), offset].set(token_ids.astype(jnp.int32), mode="drop")
     fills = ok & (offset == bs - 1)
     chain = block_hash.extend(state.seq_chain[sid], block_hash.block_contents(tokens[block]))
-    parent = jnp.where(col > 0, state.block_tables[sid, jnp.maximum(col - 1, 0)], -1)
+    # The block before it is full, so cached (every full block in a table is): its class is the
+    # new block's parent class.
+    parent = state.block_tables[sid, jnp.maximum(col - 1, 0)]
+    parent_class = jnp.where(
+        (col > 0)[:, None], prefix_cache.class_of(cache, parent), jnp.array([NO_PARENT, 0], jnp.int32)
+    )
     cache = prefix_cache.register(
-        cache.replace(tokens=tokens), block, chain, state.seq_salt[sid], parent, fills
+        cache.replace(tokens=tokens), block, chain, state.seq_salt[sid], parent_class, fills
     )
     seq_chain = state.seq_chain.at[jnp.where(fills, sid, config.max_seqs)].set(chain, mode="drop")
     return state.replace(cache=cache, seq_chain=seq_chain)

@@ -1,10 +1,15 @@
-"""An open-addressing hash table from 64-bit block keys to block ids, with vectorised probing.
+"""An open-addressing hash table from 64-bit block keys to block ids, several blocks per key,
+with vectorised probing.
 
 Linear probing over a power-of-two table. Every batch of lookups or insertions advances all its
 probes together inside one ``lax.while_loop``, so a call costs O(batch x longest probe), never
-O(table). Deletion leaves a tombstone (probes walk over it; insertions do not reuse it, which keeps
-"is this key already present?" a single probe walk); when live entries plus tombstones exceed half
-the table, the next insertion rebuilds it first, at most once per ``size / 4`` deletions.
+O(table). A key may be stored several times (several full blocks with the same contents, as in
+vLLM): an insertion always takes the first EMPTY slot of the key's probe sequence, so the entries
+of one key lie along that sequence in insertion order, and a lookup, which stops at the first
+match, returns the *oldest* live block of the key. Deletion leaves a tombstone (probes walk over
+it; insertions never reuse it, which is what keeps that order); when live entries plus tombstones
+exceed half the table, the next insertion rebuilds it first, at most once per ``size / 4``
+deletions, keeping each key's order.
 """
 
 from __future__ import annotations
@@ -91,12 +96,14 @@ def _window_size(num_keys: int) -> int:
     return PROBE_WINDOW if num_keys < WIDE_BATCH else 1
 
 
-def _window(table: HashTable, home: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _window(
+    table: HashTable, home: jax.Array, keys: jax.Array, *, stop_at_key: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """The first ``W = _window_size(K)`` probe positions of each key, examined at once.
 
-    Returns int32 ``[K]`` the offset of the first slot that ends the probe sequence (the key or an
-    EMPTY slot; ``W`` if none) and int32 ``[K]`` the block stored there if it is the key (else
-    -1). Found by one two-output reduction over the window that picks the lowest stopping offset,
+    Returns int32 ``[K]`` the offset of the first slot that ends the probe sequence (the key, for a
+    lookup, or an EMPTY slot; ``W`` if none) and int32 ``[K]`` the block stored there if it is the
+    key (else -1). With ``stop_at_key=False`` (an insertion) only an EMPTY slot ends it. Found by one two-output reduction over the window that picks the lowest stopping offset,
     so the gather, the comparisons and the choice are a single kernel, which XLA:CPU does not split
     across threads (a plain gather from the table it does, costing a hand-off per call).
     """
@@ -107,11 +114,11 @@ def _window(table: HashTable, home: jax.Array, keys: jax.Array) -> tuple[jax.Arr
     # Gathers of flat index vectors: XLA:CPU turned the 2-D-indexed form into a slow fusion.
     stored, vals = _split(table.entries[pos.reshape(-1)].reshape(*pos.shape, 3))
     has_key = (vals >= 0) & _same(stored, keys[:, None, :])
-    stop = has_key | (vals == EMPTY)
+    stop = (has_key | (vals == EMPTY)) if stop_at_key else (vals == EMPTY)
     # Non-stopping offsets rank after every stopping one, and all ranks are distinct, so keeping
     # the lower-ranked pair is associative and commutative.
     rank = jnp.where(stop, offsets[None, :], w + offsets[None, :])
-    block = jnp.where(has_key, vals, -1)
+    block = jnp.where(has_key, vals, -1) if stop_at_key else jnp.full_like(vals, -1)
 
     def lower(a, b):
         keep_a = a[0] < b[0]
@@ -122,7 +129,7 @@ def _window(table: HashTable, home: jax.Array, keys: jax.Array) -> tuple[jax.Arr
 
 
 def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
-    """int32 ``[K]``: the block stored under each key, -1 if absent or not masked.
+    """int32 ``[K]``: the oldest live block stored under each key, -1 if absent or not masked.
 
     Args:
       keys: uint32 ``[K, 2]``; mask: bool ``[K]``.
@@ -148,49 +155,54 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
     return found
 
 
-def claim(table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array):
-    """Inserts absent keys; returns the table and int32 ``[K]`` slots (-1: not inserted because
-    the key was present, or repeated earlier in this batch, or not masked).
+def claim(
+    table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array, *, order: jax.Array | None = None
+) -> tuple[HashTable, jax.Array]:
+    """Inserts every masked entry, whether or not its key is present; returns the table and int32
+    ``[K]`` slots (-1 where not masked).
 
-    Of equal keys in one batch, the earliest entry is the one inserted (equal keys have equal
-    probe sequences, so they always contend for the same slot)."""
+    Each entry takes the first EMPTY slot of its key's probe sequence, so equal keys line up along
+    that sequence in the order they were inserted: within one batch, in ``order`` (int32 ``[K]``,
+    distinct; default the batch order), where the lower value goes first.
+
+    Args:
+      keys: uint32 ``[K, 2]``; vals: int32 ``[K]`` (block ids); mask: bool ``[K]``.
+    """
     size = table.entries.shape[0]
     home = _home(keys, size)
     k = keys.shape[0]
-    # Claim markers, all below TOMBSTONE; the earliest entry has the smallest.
-    code = jnp.arange(k, dtype=jnp.int32) - (3 + k)
+    # Claim markers, all below TOMBSTONE and distinct; the first in order has the smallest.
+    rank = jnp.arange(k, dtype=jnp.int32) if order is None else order.astype(jnp.int32)
+    code = rank - (3 + k)
 
-    def attempt(t, pos, pending, present, empty, slots):
-        """Entries at an EMPTY slot ``pos`` try to claim it: the earliest (smallest marker) wins
-        each slot; an entry that lost to an equal key stops (its key is in)."""
+    def attempt(t, pos, pending, empty, slots):
+        """Entries at an EMPTY slot ``pos`` try to claim it: the first in order (smallest marker)
+        wins each slot; the others walk on."""
         claimed = t.entries.at[jnp.where(empty, pos, size), VAL].min(code, mode="drop")
         won = empty & (claimed[pos, VAL] == code)
         target = jnp.where(won, pos, size)
         entries = claimed.at[target].set(_rows(keys, vals), mode="drop")
-        lost_to_twin = empty & ~won & _same(_split(entries[pos])[0], keys)
+        # Markers of lost claims were overwritten by the winner's row.
         slots = jnp.where(won, pos, slots)
-        return t.replace(entries=entries), pending & ~present & ~won & ~lost_to_twin, slots
+        return t.replace(entries=entries), pending & ~won, slots
 
-    # First, the whole window at once: present in it, or claim its first EMPTY slot.
-    first, found = _window(table, home, keys)
+    # First, the whole window at once: claim its first EMPTY slot.
+    first, _ = _window(table, home, keys, stop_at_key=False)
     w = _window_size(k)
-    ends = mask & (first < w)
-    present = ends & (found >= 0)
-    empty = ends & ~present
+    empty = mask & (first < w)
     pos = (home + jnp.minimum(first, w - 1)) & (size - 1)
-    table, pending, slots = attempt(table, pos, mask, present, empty, jnp.full(mask.shape, -1, jnp.int32))
+    table, pending, slots = attempt(table, pos, mask, empty, jnp.full(mask.shape, -1, jnp.int32))
 
     def body(carry):
         probe, pending, slots, t = carry
         pos = (home + probe) & (size - 1)
-        stored, val = _split(t.entries[pos])
-        present = pending & (val >= 0) & _same(stored, keys)
-        empty = pending & (val == EMPTY) & ~present
-        t, pending, slots = attempt(t, pos, pending, present, empty, slots)
+        empty = pending & (t.entries[pos, VAL] == EMPTY)
+        t, pending, slots = attempt(t, pos, pending, empty, slots)
         return probe + 1, pending, slots, t
 
-    # The rest (a lost claim, or no end inside the window) walk again from home, one slot per
-    # iteration, in lockstep; rare, so the loop usually runs zero iterations.
+    # The rest (a lost claim, or no EMPTY slot inside the window) walk again from home, one slot
+    # per iteration, in lockstep (so equal keys keep their order); rare, so the loop usually runs
+    # zero iterations.
     init = (jnp.int32(0), pending, slots, table)
     _, _, slots, table = while_needed(lambda c: any_true(c[1]) & (c[0] < size), body, init)
     inserted = jnp.sum(slots >= 0, dtype=jnp.int32)
@@ -203,17 +215,25 @@ def needs_rebuild(table: HashTable, count: jax.Array) -> jax.Array:
     return table.num_live + table.num_dead + count > table.entries.shape[0] // 2
 
 
-def rebuild(size: int, all_keys: jax.Array, cached: jax.Array) -> tuple[HashTable, jax.Array]:
-    """A fresh table holding ``all_keys[cached] -> index``, without tombstones. O(N + size).
+def rebuild(
+    size: int, all_keys: jax.Array, cached: jax.Array, old_slots: jax.Array
+) -> tuple[HashTable, jax.Array]:
+    """A fresh table holding ``all_keys[cached] -> index``, without tombstones. Entries of one
+    key keep their order (oldest first): they are re-inserted by their distance from home in the
+    old table. O(N log N + size); rare (see ``needs_rebuild``).
 
     Args:
-      all_keys: uint32 ``[N, 2]`` the key of every block; cached: bool ``[N]``.
+      all_keys: uint32 ``[N, 2]`` the key of every block; cached: bool ``[N]``; old_slots: int32
+        ``[N]`` each cached block's slot in the old table (same size).
 
     Returns:
       The table and int32 ``[N]``: each cached block's new slot (-1 for the others).
     """
     n = cached.shape[0]
-    return claim(empty_table(size), all_keys, jnp.arange(n, dtype=jnp.int32), cached)
+    distance = (old_slots - _home(all_keys, size)) & (size - 1)
+    order = jnp.argsort(jnp.where(cached, distance, size), stable=True)
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    return claim(empty_table(size), all_keys, jnp.arange(n, dtype=jnp.int32), cached, order=rank)
 
 
 def insert(
@@ -224,8 +244,8 @@ def insert(
     all_keys: jax.Array,
     all_slots: jax.Array,
 ) -> tuple[HashTable, jax.Array, jax.Array]:
-    """Inserts ``keys[mask] -> vals[mask]`` where the key is not present yet, rebuilding the
-    table first when it is crowded (``needs_rebuild``).
+    """Inserts ``keys[mask] -> vals[mask]``, rebuilding the table first when it is crowded
+    (``needs_rebuild``).
 
     Args:
       keys: uint32 ``[K, 2]``; vals: int32 ``[K]`` (block ids); mask: bool ``[K]``.
@@ -234,12 +254,12 @@ def insert(
 
     Returns:
       The table, ``all_slots`` (changed only by a rebuild) and int32 ``[K]`` slots of the new
-      entries (-1 where not inserted).
+      entries (-1 where not masked).
     """
     size = table.entries.shape[0]
     table, all_slots = lax.cond(
         needs_rebuild(table, jnp.sum(mask, dtype=jnp.int32)),
-        lambda args: rebuild(size, all_keys, args[1] >= 0),
+        lambda args: rebuild(size, all_keys, args[1] >= 0, args[1]),
         lambda args: args,
         (table, all_slots),
     )

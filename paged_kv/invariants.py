@@ -80,11 +80,16 @@ def check_invariants(config: ManagerConfig, state: BlockManagerState) -> None:
 
 
 def _check_cache(config, state, tables, tokens, active) -> None:
-    """Invariant 4: every hash entry points at a full block whose stored tokens and chain match."""
+    """Invariant 4: every hash entry points at a full block whose stored tokens and chain match,
+    every full block in a table is cached, and the classes are consistent (see
+    ``state.PrefixCache``): blocks of one class hold one prefix, a block with a parent class has a
+    live block of that class (so no cached prefix is unreachable), and equal prefixes share one
+    class."""
     import jax.numpy as jnp
 
     from paged_kv import block_hash
     from paged_kv.hash_table import EMPTY, TOMBSTONE
+    from paged_kv.state import NO_PARENT
 
     cache = state.cache
     slot = np.asarray(cache.slot)
@@ -96,42 +101,57 @@ def _check_cache(config, state, tables, tokens, active) -> None:
     assert int(cache.table.num_dead) == int((vals == TOMBSTONE).sum())
     assert (vals[slot[cached]] == cached).all(), "a cached block's slot holds another block"
     assert (keys[slot[cached]] == np.asarray(cache.key)[cached]).all(), "stored key differs"
-    assert len(set(map(tuple, keys[live].tolist()))) == len(live), "a key is cached twice"
     assert EMPTY < 0 and TOMBSTONE < 0
 
-    # Full: wherever a table holds a cached block, the sequence has filled it.
+    # Full blocks, and only full blocks, of running sequences are cached.
     bs = config.block_size
     for s in np.flatnonzero(active):
         held = config.blocks_for(int(tokens[s]))
         for j, b in enumerate(tables[s, :held]):
-            if slot[b] >= 0:
-                assert (j + 1) * bs <= tokens[s], f"cached block {b} is not full in row {s}"
+            full = (j + 1) * bs <= tokens[s]
+            assert (slot[b] >= 0) == full, f"row {s}: block {b} (position {j}) full={full} but cached={slot[b] >= 0}"
 
-    # Chain: recompute each cached block's key from its stored tokens and its parent's chain,
-    # where the parent is still the block it was cached under (same generation).
-    parent = np.asarray(cache.parent)
-    parent_gen = np.asarray(cache.parent_generation)
-    generation = np.asarray(cache.generation)
+    # Classes: one prefix per class, a live parent class for every child.
+    klass = [tuple(x) for x in np.asarray(cache.klass).tolist()]
+    parent = [tuple(x) for x in np.asarray(cache.parent_class).tolist()]
+    all_keys = np.asarray(cache.key)
+    salt = np.asarray(cache.salt)
+    block_tokens = np.asarray(cache.tokens)
+    members: dict[tuple, list[int]] = collections.defaultdict(list)
+    for b in cached.tolist():
+        members[klass[b]].append(b)
+    for label, group in members.items():
+        first = group[0]
+        for b in group[1:]:
+            assert (all_keys[b] == all_keys[first]).all() and salt[b] == salt[first], f"class {label} mixes keys"
+            assert (block_tokens[b] == block_tokens[first]).all(), f"class {label} mixes tokens"
+            assert parent[b] == parent[first], f"class {label} mixes parent classes"
     contents = np.asarray(block_hash.block_contents(cache.tokens))  # [N, 2], one call
     roots = np.asarray(block_hash.root_state(cache.salt))
     mult = np.asarray(block_hash._CHAIN_MULT)
-    chain: dict[int, np.ndarray | None] = {}
+    chain: dict[tuple, np.ndarray] = {}
 
-    def chain_of(b: int):
-        if b not in chain:
-            p = int(parent[b])
-            if p < 0:
+    def chain_of(label: tuple) -> np.ndarray:
+        if label not in chain:
+            b = members[label][0]
+            p = parent[b]
+            if p[0] == NO_PARENT:
                 prev = roots[b]
-            elif slot[p] >= 0 and parent_gen[b] == generation[p]:
-                prev = chain_of(p)
             else:
-                prev = None  # the parent's contents changed since: nothing to check against
+                assert p in members, f"block {b}: no live block of its parent class {p} (unreachable)"
+                prev = chain_of(p)
             with np.errstate(over="ignore"):
-                chain[b] = None if prev is None else prev * mult + contents[b]
-        return chain[b]
+                chain[label] = prev * mult + contents[b]
+        return chain[label]
 
-    checkable = [int(b) for b in cached if chain_of(int(b)) is not None]
-    if checkable:
-        keys_now = np.asarray(block_hash.key_of(jnp.asarray(np.stack([chain[b] for b in checkable]))))
-        bad = [b for b, k in zip(checkable, keys_now) if (k != np.asarray(cache.key)[b]).any()]
-        assert not bad, f"cached blocks {bad[:8]}: key does not match their tokens and chain"
+    labels = list(members)
+    if labels:
+        keys_now = np.asarray(block_hash.key_of(jnp.asarray(np.stack([chain_of(lb) for lb in labels]))))
+        bad = [lb for lb, k in zip(labels, keys_now) if (k != all_keys[members[lb][0]]).any()]
+        assert not bad, f"classes {bad[:8]}: key does not match their tokens and chain"
+    # Equal prefixes (same key, salt, tokens and parent class) share one class.
+    seen: dict[tuple, tuple] = {}
+    for label in labels:
+        b = members[label][0]
+        what = (tuple(all_keys[b]), int(salt[b]), tuple(block_tokens[b]), parent[b])
+        assert seen.setdefault(what, label) == label, f"classes {seen[what]} and {label} hold one prefix"

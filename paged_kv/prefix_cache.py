@@ -15,8 +15,8 @@ from paged_kv import block_hash, hash_table
 from paged_kv.config import ManagerConfig
 from paged_kv.scan import any_true
 from paged_kv.state import (
-    GENERATION, KEY0, META_COLUMNS, PARENT_GENERATION, SLOT, BlockManagerState, PrefixCache,
-    add_stats,
+    CLASS, CLASS_GENERATION, GENERATION, KEY0, META_COLUMNS, PARENT_CLASS, PARENT_CLASS_GENERATION,
+    SALT, SLOT, UNLINKED, BlockManagerState, PrefixCache, add_stats,
 )
 
 
@@ -59,28 +59,57 @@ def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array) -> PrefixCache:
     return lax.cond(any_true(mask & (cache.meta[taken, SLOT] >= 0)), drop, lambda cache: cache, cache)
 
 
+def class_of(cache: PrefixCache, blocks: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """int32 ``[..., 2]``: the class of each block of ``blocks`` (int32 ``[...]``) that is cached,
+    ``(UNLINKED, 0)`` for the others: the parent class a block cached after them records.
+
+    ``rows``: ``cache.meta[blocks]``, if the caller gathered it already."""
+    rows = cache.meta[blocks] if rows is None else rows
+    cached = (rows[..., SLOT] >= 0)[..., None]
+    return jnp.where(cached, rows[..., CLASS:CLASS_GENERATION + 1], jnp.array([UNLINKED, 0], jnp.int32))
+
+
+def own_class(cache: PrefixCache, blocks: jax.Array) -> jax.Array:
+    """int32 ``[..., 2]``: ``(block, generation)``, the class a block founds when it is cached and
+    no older cached block holds the same prefix."""
+    return jnp.stack([blocks, cache.meta[blocks, GENERATION]], axis=-1)
+
+
 def register(
     cache: PrefixCache,
     blocks: jax.Array,
     chains: jax.Array,
     salts: jax.Array,
-    parents: jax.Array,
+    parent_class: jax.Array,
     mask: jax.Array,
     count: jax.Array | None = None,
+    may_join: jax.Array | None = None,
 ) -> PrefixCache:
-    """Caches full blocks under the key of their chain state, unless the key is cached already.
+    """Caches full blocks under the key of their chain state, duplicates included.
+
+    Each block joins the class of the oldest cached block with its key (one cached before this
+    call, or an earlier entry of this call) if that block's tokens, salt and parent class are its
+    own; otherwise it founds its own class.
 
     Args:
       blocks: int32 ``[K]`` distinct blocks that just became full (tokens already stored).
       chains: uint32 ``[K, 2]`` their chain states.
       salts: uint32 ``[K]``.
-      parents: int32 ``[K]`` the block before each in its table, -1 for a first block.
+      parent_class: int32 ``[K, 2]`` the class of the block before each (``class_of`` it, or
+        ``own_class`` for one cached in this same call), ``(NO_PARENT, 0)`` for a first block.
       mask: bool ``[K]``.
       count: int32 scalar ``sum(mask)``, if the caller knows it (saves a reduction).
+      may_join: int32 ``[J]`` indices of the entries that can join an existing class (default:
+        all). A caller passes fewer when it knows the others cannot: admission knows that a
+        block after a cache miss has no equal older block, so only a prompt's last block (always
+        computed, even when cached elsewhere) is checked.
     """
     count = jnp.sum(mask, dtype=jnp.int32) if count is None else count
+    if may_join is None:
+        may_join = jnp.arange(blocks.shape[0], dtype=jnp.int32)
     return lax.cond(
-        count > 0, _register, lambda cache, *_: cache, cache, blocks, chains, salts, parents, mask, count
+        count > 0, _register, lambda cache, *_: cache,
+        cache, blocks, chains, salts, parent_class, mask, count, may_join,
     )
 
 
@@ -91,11 +120,11 @@ def _bits(x: jax.Array) -> jax.Array:
 
 def _rebuild_table(cache: PrefixCache) -> PrefixCache:
     size = cache.table.entries.shape[0]
-    table, slots = hash_table.rebuild(size, cache.key, cache.slot >= 0)
+    table, slots = hash_table.rebuild(size, cache.key, cache.slot >= 0, cache.slot)
     return cache.replace(table=table, meta=cache.meta.at[:, SLOT].set(slots))
 
 
-def _register(cache, blocks, chains, salts, parents, mask, count):
+def _register(cache, blocks, chains, salts, parent_class, mask, count, may_join):
     n = cache.meta.shape[0]
     keys = block_hash.key_of(chains)
     # The rebuild lives here rather than in ``hash_table.insert`` so that the common branch
@@ -103,18 +132,35 @@ def _register(cache, blocks, chains, salts, parents, mask, count):
     crowded = hash_table.needs_rebuild(cache.table, count)
     cache = lax.cond(crowded, _rebuild_table, lambda cache: cache, cache)
     table, slots = hash_table.claim(cache.table, keys, blocks, mask)
-    added = slots >= 0
-    target = jnp.where(added, blocks, n)
-    parent_gen = jnp.where(parents >= 0, cache.meta[jnp.maximum(parents, 0), GENERATION], 0)
+    target = jnp.where(mask, blocks, n)
     # Whole new rows in one row scatter (a [row, column] scatter became one scatter per element
-    # on XLA:CPU); a block keeps its generation.
+    # on XLA:CPU), each block first in a class of its own; a block keeps its generation.
+    generation = cache.meta[blocks, GENERATION][:, None]
     rows = jnp.concatenate(
-        [_bits(keys), slots[:, None], _bits(salts)[:, None], parents[:, None], parent_gen[:, None],
-         cache.meta[blocks, GENERATION][:, None]],
+        [_bits(keys), slots[:, None], _bits(salts)[:, None], blocks[:, None], generation,
+         parent_class, generation],
         axis=1,
     )
-    assert rows.shape[1] == META_COLUMNS and (KEY0, PARENT_GENERATION, GENERATION) == (0, 5, 6)
-    return cache.replace(table=table, meta=cache.meta.at[target].set(rows, mode="drop"))
+    assert rows.shape[1] == META_COLUMNS and (KEY0, CLASS, PARENT_CLASS, GENERATION) == (0, 4, 6, 8)
+    meta = cache.meta.at[target].set(rows, mode="drop")
+
+    # Then, after the insertion (so an earlier entry of this call counts), the oldest block with
+    # each key: a block equal to it in tokens, salt and parent class joins its class.
+    jb = blocks[may_join]
+    oldest = hash_table.lookup(table, keys[may_join], mask[may_join])
+    older = jnp.maximum(oldest, 0)
+    theirs, mine = meta[older], meta[jb]
+    tokens = cache.tokens
+    joins = (
+        mask[may_join] & (oldest >= 0) & (oldest != jb)
+        & (theirs[:, SALT] == mine[:, SALT])
+        & jnp.all(theirs[:, PARENT_CLASS:PARENT_CLASS_GENERATION + 1]
+                  == mine[:, PARENT_CLASS:PARENT_CLASS_GENERATION + 1], axis=1)
+        & jnp.all(tokens[older] == tokens[jb], axis=1)
+    )
+    joined = mine.at[:, CLASS:CLASS_GENERATION + 1].set(theirs[:, CLASS:CLASS_GENERATION + 1])
+    meta = meta.at[jnp.where(joins, jb, n)].set(joined, mode="drop")
+    return cache.replace(table=table, meta=meta)
 
 
 def reset_prefix_cache(

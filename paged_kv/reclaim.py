@@ -28,9 +28,9 @@ def release(
 
     Entries are processed as if one at a time in array order: a block held by several entries
     reaches zero at its last one. Blocks go to the back of the queue in that order, except, with
-    prefix caching, blocks that are not cached (a partly full last block; a full block whose key
-    another block already caches): nothing can ever hit them, so they go to the front, to be
-    reused before any cached block. Cost O(E).
+    prefix caching and ``uncached_to_front``, blocks that are not cached (a partly full last
+    block): nothing can ever hit them, so they go to the front, to be reused before any cached
+    block. Cost O(E).
 
     Args:
       ref_count: int32 ``[num_blocks]``.

@@ -2,7 +2,9 @@
 
 It processes each batch one row at a time with lists, dicts and an ordered dict as the free queue,
 which makes it easy to read and to trust. Its prefix cache is keyed by the exact prefix (salt and
-every token so far), not by a hash, so it is also the ground truth for the hashed cache. The
+every token so far), not by a hash, so it is also the ground truth for the hashed cache. As in
+vLLM's ``BlockPool``, every full block is cached, duplicates included: a key holds its blocks in
+the order they were cached, a lookup takes the oldest, and evicting one leaves the others. The
 property tests run long random operation sequences through both and compare every output and the
 whole state; the benchmarks use it as the baseline of a conventional host-side manager.
 """
@@ -28,12 +30,10 @@ class ReferenceBlockManager:
         # Prefix cache.
         self.seq_tokens: dict[int, list[int]] = {}
         self.seq_salt: dict[int, int] = {}
-        self.cached: dict[tuple, int] = {}  # exact key (salt, prefix tokens) -> block
+        # exact key (salt, prefix tokens) -> its cached blocks, oldest first
+        self.cached: dict[tuple, list[int]] = {}
         self.key_of: dict[int, tuple] = {}
         self.block_tokens: dict[int, list[int]] = {}
-        self.parent = [-1] * n
-        self.parent_generation = [0] * n
-        self.generation = [0] * n
         self.stats = dict(lookups=0, query_tokens=0, hit_tokens=0, evictions=0)
 
     # -- helpers ---------------------------------------------------------------------------
@@ -47,35 +47,32 @@ class ReferenceBlockManager:
             return Status.BAD_SEQUENCE
         return Status.OK
 
-    def _uncache(self, block: int, bump: bool = True) -> bool:
+    def _uncache(self, block: int) -> bool:
         key = self.key_of.pop(block, None)
         if key is None:
             return False
-        del self.cached[key]
-        self.generation[block] += bump
+        blocks = self.cached[key]
+        blocks.remove(block)
+        if not blocks:
+            del self.cached[key]
         return True
 
     def _take(self) -> int:
-        """The front free block, its hash dropped and its generation moved on (it is about to
-        get new contents); the caller counts its references."""
+        """The front free block, its hash dropped (it is about to get new contents); the caller
+        counts its references."""
         block, _ = self.free_queue.popitem(last=False)
-        if self._uncache(block, bump=False):
+        if self._uncache(block):
             self.stats["evictions"] += 1
-        self.generation[block] += 1
         return block
 
-    def _cache(self, block: int, key: tuple, parent: int) -> None:
-        if key in self.cached:
-            return
-        self.cached[key] = block
+    def _cache(self, block: int, key: tuple) -> None:
+        self.cached.setdefault(key, []).append(block)
         self.key_of[block] = key
-        self.parent[block] = parent
-        self.parent_generation[block] = self.generation[parent] if parent >= 0 else 0
 
-    def _linked(self, block: int, prev: int) -> bool:
-        if prev < 0:
-            return self.parent[block] == -1
-        return self.parent[block] == prev and self.parent_generation[block] == self.generation[prev]
+    def _lookup(self, key: tuple) -> int | None:
+        """The oldest cached block of an exact key."""
+        blocks = self.cached.get(key)
+        return blocks[0] if blocks else None
 
     def _release(self, tables: list[list[int]]) -> None:
         """Tail first, table by table; cached blocks to the back, the rest to the front."""
@@ -121,13 +118,11 @@ class ReferenceBlockManager:
             n_cached = 0
             if cfg.prefix_caching:
                 n_full, n_cacheable = len(toks) // bs, (len(toks) - 1) // bs
-                prev = -1
                 for j in range(n_cacheable):  # 1. cached prefix
-                    block = self.cached.get(self._key(salt, toks, (j + 1) * bs))
-                    if block is None or not self._linked(block, prev):
+                    block = self._lookup(self._key(salt, toks, (j + 1) * bs))
+                    if block is None:
                         break
                     refs.append(("cached", block))
-                    prev = block
                 n_cached = len(refs)
                 for j in range(n_cached, n_cacheable):  # 2. computed by an earlier request
                     owner = planned.get(self._key(salt, toks, (j + 1) * bs))
@@ -180,8 +175,7 @@ class ReferenceBlockManager:
                     if r == ("new", row, j):
                         self.block_tokens[table[j]] = (toks[j * bs:(j + 1) * bs] + [0] * bs)[:bs]
                         if j < len(toks) // bs:
-                            self._cache(table[j], self._key(salt, toks, (j + 1) * bs),
-                                        table[j - 1] if j else -1)
+                            self._cache(table[j], self._key(salt, toks, (j + 1) * bs))
                 self.stats["lookups"] += 1
                 self.stats["query_tokens"] += len(toks)
                 self.stats["hit_tokens"] += n_hit * bs
@@ -232,7 +226,7 @@ class ReferenceBlockManager:
                 self.seq_tokens[sid].append(token)
                 if offset == bs - 1:
                     key = self._key(self.seq_salt[sid], self.seq_tokens[sid], len(self.seq_tokens[sid]))
-                    self._cache(table[-1], key, table[-2] if len(table) > 1 else -1)
+                    self._cache(table[-1], key)
         return statuses, slots, src, dst
 
     def _take_tables(self, dst_ids, src_ids, *, dst_must_be_free: bool) -> list[Status]:

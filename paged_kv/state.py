@@ -76,8 +76,13 @@ def add_stats(stats: CacheStats, **increments) -> CacheStats:
 
 # Columns of ``PrefixCache.meta``: one row per block, so the per-block facts a hit is checked
 # against come back in one gather, and a newly cached block is written with one scatter.
-KEY0, KEY1, SLOT, SALT, PARENT, PARENT_GENERATION, GENERATION = range(7)
-META_COLUMNS = 7
+KEY0, KEY1, SLOT, SALT, CLASS, CLASS_GENERATION, PARENT_CLASS, PARENT_CLASS_GENERATION, GENERATION = range(9)
+META_COLUMNS = 9
+NO_PARENT = -1
+"""``PARENT_CLASS`` of a first block."""
+UNLINKED = -2
+"""``PARENT_CLASS`` of a block whose parent was not cached when it was: no block has that class,
+so nothing can hit it as a child (a safe default that a correct caller never needs)."""
 
 
 def _as_u32(x: jax.Array) -> jax.Array:
@@ -88,10 +93,21 @@ def _as_u32(x: jax.Array) -> jax.Array:
 class PrefixCache:
     """What the prefix cache knows about each block (``[1, ...]`` placeholders when it is off).
 
-    A block is *cached* when the hash table holds its key. A hit is trusted only after checking
-    the block's stored tokens and salt, and that it was cached as the child of the block that
-    matched just before it (same id, same generation): a hash collision can never hand a request
-    K/V computed for other tokens.
+    A block is *cached* when the hash table holds its key; every full block in a block table is
+    cached, duplicates too (several blocks with equal contents share a key, and a lookup returns
+    the oldest, as vLLM's ``BlockPool`` does).
+
+    A hit is never trusted on the key alone. Every cached block carries a *class*: a label shared
+    by the cached blocks that hold the same whole prefix (salt and every token up to the block's
+    end), and it records the class of the block before it (its *parent class*). A new block joins
+    the class of the oldest cached block with its key only after checking that block's tokens,
+    salt and parent class; otherwise it founds a class of its own, labelled ``(its id, its
+    generation)``, a pair never used before. A lookup trusts a hit at position ``j`` only if the
+    block's tokens and salt equal the request's and its parent class is the class of the hit at
+    ``j - 1``. So a hash collision can never hand a request K/V computed for other tokens, and a
+    duplicate never hides a prefix: a child links to its parent's *contents*, not to one
+    physical copy of them. (While a cached block is live, some block of its parent class is too:
+    a holder of the child holds one, and freeing tail first queues the child ahead of it.)
 
     Attributes:
       tokens: int32 ``[num_blocks, block_size]``, the tokens whose K/V each block holds.
@@ -100,10 +116,11 @@ class PrefixCache:
         - ``key`` (uint32 ``[num_blocks, 2]``): a cached block's key (what a rebuild re-inserts);
         - ``slot``: a cached block's hash-table slot; -1 when not cached;
         - ``salt`` (uint32): the salt of the request that cached the block;
-        - ``parent``: the block before it in its chain; -1 for a first block;
-        - ``parent_generation``: ``generation[parent]`` when it was cached;
-        - ``generation``: bumped whenever a block stops being cached, so that children cached
-          under its old contents no longer link to it.
+        - ``klass`` (int32 ``[num_blocks, 2]``): a cached block's class label ``(block, generation)``;
+        - ``parent_class`` (int32 ``[num_blocks, 2]``): the class of the block before it when it
+          was cached; ``(NO_PARENT, 0)`` for a first block;
+        - ``generation``: bumped whenever a block gets new contents or stops being cached, so that
+          a class label, once its founder is reused, is never handed out again.
       table: the hash table from keys to block ids.
       stats: counters.
     """
@@ -126,12 +143,12 @@ class PrefixCache:
         return _as_u32(self.meta[:, SALT])
 
     @property
-    def parent(self) -> jax.Array:
-        return self.meta[:, PARENT]
+    def klass(self) -> jax.Array:
+        return self.meta[:, CLASS:CLASS_GENERATION + 1]
 
     @property
-    def parent_generation(self) -> jax.Array:
-        return self.meta[:, PARENT_GENERATION]
+    def parent_class(self) -> jax.Array:
+        return self.meta[:, PARENT_CLASS:PARENT_CLASS_GENERATION + 1]
 
     @property
     def generation(self) -> jax.Array:
@@ -169,7 +186,8 @@ class BlockManagerState:
 def init_cache(config: ManagerConfig) -> PrefixCache:
     n = config.num_blocks if config.prefix_caching else 1
     size = config.hash_table_size if config.prefix_caching else 1
-    meta = jnp.zeros((n, META_COLUMNS), jnp.int32).at[:, jnp.array([SLOT, PARENT])].set(-1)
+    meta = jnp.zeros((n, META_COLUMNS), jnp.int32).at[:, SLOT].set(-1)
+    meta = meta.at[:, jnp.array([CLASS, PARENT_CLASS])].set(UNLINKED)
     return PrefixCache(
         tokens=jnp.zeros((n, config.block_size), jnp.int32),
         meta=meta,

@@ -116,6 +116,12 @@ class ManagerMachine(RuleBasedStateMachine):
         assert np.asarray(result.copy_src)[:k].tolist() == src
         assert np.asarray(result.copy_dst)[:k].tolist() == dst
         assert int(result.num_copies) == sum(d != pk.NULL_BLOCK for d in dst)
+        # The copy list never chains: copy_blocks may run its copies in any order.
+        copies = [(a, b) for a, b in zip(np.asarray(result.copy_src).tolist(), np.asarray(result.copy_dst).tolist())
+                  if b != pk.NULL_BLOCK]
+        dsts = [b for _, b in copies]
+        assert len(set(dsts)) == len(dsts), f"a block is copied into twice: {copies}"
+        assert not set(dsts) & {a for a, _ in copies}, f"a copy destination is also a source: {copies}"
 
     @rule(src=seq_id, dsts=ids)
     def fork(self, src, dsts):
@@ -188,9 +194,44 @@ class WideTableMachine(ManagerMachine):
     config = pk.ManagerConfig(num_blocks=40, block_size=1, max_seqs=MAX_SEQS, max_blocks_per_seq=24)
 
 
+PATTERN = [1, 2, 0, 1, 2, 2, 0, 1] * 4
+"""Every prompt of the duplicates machine is a prefix of this, so full blocks repeat."""
+
+
+class DuplicatesMachine(CachingMachine):
+    """Streams full of duplicate full blocks: short repeated prompts, prompts exactly one block
+    long, and appends that complete a block another sequence holds (each sequence continues the
+    same pattern). Every full block is cached, duplicates too, and a lookup finds the oldest, as
+    in vLLM; the reference keys its cache by exact prefix, so agreement shows that no duplicate
+    hides a cached prefix."""
+
+    config = pk.ManagerConfig(num_blocks=16, block_size=4, max_seqs=MAX_SEQS, max_blocks_per_seq=7,
+                              uncached_to_front=False)
+
+    @rule(rows=st.lists(st.tuples(seq_id, st.sampled_from([4, 4, 8, 8, 5, 9, 12, 3]), st.integers(0, 1)),
+                        min_size=1, max_size=3))
+    def admit_pattern(self, rows):
+        self.admit([(sid, PATTERN[:n], salt) for sid, n, salt in rows])
+
+    @rule(row=st.tuples(seq_id, st.sampled_from([4, 8, 5, 12])))
+    def admit_one_pattern(self, row):
+        self.admit_one((row[0], PATTERN[:row[1]], 0))
+
+    @rule(data=st.data())
+    def append_pattern(self, data):
+        """Running sequences continue the pattern, so the blocks they fill equal other ones."""
+        running = self.running()
+        if running:
+            order = data.draw(st.permutations(running))
+            nxt = [PATTERN[len(self.ref.seq_tokens[s]) % len(PATTERN)] for s in order]
+            self._append(order, nxt)
+
+
 CachingMachine.TestCase.settings = SETTINGS
 PlainMachine.TestCase.settings = settings(SETTINGS, max_examples=40)
 WideTableMachine.TestCase.settings = settings(SETTINGS, max_examples=30)
+DuplicatesMachine.TestCase.settings = settings(SETTINGS, max_examples=40)
 TestPrefixCachingManager = CachingMachine.TestCase
+TestDuplicateBlocks = DuplicatesMachine.TestCase
 TestPlainManager = PlainMachine.TestCase
 TestWideTableManager = WideTableMachine.TestCase

@@ -1,5 +1,7 @@
-"""The open-addressing hash table against a dict: windowed probing, the probing loop beyond the
-window (forced with keys that share a home slot), duplicates in a batch, tombstones, rebuilds."""
+"""The open-addressing hash table against a dict of lists: windowed probing, the probing loop
+beyond the window (forced with keys that share a home slot), several blocks per key (in a batch
+and across batches; a lookup returns the oldest), tombstones, rebuilds that keep each key's
+order."""
 
 import jax
 import jax.numpy as jnp
@@ -18,25 +20,26 @@ def _keys(rng, n, size, clustered):
 
 @pytest.mark.parametrize("clustered", [False, True])
 def test_insert_lookup_remove_match_a_dict(clustered):
-    size, n_blocks = 256, 300  # block ids are never reused; rebuilds happen (size / 2 = 128)
+    size, n_blocks = 512, 400  # block ids are never reused; live entries stay under size / 2, and
+    # tombstones push them past it: rebuilds happen
     rng = np.random.default_rng(7 + clustered)
     table = ht.empty_table(size)
     all_keys = np.zeros((n_blocks, 2), np.uint32)
     all_slots = jnp.full((n_blocks,), -1, jnp.int32)
-    model: dict[tuple[int, int], int] = {}
+    model: dict[tuple[int, int], list[int]] = {}  # key -> its blocks, oldest first
     insert = jax.jit(ht.insert)
     lookup = jax.jit(ht.lookup)
     remove = jax.jit(ht.remove)
     next_block = 0
     rebuilds, dead = 0, 0
-    for step in range(12):
+    for step in range(14):
         k = 24
         fresh = _keys(rng, k, size, clustered)
         fresh[k // 2:] = fresh[: k // 2][rng.permutation(k // 2)]  # duplicates within the batch
-        present = [key for key in model]
+        present = list(model)
         if present:  # some keys already in the table
-            pick = rng.integers(0, len(present), 4)
-            fresh[:4] = np.array([present[i] for i in pick], np.uint32)
+            pick = rng.integers(0, len(present), 6)
+            fresh[:6] = np.array([present[i] for i in pick], np.uint32)
         blocks = (next_block + np.arange(k)) % n_blocks
         mask = rng.random(k) < 0.9
         all_keys[blocks] = fresh
@@ -45,33 +48,36 @@ def test_insert_lookup_remove_match_a_dict(clustered):
         slots = np.asarray(slots)
         rebuilds += int(table.num_dead) < dead
         for i in range(k):
-            key = tuple(int(x) for x in fresh[i])
-            if mask[i] and key not in model:
-                model[key] = int(blocks[i])
+            if mask[i]:
+                model.setdefault(tuple(int(x) for x in fresh[i]), []).append(int(blocks[i]))
                 assert slots[i] >= 0, (step, i)
             else:
                 assert slots[i] == -1, (step, i)
+        assert len(set(slots[mask].tolist())) == mask.sum()
         all_slots = all_slots.at[jnp.asarray(blocks)].set(jnp.where(jnp.asarray(slots) >= 0, jnp.asarray(slots),
                                                                     all_slots[jnp.asarray(blocks)]))
         next_block += k
-        # Remove a few present keys (tombstones).
-        victims = list(model)[: 3]
+        # Remove a few entries (tombstones): sometimes a key's oldest block, sometimes a younger one.
         vslots = []
-        for key in victims:
-            b = model.pop(key)
+        for key in list(model)[:8]:
+            blocks_of = model[key]
+            b = blocks_of.pop(int(rng.integers(0, len(blocks_of))))
+            if not blocks_of:
+                del model[key]
             vslots.append(int(all_slots[b]))
             all_slots = all_slots.at[b].set(-1)
-        if vslots:
-            table = remove(table, jnp.asarray(vslots, jnp.int32), jnp.ones(len(vslots), bool))
+        table = remove(table, jnp.asarray(vslots, jnp.int32), jnp.ones(len(vslots), bool))
         dead = int(table.num_dead)
-        # Every present key is found with its block; absent ones are not.
+        # Every present key is found with its oldest block; absent ones are not.
         probe = np.concatenate([np.array(list(model), np.uint32).reshape(-1, 2),
                                 _keys(rng, 16, size, clustered)])
         found = np.asarray(lookup(table, jnp.asarray(probe), jnp.ones(len(probe), bool)))
-        want = [model.get(tuple(int(x) for x in key), -1) for key in probe]
+        want = [model.get(tuple(int(x) for x in key), [-1])[0] for key in probe]
         np.testing.assert_array_equal(found, want)
-    assert int(table.num_live) == len(model)
+    assert int(table.num_live) == sum(map(len, model.values()))
     assert rebuilds >= 1
+    assert max(map(len, model.values())) >= 3  # keys with several blocks survived rebuilds
+
 
 
 @pytest.mark.parametrize("k,clustered", [(700, False), (3000, False), (500, True)])

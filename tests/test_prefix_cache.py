@@ -243,3 +243,42 @@ def test_prefix_sum_and_leading_count_match_numpy(k):
     np.testing.assert_array_equal(scan.prefix_sum(jnp.asarray(counts)), np.cumsum(counts))
     leading = np.arange(k) < np.asarray(jax.jit(scan.leading_count)(jnp.asarray(x)))[:, None]
     np.testing.assert_array_equal(leading, np.cumprod(x, axis=-1).astype(bool))
+
+
+T = list(range(1, BS + 1))  # two distinct 16-token blocks
+U = list(range(21, 21 + BS))
+
+
+def test_duplicate_full_block_never_hides_a_cached_prefix():
+    """Issue 14's repro. Request 1's block T is a duplicate of request 0's (a prompt's last token
+    is always computed), and request 1 then fills U behind it. Both copies of T are cached, and
+    U links to T's contents, not to one physical copy: T+U+y hits 32 tokens, as vLLM 0.33's
+    KVCacheManager does (same tables, id for id)."""
+    bm = pk.BlockManager(pk.ManagerConfig(num_blocks=11, block_size=BS, max_seqs=4, max_blocks_per_seq=8))
+    bm.admit([0], [T + [90, 91]])
+    bm.admit([1], [T])
+    assert (bm.table(0), bm.table(1)) == ([1, 2], [3])
+    assert np.asarray(pk.is_cached(bm.config, bm.state))[[1, 3]].all()  # the duplicate is cached too
+    for tok in U:
+        assert bm.append([1], [tok]).status[0] == pk.Status.OK
+    res = bm.admit([2], [T + U + [77, 78]])
+    assert res.cached_tokens[0] == 2 * BS
+    assert bm.table(2) == [1, 4, 5]  # the oldest T, then request 1's U
+    check_invariants(bm.config, bm.state)
+
+
+def test_duplicate_outlives_the_evicted_original():
+    """Admit T+x and T; free request 0; 48 unrelated tokens evict the original T; T+z still hits
+    request 1's copy (vLLM 0.33: hit 16, table [3, 1]; queue after each free as in vLLM)."""
+    bm = pk.BlockManager(pk.ManagerConfig(num_blocks=5, block_size=BS, max_seqs=4, max_blocks_per_seq=8))
+    bm.admit([0], [T + [90, 91]])
+    bm.admit([1], [T])
+    bm.free([0])
+    assert bm.free_queue() == [2, 4, 1]  # the partly full block to the front, T0 to the back
+    assert bm.admit([2], [list(range(101, 149))]).cached_tokens[0] == 0
+    assert bm.table(2) == [2, 4, 1]  # the original T is evicted
+    bm.free([2])
+    assert bm.free_queue() == [1, 4, 2]
+    res = bm.admit([3], [T + [60, 61, 62]])
+    assert res.cached_tokens[0] == BS and bm.table(3) == [3, 1]
+    check_invariants(bm.config, bm.state)

@@ -1,0 +1,184 @@
+"""Differential check of paged-kv's block manager against vLLM 0.33's own ``KVCacheManager``.
+
+Random request streams (admit, append, free), rich in duplicate full blocks (prompts made of a few
+repeated 16-token blocks, prompts exactly one block long, appends that complete a block another
+request holds), run through ``paged_kv.BlockManager`` one request per call, then through vLLM's
+v1 ``KVCacheManager`` (pure Python, CPU) in its own environment, driven by
+``../shared/tools/vllm_ref/vllm_driver.py``. Compared per operation: hit tokens of every
+admission, the block table it got, whether each append got a slot, and the free queue after
+every free, id for id.
+
+Build the vLLM environment once (see ../shared/tools/vllm_ref/README.md), then:
+
+    python scripts/diff_vllm.py --streams 20 --ops 300      # exits 1 on the first difference
+    python scripts/diff_vllm.py --vllm-env ~/.cache/vllm-ref-env --out results/diff_vllm.json
+
+``tests/test_diff_vllm.py`` runs a short version when the environment exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BLOCK = 16  # vllm_driver.py's block size
+DEFAULT_ENV = Path(os.environ.get("VLLM_ENV", Path.home() / ".cache" / "vllm-ref-env"))
+DRIVER_CANDIDATES = [ROOT.parent / "shared" / "tools" / "vllm_ref" / "vllm_driver.py",
+                     ROOT / "shared" / "tools" / "vllm_ref" / "vllm_driver.py"]
+
+
+def find_driver() -> Path | None:
+    return next((p for p in DRIVER_CANDIDATES if p.is_file()), None)
+
+
+def make_stream(seed: int, num_ops: int, usable: int, max_seqs: int = 8) -> list[list]:
+    """A random op stream in ``vllm_driver.py``'s format, adapted as it goes so that a request
+    whose append runs out of blocks is freed right after (as a scheduler would preempt it)."""
+    import paged_kv as pk
+
+    rng = random.Random(seed)
+    blocks = [[rng.randrange(50) for _ in range(BLOCK)] for _ in range(4)]  # T, U, V, W
+    bm = pk.BlockManager(pk.ManagerConfig(num_blocks=usable + 1, block_size=BLOCK, max_seqs=max_seqs,
+                                          max_blocks_per_seq=16))
+    tokens: dict[int, list[int]] = {}
+    ops: list[list] = []
+
+    def prompt() -> list[int]:
+        kind = rng.random()
+        n_blocks = rng.choice([1, 1, 2, 2, 3])
+        body = [t for _ in range(n_blocks) for t in blocks[rng.choice([0, 0, 1, 2, 3])]]
+        if kind < 0.4:  # exactly whole blocks: the last one is computed even when cached
+            return body
+        return body + [rng.randrange(50) for _ in range(rng.randrange(1, BLOCK))]
+
+    for _ in range(num_ops):
+        free_ids = [s for s in range(max_seqs) if s not in tokens]
+        r = rng.random()
+        if free_ids and (r < 0.35 or not tokens):
+            rid, p = rng.choice(free_ids), prompt()
+            salt = 1 if rng.random() < 0.1 else 0
+            ops.append(["admit", rid, p, salt])
+            res = bm.admit([rid], [p], [salt])
+            if int(res.status[0]) == pk.Status.OK:
+                tokens[rid] = list(p)
+        elif tokens and r < 0.85:
+            rid = rng.choice(sorted(tokens))
+            seq = tokens[rid]
+            # Mostly continue one of the shared blocks from where the sequence stands, so the
+            # blocks it fills equal blocks other requests hold.
+            tok = blocks[rng.choice([0, 1])][len(seq) % BLOCK] if rng.random() < 0.8 else rng.randrange(50)
+            ops.append(["append", rid, tok])
+            res = bm.append([rid], [tok])
+            if int(res.status[0]) == pk.Status.OK:
+                seq.append(tok)
+            else:
+                ops.append(["free", rid])
+                bm.free([rid])
+                del tokens[rid]
+        elif tokens:
+            rid = rng.choice(sorted(tokens))
+            ops.append(["free", rid])
+            bm.free([rid])
+            del tokens[rid]
+    return ops
+
+
+def run_paged_kv(ops: list[list], usable: int, max_seqs: int = 8) -> list[str]:
+    """The driver's output lines, produced by paged-kv."""
+    import paged_kv as pk
+
+    bm = pk.BlockManager(pk.ManagerConfig(num_blocks=usable + 1, block_size=BLOCK, max_seqs=max_seqs,
+                                          max_blocks_per_seq=16))
+    lines = []
+    for i, op in enumerate(ops):
+        if op[0] == "admit":
+            res = bm.admit([op[1]], [op[2]], [op[3]])
+            ok = int(res.status[0]) == pk.Status.OK
+            hit = int(res.cached_tokens[0]) if ok else None
+            lines.append(f"{i} admit {op[1]} hit {hit} table {bm.table(op[1]) if ok else None}")
+        elif op[0] == "append":
+            ok = int(bm.append([op[1]], [op[2]]).status[0]) == pk.Status.OK
+            lines.append(f"{i} append {op[1]} {'ok' if ok else 'out of blocks'}")
+        else:
+            bm.free([op[1]])
+            lines.append(f"{i} free {op[1]} queue {bm.free_queue()}")
+    return lines
+
+
+def run_vllm(ops: list[list], usable: int, env: Path, driver: Path) -> list[str]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(ops, f)
+    try:
+        out = subprocess.run([str(env / "bin" / "python"), str(driver), f.name, str(usable)],
+                             capture_output=True, text=True, check=True, timeout=600)
+    finally:
+        os.unlink(f.name)
+    return [line for line in out.stdout.splitlines() if line and line.split()[0].isdigit()]
+
+
+def compare(seed: int, num_ops: int, usable: int, env: Path, driver: Path) -> dict:
+    ops = make_stream(seed, num_ops, usable)
+    ours, theirs = run_paged_kv(ops, usable), run_vllm(ops, usable, env, driver)
+    admits = [line for line in ours if " admit " in line]
+    hit_tokens = sum(int(line.split()[4]) for line in admits if line.split()[4] != "None")
+    first_diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first_diff is None and len(ours) != len(theirs):
+        first_diff = min(len(ours), len(theirs))
+    return {
+        "seed": seed, "ops": len(ops), "admissions": len(admits), "hit_tokens": hit_tokens,
+        "equal": first_diff is None,
+        "first_difference": None if first_diff is None else {
+            "op": ops[first_diff] if first_diff < len(ops) else None,
+            "paged_kv": ours[first_diff] if first_diff < len(ours) else None,
+            "vllm": theirs[first_diff] if first_diff < len(theirs) else None,
+        },
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=10)
+    ap.add_argument("--ops", type=int, default=200)
+    ap.add_argument("--usable-blocks", type=int, default=12, help="pool size without the null block")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-env", type=Path, default=DEFAULT_ENV)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    driver = find_driver()
+    if driver is None or not (args.vllm_env / "bin" / "python").exists():
+        print(f"needs vllm_driver.py ({DRIVER_CANDIDATES[0]}) and the vLLM environment ({args.vllm_env})",
+              file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    results = []
+    for k in range(args.streams):
+        r = compare(args.seed + k, args.ops, args.usable_blocks, args.vllm_env, driver)
+        results.append(r)
+        print(f"stream {r['seed']}: {r['ops']} ops, {r['admissions']} admissions, {r['hit_tokens']} hit tokens: "
+              + ("identical" if r["equal"] else f"DIFFERS at {r['first_difference']}"), flush=True)
+    summary = {
+        "streams": len(results), "ops_per_stream": args.ops, "usable_blocks": args.usable_blocks,
+        "identical": sum(r["equal"] for r in results), "hit_tokens": sum(r["hit_tokens"] for r in results),
+        "seconds": round(time.perf_counter() - t0, 1), "results": results,
+        "command": "python " + " ".join(sys.argv),
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"{summary['identical']}/{summary['streams']} streams identical to vLLM 0.33 "
+          f"({summary['hit_tokens']} hit tokens in all)")
+    return 0 if summary["identical"] == summary["streams"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

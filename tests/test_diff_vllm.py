@@ -1,0 +1,19 @@
+"""paged-kv's block manager against vLLM 0.33's own KVCacheManager, on random request streams rich
+in duplicate full blocks (``scripts/diff_vllm.py``): hit tokens of every admission, tables, append
+outcomes and the free queue after every free must be identical, id for id.
+
+Runs where vLLM's CPU environment exists (``../shared/tools/vllm_ref/setup.sh`` builds it in
+``~/.cache/vllm-ref-env``, or set ``VLLM_ENV``); skipped elsewhere."""
+
+import pytest
+
+from scripts import diff_vllm
+
+
+@pytest.mark.skipif(diff_vllm.find_driver() is None or not (diff_vllm.DEFAULT_ENV / "bin" / "python").exists(),
+                    reason="vLLM 0.33 reference environment not built (../shared/tools/vllm_ref/setup.sh)")
+@pytest.mark.parametrize("seed", [101, 202])
+def test_identical_to_vllm_on_random_streams(seed):
+    r = diff_vllm.compare(seed, 120, 12, diff_vllm.DEFAULT_ENV, diff_vllm.find_driver())
+    assert r["hit_tokens"] > 0
+    assert r["equal"], r["first_difference"]
