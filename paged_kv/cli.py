@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 BUILTIN_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-llama"
@@ -43,9 +46,108 @@ TEMPLATES = [
 ]
 
 
+# ---------------------------------------------------------------------------- Ctrl-C
+# Python turns SIGINT into KeyboardInterrupt, which only surfaces between bytecodes: a Ctrl-C while
+# XLA compiles waits for the compiler, and unwinding with XLA threads still at work can crash the
+# interpreter on the way out (a segmentation fault seconds after "interrupted"); during imports it
+# prints a long traceback. Instead the CLI exits at once: the C-level signal handler writes to a
+# wakeup pipe that a watcher thread reads (it runs even while the main thread is inside XLA), and
+# the Python-level handler covers the main thread; whichever comes first flushes the output, prints
+# one line and leaves through ``os._exit(130)`` (no interpreter teardown to crash in).
+
+INTERRUPTED_STATUS = 130
+_exit_lock = threading.Lock()
+_installed = False
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed stream, a reentrant flush from the signal handler
+            pass
+
+
+def _interrupted() -> None:
+    if not _exit_lock.acquire(blocking=False):  # the other path is already exiting
+        while True:
+            time.sleep(1)
+    flusher = threading.Thread(target=_flush_streams, daemon=True)  # a stuck pipe must not hold us
+    flusher.start()
+    flusher.join(1.0)
+    try:
+        os.write(2, (b"\n" if os.isatty(2) else b"") + b"paged-kv: interrupted\n")  # (past a progress bar)
+    finally:
+        os._exit(INTERRUPTED_STATUS)
+
+
+def _on_sigint(signum, frame) -> None:
+    _interrupted()
+
+
+def _watch_wakeup_fd(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        if signal.SIGINT in data:
+            _interrupted()
+
+
+def install_interrupt_handler() -> None:
+    """Ctrl-C (SIGINT) ends the program at once: flush stdout/stderr, print ``paged-kv:
+    interrupted`` and exit with status 130, whatever the main thread is doing (importing JAX,
+    compiling, rendering the report). Idempotent; only from the main thread. Cheap: it imports
+    nothing, so it can run before JAX is imported."""
+    global _installed
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    _installed = True
+    signal.signal(signal.SIGINT, _on_sigint)
+    _phase("import")  # (the test hook; announced before the wakeup pipe is set: a signal now still exits)
+    try:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except (OSError, ValueError):  # no pipes here: the Python-level handler alone
+        return
+    threading.Thread(target=_watch_wakeup_fd, args=(r,), name="paged-kv-sigint", daemon=True).start()
+
+
+# Test hook (not an option): with PAGED_KV_TEST_PHASE=NAME the CLI announces phase NAME on stderr
+# when it reaches it ("paged-kv: test phase NAME ..."), so that a test can send SIGINT at a known
+# point; with PAGED_KV_TEST_PHASE=NAME:wait it then waits there (up to a minute) for the signal.
+_PHASE_ENV = "PAGED_KV_TEST_PHASE"
+
+
+def _phase(name: str) -> None:
+    want = os.environ.get(_PHASE_ENV, "")
+    if want.split(":")[0] != name:
+        return
+    sys.stderr.write(f"paged-kv: test phase {name} (jax imported: {'jax' in sys.modules})\n")
+    sys.stderr.flush()
+    if want.endswith(":wait"):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------- options
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage block
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where there is none to show (None, or False for a flag)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _int_at_least(low: int):
@@ -73,11 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "preemption by recompute, prefix caching, parallel sampling and beam search) and report "
                     "tokens/s, peak blocks, KV memory saved by sharing, prefix-cache hit rate and preemptions, "
                     "with a picture of one request family's block tables.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     g = p.add_argument_group("model and workload")
     g.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="Hugging Face Llama checkpoint directory (config.json + safetensors); prompts are UTF-8 "
-                        "bytes, so the vocabulary needs >= 259 ids. Default: the built-in checkpoints/tiny-llama")
+                        "bytes, so the vocabulary needs >= 259 ids, and answers print as token ids where the "
+                        "checkpoint has no byte-level tokenizer.json to decode them. Default: the built-in "
+                        "checkpoints/tiny-llama")
     g.add_argument("--requests", type=_positive, default=24, metavar="N",
                    help="requests in the workload (the 12 templates repeat)")
     g.add_argument("--max-new-tokens", type=_positive, default=48, metavar="N",
@@ -172,40 +276,111 @@ def _pick_outputs(outputs, count: int):
     return picked[:count]
 
 
-def _print_outputs(outputs, tokenizer, count: int) -> None:
+def _shown_tokens(tokenizer, ids, limit: int, *, as_text: bool = True) -> str:
+    """Text of ``ids`` (quoted) when ``tokenizer`` can decode them, else the token ids themselves
+    (a model whose vocabulary is not byte-level generates ids the byte tokenizer has no text for)."""
+    ids = [int(t) for t in ids]
+    if tokenizer is not None and as_text:
+        try:
+            return repr(_short(tokenizer.decode(ids, stop_at_eos=True), limit))
+        except (ValueError, TypeError, OverflowError):
+            pass
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos in ids:
+        ids = ids[: ids.index(eos)]
+    text = " ".join(map(str, ids))
+    return f"token ids [{text if len(text) <= limit else text[: limit - 3] + '...'}]"
+
+
+def _print_outputs(outputs, tokenizer, count: int, *, as_text: bool = True) -> None:
+    """A few answers; ``as_text=False`` (or ids the tokenizer cannot decode): token ids."""
     for o in _pick_outputs(outputs, count):
-        prompt = tokenizer.decode(o.request.prompt)
+        prompt = _shown_tokens(tokenizer, o.request.prompt, 60)
         print(f"\n[request {o.request_id}: {_describe(o.request)}; {o.stats.preemptions} preemptions, "
-              f"{o.stats.cached_prompt_tokens} prompt tokens from cache]  {_short(prompt)!r}")
+              f"{o.stats.cached_prompt_tokens} prompt tokens from cache]  {prompt}")
         for j, toks in enumerate(o.tokens):
-            text = tokenizer.decode(toks, stop_at_eos=True)
+            text = _shown_tokens(tokenizer, toks, 90, as_text=as_text)
             tag = f"beam {j} (score {o.scores[j]:.3f})" if o.scores is not None else f"sample {j}"
-            print(f"    {tag}: {_short(text, 90)!r}")
+            print(f"    {tag}: {text}")
 
 
-def _run(args) -> int:
-    import jax  # imported here so that --help and argument errors stay fast
+def _checkpoint_dir(args) -> Path:
+    """The checkpoint directory, checked before anything is loaded (``ValueError`` otherwise)."""
+    if args.checkpoint is None:
+        if not BUILTIN_CHECKPOINT.is_dir():
+            raise ValueError(f"checkpoint directory {str(BUILTIN_CHECKPOINT)!r} does not exist (built-in model "
+                             "missing; pass --checkpoint DIR)")
+        return BUILTIN_CHECKPOINT
+    ckpt = Path(args.checkpoint)
+    if ckpt.is_dir():
+        return ckpt
+    if ckpt.exists():
+        hint = (f"; did you mean --checkpoint {str(ckpt.parent)!r}?"
+                if ckpt.name == "config.json" or ckpt.suffix in (".safetensors", ".json") else "")
+        raise ValueError(f"checkpoint {str(ckpt)!r} is a file, not a directory (pass the directory that holds "
+                         f"config.json and the safetensors{hint})")
+    raise ValueError(f"checkpoint directory {str(ckpt)!r} does not exist")
+
+
+def _start_jax(args):
+    """Imports JAX, creates the host devices for ``--tp`` (before the backend starts) and checks
+    that ``--impl pallas`` has a GPU. Returns the jax module."""
+    import jax
 
     if args.tp > 1:  # host devices to shard over when JAX runs on the CPU (before it starts)
         jax.config.update("jax_num_cpu_devices", args.tp)
+    if args.impl == "pallas" and jax.default_backend() != "gpu":
+        raise _UsageError(f"--impl pallas needs a GPU (the Pallas kernels compile through Triton); JAX runs on "
+                          f"{jax.default_backend()} here: use --impl auto, reference or interpret")
+    return jax
+
+
+class _UsageError(Exception):
+    """A bad combination of options found after parsing: exit 2, like argparse."""
+
+
+def _load_tokenizer(ckpt: Path, vocab_size: int):
+    """(tokenizer, answers as text, note): the checkpoint's byte-level ``tokenizer.json``, else the
+    byte tokenizer for the prompts with answers printed as token ids where they are not bytes."""
+    from models.tokenizer import TOKENIZER_FILE, ByteTokenizer
+
+    path = ckpt / TOKENIZER_FILE
+    if path.is_file():
+        try:
+            return ByteTokenizer.load(ckpt), True, None
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            return ByteTokenizer(), False, (f"{TOKENIZER_FILE} is not a byte-level tokenizer ({_first_line(e)}): "
+                                            "prompts go in as UTF-8 bytes, answers are printed as token ids")
+    tok = ByteTokenizer()
+    note = None
+    if vocab_size != tok.vocab_size:
+        note = (f"no {TOKENIZER_FILE} and a vocabulary of {vocab_size} ids: prompts go in as UTF-8 bytes, answers "
+                f"are printed as text where every id is a byte-level one, else as token ids")
+    return tok, True, note
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _run(args, ckpt: Path) -> int:
+    _phase("imports")
+    jax = _start_jax(args)
 
     import paged_kv as pk
     from models import load_hf_checkpoint
     from models.hf_io import CheckpointError
-    from models.tokenizer import TOKENIZER_FILE, ByteTokenizer
     from paged_kv import report
     from paged_kv.engine.serving import ServingConfig, ServingEngine
 
-    ckpt = Path(args.checkpoint) if args.checkpoint else BUILTIN_CHECKPOINT
-    if not ckpt.is_dir():
-        raise ValueError(f"checkpoint directory {str(ckpt)!r} does not exist"
-                         + ("" if args.checkpoint else " (built-in model missing; pass --checkpoint DIR)"))
+    _phase("load")
     try:
         model = load_hf_checkpoint(ckpt)
     except (CheckpointError, OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot load checkpoint {str(ckpt)!r}: {e}") from None
-    tok = ByteTokenizer.load(ckpt) if (ckpt / TOKENIZER_FILE).is_file() else ByteTokenizer()
+        raise ValueError(f"cannot load checkpoint {str(ckpt)!r}: {_first_line(e)}") from None
     vocab = model.config.vocab_size
+    tok, as_text, note = _load_tokenizer(ckpt, vocab)
     if vocab < tok.vocab_size:
         raise ValueError(f"the model's vocabulary has {vocab} ids; byte-level prompts need {tok.vocab_size}")
     context = min(args.max_seq_len, model.config.max_position_embeddings)
@@ -227,6 +402,8 @@ def _run(args) -> int:
           f"JAX {jax.__version__} on {jax.default_backend()}); pool of {mgr.num_blocks} blocks x "
           f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}"
           + (f", tensor-parallel over {args.tp} devices" if mesh is not None else ""), flush=True)
+    if note:
+        print(f"note: {note}", flush=True)
     print("the first step of each shape compiles (about a minute on a 2-core CPU) ...", flush=True)
     from tqdm import tqdm
 
@@ -239,6 +416,7 @@ def _run(args) -> int:
                             blocks=eng.blocks_in_use, preempted=eng.preemptions, refresh=False)
             bar.refresh()
 
+    _phase("compile")  # the first step compiles
     outputs = []
     for out in engine.run(reqs, on_step=on_step):  # streamed as each request finishes
         outputs.append(out)
@@ -247,37 +425,58 @@ def _run(args) -> int:
             bar.write(f"request {out.request_id:>3} rejected: {out.error}")
             continue
         st = out.stats
+        ttft = "–" if st.time_to_first_token_s is None else f"{st.time_to_first_token_s:.2f} s"
         bar.write(f"request {out.request_id:>3} done at step {st.finish_step:4d}: {_describe(out.request):<34} "
                   f"{st.prompt_tokens:4d} prompt tokens, {st.cached_prompt_tokens:3d} tokens from cache in "
                   f"{st.admissions} admission{'s' if st.admissions > 1 else ''}, "
                   f"{st.generated_tokens:4d} generated, {st.preemptions} preemptions, "
-                  f"first token after {st.time_to_first_token_s:.2f} s")
+                  f"first token after {ttft}")
     bar.close()
 
-    if args.show:
-        _print_outputs(outputs, tok, args.show)
+    _phase("report")
     rep = report.build_report(engine, outputs, extra={"checkpoint": str(ckpt), "seed": args.seed,
                                                       "workload": {"requests": args.requests,
                                                                    "max_new_tokens": args.max_new_tokens,
                                                                    "arrival_gap": args.arrival_gap}})
+    # The files first: nothing printed below can lose them.
+    written, problems = [], []
+    if engine.snapshot is not None:
+        try:
+            written.append(f"block-table picture: {report.save_block_tables_png(engine.snapshot, args.png)}")
+        except (OSError, ValueError) as e:
+            problems.append(f"cannot write the block-table picture {args.png!r}: {_first_line(e)}")
+    if args.json:
+        try:
+            with open(args.json, "w") as fh:
+                json.dump(rep, fh, indent=2)
+            written.append(f"report JSON: {args.json}")
+        except (OSError, ValueError, TypeError) as e:
+            problems.append(f"cannot write the report JSON {args.json!r}: {_first_line(e)}")
+
+    if args.show:
+        _print_outputs(outputs, tok, args.show, as_text=as_text)
     print()
     print(report.format_report(rep))
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
     if engine.snapshot is not None:
         print()
         print(report.render_block_tables(engine.snapshot, color=color))
-        png = report.save_block_tables_png(engine.snapshot, args.png)
-        print(f"block-table picture: {png}")
     else:
         print("no request with n > 1 or beam search ran: no block-table picture")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rep, fh, indent=2)
-        print(f"report JSON: {args.json}")
-    return 0
+    for line in written:
+        print(line)
+    sys.stdout.flush()
+    rejected = [o for o in outputs if not o.ok]
+    if outputs and len(rejected) == len(outputs):
+        problems.append(f"every request was rejected ({len(rejected)} of {len(outputs)}), e.g. request "
+                        f"{rejected[0].request_id}: {rejected[0].error}")
+    for line in problems:
+        print(f"paged-kv: error: {line}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def main(argv=None) -> int:
+    install_interrupt_handler()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.block_size & (args.block_size - 1):
@@ -300,13 +499,16 @@ def main(argv=None) -> int:
         walkthrough()
         return 0
     try:
-        return _run(args)
-    except KeyboardInterrupt:
+        ckpt = _checkpoint_dir(args)
+        return _run(args, ckpt)
+    except _UsageError as e:
+        parser.error(str(e))
+    except KeyboardInterrupt:  # only if the handler above could not be installed
         print("paged-kv: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_STATUS
     except (ValueError, OSError) as e:
-        print(f"paged-kv: error: {e}", file=sys.stderr)
+        print(f"paged-kv: error: {_first_line(e)}", file=sys.stderr)
         return 1
 
 
-__all__ = ["TEMPLATES", "build_parser", "build_workload", "main"]
+__all__ = ["TEMPLATES", "build_parser", "build_workload", "install_interrupt_handler", "main"]

@@ -45,6 +45,38 @@ def _padded(values: Sequence[int], size: int) -> np.ndarray:
     return out
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _show(v) -> str:
+    """``repr`` of a bad value, cut short."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _typed(v) -> str:
+    """A bad value with its type: ``int 5``, ``str 'ab'``, ``None``."""
+    return "None" if v is None else f"{type(v).__name__} {_show(v)}"
+
+
+def _as_list(values, what: str, of: str, ndim: int = 1) -> list:
+    """The elements of a list-like argument (list, tuple, range, numpy or JAX array of ``ndim``
+    dimensions, other iterables); ``ValueError`` for a scalar, None, a string, a mapping or a set."""
+    if not isinstance(values, (list, tuple, range)) and hasattr(values, "__array__"):
+        array = np.asarray(values)
+        if array.ndim != ndim:
+            got = _typed(values) if array.ndim == 0 else f"a {array.ndim}-D array of shape {array.shape}"
+            raise ValueError(f"{what} must be a sequence of {of}, got {got}")
+        return list(array)
+    if values is None or isinstance(values, (str, bytes, dict, set, frozenset)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{what} must be a sequence of {of}, got {_typed(values)}")
+    try:
+        return list(values)
+    except TypeError as e:
+        raise ValueError(f"{what} must be a sequence of {of}, got {type(values).__name__}: {e}") from None
+
+
 class BlockManager:
     """Owns a ``BlockManagerState`` and updates it through the jitted operations.
 
@@ -67,20 +99,30 @@ class BlockManager:
     def running(self) -> set[int]:
         return set(np.flatnonzero(np.asarray(self.state.active)).tolist())
 
-    def _check_ids(self, seq_ids: Sequence[int], what: str) -> list[int]:
-        ids = list(seq_ids)
+    def _check_id(self, sid, what: str) -> int:
+        if not _is_int(sid):
+            raise ValueError(f"{what}: sequence id {_show(sid)} is not an int")
+        if not 0 <= sid < self.config.max_seqs:
+            raise ValueError(f"{what}: sequence id {sid} out of range [0, {self.config.max_seqs})")
+        return int(sid)
+
+    def _check_ids(self, seq_ids: Sequence[int], what: str, arg: str = "seq_ids") -> list[int]:
+        ids = _as_list(seq_ids, f"{what}: {arg}", "sequence ids")
         if len(ids) > self.config.max_seqs:
-            raise ValueError(f"{len(ids)} {what} in one call; max_seqs is {self.config.max_seqs}")
+            raise ValueError(f"{what}: {len(ids)} sequence ids in one call; max_seqs is {self.config.max_seqs}")
         seen = set()
         for sid in ids:
-            if isinstance(sid, bool) or not isinstance(sid, (int, np.integer)):
-                raise ValueError(f"{what}: sequence id {sid!r} is not an int")
-            if not 0 <= sid < self.config.max_seqs:
-                raise ValueError(f"{what}: sequence id {sid} out of range [0, {self.config.max_seqs})")
+            sid = self._check_id(sid, what)
             if sid in seen:
                 raise ValueError(f"{what}: sequence id {sid} appears more than once in one call")
             seen.add(sid)
         return [int(s) for s in ids]
+
+    @staticmethod
+    def _check_token(tok, where: str) -> int:
+        if not _is_int(tok) or not 0 <= tok < 2**31:
+            raise ValueError(f"{where} (token ids are ints in [0, 2**31))")
+        return int(tok)
 
     def _check_running(self, ids: Sequence[int], what: str) -> None:
         running = self.running()
@@ -105,15 +147,16 @@ class BlockManager:
         """Starts ``seq_ids[i]`` with prompt ``prompts[i]`` (token ids) and cache salt
         ``salts[i]`` (default 0); returns statuses and cached/shared prompt tokens (numpy)."""
         ids = self._check_ids(seq_ids, "admit")
-        prompts = [list(p) for p in prompts]
+        prompts = _as_list(prompts, "admit: prompts", "prompts (each a sequence of token ids)", ndim=2)
         if len(prompts) != len(ids):
             raise ValueError(f"admit: {len(ids)} sequence ids but {len(prompts)} prompts")
-        salts = [0] * len(ids) if salts is None else list(salts)
+        prompts = [_as_list(p, f"admit: prompt of sequence {sid}", "token ids") for sid, p in zip(ids, prompts)]
+        salts = [0] * len(ids) if salts is None else _as_list(salts, "admit: salts", "ints in [0, 2**32)")
         if len(salts) != len(ids):
             raise ValueError(f"admit: {len(ids)} sequence ids but {len(salts)} salts")
         for sid, salt in zip(ids, salts):
-            if isinstance(salt, bool) or not isinstance(salt, (int, np.integer)) or not 0 <= salt < 2**32:
-                raise ValueError(f"admit: salt {salt!r} of sequence {sid} is not an int in [0, 2**32)")
+            if not _is_int(salt) or not 0 <= salt < 2**32:
+                raise ValueError(f"admit: salt {_show(salt)} of sequence {sid} is not an int in [0, 2**32)")
         limit = self.config.max_tokens_per_seq
         for sid, prompt in zip(ids, prompts):
             if not prompt:
@@ -125,12 +168,14 @@ class BlockManager:
                     f"block_size={self.config.block_size})"
                 )
             for pos, tok in enumerate(prompt):
-                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or not 0 <= tok < 2**31:
-                    raise ValueError(
-                        f"admit: prompt of sequence {sid} has invalid token id {tok!r} at position "
-                        f"{pos} (token ids are ints in [0, 2**31))"
-                    )
+                self._check_token(tok, f"admit: prompt of sequence {sid} has invalid token id {_show(tok)} "
+                                       f"at position {pos}")
+        prompts = [[int(t) for t in p] for p in prompts]
+        salts = [int(t) for t in salts]
         self._check_not_running(ids, "admit")
+        if not ids:
+            empty = np.zeros((0,), np.int32)
+            return admission.AdmitResult(status=empty, cached_tokens=empty.copy(), shared_tokens=empty.copy())
         size = _bucket(len(ids), self.config.max_seqs)
         width = _bucket(max(len(p) for p in prompts), limit)
         tokens = np.zeros((size, width), np.int32)
@@ -160,13 +205,16 @@ class BlockManager:
             if self.config.prefix_caching:
                 raise ValueError("append: token_ids are required with prefix_caching=True")
             token_ids = [0] * len(ids)
-        token_ids = list(token_ids)
+        token_ids = _as_list(token_ids, "append: token_ids", "token ids")
         if len(token_ids) != len(ids):
             raise ValueError(f"append: {len(ids)} sequence ids but {len(token_ids)} token ids")
-        for sid, tok in zip(ids, token_ids):
-            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or not 0 <= tok < 2**31:
-                raise ValueError(f"append: invalid token id {tok!r} for sequence {sid}")
+        token_ids = [self._check_token(tok, f"append: invalid token id {_show(tok)} for sequence {sid}")
+                     for sid, tok in zip(ids, token_ids)]
         self._check_running(ids, "append")
+        if not ids:
+            empty = np.zeros((0,), np.int32)
+            return allocate.AppendResult(status=empty, slots=empty.copy(), copy_src=empty.copy(),
+                                         copy_dst=empty.copy(), num_copies=0)
         size = _bucket(len(ids), self.config.max_seqs)
         self.state, result = _append(
             self.config, self.state, _padded(ids, size), _padded(token_ids, size)
@@ -182,10 +230,12 @@ class BlockManager:
 
     def fork(self, src: int, dst_ids: Sequence[int]) -> np.ndarray:
         """Each of ``dst_ids`` starts as a sharing copy of running sequence ``src``."""
-        (src,) = self._check_ids([src], "fork source")
-        ids = self._check_ids(dst_ids, "fork")
+        src = self._check_id(src, "fork source")
+        ids = self._check_ids(dst_ids, "fork", "dst_ids")
         self._check_running([src], "fork source")
         self._check_not_running(ids, "fork")
+        if not ids:
+            return np.zeros((0,), np.int32)
         size = _bucket(len(ids), self.config.max_seqs)
         self.state, status = _fork(
             self.config, self.state, _padded([src] * len(ids), size), _padded(ids, size)
@@ -194,13 +244,14 @@ class BlockManager:
 
     def select(self, dst_ids: Sequence[int], parent_ids: Sequence[int]) -> np.ndarray:
         """Beam reselection: ``dst_ids[i]`` takes ``parent_ids[i]``'s table, all at once."""
-        ids = self._check_ids(dst_ids, "select")
-        parents = list(parent_ids)
+        ids = self._check_ids(dst_ids, "select", "dst_ids")
+        parents = _as_list(parent_ids, "select: parent_ids", "sequence ids")
         if len(parents) != len(ids):
             raise ValueError(f"select: {len(ids)} destinations but {len(parents)} parents")
-        for p in parents:
-            self._check_ids([p], "select parent")
+        parents = [self._check_id(p, "select parent") for p in parents]
         self._check_running(parents, "select parent")
+        if not ids:
+            return np.zeros((0,), np.int32)
         size = _bucket(len(ids), self.config.max_seqs)
         self.state, status = _select(
             self.config, self.state, _padded(ids, size), _padded(parents, size)
@@ -211,6 +262,8 @@ class BlockManager:
         """Ends sequences; their blocks join the back of the free queue, tail first."""
         ids = self._check_ids(seq_ids, "free")
         self._check_running(ids, "free")
+        if not ids:
+            return np.zeros((0,), np.int32)
         size = _bucket(len(ids), self.config.max_seqs)
         self.state, status = _free(self.config, self.state, _padded(ids, size))
         return np.asarray(status)[: len(ids)]
@@ -219,19 +272,23 @@ class BlockManager:
 
     def table(self, seq_id: int) -> list[int]:
         """Physical block ids of a running sequence, first block first."""
-        (sid,) = self._check_ids([seq_id], "table")
+        sid = self._check_id(seq_id, "table")
         self._check_running([sid], "table")
         held = int(blocks_held(self.config, self.state.num_tokens[sid]))
         return np.asarray(self.state.block_tables[sid, :held]).tolist()
 
     def num_tokens(self, seq_id: int) -> int:
-        (sid,) = self._check_ids([seq_id], "num_tokens")
+        """Tokens held by sequence ``seq_id``."""
+        sid = self._check_id(seq_id, "num_tokens")
         return int(self.state.num_tokens[sid])
 
     def ref_count(self, block: int) -> int:
+        """Reference count of physical block ``block``."""
+        if not _is_int(block):
+            raise ValueError(f"ref_count: block {_show(block)} is not an int")
         if not 0 <= block < self.config.num_blocks:
-            raise ValueError(f"block {block} out of range [0, {self.config.num_blocks})")
-        return int(self.state.ref_count[block])
+            raise ValueError(f"ref_count: block {block} out of range [0, {self.config.num_blocks})")
+        return int(self.state.ref_count[int(block)])
 
     def free_queue(self) -> list[int]:
         """Free blocks front (next allocated) to back (most recently freed). O(pool)."""

@@ -32,11 +32,22 @@ _ANSI = {1: "\x1b[48;5;252m\x1b[30m", 2: "\x1b[48;5;229m\x1b[30m", 3: "\x1b[48;5
 _RESET = "\x1b[0m"
 
 
-def _saved(shared: int, unshared: int) -> float:
-    return 1.0 - shared / unshared if unshared else 0.0
+def _saved(shared: int, unshared: int) -> float | None:
+    """1 - shared / unshared, rounded; None when nothing ran with n > 1 or beams (no such figure)."""
+    return round(1.0 - shared / unshared, 4) if unshared else None
 
 
-def _kib(nbytes: float) -> str:
+DASH = "–"  # printed for a figure that does not exist (None in the JSON)
+
+
+def _fmt(value, spec: str = "", scale: float = 1.0, unit: str = "") -> str:
+    """``value * scale`` formatted with ``spec``, then ``unit``; ``DASH`` when the figure does not exist."""
+    return DASH if value is None else format(value * scale if scale != 1.0 else value, spec) + unit
+
+
+def _kib(nbytes: float | None) -> str:
+    if nbytes is None:
+        return DASH
     if nbytes >= 1 << 20:
         return f"{nbytes / (1 << 20):.1f} MiB"
     return f"{nbytes / 1024:.1f} KiB"
@@ -60,6 +71,7 @@ def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, ext
             "arrival_step": s.arrival_step, "first_token_step": s.first_token_step, "finish_step": s.finish_step,
             "time_to_first_token_s": s.time_to_first_token_s, "latency_s": s.latency_s, "error": o.error})
     ttft = sorted(o.stats.time_to_first_token_s for o in ok if o.stats.time_to_first_token_s is not None)
+    timed_s = st.wall_s - st.compile_s
     report = {
         "config": {"num_blocks": mgr.num_blocks, "block_size": mgr.block_size, "max_seqs": mgr.max_seqs,
                    "max_blocks_per_seq": mgr.max_blocks_per_seq, "prefix_caching": mgr.prefix_caching,
@@ -70,7 +82,9 @@ def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, ext
                      "beam": sum(1 for o in outputs if o.request.is_beam)},
         "throughput": {"generated_tokens": st.generated_tokens, "prefill_tokens": st.prefill_tokens,
                        "steps": st.steps, "prefill_steps": st.prefill_steps, "wall_s": round(st.wall_s, 3),
-                       "compile_s": round(st.compile_s, 3), "tokens_per_s": round(st.tokens_per_s, 1),
+                       "compile_s": round(st.compile_s, 3),
+                       # None (no such figure) when no step ran apart from compiling
+                       "tokens_per_s": round(st.tokens_per_s, 1) if st.steps and timed_s > 0 else None,
                        "time_to_first_token_median_s": round(ttft[len(ttft) // 2], 4) if ttft else None},
         "blocks": {"peak_used": st.peak_blocks_used, "allocatable": mgr.num_blocks - 1,
                    "peak_used_bytes": st.peak_blocks_used * bpb, "copy_on_write_copies": st.copies},
@@ -78,16 +92,16 @@ def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, ext
             "definition": SHARING_DEFINITION,
             "parallel_sampling": {"block_steps_with_sharing": st.sampling_blocks_shared,
                                   "block_steps_without_sharing": st.sampling_blocks_unshared,
-                                  "saved_fraction": round(_saved(st.sampling_blocks_shared,
-                                                                 st.sampling_blocks_unshared), 4),
+                                  "saved_fraction": _saved(st.sampling_blocks_shared, st.sampling_blocks_unshared),
                                   "peak_blocks_saved": st.peak_sampling_saved,
                                   "peak_bytes_saved": st.peak_sampling_saved * bpb},
             "beam_search": {"block_steps_with_sharing": st.beam_blocks_shared,
                             "block_steps_without_sharing": st.beam_blocks_unshared,
-                            "saved_fraction": round(_saved(st.beam_blocks_shared, st.beam_blocks_unshared), 4),
+                            "saved_fraction": _saved(st.beam_blocks_shared, st.beam_blocks_unshared),
                             "peak_blocks_saved": st.peak_beam_saved, "peak_bytes_saved": st.peak_beam_saved * bpb},
         },
-        "prefix_cache": {"hit_rate": round(st.cache_hit_rate, 4), "hit_tokens": st.cache_hit_tokens,
+        "prefix_cache": {"hit_rate": round(st.cache_hit_rate, 4) if st.cache_query_tokens else None,
+                         "hit_tokens": st.cache_hit_tokens,
                          "query_tokens": st.cache_query_tokens, "lookups": st.cache_lookups,
                          "evictions": st.cache_evictions,
                          "prompt_tokens_from_cache": sum(o.stats.cached_prompt_tokens for o in outputs),
@@ -108,28 +122,30 @@ def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, ext
 
 
 def format_report(report: dict) -> str:
-    """The report as text for the terminal."""
+    """The report as text for the terminal; a figure that does not exist (None) prints as "–"."""
     t, b, sh, pc, pre = (report[k] for k in ("throughput", "blocks", "sharing", "prefix_cache", "preemptions"))
     cfg, rq = report["config"], report["requests"]
     bpb = cfg["kv_bytes_per_block"]
+    timed = None if t["wall_s"] is None or t["compile_s"] is None else t["wall_s"] - t["compile_s"]
     lines = [
         "== paged-kv serving report ==",
         f"requests            {rq['finished']} finished, {rq['rejected']} rejected "
         f"({rq['sampling_n_gt_1']} with n > 1, {rq['beam']} beam search)",
-        f"throughput          {t['tokens_per_s']:.1f} generated tokens/s ({t['generated_tokens']} tokens, "
-        f"{t['steps']} steps in {t['wall_s'] - t['compile_s']:.1f} s; + {t['compile_s']:.1f} s compiling)",
-        f"time to first token median {t['time_to_first_token_median_s']} s",
+        f"throughput          {_fmt(t['tokens_per_s'], '.1f')} generated tokens/s ({t['generated_tokens']} tokens, "
+        f"{t['steps']} steps in {_fmt(timed, '.1f', unit=' s')}; "
+        f"+ {_fmt(t['compile_s'], '.1f', unit=' s')} compiling)",
+        f"time to first token median {_fmt(t['time_to_first_token_median_s'], '.3f', unit=' s')}",
         f"peak blocks in use  {b['peak_used']} of {b['allocatable']} ({_kib(b['peak_used_bytes'])} of KV; "
         f"{cfg['block_size']} tokens x {_kib(bpb)} per block), {b['copy_on_write_copies']} copy-on-write copies",
     ]
     for name, key in (("parallel sampling", "parallel_sampling"), ("beam search", "beam_search")):
         s = sh[key]
-        lines.append(f"saved by sharing    {name}: {100 * s['saved_fraction']:.1f}% of block-steps "
+        lines.append(f"saved by sharing    {name}: {_fmt(s['saved_fraction'], '.1f', 100, '%')} of block-steps "
                      f"({s['block_steps_with_sharing']} held vs {s['block_steps_without_sharing']} unshared); "
                      f"peak {s['peak_blocks_saved']} blocks = {_kib(s['peak_bytes_saved'])}")
     lines += [
-        f"prefix cache        hit rate {100 * pc['hit_rate']:.1f}% ({pc['hit_tokens']} of {pc['query_tokens']} "
-        f"prompt tokens), {pc['evictions']} evictions",
+        f"prefix cache        hit rate {_fmt(pc['hit_rate'], '.1f', 100, '%')} ({pc['hit_tokens']} of "
+        f"{pc['query_tokens']} prompt tokens), {pc['evictions']} evictions",
         f"preemptions         {pre['total']} ({pre['requests_preempted']} requests, re-admitted by recompute; "
         f"their admissions found {pre['readmission_cached_tokens']} prompt tokens cached)",
         f"({sh['definition']})",

@@ -82,3 +82,113 @@ def test_bad_input_raises_and_changes_nothing(bm, call, error, match):
 def test_manager_needs_a_config():
     with pytest.raises(ValueError, match="config must be a ManagerConfig"):
         pk.BlockManager({"num_blocks": 4})
+
+
+# -- fuzzing every public method with malformed arguments --------------------------------------------
+
+# Values that are wrong as a list of ids, a prompt, a list of prompts, a scalar id, a token id, ...
+BAD = [
+    [], 0, 3, True, False, 1.5, -1, 10**9, 2**32 - 1, 2**63, np.int64(1), np.float32(1.0), np.array(1),
+    np.array([1.0]), np.array([[1]]), np.array([True]), [[0]], [[[0]]], "0", "ab", b"1", None, {0: 1}, {0},
+    [None], [1.5], [True], [-1], [2**32 - 1], [np.float64(0)], ["a"], [0, 0], object(),
+]
+
+# (name, call with one argument replaced): the other arguments are valid for the fixture (sequence 0
+# running with 5 tokens; sequences 1..3 free).
+CALLS = {
+    "admit.seq_ids": lambda bm, v: bm.admit(v, [[1, 2]]),
+    "admit.prompts": lambda bm, v: bm.admit([1], v),
+    "admit.prompt": lambda bm, v: bm.admit([1], [v]),
+    "admit.salts": lambda bm, v: bm.admit([1], [[1, 2]], salts=v),
+    "append.seq_ids": lambda bm, v: bm.append(v, [7]),
+    "append.token_ids": lambda bm, v: bm.append([0], v),
+    "fork.src": lambda bm, v: bm.fork(v, [1]),
+    "fork.dst_ids": lambda bm, v: bm.fork(0, v),
+    "select.dst_ids": lambda bm, v: bm.select(v, [0]),
+    "select.parent_ids": lambda bm, v: bm.select([1], v),
+    "free.seq_ids": lambda bm, v: bm.free(v),
+    "table": lambda bm, v: bm.table(v),
+    "num_tokens": lambda bm, v: bm.num_tokens(v),
+    "ref_count": lambda bm, v: bm.ref_count(v),
+}
+
+# Raw Python / NumPy / JAX messages that must never reach the caller.
+RAW = ("object is not iterable", "empty sequence", "unhashable", "not subscriptable", "has no len",
+       "index", "NoneType", "could not convert", "invalid literal", "only integer", "Traceback")
+
+
+@pytest.mark.parametrize("value", BAD, ids=lambda v: f"{type(v).__name__}:{v!r}"[:40])
+@pytest.mark.parametrize("name", list(CALLS))
+def test_fuzz_bad_argument_is_clear_and_changes_nothing(name, value):
+    bm = pk.BlockManager(CFG)
+    bm.admit([0], [[1, 2, 3, 4, 5]])
+    before = _frozen(bm)
+    try:
+        CALLS[name](bm, value)
+    except (ValueError, TypeError, KeyError) as e:
+        msg = str(e)
+        assert msg and "\n" not in msg, msg
+        assert not any(raw in msg for raw in RAW), msg
+        for a, b in zip(before, _frozen(bm)):
+            np.testing.assert_array_equal(a, b)
+    # a call that works is fine (e.g. admit([1], [[0]]), ref_count(3), an empty batch)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda bm: bm.admit([], [[1]]), "0 sequence ids but 1 prompts"),
+        (lambda bm: bm.admit(1, [[1]]), "admit: seq_ids must be a sequence of sequence ids, got int 1"),
+        (lambda bm: bm.admit([1], 5), "admit: prompts must be a sequence of prompts .* got int 5"),
+        (lambda bm: bm.admit([1], [5]), "prompt of sequence 1 must be a sequence of token ids, got int 5"),
+        (lambda bm: bm.admit([1], ["abc"]), "prompt of sequence 1 must be a sequence of token ids, got str 'abc'"),
+        (lambda bm: bm.admit([1], [np.array([1.0, 2.0])]), r"invalid token id np.float64\(1.0\) at position 0"),
+        (lambda bm: bm.admit([1], [[[1]]]), r"invalid token id \[1\] at position 0"),
+        (lambda bm: bm.admit([1], [[2**32 - 1]]), r"invalid token id 4294967295 .* ints in \[0, 2\*\*31\)"),
+        (lambda bm: bm.admit([True], [[1]]), "sequence id True is not an int"),
+        (lambda bm: bm.admit(None, [[1]]), "seq_ids must be a sequence of sequence ids, got None$"),
+        (lambda bm: bm.admit(np.array([[1]]), [[1]]), r"got a 2-D array of shape \(1, 1\)"),
+        (lambda bm: bm.admit([1], [[1]], salts=5), "salts must be a sequence of ints in .*got int 5"),
+        (lambda bm: bm.admit([1], [[1]], salts=[2**32]), r"salt 4294967296 of sequence 1 is not an int"),
+        (lambda bm: bm.append(0, [1]), "append: seq_ids must be a sequence of sequence ids, got int 0"),
+        (lambda bm: bm.append([0], 7), "append: token_ids must be a sequence of token ids, got int 7"),
+        (lambda bm: bm.append([0], [True]), "invalid token id True for sequence 0"),
+        (lambda bm: bm.fork([0], [1]), r"fork source: sequence id \[0\] is not an int"),
+        (lambda bm: bm.fork(0, 1), "fork: dst_ids must be a sequence of sequence ids, got int 1"),
+        (lambda bm: bm.select([1], 0), "select: parent_ids must be a sequence of sequence ids, got int 0"),
+        (lambda bm: bm.select([1], [1.0]), "select parent: sequence id 1.0 is not an int"),
+        (lambda bm: bm.free("0"), "free: seq_ids must be a sequence of sequence ids, got str '0'"),
+        (lambda bm: bm.free([2**32 - 1]), r"sequence id 4294967295 out of range \[0, 4\)"),
+        (lambda bm: bm.table(None), "table: sequence id None is not an int"),
+        (lambda bm: bm.num_tokens(-1), r"num_tokens: sequence id -1 out of range \[0, 4\)"),
+        (lambda bm: bm.free([0, 1, 2, 3, 0]), "free: 5 sequence ids in one call; max_seqs is 4"),
+        (lambda bm: bm.ref_count(1.5), "ref_count: block 1.5 is not an int"),
+        (lambda bm: bm.ref_count(True), "ref_count: block True is not an int"),
+        (lambda bm: bm.ref_count(-1), r"ref_count: block -1 out of range \[0, 32\)"),
+        (lambda bm: bm.ref_count(np.array([1])), r"ref_count: block array\(\[1\]\) is not an int"),
+    ],
+)
+def test_bad_argument_message(bm, call, match):
+    before = _frozen(bm)
+    with pytest.raises(ValueError, match=match):
+        call(bm)
+    for a, b in zip(before, _frozen(bm)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_empty_batches_do_nothing(bm):
+    before = _frozen(bm)
+    for result in (bm.admit([], []), bm.append([], []), bm.fork(0, []), bm.select([], []), bm.free([])):
+        arrays = [result] if isinstance(result, np.ndarray) else [getattr(result, f) for f in ("status",)]
+        assert all(a.shape == (0,) for a in arrays)
+    assert bm.append([], []).num_copies == 0
+    for a, b in zip(before, _frozen(bm)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_numpy_and_tuple_inputs_work(bm):
+    r = bm.admit(np.array([1, 2]), np.array([[1, 2, 3], [1, 2, 3]]), salts=np.array([0, 0], np.uint32))
+    assert r.status.tolist() == [0, 0]
+    assert bm.append((1, 2), np.array([4, 4], np.int64)).status.tolist() == [0, 0]
+    assert bm.num_tokens(np.int64(1)) == 4 and bm.ref_count(np.int32(0)) >= 0
+    assert bm.free(range(1, 3)).tolist() == [0, 0]

@@ -3,8 +3,11 @@ subprocess (report, PNG, JSON)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,17 @@ def test_help_explains_every_option():
         assert action.help, action.option_strings  # every option has an explanation
 
 
+def test_help_shows_each_default_once():
+    from paged_kv.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    start = text.index("--checkpoint DIR ")
+    checkpoint_help = text[start: text.index("--requests N ", start)]
+    assert checkpoint_help.lower().count("default") == 1, checkpoint_help
+    assert "(default: 24)" in text  # --requests: real defaults are still shown
+
+
 @pytest.mark.parametrize("args,message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--num-blocks", "zero"], "'zero' is not an integer"),
@@ -54,6 +68,14 @@ def test_missing_checkpoint_is_one_line(tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [f"paged-kv: error: checkpoint directory '{tmp_path / 'nope'}' "
                                              "does not exist"]
+    (tmp_path / "file").write_text("x")
+    r = _run("--checkpoint", str(tmp_path / "file"))
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"paged-kv: error: checkpoint '{tmp_path / 'file'}' is a file, not a "
+                                             "directory (pass the directory that holds config.json and the "
+                                             "safetensors)"]
+    r = _run("--checkpoint", "checkpoints/tiny-llama/config.json")
+    assert r.returncode == 1 and "did you mean --checkpoint 'checkpoints/tiny-llama'?" in r.stderr
     (tmp_path / "empty").mkdir()
     r = _run("--checkpoint", str(tmp_path / "empty"))
     assert r.returncode == 1 and "Traceback" not in r.stderr
@@ -97,3 +119,128 @@ def test_small_end_to_end_run(tmp_path):
     assert rep["sharing"]["parallel_sampling"]["saved_fraction"] > 0
     assert rep["prefix_cache"]["hit_tokens"] > 0  # the shared preamble
     assert rep["block_tables"]["saved_blocks"] > 0
+
+
+def test_pallas_on_a_cpu_is_one_line_before_loading_anything():
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present: --impl pallas is valid here")
+    t0 = time.monotonic()
+    r = _run("--impl", "pallas", "--requests", "2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "paged-kv: error: --impl pallas needs a GPU (the Pallas kernels compile through Triton); JAX runs on cpu "
+        "here: use --impl auto, reference or interpret (see --help)"]
+    assert r.stdout == "" and time.monotonic() - t0 < 30  # nothing loaded, nothing compiled
+
+
+def test_every_request_rejected_exits_1_and_prints_dashes(tmp_path):
+    """Two blocks (one allocatable) fit no prompt: the report still comes (no step ran, so no
+    throughput, first-token time, sharing or hit rate: "–"), then a one-line reason and exit 1."""
+    js = tmp_path / "r.json"
+    r = _run("--num-blocks", "2", "--requests", "3", "--no-progress", "--json", str(js))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "paged-kv: error: every request was rejected (3 of 3), e.g. request 0: prompt has 29 tokens = 2 blocks; "
+        "the pool has only 1 allocatable blocks")
+    out = r.stdout
+    assert "None" not in out
+    for line in ("requests            0 finished, 3 rejected", "throughput          – generated tokens/s",
+                 "time to first token median –\n", "parallel sampling: – of block-steps",
+                 "prefix cache        hit rate – (0 of 0 prompt tokens)"):
+        assert line in out, line
+    rep = json.loads(js.read_text())
+    assert rep["requests"]["rejected"] == 3 and rep["throughput"]["tokens_per_s"] is None
+    assert rep["throughput"]["time_to_first_token_median_s"] is None and rep["prefix_cache"]["hit_rate"] is None
+
+
+def test_answers_that_are_not_bytes_print_as_token_ids():
+    from models.tokenizer import ByteTokenizer
+    from paged_kv.cli import _shown_tokens
+
+    tok = ByteTokenizer()
+    assert _shown_tokens(tok, [72, 105, 258, 300], 90) == "'Hi'"  # stops at EOS before the bad id
+    assert _shown_tokens(tok, [72, 300, 105], 90) == "token ids [72 300 105]"
+    assert _shown_tokens(tok, [72, 105, 258, 7], 90, as_text=False) == "token ids [72 105]"
+    assert _shown_tokens(None, list(range(1000, 1100)), 20) == "token ids [1000 1001 1002 10...]"
+
+
+def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
+    """A Hugging Face Llama with 512 ids and no tokenizer.json: answers with ids >= 259 print as
+    token ids; the report, the PNG and the JSON are all written; exit 0."""
+    from models import init_model, save_hf_checkpoint, tiny
+
+    ckpt, png, js = tmp_path / "ckpt", tmp_path / "t.png", tmp_path / "r.json"
+    save_hf_checkpoint(init_model(tiny(vocab_size=512, num_layers=1, hidden_size=32, intermediate_size=64,
+                                       num_heads=2, num_kv_heads=1), seed=0, init_std=1.0), ckpt)
+    r = _run("--checkpoint", str(ckpt), "--requests", "3", "--max-new-tokens", "3", "--arrival-gap", "0",
+             "--num-blocks", "16", "--max-seqs", "8", "--max-seq-len", "64", "--chunk-size", "16",
+             "--max-prefill-rows", "8", "--no-progress", "--png", str(png), "--json", str(js))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "outside the vocabulary" not in r.stderr
+    out = r.stdout
+    assert "note: no tokenizer.json and a vocabulary of 512 ids" in out
+    assert "sample 0: token ids [" in out and "generated tokens/s" in out and "block-table picture" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(js.read_text())["requests"]["finished"] == 2  # request 1 (137 tokens) does not fit 64
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------------------
+# PAGED_KV_TEST_PHASE=NAME[:wait] makes the CLI announce phase NAME on stderr (and wait there): the
+# test sends SIGINT then. Every phase must end with exit status 130, "paged-kv: interrupted" as the
+# only line after the announcement (no traceback, no segmentation fault), within seconds.
+
+def _interrupt_at(phase, *args, delay=0.0):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "PAGED_KV_TEST_PHASE": phase}
+    p = subprocess.Popen([sys.executable, "-m", "paged_kv", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    guard = threading.Timer(300, p.kill)
+    guard.start()
+    try:
+        before = []
+        for line in p.stderr:
+            before.append(line)
+            if line.startswith("paged-kv: test phase"):
+                break
+        assert before and before[-1].startswith(f"paged-kv: test phase {phase.split(':')[0]} "), "".join(before)
+        time.sleep(delay)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        guard.cancel()
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, before[-1], out, err, took
+
+
+def _assert_interrupted(rc, err, took):
+    assert rc == 130, (rc, err[-3000:])
+    assert err.strip().splitlines() == ["paged-kv: interrupted"], err[-3000:]
+    assert took < 10
+
+
+@pytest.mark.xfail("install_interrupt_handler" not in (ROOT / "paged_kv" / "__init__.py").read_text(),
+                   reason="paged_kv/__init__.py imports JAX before the CLI can install its SIGINT handler; "
+                          "it needs to call paged_kv.cli.install_interrupt_handler() first", strict=True)
+def test_ctrl_c_while_jax_imports():
+    rc, announced, out, err, took = _interrupt_at("import", "--requests", "2")
+    assert "jax imported: False" in announced  # the signal really came during the import
+    _assert_interrupted(rc, err, took)
+
+
+def test_ctrl_c_while_compiling():
+    """SIGINT two seconds into the first step (compiling takes far longer): out at once, while XLA
+    is still at work, with no crash after."""
+    rc, _, out, err, took = _interrupt_at("compile", "--requests", "2", "--max-new-tokens", "4", "--no-progress",
+                                          delay=2.0)
+    _assert_interrupted(rc, err, took)
+    assert "the first step of each shape compiles" in out and "done at step" not in err
+
+
+def test_ctrl_c_while_the_report_renders():
+    rc, _, out, err, took = _interrupt_at("report:wait", "--num-blocks", "2", "--requests", "2", "--no-progress")
+    _assert_interrupted(rc, err, took)
+    assert "serving report" not in out

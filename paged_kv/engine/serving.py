@@ -1155,33 +1155,63 @@ class ServingEngine:
           arrivals: arrival step per request (default: each request's ``arrival``).
           max_steps: stop after this many steps (``RuntimeError`` if work is left).
           on_step: called after each step (progress reporting).
+
+        The arguments are checked when ``run`` is called, before any step: ``ValueError`` naming
+        the bad value (requests that are not ``Request`` objects, arrivals that are not ints >= 0
+        or not one per request, ``max_steps`` not an int >= 1, ``on_step`` not callable).
         """
-        requests = list(requests)
+        def shown(v) -> str:
+            text = "None" if v is None else f"{type(v).__name__} {v!r}"
+            return text if len(text) <= 70 else text[:67] + "..."
+
+        def listed(values, name: str, of: str) -> list:
+            if values is None or isinstance(values, (str, bytes, dict, Request)) or not hasattr(values, "__iter__"):
+                raise ValueError(f"run: {name} must be a sequence of {of}, got {shown(values)}")
+            try:
+                return list(values)
+            except TypeError as e:  # a 0-d array, say
+                raise ValueError(f"run: {name} must be a sequence of {of}, got {shown(values)} ({e})") from None
+
+        requests = listed(requests, "requests", "Request objects")
+        for i, q in enumerate(requests):
+            if not isinstance(q, Request):
+                raise ValueError(f"run: requests[{i}] is {shown(q)}, not a Request")
         if arrivals is not None:
-            arrivals = list(arrivals)
+            arrivals = listed(arrivals, "arrivals", "ints >= 0 (one arrival step per request)")
             if len(arrivals) != len(requests):
-                raise ValueError(f"{len(arrivals)} arrival steps for {len(requests)} requests")
-            requests = [dataclasses.replace(q, arrival=a) for q, a in zip(requests, arrivals)]
-        pending = collections.deque(sorted(requests, key=lambda q: q.arrival))
-        start = self.step_count
-        while pending or not self.idle:
-            while pending and pending[0].arrival <= self.step_count:
-                req = pending.popleft()
-                try:
-                    self.submit(req)
-                except ValueError as e:
-                    yield self.reject(req, str(e))
-            if self.idle:
-                if pending:
-                    self.step_count = pending[0].arrival  # nothing to do until then
-                continue
-            yield from self.step()
-            if on_step is not None:
-                on_step(self)
-            if max_steps is not None and self.step_count - start >= max_steps:
-                raise RuntimeError(f"run: {max_steps} steps done and requests are left "
-                                   f"({self.num_waiting} waiting, {self.num_running} running)")
-        yield from self.step()  # flush frees
+                raise ValueError(f"run: {len(arrivals)} arrival steps for {len(requests)} requests")
+            for i, a in enumerate(arrivals):
+                if not _is_int(a) or a < 0:
+                    raise ValueError(f"run: arrivals[{i}] is {shown(a)}; arrival steps are ints >= 0")
+            requests = [dataclasses.replace(q, arrival=int(a)) for q, a in zip(requests, arrivals)]
+        if max_steps is not None and (not _is_int(max_steps) or max_steps < 1):
+            raise ValueError(f"run: max_steps is {shown(max_steps)}; it must be None or an int >= 1")
+        if on_step is not None and not callable(on_step):
+            raise ValueError(f"run: on_step is {shown(on_step)}; it must be None or a callable taking the engine")
+
+        def serve() -> Iterator[RequestOutput]:
+            pending = collections.deque(sorted(requests, key=lambda q: q.arrival))
+            start = self.step_count
+            while pending or not self.idle:
+                while pending and pending[0].arrival <= self.step_count:
+                    req = pending.popleft()
+                    try:
+                        self.submit(req)
+                    except ValueError as e:
+                        yield self.reject(req, str(e))
+                if self.idle:
+                    if pending:
+                        self.step_count = pending[0].arrival  # nothing to do until then
+                    continue
+                yield from self.step()
+                if on_step is not None:
+                    on_step(self)
+                if max_steps is not None and self.step_count - start >= max_steps:
+                    raise RuntimeError(f"run: {max_steps} steps done and requests are left "
+                                       f"({self.num_waiting} waiting, {self.num_running} running)")
+            yield from self.step()  # flush frees
+
+        return serve()
 
 
 __all__ = ["EngineStats", "Request", "RequestOutput", "RequestStats", "ServingConfig", "ServingEngine",
