@@ -6,6 +6,17 @@ static ``ManagerConfig`` (pass it as a static argument to ``jax.jit``), ``state`
 with input validation.
 """
 
+import sys as _sys
+
+_cmd = " ".join(getattr(_sys, "orig_argv", []))
+if (_sys.argv[:1] == ["-m"] and (" -m paged_kv" in _cmd or " -mpaged_kv" in _cmd)) or _sys.argv[0].endswith("paged-kv"):
+    # This very import is ``python -m paged_kv`` or the ``paged-kv`` script starting (never a
+    # program that merely uses the library): Ctrl-C exits at once, even while JAX imports below
+    # (the handler imports nothing itself).
+    from paged_kv.cli import install_interrupt_handler
+
+    install_interrupt_handler()
+
 from paged_kv.admission import AdmitResult, admit
 from paged_kv.allocate import AppendResult, append
 from paged_kv.config import NULL_BLOCK, ManagerConfig

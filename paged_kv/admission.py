@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from paged_kv import block_hash, free_queue, hash_table, prefix_cache
+from paged_kv import block_hash, free_queue, hash_table, inputs, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served, start_rows
 from paged_kv.scan import leading_count, prefix_sum
 from paged_kv.config import NULL_BLOCK, ManagerConfig
@@ -71,6 +71,12 @@ def admit(
     Returns:
       The new state and an ``AdmitResult``.
     """
+    seq_ids, b = inputs.batch_ids("admit", "seq_ids", seq_ids)
+    prompt_lens = inputs.int_array("admit", "prompt_lens", prompt_lens, ndim=1, batch=b)
+    if prompt_tokens is not None:
+        prompt_tokens = inputs.int_array("admit", "prompt_tokens", prompt_tokens, ndim=2, batch=b)
+    if salts is not None:
+        salts = inputs.int_array("admit", "salts", salts, ndim=1, batch=b, unsigned_ok=True)
     if not config.prefix_caching:
         state, status = _admit_fresh(config, state, seq_ids, prompt_lens)
         zero = jnp.zeros_like(status)

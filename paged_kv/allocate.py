@@ -12,7 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from paged_kv import block_hash, free_queue, prefix_cache
+from paged_kv import block_hash, free_queue, inputs, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.scan import prefix_sum
@@ -71,6 +71,9 @@ def append(
     Returns:
       The new state and an ``AppendResult``.
     """
+    seq_ids, b = inputs.batch_ids("append", "seq_ids", seq_ids)
+    if token_ids is not None:
+        token_ids = inputs.int_array("append", "token_ids", token_ids, ndim=1, batch=b)
     if config.prefix_caching and token_ids is None:
         raise ValueError("append: token_ids (int32 [B]) are required with prefix_caching=True")
     bs, m, n_blocks = config.block_size, config.max_blocks_per_seq, config.num_blocks

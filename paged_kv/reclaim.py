@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paged_kv import free_queue
+from paged_kv import free_queue, inputs
 from paged_kv.batch import blocks_held, by_width, check_rows, tail_first
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.state import BlockManagerState, FreeQueue
@@ -74,6 +74,7 @@ def free(
     Returns:
       The new state and status int32 ``[B]`` (BAD_SEQUENCE for a row that is not running).
     """
+    seq_ids, _ = inputs.batch_ids("free", "seq_ids", seq_ids)
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
     ok = status == Status.OK
     rows = state.block_tables[sid]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from paged_kv import inputs
 from paged_kv.batch import blocks_held, by_width, first_occurrence, start_rows, tail_first
 from paged_kv.config import ManagerConfig
 from paged_kv.reclaim import cache_slots, release
@@ -77,6 +78,8 @@ def fork(
     Returns:
       The new state and status int32 ``[B]``.
     """
+    dst_ids, b = inputs.batch_ids("fork", "dst_ids", dst_ids)
+    src_ids = inputs.int_array("fork", "src_ids", src_ids, ndim=1, batch=b)
     return _take_tables(config, state, dst_ids, src_ids, dst_must_be_free=True)
 
 
@@ -98,4 +101,6 @@ def select(
     Returns:
       The new state and status int32 ``[B]``.
     """
+    dst_ids, b = inputs.batch_ids("select", "dst_ids", dst_ids)
+    parent_ids = inputs.int_array("select", "parent_ids", parent_ids, ndim=1, batch=b)
     return _take_tables(config, state, dst_ids, parent_ids, dst_must_be_free=False)

@@ -343,6 +343,7 @@ def test_bypassed_host_check_leaves_no_nan_and_no_poisoned_cache(model, clean, m
     monkeypatch.setattr(ServingEngine, "check", lambda self, request: None)  # bypass the host check
     eng, outs = run_pair(BAD)
     assert outs["first"].ok  # it ran: only the jitted guards protected the pages
+    assert eng.stats().bad_tokens == 1  # and the step said so
     good = outs["good"]
     assert good.stats.cached_prompt_tokens == 16  # the prefix block the bad request registered
     assert good.tokens == clean.tokens

@@ -76,6 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from models.llama import in_vocab
 from models.paged import allocate_pages, kv_bytes_per_block, make_paged_batch, page_spec, paged_forward
 from paged_kv.admission import admit
 from paged_kv.config import NULL_BLOCK, ManagerConfig
@@ -292,6 +293,9 @@ class StepOutputs:
     top_logprobs: float32 [R, K]; top_ids int32 [R, K]: each row's K best continuations (beams).
     status: int32 [R] ``append`` status (PADDING for rows that did not decode).
     num_free: int32 free blocks after the step; copies: int32 copy-on-write copies made.
+    bad_tokens: int32 tokens fed this step (prefill or decode) outside the vocabulary: 0 unless
+      the host checks were bypassed; the model looked them up as a safe id (no NaN K/V), and
+      ``EngineStats.bad_tokens`` counts them.
     tables: int32 [R, M] block tables, num_tokens int32 [R], refs int32 [R, M] reference count of
       each table entry (only with ``record_tables``; else [0]-sized).
     """
@@ -306,6 +310,7 @@ class StepOutputs:
     tables: jax.Array
     num_tokens: jax.Array
     refs: jax.Array
+    bad_tokens: jax.Array
 
 
 def _step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, *, shape: _StepShape):
@@ -317,11 +322,15 @@ def _step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepI
     state, _ = free(mgr, state, inp.free_ids)
     state, _ = select(mgr, state, inp.sel_dst, inp.sel_parent)
     pf_logits = None
+    vocab = model.config.vocab_size
+    bad_tokens = jnp.sum(~in_vocab(inp.dec_tokens, vocab) & inp.dec_live, dtype=jnp.int32)
     if shape.prefill_rows:
         pr = inp.pf_rows
         valid = pr >= 0
         tables = jnp.where(valid[:, None], state.block_tables[jnp.clip(pr, 0, r - 1)], NULL_BLOCK)
         q_lens = jnp.where(valid, inp.pf_lens, 0)
+        fed = jnp.arange(cfg.chunk_size, dtype=jnp.int32)[None, :] < q_lens[:, None]
+        bad_tokens += jnp.sum(~in_vocab(inp.pf_tokens, vocab) & fed, dtype=jnp.int32)
         batch = make_paged_batch(tables, inp.pf_start, q_lens, cfg.chunk_size, mgr.block_size)
         pf_logits, pages = paged_forward(model, pages, batch, inp.pf_tokens, impl=cfg.impl, last_only=True,
                                          mesh=shape.mesh)
@@ -343,7 +352,7 @@ def _step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepI
         out_n = jnp.zeros((0,), jnp.int32)
     out = StepOutputs(tokens=tokens, logprobs=logp, top_logprobs=top_lp, top_ids=top_ids.astype(jnp.int32),
                       status=status, num_free=state.queue.num_free, copies=copies, tables=out_tables,
-                      num_tokens=out_n, refs=out_refs)
+                      num_tokens=out_n, refs=out_refs, bad_tokens=bad_tokens)
     return pages, state, out
 
 
@@ -437,6 +446,7 @@ class EngineStats:
     peak_blocks_used: int = 0
     preemptions: int = 0
     copies: int = 0
+    bad_tokens: int = 0  # tokens outside the vocabulary that reached a step (host checks bypassed)
     finished: int = 0
     rejected: int = 0
     admissions: int = 0
@@ -820,6 +830,7 @@ class ServingEngine:
         st = self._stats
         st.steps += 1
         st.copies += int(out.copies)
+        st.bad_tokens += int(out.bad_tokens)
         self._num_free = int(out.num_free)
         st.peak_blocks_used = max(st.peak_blocks_used, self.manager.num_blocks - 1 - self._num_free)
         self._process(out, pf)
