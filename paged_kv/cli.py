@@ -5,17 +5,20 @@ counting, days, sums): some share a Q&A preamble (prefix-cache hits), some ask f
 parallel samples, some for beam search of width 4, all arriving over time into a block pool small
 enough that requests get preempted and re-admitted. It ends with a report (throughput, peak
 blocks, KV memory saved by sharing, prefix-cache hit rate, preemptions) and a picture of one
-request family's block tables, in the terminal and as a PNG.
+request family's block tables, in the terminal and as a PNG. The files (the report as JSON and
+the PNG) go to an output folder, ``paged-kv-out/`` by default (``--out-dir``), created if missing.
 
     python -m paged_kv                       # the built-in checkpoints/tiny-llama
     python -m paged_kv --checkpoint DIR      # any Hugging Face Llama directory (byte-level prompts)
+    python -m paged_kv --out-dir runs/a      # write report.json and block_tables.png there
     python -m paged_kv --walkthrough         # the block-manager walkthrough instead
+
+How the library works: ``docs/design.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -24,6 +27,11 @@ import time
 from pathlib import Path
 
 BUILTIN_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-llama"
+
+DEFAULT_OUT_DIR = "paged-kv-out"
+"""Where the main job writes its files unless told otherwise (relative to the current directory)."""
+PNG_NAME = "block_tables.png"
+JSON_NAME = "report.json"
 
 PREAMBLE = ("Q: What does the cow say? A: The cow says moo. "
             "Q: Where does the duck live? A: The duck lives in the pond. ")
@@ -175,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "preemption by recompute, prefix caching, parallel sampling and beam search) and report "
                     "tokens/s, peak blocks, KV memory saved by sharing, prefix-cache hit rate and preemptions, "
                     "with a picture of one request family's block tables.",
+        epilog=f"Files go to {DEFAULT_OUT_DIR}/ unless --out-dir, --png or --json say otherwise. How the block "
+               "manager, kernels, model and engines work: docs/design.md in the repository.",
         formatter_class=_HelpFormatter)
     g = p.add_argument_group("model and workload")
     g.add_argument("--checkpoint", metavar="DIR", default=None,
@@ -212,15 +222,27 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--show", type=_non_negative, default=4, metavar="N",
                    help="decoded outputs to print (a greedy answer, parallel samples, a beam search)")
-    g.add_argument("--png", metavar="PATH", default="paged_kv_block_tables.png",
-                   help="where to write the block-table picture")
-    g.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON here")
+    g.add_argument("--out-dir", metavar="DIR", default=DEFAULT_OUT_DIR,
+                   help=f"folder for the output files ({JSON_NAME}, the report; {PNG_NAME}, the block-table "
+                        "picture); created if missing")
+    g.add_argument("--png", metavar="PATH", default=None,
+                   help=f"write the block-table picture here instead of DIR/{PNG_NAME}")
+    g.add_argument("--json", metavar="PATH", default=None,
+                   help=f"write the report JSON here instead of DIR/{JSON_NAME}")
     g.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="colour the terminal block tables by reference count")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--walkthrough", action="store_true",
-                   help="run the block-manager walkthrough (worked examples of DESIGN.md) instead of the workload")
+                   help="run the block-manager walkthrough (the worked examples of docs/design.md) instead of "
+                        "the workload")
     return p
+
+
+def output_paths(args) -> tuple[Path, Path]:
+    """(PNG path, JSON path): ``--png``/``--json`` where given, else files in ``--out-dir``."""
+    out = Path(args.out_dir)
+    return (Path(args.png) if args.png else out / PNG_NAME,
+            Path(args.json) if args.json else out / JSON_NAME)
 
 
 def build_workload(tokenizer, num_requests: int, max_new_tokens: int, arrival_gap: int, eos_id: int):
@@ -438,20 +460,19 @@ def _run(args, ckpt: Path) -> int:
                                                       "workload": {"requests": args.requests,
                                                                    "max_new_tokens": args.max_new_tokens,
                                                                    "arrival_gap": args.arrival_gap}})
-    # The files first: nothing printed below can lose them.
+    # The files first: nothing printed below can lose them. Their folder (--out-dir) is created
+    # only now, so a run that fails early leaves nothing behind.
+    png_path, json_path = output_paths(args)
     written, problems = [], []
+    try:
+        written.append(f"report JSON: {report.save_report_json(rep, json_path)}")
+    except (OSError, ValueError, TypeError) as e:
+        problems.append(f"cannot write the report JSON {str(json_path)!r}: {_first_line(e)}")
     if engine.snapshot is not None:
         try:
-            written.append(f"block-table picture: {report.save_block_tables_png(engine.snapshot, args.png)}")
+            written.append(f"block-table picture: {report.save_block_tables_png(engine.snapshot, png_path)}")
         except (OSError, ValueError) as e:
-            problems.append(f"cannot write the block-table picture {args.png!r}: {_first_line(e)}")
-    if args.json:
-        try:
-            with open(args.json, "w") as fh:
-                json.dump(rep, fh, indent=2)
-            written.append(f"report JSON: {args.json}")
-        except (OSError, ValueError, TypeError) as e:
-            problems.append(f"cannot write the report JSON {args.json!r}: {_first_line(e)}")
+            problems.append(f"cannot write the block-table picture {str(png_path)!r}: {_first_line(e)}")
 
     if args.show:
         _print_outputs(outputs, tok, args.show, as_text=as_text)
@@ -475,6 +496,17 @@ def _run(args, ckpt: Path) -> int:
     return 1 if problems else 0
 
 
+def _out_dir_problem(out: Path) -> str | None:
+    """Why ``out`` cannot be the output folder (it or an ancestor is a file), else None. It is
+    created only when the files are written."""
+    for p in (out.resolve(), *out.resolve().parents):
+        if p.exists():
+            if p.is_dir():
+                return None
+            return "is not a directory" if p == out.resolve() else f"{str(p)!r} is a file, not a directory"
+    return None
+
+
 def main(argv=None) -> int:
     install_interrupt_handler()
     parser = build_parser()
@@ -486,6 +518,10 @@ def main(argv=None) -> int:
     for path in (args.png, args.json):
         if path and not Path(path).resolve().parent.is_dir():
             parser.error(f"directory of {path!r} does not exist")
+    if not (args.png and args.json):  # some file goes to --out-dir: it must be (or become) a folder
+        problem = _out_dir_problem(Path(args.out_dir))
+        if problem:
+            parser.error(f"--out-dir {args.out_dir!r}: {problem}")
     try:  # the pool's own checks (sizes, int32 slot indices), before anything is loaded
         import paged_kv as pk
 
@@ -511,4 +547,5 @@ def main(argv=None) -> int:
         return 1
 
 
-__all__ = ["TEMPLATES", "build_parser", "build_workload", "install_interrupt_handler", "main"]
+__all__ = ["DEFAULT_OUT_DIR", "TEMPLATES", "build_parser", "build_workload", "install_interrupt_handler", "main",
+           "output_paths"]

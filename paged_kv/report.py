@@ -4,7 +4,8 @@ tables (terminal and PNG).
 ``build_report`` turns a ``ServingEngine`` run into a JSON-able dict; ``format_report`` prints it;
 ``render_block_tables`` draws a ``TableSnapshot`` for the terminal (rows: the family's sequences;
 cells: physical block ids, marked and coloured by reference count); ``save_block_tables_png``
-draws the same with matplotlib.
+draws the same with matplotlib; ``save_report_json`` writes the report (the CLI puts both files in
+its output folder, ``paged-kv-out/`` by default).
 
 KV memory saved by sharing (parallel sampling and beam search): at every step, for each running
 request with ``n > 1`` samples or beam width ``k > 1``, *blocks without sharing* is the sum over
@@ -16,7 +17,9 @@ steps (block-steps), saved = 1 - with / without.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from pathlib import Path
 from typing import Sequence
 
 from paged_kv.engine.serving import EngineStats, RequestOutput, ServingEngine, TableSnapshot
@@ -182,9 +185,26 @@ def render_block_tables(snap: TableSnapshot, *, color: bool = False) -> str:
     return "\n".join(out)
 
 
+def _make_parent(path: str | os.PathLike) -> None:
+    """Creates the folder ``path`` goes into (and its parents) if missing."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
+def save_report_json(report: dict, path: str | os.PathLike) -> str:
+    """Writes ``report`` (from ``build_report``) as indented JSON, creating its folder if missing.
+    Returns the path."""
+    text = json.dumps(report, indent=2)  # before opening: a report that cannot be encoded writes nothing
+    _make_parent(path)
+    with open(path, "w") as fh:
+        fh.write(text)
+    return str(path)
+
+
 def save_block_tables_png(snap: TableSnapshot, path: str | os.PathLike, *, title: str | None = None) -> str:
     """PNG of the same picture: a grid of (sequence x logical block), each cell coloured by its
-    block's reference count and labelled with the physical block id. Returns the path."""
+    block's reference count and labelled with the physical block id; its folder is created if
+    missing. Returns the path."""
+    _make_parent(path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,4 +238,5 @@ def save_block_tables_png(snap: TableSnapshot, path: str | os.PathLike, *, title
     return str(path)
 
 
-__all__ = ["SHARING_DEFINITION", "build_report", "format_report", "render_block_tables", "save_block_tables_png"]
+__all__ = ["SHARING_DEFINITION", "build_report", "format_report", "render_block_tables", "save_block_tables_png",
+           "save_report_json"]

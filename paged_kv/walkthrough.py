@@ -1,6 +1,7 @@
-"""A guided tour of the block manager: the worked examples of DESIGN.md, printed step by step.
+"""A guided tour of the block manager: the worked examples of ``docs/design.md`` (section "Worked
+examples"), printed step by step.
 
-    python -m paged_kv.walkthrough
+    python -m paged_kv.walkthrough      # or: python -m paged_kv --walkthrough
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def prefix_caching() -> None:
 
 def main() -> None:
     print(f"paged-kv block manager walkthrough (JAX {jax.__version__}, {jax.default_backend()})")
+    print("The design behind each step: docs/design.md")
     lazy_allocation()
     parallel_sampling()
     beam_search()

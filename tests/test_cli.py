@@ -1,5 +1,6 @@
 """The main job (``python -m paged_kv``): help, one-line errors, and a small end-to-end run in a
-subprocess (report, PNG, JSON)."""
+subprocess (report, PNG, JSON). Every run that may write files gets ``--out-dir`` in a temporary
+folder, so the tests never write into the repository."""
 
 import json
 import os
@@ -15,8 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = ["--checkpoint", "--requests", "--max-new-tokens", "--arrival-gap", "--seed", "--num-blocks",
            "--block-size", "--max-seqs", "--max-seq-len", "--chunk-size", "--max-prefill-rows",
-           "--no-prefix-caching", "--tp", "--impl", "--show", "--png", "--json", "--color", "--no-progress",
-           "--walkthrough"]
+           "--no-prefix-caching", "--tp", "--impl", "--show", "--out-dir", "--png", "--json", "--color",
+           "--no-progress", "--walkthrough"]
 
 
 def _run(*args, timeout=600):
@@ -45,6 +46,20 @@ def test_help_shows_each_default_once():
     checkpoint_help = text[start: text.index("--requests N ", start)]
     assert checkpoint_help.lower().count("default") == 1, checkpoint_help
     assert "(default: 24)" in text  # --requests: real defaults are still shown
+    assert "(default: paged-kv-out)" in text and "docs/design.md" in text
+
+
+def test_output_paths_default_to_the_output_folder():
+    from paged_kv.cli import build_parser, output_paths
+
+    p = build_parser()
+    assert output_paths(p.parse_args([])) == (Path("paged-kv-out/block_tables.png"), Path("paged-kv-out/report.json"))
+    assert output_paths(p.parse_args(["--out-dir", "runs/a"])) == (Path("runs/a/block_tables.png"),
+                                                                   Path("runs/a/report.json"))
+    # --png / --json name a file of their own; the other one still goes to the folder.
+    assert output_paths(p.parse_args(["--out-dir", "o", "--png", "t.png"])) == (Path("t.png"), Path("o/report.json"))
+    assert output_paths(p.parse_args(["--json", "r.json"])) == (Path("paged-kv-out/block_tables.png"),
+                                                                Path("r.json"))
 
 
 @pytest.mark.parametrize("args,message", [
@@ -55,6 +70,8 @@ def test_help_shows_each_default_once():
     (["--tp", "0"], "0 must be >= 1"),
     (["--impl", "cuda"], "invalid choice"),
     (["--png", "/no/such/dir/x.png"], "does not exist"),
+    (["--out-dir", "pyproject.toml"], "is not a directory"),
+    (["--out-dir", "pyproject.toml/sub"], "is a file, not a directory"),
 ])
 def test_bad_option_is_one_line(args, message):
     r = _run(*args)
@@ -82,8 +99,8 @@ def test_missing_checkpoint_is_one_line(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and "cannot load checkpoint" in r.stderr
 
 
-def test_tensor_parallel_degree_that_fits_no_head_layout_is_one_line():
-    r = _run("--tp", "3", "--requests", "2")
+def test_tensor_parallel_degree_that_fits_no_head_layout_is_one_line(tmp_path):
+    r = _run("--tp", "3", "--requests", "2", "--out-dir", str(tmp_path))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         "paged-kv: error: tensor-parallel degree tp=3 fits no head layout: 3 does not divide num_heads=4; "
@@ -95,19 +112,24 @@ def test_tensor_parallel_degree_that_fits_no_head_layout_is_one_line():
 def test_tensor_parallel_run(tmp_path):
     r = _run("--tp", "2", "--requests", "3", "--max-new-tokens", "6", "--num-blocks", "24", "--max-seqs", "12",
              "--max-seq-len", "192", "--chunk-size", "32", "--max-prefill-rows", "4", "--no-progress",
-             "--png", str(tmp_path / "t.png"))
+             "--out-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "block_tables.png").is_file() and (tmp_path / "report.json").is_file()
     assert "tensor-parallel over 2 devices" in r.stdout and "generated tokens/s" in r.stdout
 
 
 def test_small_end_to_end_run(tmp_path):
-    """Six requests (greedy, shared preamble, n=4 samples, a beam search) in a 24-block pool."""
-    png, js = tmp_path / "tables.png", tmp_path / "report.json"
+    """Six requests (greedy, shared preamble, n=4 samples, a beam search) in a 24-block pool; the
+    files go to the output folder, which the run creates."""
+    out_dir = tmp_path / "out" / "run1"
+    png, js = out_dir / "block_tables.png", out_dir / "report.json"
     r = _run("--requests", "6", "--max-new-tokens", "12", "--num-blocks", "24", "--max-seqs", "12",
              "--max-seq-len", "192", "--chunk-size", "32", "--max-prefill-rows", "4", "--no-progress",
-             "--png", str(png), "--json", str(js))
+             "--out-dir", str(out_dir))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["block_tables.png", "report.json"]
     out = r.stdout
+    assert f"report JSON: {js}" in out and f"block-table picture: {png}" in out
     for text in ("generated tokens/s", "peak blocks in use", "saved by sharing", "prefix cache", "preemptions",
                  "block tables of request", "beam 0 (score"):
         assert text in out, text
@@ -121,25 +143,26 @@ def test_small_end_to_end_run(tmp_path):
     assert rep["block_tables"]["saved_blocks"] > 0
 
 
-def test_pallas_on_a_cpu_is_one_line_before_loading_anything():
+def test_pallas_on_a_cpu_is_one_line_before_loading_anything(tmp_path):
     import jax
 
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is present: --impl pallas is valid here")
     t0 = time.monotonic()
-    r = _run("--impl", "pallas", "--requests", "2")
+    r = _run("--impl", "pallas", "--requests", "2", "--out-dir", str(tmp_path / "out"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         "paged-kv: error: --impl pallas needs a GPU (the Pallas kernels compile through Triton); JAX runs on cpu "
         "here: use --impl auto, reference or interpret (see --help)"]
     assert r.stdout == "" and time.monotonic() - t0 < 30  # nothing loaded, nothing compiled
+    assert not (tmp_path / "out").exists()  # the output folder is created only when files are written
 
 
 def test_every_request_rejected_exits_1_and_prints_dashes(tmp_path):
     """Two blocks (one allocatable) fit no prompt: the report still comes (no step ran, so no
     throughput, first-token time, sharing or hit rate: "–"), then a one-line reason and exit 1."""
-    js = tmp_path / "r.json"
-    r = _run("--num-blocks", "2", "--requests", "3", "--no-progress", "--json", str(js))
+    js = tmp_path / "report.json"
+    r = _run("--num-blocks", "2", "--requests", "3", "--no-progress", "--out-dir", str(tmp_path))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
         "paged-kv: error: every request was rejected (3 of 3), e.g. request 0: prompt has 29 tokens = 2 blocks; "
@@ -150,6 +173,7 @@ def test_every_request_rejected_exits_1_and_prints_dashes(tmp_path):
                  "time to first token median –\n", "parallel sampling: – of block-steps",
                  "prefix cache        hit rate – (0 of 0 prompt tokens)"):
         assert line in out, line
+    assert not (tmp_path / "block_tables.png").exists()  # no request family ran: no picture
     rep = json.loads(js.read_text())
     assert rep["requests"]["rejected"] == 3 and rep["throughput"]["tokens_per_s"] is None
     assert rep["throughput"]["time_to_first_token_median_s"] is None and rep["prefix_cache"]["hit_rate"] is None
@@ -168,7 +192,8 @@ def test_answers_that_are_not_bytes_print_as_token_ids():
 
 def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
     """A Hugging Face Llama with 512 ids and no tokenizer.json: answers with ids >= 259 print as
-    token ids; the report, the PNG and the JSON are all written; exit 0."""
+    token ids; the report, the PNG and the JSON are all written (at the paths --png and --json
+    name, so the output folder is never created); exit 0."""
     from models import init_model, save_hf_checkpoint, tiny
 
     ckpt, png, js = tmp_path / "ckpt", tmp_path / "t.png", tmp_path / "r.json"
@@ -176,8 +201,10 @@ def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
                                        num_heads=2, num_kv_heads=1), seed=0, init_std=1.0), ckpt)
     r = _run("--checkpoint", str(ckpt), "--requests", "3", "--max-new-tokens", "3", "--arrival-gap", "0",
              "--num-blocks", "16", "--max-seqs", "8", "--max-seq-len", "64", "--chunk-size", "16",
-             "--max-prefill-rows", "8", "--no-progress", "--png", str(png), "--json", str(js))
+             "--max-prefill-rows", "8", "--no-progress", "--png", str(png), "--json", str(js),
+             "--out-dir", str(tmp_path / "unused"))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not (tmp_path / "unused").exists()
     assert "Traceback" not in r.stderr and "outside the vocabulary" not in r.stderr
     out = r.stdout
     assert "note: no tokenizer.json and a vocabulary of 512 ids" in out
@@ -222,22 +249,23 @@ def _assert_interrupted(rc, err, took):
     assert took < 10
 
 
-def test_ctrl_c_while_jax_imports():
-    rc, announced, out, err, took = _interrupt_at("import", "--requests", "2")
+def test_ctrl_c_while_jax_imports(tmp_path):
+    rc, announced, out, err, took = _interrupt_at("import", "--requests", "2", "--out-dir", str(tmp_path))
     assert "jax imported: False" in announced  # the signal really came during the import
     _assert_interrupted(rc, err, took)
 
 
-def test_ctrl_c_while_compiling():
+def test_ctrl_c_while_compiling(tmp_path):
     """SIGINT two seconds into the first step (compiling takes far longer): out at once, while XLA
     is still at work, with no crash after."""
     rc, _, out, err, took = _interrupt_at("compile", "--requests", "2", "--max-new-tokens", "4", "--no-progress",
-                                          delay=2.0)
+                                          "--out-dir", str(tmp_path), delay=2.0)
     _assert_interrupted(rc, err, took)
     assert "the first step of each shape compiles" in out and "done at step" not in err
 
 
-def test_ctrl_c_while_the_report_renders():
-    rc, _, out, err, took = _interrupt_at("report:wait", "--num-blocks", "2", "--requests", "2", "--no-progress")
+def test_ctrl_c_while_the_report_renders(tmp_path):
+    rc, _, out, err, took = _interrupt_at("report:wait", "--num-blocks", "2", "--requests", "2", "--no-progress",
+                                          "--out-dir", str(tmp_path))
     _assert_interrupted(rc, err, took)
     assert "serving report" not in out
