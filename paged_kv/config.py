@@ -40,7 +40,7 @@ class ManagerConfig:
         of the free queue and nothing is hashed.
       uncached_to_front: with prefix caching, a freed block that is not cached (a partly full
         last block) can never be a hit, so it joins the *front* of the free queue and is reused
-        before any cached block (vLLM does the same since 2026). False puts every freed block at
+        before any cached block (vLLM 0.33 does the same). False puts every freed block at
         the back, for comparing eviction policies.
     """
 

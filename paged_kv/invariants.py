@@ -1,4 +1,4 @@
-"""Host-side checks of the block-manager invariants (DESIGN.md section 2), for tests and debugging.
+"""Host-side checks of the block-manager invariants (docs/design.md, section 6), for tests and debugging.
 
 ``check_invariants`` reads the whole state back to the host (O(pool)); never call it in a hot path.
 """

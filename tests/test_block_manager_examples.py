@@ -1,4 +1,4 @@
-"""The worked examples of DESIGN.md section 2, each as a test, through the host wrapper and the
+"""The worked examples of docs/design.md, each as a test, through the host wrapper and the
 pure functions."""
 
 import jax

@@ -2,7 +2,7 @@
 
 After every step the two must agree on every output (statuses, slots, copy lists, cached and
 shared prompt tokens) and on the whole state (tables, counts, free-queue order, which blocks are
-cached, cache statistics), and DESIGN.md's invariants must hold. The pool is tiny so that running
+cached, cache statistics), and the invariants of docs/design.md must hold. The pool is tiny so that running
 out of blocks, copy-on-write groups, evictions and table-full rows happen often, and the token
 vocabulary is tiny so that prompts share prefixes. Rows include padding, out-of-range, repeated and
 not-running ids, which the jitted functions must reject with a status while leaving the state
