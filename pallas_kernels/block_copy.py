@@ -10,7 +10,10 @@ The output aliases the pages input (``input_output_aliases``), so with the pages
 copy touches only the copied blocks; without donation XLA first copies the whole array to keep
 the input alive. The copy list has a fixed padded size (padding ``(0, 0)``, skipped in the
 kernel), so a different number of real copies never retraces. Real destinations must be
-distinct and not also sources in the same list: programs run in no particular order.
+distinct and not also sources in the same list: programs run in no particular order, so a
+chain ``2 -> 3, 3 -> 4`` may copy the new block 3 (old 2) to 4, and a swap ``2 -> 3, 3 -> 2``
+may leave both blocks equal. :func:`pallas_kernels.copy_blocks` checks this on concrete lists
+(:func:`pallas_kernels.validate.check_copy_lists`); under ``jit`` the caller guarantees it.
 """
 
 from __future__ import annotations

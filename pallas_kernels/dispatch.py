@@ -120,10 +120,19 @@ def copy_blocks(pages, src, dst, *, impl="auto"):
     src, dst: int32 ``[C]``, a padded fixed-size copy list (padding is ``(0, 0)``, a no-op on
       the null block, so the list size never changes and nothing retraces). Real destinations
       must be distinct and must not appear as sources in the same list (copy-on-write copies
-      always go to fresh blocks); ids outside ``[0, num_blocks)`` are clamped to block 0.
+      always go to fresh blocks); sources may repeat. Ids outside ``[0, num_blocks)`` are
+      clamped to block 0 first.
 
   Returns:
     The updated pages.
+
+  Raises:
+    ValueError: for bad shapes or dtypes, and, where ``src`` and ``dst`` are concrete (not
+      traced), for duplicate real destinations or a destination that is also a source (a chain
+      ``2 -> 3, 3 -> 4`` or a swap ``2 -> 3, 3 -> 2``), on which the kernel and the reference
+      disagree (:func:`pallas_kernels.validate.check_copy_lists`). Under ``jit`` the lists are
+      traced and the caller guarantees the contract: the block manager's ``append`` copies from
+      shared blocks to blocks it has just allocated, never to a source or twice to one block.
   """
   impl = validate.check_copy_blocks(pages, src, dst, impl)
   impl = resolve_impl(impl, pages.shape[-1])

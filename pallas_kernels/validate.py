@@ -4,15 +4,21 @@ Every public function in :mod:`pallas_kernels` calls one of the ``check_*`` func
 before anything is traced, so a mismatch raises a ``ValueError`` that names the offending
 value, its shape or dtype, and the limit it breaks, instead of a Triton or XLA error deep inside
 a lowering. The checks only look at static metadata (``.shape``, ``.dtype``, Python ints), so
-they work on concrete arrays, tracers and ``jax.ShapeDtypeStruct`` alike.
+they work on concrete arrays, tracers and ``jax.ShapeDtypeStruct`` alike. The one exception is
+:func:`check_copy_lists`: where a copy list is concrete (a NumPy or Python sequence, or a
+committed ``jax.Array``, not a tracer), its values are read and checked against the copy
+contract, since the Pallas kernel and the reference disagree on lists that break it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.reference import NULL_BLOCK
 
 IMPLS = ("auto", "pallas", "interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -149,8 +155,65 @@ def check_write_kv(pages, layer, k, v, slots, impl):
 
 def check_copy_blocks(pages, src, dst, impl):
   impl = check_impl(impl)
-  _, _, _, _, head_dim = check_pages(pages)
+  _, _, num_blocks, _, head_dim = check_pages(pages)
   c = _check_int32("src", src, ndim=1)
   _check_int32("dst", dst, shape=c)
   _check_pallas_shapes(impl, head_dim)
+  check_copy_lists(src, dst, num_blocks)
   return impl
+
+
+def _concrete_values(x: Any) -> np.ndarray | None:
+  """The values of ``x`` as NumPy, or None when they are not known on the host without
+  computation (a tracer under ``jit``/``shard_map``, a ``ShapeDtypeStruct``, an array spread
+  over several processes)."""
+  if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+    return None
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return None
+  return np.asarray(x)
+
+
+def check_copy_lists(src: Any, dst: Any, num_blocks: int) -> None:
+  """Enforces the copy contract of :func:`pallas_kernels.copy_blocks` on concrete lists.
+
+  Ids are first clamped as the kernels clamp them (outside ``[0, num_blocks)`` -> the null
+  block 0). Padding entries ``(0, 0)`` are allowed in any number. Among the other ("real")
+  entries:
+
+  * destinations must be distinct (the kernel's programs run in no particular order, and the
+    reference's scatter keeps an unspecified one of the duplicates);
+  * no destination may also be the source of a real entry (a chain ``2 -> 3, 3 -> 4`` or a swap
+    ``2 -> 3, 3 -> 2``: the reference reads every source before writing, the kernel may read a
+    block another program already overwrote). This includes the null block: ``6 -> 0`` (a
+    destination clamped to 0) with ``0 -> 2``.
+
+  Sources may repeat (one shared block copied for several sequences). After a copy into the
+  null block its contents are unspecified, as always (it never holds data).
+
+  Raises ``ValueError`` naming the block ids and the list positions. Traced lists (under
+  ``jit``) cannot be checked here: there the caller guarantees the contract, as the block
+  manager's ``append`` does (each copy goes from a block shared by several sequences to a block
+  it has just taken from the free queue, so no destination is a source or another destination).
+  """
+  s, d = _concrete_values(src), _concrete_values(dst)
+  if s is None or d is None:
+    return
+  s = np.where((s >= 0) & (s < num_blocks), s, NULL_BLOCK)
+  d = np.where((d >= 0) & (d < num_blocks), d, NULL_BLOCK)
+  real = np.flatnonzero((s != NULL_BLOCK) | (d != NULL_BLOCK))
+  dst_at: dict[int, int] = {}
+  for i in real:
+    block = int(d[i])
+    if block in dst_at:
+      raise ValueError(
+          f"copy_blocks: block {block} is the destination at positions {dst_at[block]} and {i}; "
+          "real destinations must be distinct (padding entries are (0, 0))")
+    dst_at[block] = int(i)
+  for i in real:
+    block = int(s[i])
+    if block in dst_at:
+      raise ValueError(
+          f"copy_blocks: block {block} is the source at position {i} and the destination at "
+          f"position {dst_at[block]}; a destination must not also be a source in the same call "
+          "(a chain or a swap needs two calls)")

@@ -36,6 +36,8 @@ TINY_LLAMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 # Shared with the test: the prompts, manager and parameters every run uses.
 PROMPTS = [[84, 104, 101, 32, 99, 111, 119, 32, 115, 97, 121, 115], [76, 101, 116, 32, 117, 115]]
 NUM_BLOCKS, BLOCK_SIZE, NEW = 48, 4, 10
+# `tiny(**GQA_CONFIG)`: the model of the head-layout check (the test derives its tolerances from it).
+GQA_CONFIG = dict(num_heads=8, num_kv_heads=4, hidden_size=64)
 
 
 def _setup():
@@ -104,7 +106,7 @@ def four(ckpt: str):
     res["t_tp4"] = time.time() - t0
     # 8 heads / 4 KV heads, vocab 256: KV heads split without replication, vocab-parallel head;
     # on the mesh the Pallas kernels themselves (interpret mode) run per device under shard_map.
-    cfg = tiny(num_heads=8, num_kv_heads=4, hidden_size=64)
+    cfg = tiny(**GQA_CONFIG)
     m2 = init_model(cfg, seed=1, init_std=0.2)
     tables = jnp.array([[1, 2, 3, 0], [4, 5, 0, 0]], jnp.int32)
     pre = make_paged_batch(tables, jnp.array([0, 0]), jnp.array([7, 5]), 8, BLOCK_SIZE)
@@ -126,6 +128,12 @@ def four(ckpt: str):
     res["gqa_decode_diff"] = float(np.max(np.abs(out["single"][1] - out["tp4"][1])))
     res["gqa_pages_diff"] = float(np.max(np.abs(out["single"][2] - out["tp4"][2])))
     res["gqa_copied"] = bool(np.abs(out["tp4"][2][:, :, :, 6]).sum() > 0)
+    # Magnitudes for the test's rounding tolerances (tests/tolerances.py).
+    from tests.tolerances import score_bound
+    res["gqa_score_bound"] = score_bound(m2)
+    res["gqa_prefill_scale"] = float(np.abs(out["single"][0]).max())
+    res["gqa_decode_scale"] = float(np.abs(out["single"][1]).max())
+    res["gqa_pages_scale"] = float(np.abs(out["single"][2]).max())
     res["lm_head_spec"] = out["lm_head_spec"]
     res["seconds"] = time.time() - t0
     return res

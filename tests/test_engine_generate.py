@@ -11,6 +11,7 @@ import paged_kv as pk
 from models import allocate_pages, greedy_generate_contiguous, init_model, page_spec, tiny
 from paged_kv import engine
 from paged_kv.engine import FinishReason, SamplingParams
+from tests import tolerances as tol
 
 BS = 8
 NUM_BLOCKS = 96
@@ -66,8 +67,10 @@ def test_greedy_loop_equals_contiguous_stepwise(model):
     logp = np.asarray(jax.nn.log_softmax(jnp.asarray(ref_logits), axis=-1))
     want = np.take_along_axis(logp, ref[:, :, None], axis=-1)[:, :, 0]
     got = np.asarray(out.logprobs[:, 0])
-    np.testing.assert_allclose(got[[0, 2]], want[[0, 2]], rtol=0, atol=1e-4)
-    np.testing.assert_allclose(got[1, :stop], want[1, :stop], rtol=0, atol=1e-4)
+    atol = tol.logprob_atol(tol.model_atol(model.config, 37 + n_new, np.abs(ref_logits).max(),
+                                           score_mag=tol.score_bound(model)), 256)
+    np.testing.assert_allclose(got[[0, 2]], want[[0, 2]], rtol=0, atol=atol)
+    np.testing.assert_allclose(got[1, :stop], want[1, :stop], rtol=0, atol=atol)
     # Step s holds prompt + s tokens for every sequence still running (no sharing between prompts).
     lens_np, lengths = np.asarray(lens), np.asarray(out.lengths[:, 0])
     want_used = [sum(_blocks(lens_np[i] + s) for i in range(3) if lengths[i] > s) for s in range(n_new)]

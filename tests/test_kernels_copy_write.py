@@ -35,6 +35,66 @@ def test_copy_blocks_interpret(dtype, block_size, head_dim):
   np.testing.assert_array_equal(got[:, :, :, untouched], before[:, :, :, untouched])
 
 
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+@pytest.mark.parametrize("src,dst,match", [
+    # A chain: the reference copies old 3 to 4, the kernel may copy the new 3 (old 2).
+    ([2, 3, 0], [3, 4, 0], "block 3 is the source at position 1 and the destination at position 0"),
+    # A swap: the reference swaps, the kernel may leave both equal.
+    ([2, 3], [3, 2], "block 2 is the source at position 0 and the destination at position 1"),
+    # A self-copy is a destination that is its own source.
+    ([0, 5], [0, 5], "block 5 is the source at position 1 and the destination at position 1"),
+    # Two copies into one block; also after clamping (13 is out of range: the null block 0 as a
+    # source, but 9 as a destination twice).
+    ([3, 4, 0], [9, 9, 0], "block 9 is the destination at positions 0 and 1"),
+    ([3, 13], [9, 9], "block 9 is the destination at positions 0 and 1"),
+    # A chain through the null block: a copy into it (13 clamps to 0), then a copy out of it.
+    ([6, 0, 0], [13, 0, 2],
+     "block 0 is the source at position 2 and the destination at position 0"),
+])
+def test_copy_blocks_rejects_chains_swaps_and_duplicates(impl, src, dst, match):
+  pages = _pages(np.random.default_rng(0), jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    pk.copy_blocks(pages, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32), impl=impl)
+  with pytest.raises(ValueError, match=match):  # NumPy lists are checked too
+    pk.copy_blocks(pages, np.asarray(src, np.int32), np.asarray(dst, np.int32), impl=impl)
+
+
+def test_copy_blocks_valid_lists_match_reference():
+  """Repeated sources (one shared block copied for several sequences), padding ``(0, 0)`` in any
+  number (also out-of-range ids clamped to it), the null block as a source, or else one copy into
+  the null block, are allowed; the kernel then equals the reference (and NumPy) on every block
+  that holds data."""
+  rng = np.random.default_rng(1)
+  pages = _pages(rng, jnp.float32)
+  before, num_blocks = np.asarray(pages), pages.shape[3]
+  cases = [
+      ([3, 0, 3, 3, -1, 0, num_blocks + 2, 4, 0], [7, 0, 8, 9, -1, 0, 0, 1, 2],
+       [(3, 7), (3, 8), (3, 9), (4, 1), (0, 2)]),
+      ([6, 0, 0, 5], [0, 0, 0, 3], [(5, 3)]),  # 6 -> 0 writes the null block only
+  ]
+  for src, dst, copies in cases:
+    src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+    got = np.asarray(pk.copy_blocks(pages, src, dst, impl="interpret"))
+    ref = np.asarray(pk.copy_blocks(pages, src, dst, impl="reference"))
+    want = before.copy()
+    for s, d in copies:
+      want[:, :, :, d] = before[:, :, :, s]
+    # Blocks 1.. hold data; block 0's contents are unspecified after a copy into it.
+    np.testing.assert_array_equal(got[:, :, :, 1:], ref[:, :, :, 1:])
+    np.testing.assert_array_equal(got[:, :, :, 1:], want[:, :, :, 1:])
+
+
+def test_copy_blocks_traced_lists_are_not_checked():
+  """Under jit the lists are tracers: nothing is checked (the block manager's append guarantees
+  the contract) and the reference reads every source before writing."""
+  pages = _pages(np.random.default_rng(2), jnp.float32)
+  step = jax.jit(lambda p, s, d: pk.copy_blocks(p, s, d, impl="reference"))
+  out = np.asarray(step(pages, jnp.array([2, 3], jnp.int32), jnp.array([3, 4], jnp.int32)))
+  before = np.asarray(pages)
+  np.testing.assert_array_equal(out[:, :, :, 4], before[:, :, :, 3])
+  np.testing.assert_array_equal(out[:, :, :, 3], before[:, :, :, 2])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("block_size,head_dim,heads", [(8, 64, 2), (16, 128, 3)])
 def test_write_kv_interpret(dtype, block_size, head_dim, heads):

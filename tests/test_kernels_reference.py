@@ -7,11 +7,15 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import testing as kt
+from tests import tolerances as tol
+
+# Against the float64 dense attention only the reference rounds: in bfloat16, its output once.
+REFERENCE = 1
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("block_size,head_dim,group", [(8, 64, 1), (16, 128, 4), (32, 64, 8)])
-def test_decode_reference_matches_dense(dtype, tol, block_size, head_dim, group):
+def test_decode_reference_matches_dense(dtype, block_size, head_dim, group):
   rng = np.random.default_rng(block_size * 7 + group)
   lengths = [1, block_size + 3, 5 * block_size - 1, 0, 2 * block_size]
   case = kt.make_paged_case(rng, lengths, block_size=block_size, head_dim=head_dim,
@@ -23,12 +27,14 @@ def test_decode_reference_matches_dense(dtype, tol, block_size, head_dim, group)
   scale = head_dim ** -0.5
   want = np.stack([kt.dense_attention(q[b], case.pages, case.layer, case.block_tables[b], n, scale)
                    for b, n in enumerate(case.lengths)])
-  assert kt.rel_error(out, want) < tol
+  atol = tol.paged_attention_atol(q, case.pages, case.layer, scale, max(lengths),
+                                  roundings=REFERENCE)
+  tol.assert_close(out, want, atol, "reference vs float64")
   assert np.all(np.asarray(out[3]) == 0)  # length 0 gives zeros
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_prefill_reference_matches_dense(dtype, tol):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prefill_reference_matches_dense(dtype):
   rng = np.random.default_rng(1)
   block_size, head_dim, group, num_tokens = 16, 64, 4, 7
   q_start = np.array([0, 32, 21, 5], np.int32)
@@ -39,11 +45,16 @@ def test_prefill_reference_matches_dense(dtype, tol):
   out = pk.paged_prefill_attention(q, case.pages, case.layer, case.block_tables,
                                    jnp.asarray(q_start), jnp.asarray(q_lens), scale=0.1,
                                    impl="reference")
+  atol = tol.paged_attention_atol(q, case.pages, case.layer, 0.1, int(max(q_start + q_lens)),
+                                  roundings=REFERENCE)
   for b in range(4):
     for t in range(num_tokens):
       visible = q_start[b] + t + 1 if t < q_lens[b] else 0
       want = kt.dense_attention(q[b, t], case.pages, case.layer, case.block_tables[b], visible, 0.1)
-      assert kt.rel_error(out[b, t], want) < tol if visible else np.all(np.asarray(out[b, t]) == 0)
+      if visible:
+        tol.assert_close(out[b, t], want, atol, f"reference vs float64 at ({b}, {t})")
+      else:
+        assert np.all(np.asarray(out[b, t]) == 0)
 
 
 def test_prefill_last_token_equals_decode():
@@ -55,7 +66,9 @@ def test_prefill_last_token_equals_decode():
                                    impl="reference")
   dec = pk.paged_decode_attention(q[:, -1], case.pages, 1, case.block_tables,
                                   q_start + q_lens, impl="reference")
-  assert kt.rel_error(pre[:, -1], dec) < 1e-6
+  # The same reference over different query shapes: equal up to summation order.
+  atol = tol.paged_attention_atol(q, case.pages, 1, 64 ** -0.5, 40)
+  tol.assert_close(pre[:, -1], dec, atol, "prefill vs decode")
 
 
 def test_write_kv_and_copy_blocks_reference():
@@ -182,5 +195,6 @@ def test_auto_dispatch_and_use_under_jit():
   out, pages = step(case.pages, q, case.block_tables, ln, k, slots)
   want_pages = pk.write_kv(case.pages, 1, k, k, slots, impl="reference")
   want = pk.paged_decode_attention(q, want_pages, 1, case.block_tables, ln, impl="reference")
-  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+  atol = tol.paged_attention_atol(q, want_pages, 1, 64 ** -0.5, 30)
+  tol.assert_close(out, want, atol, "jit vs eager")
   np.testing.assert_array_equal(pages, want_pages)

@@ -17,6 +17,8 @@ from models import (allocate_pages, contiguous_step, greedy_generate_contiguous,
                     page_spec, paged_prefill_step, save_hf_checkpoint)
 from flax import nnx
 
+from tests import tolerances as tol
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
 
@@ -89,9 +91,12 @@ def test_prompt_logits_match(pair):
                                            impl="reference")
         chunks.append(np.asarray(logits))
     err_paged = _rel_err(np.concatenate(chunks, 1), ref)
-    print(f"{case}: relative error contiguous {err_contig:.2e}, paged {err_paged:.2e}")
-    assert err_contig < 1e-4
-    assert err_paged < 1e-4
+    # Two float32 computations of the same function (tests/tolerances.py): float32 eps times the
+    # reduction lengths along the model, relative to the logits' scale.
+    rtol = tol.model_atol(model.config, t, 1.0, score_mag=tol.score_bound(model))
+    print(f"{case}: relative error contiguous {err_contig:.2e}, paged {err_paged:.2e}, bound {rtol:.2e}")
+    assert err_contig <= rtol
+    assert err_paged <= rtol
 
 
 def test_greedy_tokens_match(pair):

@@ -25,6 +25,7 @@ import paged_kv as pk
 from models import (abstract_model, llama31_8b, load_hf_checkpoint, page_spec, save_hf_checkpoint,
                     sharding, tiny)
 from paged_kv import engine
+from tests import tolerances as tol
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "sharding_worker.py"
@@ -179,7 +180,7 @@ def test_sharded_load_on_one_device(ckpt):
 
 
 # ---------------------------------------------------------------------------- 4 simulated devices
-def test_four_devices_same_tokens(four):
+def test_four_devices_same_tokens(four, ckpt):
     """tp=4 on a model with 2 KV heads (replicated to 4): greedy with n=2 (forked blocks and a
     copy-on-write copy) and beam search give the single-device tokens; each device holds 1/4 of
     the pages (one KV head of every block)."""
@@ -187,7 +188,11 @@ def test_four_devices_same_tokens(four):
     assert tp4["greedy"] == single["greedy"]
     assert tp4["copies"] == single["copies"] and sum(single["copies"]) >= 1
     assert tp4["beam"] == single["beam"]
-    np.testing.assert_allclose(tp4["beam_scores"], single["beam_scores"], rtol=1e-5)
+    # Sharded matmuls sum their partial products in another order: the rounding bound of
+    # tests/tolerances.py (prompts of <= 12 tokens, NEW = 10 steps).
+    model = load_hf_checkpoint(ckpt)
+    for got, want in zip(np.ravel(tp4["beam_scores"]), np.ravel(single["beam_scores"])):
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol.beam_score_atol(model, 12 + 10, 10, want))
     assert four["pages_shape"][2] == 4
     assert len(four["page_shards"]) == 4
     for shape, nbytes, _ in four["page_shards"]:
@@ -201,8 +206,13 @@ def test_four_devices_loading_and_head_layouts(four):
     shard_map give the single-device reference's logits and pages (block copies included)."""
     assert four["placed_kv_heads"] == 4 and four["load_max_diff"] == 0.0 and four["load_same_specs"]
     assert four["lm_head_spec"] == "P('tp', None)"
-    assert four["gqa_prefill_diff"] < 1e-4 and four["gqa_decode_diff"] < 1e-4
-    assert four["gqa_pages_diff"] < 1e-5 and four["gqa_copied"]
+    # Per-device kernels and sharded matmuls vs one device: the rounding bound of tests/tolerances.py
+    # (8 prompt tokens, then 1 decoded; the pages hold K/V of both layers).
+    cfg, s = tiny(num_heads=8, num_kv_heads=4, hidden_size=64), four["gqa_score_bound"]  # worker's GQA_CONFIG
+    assert four["gqa_prefill_diff"] <= tol.model_atol(cfg, 8, four["gqa_prefill_scale"], score_mag=s)
+    assert four["gqa_decode_diff"] <= tol.model_atol(cfg, 9, four["gqa_decode_scale"], score_mag=s)
+    assert four["gqa_pages_diff"] <= tol.model_atol(cfg, 9, four["gqa_pages_scale"], score_mag=s, through="kv")
+    assert four["gqa_copied"]
 
 
 # ---------------------------------------------------------------------------- 2 processes

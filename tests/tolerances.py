@@ -1,0 +1,248 @@
+"""Tolerances of the parity tests, derived from floating-point error analysis.
+
+Every parity test compares two computations of one function that differ only in rounding: the
+summation order or blocking (paged vs contiguous attention, a Pallas kernel vs its XLA
+reference, chunked vs whole prefill, sharded vs single-device matmuls, our Llama vs
+transformers'), or one computation against an exact float64 one. The tolerance therefore
+follows from the standard model of floating-point arithmetic (Higham, *Accuracy and Stability
+of Numerical Algorithms*, 2nd ed., SIAM 2002, sections 2.2 and 3.1), not from the rounding one
+machine happened to produce:
+
+* Each operation is exact up to a relative error of at most the unit roundoff ``u = eps / 2``
+  (float32 ``eps = 2**-23``, bfloat16 ``eps = 2**-7``).
+* A sum or dot product of length ``K``, in ANY order or blocking, satisfies (Higham (3.5))::
+
+      |fl(sum_i a_i b_i) - sum_i a_i b_i| <= gamma_K * sum_i |a_i b_i|,
+      gamma_K = K u / (1 - K u) ~= K u.
+
+  Two evaluations that differ only in order are each within that bound of the exact value, so
+  they differ by at most ``2 K u sum|a_i b_i| = K eps sum|a_i b_i|`` (:func:`chain_atol` with
+  one stage). A comparison against an exact reference then has a factor 2 to spare.
+* A chain of stages (a layer stack) composes to first order: the relative errors of the stages
+  add, each relative to the magnitude of the stage's result. In a pre-norm transformer every
+  stage's input is renormalised (RMSNorm) or is a convex combination (softmax weights times V),
+  so no stage amplifies the relative error of its input by more than a factor of order one, and
+  the logits of two computations differ by at most::
+
+      |x - y| <= (eps_acc * sum_i K_i  +  eps_store * R / 2) * M                   (chain_atol)
+
+  with ``K_i`` the reduction length of stage ``i`` (accumulated in ``eps_acc``'s dtype, float32
+  here), ``R`` the number of roundings to a narrower storage dtype (bfloat16) along the chain,
+  counted over BOTH computations (each costs ``u_store = eps_store / 2``), and ``M`` the
+  magnitude of the result (the logits' ``max |.|``). :func:`llama_reduction_lens` lists the
+  ``K_i`` of the Llama here: RMSNorm over ``hidden``, the projections over ``hidden``, the
+  attention (below), ``o_proj`` over ``heads * head_dim``, ``down`` over ``intermediate``, the LM
+  head over ``hidden``, plus the elementwise roundings.
+* Attention is the one stage that can amplify: a score's absolute error is a relative error of
+  its softmax weight, and scores have magnitude up to ``S = scale * max sum_i |q_i k_i|``, so a
+  length-``D`` score dot counts as ``2 (D + 4) S`` summands, next to ``4 n + 7`` for the softmax
+  and ``P V`` over ``n`` keys (:func:`attention_atol`). ``S`` is measured from the data in the
+  kernel tests (:func:`score_magnitude`) and bounded from the weights for a model
+  (:func:`score_bound`; :func:`logits_bound` bounds the logits the same way).
+
+These are worst-case bounds: the typical rounding error of a sum grows like ``sqrt(K) u``
+rather than ``K u`` (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019), so observed float32
+errors sit two to four orders of magnitude below them on any machine (a single bfloat16
+rounding of an output is nearly attained), while a wrong result (a dropped or shifted token,
+an off-by-one position, a softmax scale off by 0.1-1 %) misses them. float32 matmuls are assumed
+to run in float32 (XLA on a CPU; a GPU using TF32 would need ``eps = 2**-10``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def eps(dtype) -> float:
+  """Machine epsilon of ``dtype`` (the gap between 1 and the next number; ``u = eps / 2``)."""
+  return float(jnp.finfo(dtype).eps)
+
+
+def chain_atol(dtype, reduction_lens: Iterable[float], magnitude: float, *, roundings: float = 0,
+               accum_dtype=jnp.float32) -> float:
+  """First-order bound on ``|x - y|`` between two computations of a chain (module docstring).
+
+  Args:
+    dtype: storage dtype of the chain's intermediate values.
+    reduction_lens: reduction length ``K_i`` (summands, elementwise roundings count 1) of every
+      stage along the chain, accumulated in ``accum_dtype``.
+    magnitude: ``M``, the magnitude of the result (``max |.|`` of the compared values, or a bound
+      of ``sum |a_i b_i|`` for a single dot product).
+    roundings: roundings to ``dtype`` along the chain, over both computations together; ignored
+      when ``dtype`` is as precise as ``accum_dtype`` (then they are part of ``gamma_K``).
+  """
+  acc, store = eps(accum_dtype), eps(dtype)
+  narrow = roundings * store / 2 if store > acc else 0.0
+  return (acc * float(sum(reduction_lens)) + narrow) * float(magnitude)
+
+
+def score_magnitude(q, k, scale: float) -> float:
+  """``S = scale * max over (query, key) of sum_i |q_i k_i|``, over every query row of ``q
+  [..., D]`` and every key row of ``k [..., D]`` (an upper bound for any visible subset)."""
+  q = np.abs(np.asarray(q, np.float64)).reshape(-1, np.shape(q)[-1])
+  k = np.abs(np.asarray(k, np.float64)).reshape(-1, np.shape(k)[-1])
+  return abs(scale) * float((q @ k.T).max(initial=0.0))
+
+
+def attention_atol(dtype, head_dim: int, context: int, score_mag: float, value_mag: float, *,
+                   roundings: float = 0) -> float:
+  """Bound on ``|x - y|`` between two computations of ``softmax(scale q k^T) v`` (any tiling,
+  online or not, split or not), to first order in ``u`` of float32 accumulation.
+
+  One computation: a score (a length-``D`` dot, the scale, the max subtracted, and JAX's
+  ``exp2(x log2 e)``) is off by at most ``(D + 4) u S``, which is a relative error of its weight
+  ``exp(.)``, plus ``2 u`` for the exp itself: ``rho = (D + 4) u S + 2 u``. The denominator
+  ``l`` and the numerator ``sum p_j v_j`` over ``n = context`` keys, with the per-tile and
+  per-split rescalings (the same factor on both, so its own error cancels), carry relative
+  errors of at most ``rho + 2 n u`` each (relative to ``sum p_j |v_j|``); the division adds
+  ``u`` and an ``eps`` guard on ``l`` adds ``2 u``. So ``|error| <= u V (2 (D + 4) S + 4 n + 7)``
+  with ``V = max |v|`` over the keys, and two computations differ by twice that:
+  ``eps V (2 (D + 4) S + 4 n + 7)``, plus ``roundings * eps_store / 2 * V`` for roundings to a
+  bfloat16 storage dtype (weights cast to ``v.dtype`` before ``P V``, the output) over both.
+  """
+  effective_len = 2 * (head_dim + 4) * score_mag + 4 * context + 7
+  return chain_atol(dtype, [effective_len], value_mag, roundings=roundings)
+
+
+def paged_attention_atol(q, pages, layer: int, scale: float, context: int, *,
+                         roundings: float = 0) -> float:
+  """:func:`attention_atol` for queries ``q [..., D]`` over the K/V of ``pages``' ``layer``: the
+  score magnitude over every (query, key) pair and ``max |v|`` over every value in the layer
+  (upper bounds for any visible subset), in the pages' dtype."""
+  k = np.asarray(pages[layer, 0], np.float32)
+  v = np.asarray(pages[layer, 1], np.float32)
+  return attention_atol(pages.dtype, np.shape(q)[-1], context,
+                        score_magnitude(np.asarray(q, np.float32), k, scale),
+                        float(np.abs(v).max()), roundings=roundings)
+
+
+def assert_close(actual, desired, atol: float, what: str = "") -> float:
+  """Asserts ``max |actual - desired| <= atol`` (compared in float64); returns the ratio of the
+  error to ``atol``."""
+  a, d = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
+  assert a.shape == d.shape, (a.shape, d.shape)
+  err = float(np.abs(a - d).max(initial=0.0))
+  assert err <= atol, f"{what}: max |error| {err:.4g} > tolerance {atol:.4g} ({err / atol:.3g}x)"
+  return err / atol
+
+
+def llama_reduction_lens(cfg, context: int, score_mag: float, *, num_layers: int | None = None,
+                         through: str = "logits") -> list[float]:
+  """Reduction lengths ``K_i`` along the Llama forward pass (module docstring), for contexts of
+  at most ``context`` positions and attention scores of magnitude at most ``score_mag``
+  (:func:`score_bound`).
+
+  ``through="logits"``: all layers, the final norm and the LM head. ``through="kv"``: up to the
+  last layer's K/V projections (what the pages hold). ``num_layers`` defaults to
+  ``cfg.num_layers``.
+  """
+  h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+  layers = cfg.num_layers if num_layers is None else num_layers
+  norm = h + 2  # mean of squares over hidden, rsqrt, the scale
+  proj = h  # q/k/v projection over hidden
+  rope = 4  # two products, a sum, cos/sin of the angle
+  attn = 2 * (d + 4) * score_mag + 4 * context + 7  # as in attention_atol
+  layer = [norm, proj, rope, attn, cfg.num_heads * d, 1,  # o_proj, residual add
+           norm, h, 3, f, 1]  # gate/up over hidden, SiLU times up, down over intermediate, add
+  if through == "kv":
+    return layer * (layers - 1) + [norm, proj, rope]
+  if through != "logits":
+    raise ValueError(f"through must be 'logits' or 'kv', got {through!r}")
+  return layer * layers + [norm, h]  # final norm, LM head over hidden
+
+
+def rope_inv_freq_rtol(rope_scaling) -> float:
+  """Relative bound between two float32 computations of the RoPE inverse frequencies
+  ``1 / theta ** (2 i / d)`` (plus llama3 scaling), e.g. ours and transformers'.
+
+  The exponent ``2 i / d`` is one correctly rounded IEEE division of the same integers, so it is
+  bit-identical in both; ``pow`` is within 1 ulp (``2 u``) and the reciprocal adds ``u``: ``3 u``
+  per computation. llama3 scaling (``f = factor``, ``h``/``l`` = high/low frequency factors): the
+  low band divides by ``f`` (``u``). In the medium band the smoothing weight
+  ``s = (old_len / wavelen - l) / (h - l)``, with ``old_len / wavelen <= h``, is off by at most
+  ``h / (h - l) * (3 u + 4 u) + 2 u`` absolutely (the inverse frequency, ``2 pi / .``,
+  ``old_len / .``, the two subtractions and the division), and the result
+  ``scaled * (s + (1 - s) / f)`` turns an absolute error ``ds`` into the relative error
+  ``(f - 1) ds`` at most (where ``s = 0``), plus ``5 u`` for its own products, sum and division.
+  Two computations differ by twice the sum, so ``u`` becomes ``eps`` below.
+  """
+  e = eps(jnp.float32)
+  if rope_scaling is None:
+    return 3 * e
+  f, h, l = rope_scaling.factor, rope_scaling.high_freq_factor, rope_scaling.low_freq_factor
+  return (3 + 1 + 5) * e + (f - 1) * (h / (h - l) * 7 + 2) * e
+
+
+def llama_roundings(cfg) -> int:
+  """Roundings to ``cfg.dtype`` along one Llama forward pass in a dtype narrower than float32:
+  the embedding row; per layer 20 (each RMSNorm: its float32 result, its scale weight, the
+  product; q/k/v, o_proj, gate/up and down: the weight and the output each; RoPE's and the
+  attention's outputs; SiLU and its product with up; the two residual adds); the final norm (3)
+  and the LM head (weight, output). A float32 model: 0 (part of ``gamma_K``)."""
+  if eps(cfg.dtype) <= eps(jnp.float32):
+    return 0
+  return 1 + 20 * cfg.num_layers + 5
+
+
+def model_atol(cfg, context: int, magnitude: float, *, score_mag: float,
+               num_layers: int | None = None, through: str = "logits", roundings: float = 0) -> float:
+  """:func:`chain_atol` over :func:`llama_reduction_lens`, in ``cfg.dtype``: the bound on two
+  computations of the logits (or K/V pages) of magnitude ``magnitude``, for contexts of at most
+  ``context`` positions and attention scores of magnitude at most ``score_mag``."""
+  lens = llama_reduction_lens(cfg, context, score_mag, num_layers=num_layers, through=through)
+  return chain_atol(cfg.dtype, lens, magnitude, roundings=roundings)
+
+
+def _f64(x) -> np.ndarray:
+  return np.asarray(x, np.float64)
+
+
+def logits_bound(model) -> float:
+  """An a-priori bound on ``max |logits|`` of a :class:`models.Llama` from its weights alone:
+  the final RMSNorm's output is ``g * x_hat`` with ``||x_hat||_2 <= sqrt(hidden)``, so by
+  Cauchy-Schwarz ``|logit_v| <= sqrt(hidden) * ||head_v * g||_2``."""
+  head = model.embed[...] if model.config.tie_word_embeddings else model.lm_head[...]
+  rows = _f64(head) * _f64(model.final_norm.scale[...])
+  return math.sqrt(model.config.hidden_size) * float(np.sqrt((rows ** 2).sum(-1)).max())
+
+
+def score_bound(model) -> float:
+  """An a-priori bound on the attention score magnitude ``S = scale * max sum_i |q_i k_i|`` of a
+  :class:`models.Llama` from its weights alone: a head's query is ``W_q,h^T (g * x_hat)`` rotated
+  by RoPE (which keeps its norm), ``||x_hat||_2 <= sqrt(hidden)``, and ``sum |q_i k_i| <=
+  ||q|| ||k||``, so ``S <= scale * hidden * max_h sigma(diag(g) W_q,h) * max_h sigma(diag(g)
+  W_k,h)`` (``sigma``: the largest singular value), the largest over the layers."""
+  cfg = model.config
+  best = 0.0
+  for layer in model.layers:
+    g = _f64(layer.input_norm.scale[...])[:, None]
+    sigma = [max(np.linalg.norm(g * w[:, h], 2) for h in range(w.shape[1]))
+             for w in (_f64(layer.attn.q_proj[...]), _f64(layer.attn.k_proj[...]))]
+    best = max(best, cfg.head_dim ** -0.5 * cfg.hidden_size * sigma[0] * sigma[1])
+  return best
+
+
+def logprob_atol(logits_atol: float, vocab_size: int) -> float:
+  """Two computations of ``log_softmax(logits)[t]`` whose logits differ by at most
+  ``logits_atol``: ``logits[t]`` moves by at most ``logits_atol`` and so does the log-sum-exp (its
+  gradient, the softmax, sums to 1); the sum of ``vocab_size`` exponentials adds ``vocab_size u``
+  relative (absolute in its log), exp and log ``3 u`` (the log's ``u |lse|`` is far below
+  ``logits_atol``, which counts ``eps * max|logits|`` hundreds of times): over two computations
+  ``2 logits_atol + (vocab_size + 3) eps``."""
+  return 2 * logits_atol + (vocab_size + 3) * eps(jnp.float32)
+
+
+def beam_score_atol(model, context: int, steps: int, score: float) -> float:
+  """Beam search scores (a sum of ``steps`` log-probs, divided by ``length ** penalty``) of two
+  computations of ``model`` (logits and scores bounded from its weights: :func:`logits_bound`,
+  :func:`score_bound`): ``steps`` log-prob errors, the sum's own rounding ``steps u |sum|`` and
+  the division ``u |score|``, both computations: ``steps * logprob_atol + (steps + 1) eps |score|``
+  (``|score| <= |sum|``)."""
+  cfg = model.config
+  logits_atol = model_atol(cfg, context, logits_bound(model), score_mag=score_bound(model))
+  per_step = logprob_atol(logits_atol, cfg.vocab_size)
+  return steps * per_step + (steps + 1) * eps(jnp.float32) * abs(float(score))
