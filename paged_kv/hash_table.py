@@ -155,58 +155,103 @@ def lookup(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
     return found
 
 
+def _claim_window(table: HashTable, home: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For an insertion, the first ``W`` probe positions of each key at once: int32 ``[K]`` the
+    offset of the first EMPTY slot (``W`` if none), and int32 ``[K]`` the oldest block already
+    stored under the key if it lies before that slot (else -1). One gather and one three-output
+    reduction (kept whole by XLA:CPU, like ``_window``'s)."""
+    size = table.entries.shape[0]
+    w = _window_size(keys.shape[0])
+    offsets = jnp.arange(w, dtype=jnp.int32)
+    pos = (home[:, None] + offsets[None, :]) & (size - 1)
+    stored, vals = _split(table.entries[pos.reshape(-1)].reshape(*pos.shape, 3))
+    late = w + offsets[None, :]
+    empty_rank = jnp.where(vals == EMPTY, offsets[None, :], late)
+    has_key = (vals >= 0) & _same(stored, keys[:, None, :])
+    key_rank = jnp.where(has_key, offsets[None, :], late)
+
+    def lower(a, b):
+        keep_a = a[1] < b[1]
+        return jnp.minimum(a[0], b[0]), jnp.where(keep_a, a[1], b[1]), jnp.where(keep_a, a[2], b[2])
+
+    init = (jnp.int32(2 * w), jnp.int32(2 * w), jnp.int32(-1))
+    first_empty, first_key, block = lax.reduce((empty_rank, key_rank, vals), init, lower, (1,))
+    first_empty = jnp.minimum(first_empty, w)
+    return first_empty, jnp.where(first_key < first_empty, block, -1)
+
+
 def claim(
     table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array, *, order: jax.Array | None = None
-) -> tuple[HashTable, jax.Array]:
-    """Inserts every masked entry, whether or not its key is present; returns the table and int32
-    ``[K]`` slots (-1 where not masked).
+) -> tuple[HashTable, jax.Array, jax.Array, jax.Array]:
+    """Inserts every masked entry, whether or not its key is present.
 
     Each entry takes the first EMPTY slot of its key's probe sequence, so equal keys line up along
     that sequence in the order they were inserted: within one batch, in ``order`` (int32 ``[K]``,
-    distinct; default the batch order), where the lower value goes first.
+    a permutation of ``0..K-1``; default the batch order), where the lower value goes first.
 
     Args:
       keys: uint32 ``[K, 2]``; vals: int32 ``[K]`` (block ids); mask: bool ``[K]``.
+
+    Returns:
+      - the table;
+      - int32 ``[K]`` slots (-1 where not masked);
+      - int32 ``[K]`` twins: the ``order`` value of the first entry of this batch with the same key,
+        for a masked entry that has such an earlier twin (-1 otherwise);
+      - int32 ``[K]`` the oldest block stored under the key before this call (-1 if none, or not
+        masked).
+      Both found on the way, with no second probe: the walk to the first EMPTY slot passes the
+      key's older entries, and equal keys walk their probe sequence in lockstep, so an entry and
+      its first twin contend for the slot the twin wins. (A lookup after the insertion made XLA
+      copy the whole table on every call.)
     """
     size = table.entries.shape[0]
     home = _home(keys, size)
     k = keys.shape[0]
     # Claim markers, all below TOMBSTONE and distinct; the first in order has the smallest.
-    rank = jnp.arange(k, dtype=jnp.int32) if order is None else order.astype(jnp.int32)
-    code = rank - (3 + k)
+    offset = 3 + k
+    code = (jnp.arange(k, dtype=jnp.int32) if order is None else order.astype(jnp.int32)) - offset
 
-    def attempt(t, pos, pending, empty, slots):
+    def attempt(t, pos, pending, empty, slots, twin):
         """Entries at an EMPTY slot ``pos`` try to claim it: the first in order (smallest marker)
-        wins each slot; the others walk on."""
+        wins each slot; the others walk on, and one that lost to an equal key notes its twin."""
         claimed = t.entries.at[jnp.where(empty, pos, size), VAL].min(code, mode="drop")
-        won = empty & (claimed[pos, VAL] == code)
+        winner = claimed[pos, VAL]
+        won = empty & (winner == code)
         target = jnp.where(won, pos, size)
         entries = claimed.at[target].set(_rows(keys, vals), mode="drop")
-        # Markers of lost claims were overwritten by the winner's row.
+        behind_twin = empty & ~won & _same(_split(entries[pos])[0], keys)
+        twin = jnp.where((twin < 0) & behind_twin, winner + offset, twin)
         slots = jnp.where(won, pos, slots)
-        return t.replace(entries=entries), pending & ~won, slots
+        return t.replace(entries=entries), pending & ~won, slots, twin
 
-    # First, the whole window at once: claim its first EMPTY slot.
-    first, _ = _window(table, home, keys, stop_at_key=False)
+    # First, the whole window at once: claim its first EMPTY slot. Where the window holds an
+    # EMPTY slot, the key's older entries (if any) lie before it: ``older`` is settled.
+    first, older = _claim_window(table, home, keys)
     w = _window_size(k)
-    empty = mask & (first < w)
+    settled = first < w
+    empty = mask & settled
     pos = (home + jnp.minimum(first, w - 1)) & (size - 1)
-    table, pending, slots = attempt(table, pos, mask, empty, jnp.full(mask.shape, -1, jnp.int32))
+    none = jnp.full(mask.shape, -1, jnp.int32)
+    table, pending, slots, twin = attempt(table, pos, mask, empty, none, none)
 
     def body(carry):
-        probe, pending, slots, t = carry
+        probe, pending, slots, twin, older, t = carry
         pos = (home + probe) & (size - 1)
-        empty = pending & (t.entries[pos, VAL] == EMPTY)
-        t, pending, slots = attempt(t, pos, pending, empty, slots)
-        return probe + 1, pending, slots, t
+        stored, val = _split(t.entries[pos])
+        # An unsettled entry meets its key's older entries before any slot its twins claim (they
+        # claim in lockstep with it, at EMPTY slots): the first one met is the oldest.
+        older = jnp.where(pending & ~settled & (older < 0) & (val >= 0) & _same(stored, keys), val, older)
+        empty = pending & (val == EMPTY)
+        t, pending, slots, twin = attempt(t, pos, pending, empty, slots, twin)
+        return probe + 1, pending, slots, twin, older, t
 
     # The rest (a lost claim, or no EMPTY slot inside the window) walk again from home, one slot
     # per iteration, in lockstep (so equal keys keep their order); rare, so the loop usually runs
     # zero iterations.
-    init = (jnp.int32(0), pending, slots, table)
-    _, _, slots, table = while_needed(lambda c: any_true(c[1]) & (c[0] < size), body, init)
+    init = (jnp.int32(0), pending, slots, twin, older, table)
+    _, _, slots, twin, older, table = while_needed(lambda c: any_true(c[1]) & (c[0] < size), body, init)
     inserted = jnp.sum(slots >= 0, dtype=jnp.int32)
-    return table.replace(counts=table.counts.at[0].add(inserted)), slots
+    return table.replace(counts=table.counts.at[0].add(inserted)), slots, twin, jnp.where(mask, older, -1)
 
 
 def needs_rebuild(table: HashTable, count: jax.Array) -> jax.Array:
@@ -233,7 +278,8 @@ def rebuild(
     distance = (old_slots - _home(all_keys, size)) & (size - 1)
     order = jnp.argsort(jnp.where(cached, distance, size), stable=True)
     rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-    return claim(empty_table(size), all_keys, jnp.arange(n, dtype=jnp.int32), cached, order=rank)
+    table, slots, _, _ = claim(empty_table(size), all_keys, jnp.arange(n, dtype=jnp.int32), cached, order=rank)
+    return table, slots
 
 
 def insert(
@@ -263,7 +309,7 @@ def insert(
         lambda args: args,
         (table, all_slots),
     )
-    table, slots = claim(table, keys, vals, mask)
+    table, slots, _, _ = claim(table, keys, vals, mask)
     return table, all_slots, slots
 
 

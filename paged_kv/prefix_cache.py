@@ -131,35 +131,48 @@ def _register(cache, blocks, chains, salts, parent_class, mask, count, may_join)
     # passes ``meta`` through untouched (a column written back would cost O(pool) per call).
     crowded = hash_table.needs_rebuild(cache.table, count)
     cache = lax.cond(crowded, _rebuild_table, lambda cache: cache, cache)
-    table, slots = hash_table.claim(cache.table, keys, blocks, mask)
-    target = jnp.where(mask, blocks, n)
+    meta, tokens = cache.meta, cache.tokens
+    # The insertion, which also finds, for each entry, the oldest block cached under its key
+    # before this call and its first twin (an earlier entry of this call with the same key).
+    jb = blocks[may_join]
+    table, slots, twin, older = hash_table.claim(cache.table, keys, blocks, mask)
+    older = older[may_join]
+    theirs = meta[jnp.maximum(older, 0)]
+    generation = meta[blocks, GENERATION]
+    own = jnp.stack([blocks, generation], axis=1)
+
+    # A block joins the class of the oldest equal block: one cached before (its facts in
+    # ``meta``), else its first twin of this call (its facts in this call's arrays; its class is
+    # its own, as nothing older holds its key). Every fact is gathered before the one scatter into
+    # ``meta`` below: reading ``meta`` after writing it and then writing it again made XLA copy
+    # the whole array on every call.
+    tw = jnp.maximum(twin[may_join], 0)
+    pc = parent_class[may_join]
+    mine_tokens = tokens[jb]
+    join_old = (
+        mask[may_join] & (older >= 0)
+        & (theirs[:, SALT] == _bits(salts[may_join]))
+        & jnp.all(theirs[:, PARENT_CLASS:PARENT_CLASS_GENERATION + 1] == pc, axis=1)
+        & jnp.all(tokens[jnp.maximum(older, 0)] == mine_tokens, axis=1)
+    )
+    join_twin = (
+        mask[may_join] & ~join_old & (twin[may_join] >= 0)
+        & (salts[tw] == salts[may_join])
+        & jnp.all(parent_class[tw] == pc, axis=1)
+        & jnp.all(tokens[blocks[tw]] == mine_tokens, axis=1)
+    )
+    joined = jnp.where(join_old[:, None], theirs[:, CLASS:CLASS_GENERATION + 1],
+                       jnp.where(join_twin[:, None], own[tw], own[may_join]))
+    klass = own.at[may_join].set(joined)
+
     # Whole new rows in one row scatter (a [row, column] scatter became one scatter per element
-    # on XLA:CPU), each block first in a class of its own; a block keeps its generation.
-    generation = cache.meta[blocks, GENERATION][:, None]
+    # on XLA:CPU); a block keeps its generation.
     rows = jnp.concatenate(
-        [_bits(keys), slots[:, None], _bits(salts)[:, None], blocks[:, None], generation,
-         parent_class, generation],
+        [_bits(keys), slots[:, None], _bits(salts)[:, None], klass, parent_class, generation[:, None]],
         axis=1,
     )
     assert rows.shape[1] == META_COLUMNS and (KEY0, CLASS, PARENT_CLASS, GENERATION) == (0, 4, 6, 8)
-    meta = cache.meta.at[target].set(rows, mode="drop")
-
-    # Then, after the insertion (so an earlier entry of this call counts), the oldest block with
-    # each key: a block equal to it in tokens, salt and parent class joins its class.
-    jb = blocks[may_join]
-    oldest = hash_table.lookup(table, keys[may_join], mask[may_join])
-    older = jnp.maximum(oldest, 0)
-    theirs, mine = meta[older], meta[jb]
-    tokens = cache.tokens
-    joins = (
-        mask[may_join] & (oldest >= 0) & (oldest != jb)
-        & (theirs[:, SALT] == mine[:, SALT])
-        & jnp.all(theirs[:, PARENT_CLASS:PARENT_CLASS_GENERATION + 1]
-                  == mine[:, PARENT_CLASS:PARENT_CLASS_GENERATION + 1], axis=1)
-        & jnp.all(tokens[older] == tokens[jb], axis=1)
-    )
-    joined = mine.at[:, CLASS:CLASS_GENERATION + 1].set(theirs[:, CLASS:CLASS_GENERATION + 1])
-    meta = meta.at[jnp.where(joins, jb, n)].set(joined, mode="drop")
+    meta = meta.at[jnp.where(mask, blocks, n)].set(rows, mode="drop")
     return cache.replace(table=table, meta=meta)
 
 
