@@ -296,6 +296,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
         (fresh & (j < n_full[:, None])).reshape(e),
         count=jnp.sum(jnp.maximum(jnp.where(ok, n_full, 0) - n_hit, 0)),
         may_join=jnp.arange(b, dtype=jnp.int32) * c + jnp.maximum(n_blocks - 1, 0),
+        distinct_keys=b == 1,  # one prompt's blocks have distinct prefixes
     )
     last_full = jnp.take_along_axis(chains, jnp.maximum(n_full - 1, 0)[:, None, None], axis=1)[:, 0]
     seq_chain = jnp.where((n_full > 0)[:, None], last_full, block_hash.root_state(salts))

@@ -181,7 +181,8 @@ def _claim_window(table: HashTable, home: jax.Array, keys: jax.Array) -> tuple[j
 
 
 def claim(
-    table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array, *, order: jax.Array | None = None
+    table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array, *, order: jax.Array | None = None,
+    find_twins: bool = True,
 ) -> tuple[HashTable, jax.Array, jax.Array, jax.Array]:
     """Inserts every masked entry, whether or not its key is present.
 
@@ -196,7 +197,8 @@ def claim(
       - the table;
       - int32 ``[K]`` slots (-1 where not masked);
       - int32 ``[K]`` twins: the ``order`` value of the first entry of this batch with the same key,
-        for a masked entry that has such an earlier twin (-1 otherwise);
+        for a masked entry that has such an earlier twin (-1 otherwise; all -1 without
+        ``find_twins``, for a caller that knows its keys are distinct);
       - int32 ``[K]`` the oldest block stored under the key before this call (-1 if none, or not
         masked).
       Both found on the way, with no second probe: the walk to the first EMPTY slot passes the
@@ -219,8 +221,9 @@ def claim(
         won = empty & (winner == code)
         target = jnp.where(won, pos, size)
         entries = claimed.at[target].set(_rows(keys, vals), mode="drop")
-        behind_twin = empty & ~won & _same(_split(entries[pos])[0], keys)
-        twin = jnp.where((twin < 0) & behind_twin, winner + offset, twin)
+        if find_twins:
+            behind_twin = empty & ~won & _same(_split(entries[pos])[0], keys)
+            twin = jnp.where((twin < 0) & behind_twin, winner + offset, twin)
         slots = jnp.where(won, pos, slots)
         return t.replace(entries=entries), pending & ~won, slots, twin
 
@@ -278,7 +281,8 @@ def rebuild(
     distance = (old_slots - _home(all_keys, size)) & (size - 1)
     order = jnp.argsort(jnp.where(cached, distance, size), stable=True)
     rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-    table, slots, _, _ = claim(empty_table(size), all_keys, jnp.arange(n, dtype=jnp.int32), cached, order=rank)
+    table, slots, _, _ = claim(empty_table(size), all_keys, jnp.arange(n, dtype=jnp.int32), cached, order=rank,
+                               find_twins=False)
     return table, slots
 
 

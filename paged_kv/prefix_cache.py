@@ -7,6 +7,8 @@ Costs are O(blocks touched) (plus the hash table's amortised rebuild), except
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -84,6 +86,7 @@ def register(
     mask: jax.Array,
     count: jax.Array | None = None,
     may_join: jax.Array | None = None,
+    distinct_keys: bool = False,
 ) -> PrefixCache:
     """Caches full blocks under the key of their chain state, duplicates included.
 
@@ -103,12 +106,14 @@ def register(
         all). A caller passes fewer when it knows the others cannot: admission knows that a
         block after a cache miss has no equal older block, so only a prompt's last block (always
         computed, even when cached elsewhere) is checked.
+      distinct_keys: the caller knows no two entries share a key (one request's blocks), so no
+        entry can follow a twin of this call (static; skips looking for them).
     """
     count = jnp.sum(mask, dtype=jnp.int32) if count is None else count
     if may_join is None:
         may_join = jnp.arange(blocks.shape[0], dtype=jnp.int32)
     return lax.cond(
-        count > 0, _register, lambda cache, *_: cache,
+        count > 0, functools.partial(_register, find_twins=not distinct_keys), lambda cache, *_: cache,
         cache, blocks, chains, salts, parent_class, mask, count, may_join,
     )
 
@@ -124,7 +129,7 @@ def _rebuild_table(cache: PrefixCache) -> PrefixCache:
     return cache.replace(table=table, meta=cache.meta.at[:, SLOT].set(slots))
 
 
-def _register(cache, blocks, chains, salts, parent_class, mask, count, may_join):
+def _register(cache, blocks, chains, salts, parent_class, mask, count, may_join, *, find_twins=True):
     n = cache.meta.shape[0]
     keys = block_hash.key_of(chains)
     # The rebuild lives here rather than in ``hash_table.insert`` so that the common branch
@@ -135,10 +140,11 @@ def _register(cache, blocks, chains, salts, parent_class, mask, count, may_join)
     # The insertion, which also finds, for each entry, the oldest block cached under its key
     # before this call and its first twin (an earlier entry of this call with the same key).
     jb = blocks[may_join]
-    table, slots, twin, older = hash_table.claim(cache.table, keys, blocks, mask)
+    table, slots, twin, older = hash_table.claim(cache.table, keys, blocks, mask, find_twins=find_twins)
     older = older[may_join]
-    theirs = meta[jnp.maximum(older, 0)]
-    generation = meta[blocks, GENERATION]
+    k = blocks.shape[0]
+    facts = meta[jnp.concatenate([blocks, jnp.maximum(older, 0)])]  # one gather from meta
+    generation, theirs = facts[:k, GENERATION], facts[k:]
     own = jnp.stack([blocks, generation], axis=1)
 
     # A block joins the class of the oldest equal block: one cached before (its facts in
@@ -148,21 +154,26 @@ def _register(cache, blocks, chains, salts, parent_class, mask, count, may_join)
     # the whole array on every call.
     tw = jnp.maximum(twin[may_join], 0)
     pc = parent_class[may_join]
-    mine_tokens = tokens[jb]
+    # One gather for every block's tokens compared here (each gather from a pool-sized array is a
+    # kernel XLA:CPU splits across threads).
+    cmp = tokens[jnp.concatenate([jb, jnp.maximum(older, 0)] + ([blocks[tw]] if find_twins else []))]
+    j = jb.shape[0]
+    mine_tokens = cmp[:j]
     join_old = (
         mask[may_join] & (older >= 0)
         & (theirs[:, SALT] == _bits(salts[may_join]))
         & jnp.all(theirs[:, PARENT_CLASS:PARENT_CLASS_GENERATION + 1] == pc, axis=1)
-        & jnp.all(tokens[jnp.maximum(older, 0)] == mine_tokens, axis=1)
+        & jnp.all(cmp[j:2 * j] == mine_tokens, axis=1)
     )
-    join_twin = (
-        mask[may_join] & ~join_old & (twin[may_join] >= 0)
-        & (salts[tw] == salts[may_join])
-        & jnp.all(parent_class[tw] == pc, axis=1)
-        & jnp.all(tokens[blocks[tw]] == mine_tokens, axis=1)
-    )
-    joined = jnp.where(join_old[:, None], theirs[:, CLASS:CLASS_GENERATION + 1],
-                       jnp.where(join_twin[:, None], own[tw], own[may_join]))
+    joined = jnp.where(join_old[:, None], theirs[:, CLASS:CLASS_GENERATION + 1], own[may_join])
+    if find_twins:
+        join_twin = (
+            mask[may_join] & ~join_old & (twin[may_join] >= 0)
+            & (salts[tw] == salts[may_join])
+            & jnp.all(parent_class[tw] == pc, axis=1)
+            & jnp.all(cmp[2 * j:] == mine_tokens, axis=1)
+        )
+        joined = jnp.where(join_twin[:, None], own[tw], joined)
     klass = own.at[may_join].set(joined)
 
     # Whole new rows in one row scatter (a [row, column] scatter became one scatter per element
