@@ -232,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="colour the terminal block tables by reference count")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("compilation")
+    g.add_argument("--compile-cache", metavar="DIR", default=None,
+                   help="JAX's persistent compilation cache: a later run loads the compiled programs instead of "
+                        "compiling them again (default: $XDG_CACHE_HOME/paged-kv/jax, else ~/.cache/paged-kv/jax)")
+    g.add_argument("--no-compile-cache", action="store_true", help="compile everything, cache nothing")
     p.add_argument("--walkthrough", action="store_true",
                    help="run the block-manager walkthrough (the worked examples of docs/design.md) instead of "
                         "the workload")
@@ -344,11 +349,37 @@ def _checkpoint_dir(args) -> Path:
     raise ValueError(f"checkpoint directory {str(ckpt)!r} does not exist")
 
 
+def default_compile_cache() -> Path:
+    """The per-user folder of the CLI's persistent compilation cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "paged-kv" / "jax"
+
+
+def _enable_compile_cache(jax, args) -> Path | None:
+    """Turns on JAX's persistent compilation cache for this process (the CLI is the program here;
+    the library itself never changes process-wide settings). Every program is cached, however
+    fast it compiled: a run compiles dozens of small ones. A folder that cannot be created only
+    costs the cache (one note on stderr)."""
+    if args.no_compile_cache:
+        return None
+    folder = Path(args.compile_cache).expanduser() if args.compile_cache else default_compile_cache()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"paged-kv: note: no compilation cache ({_first_line(e)})", file=sys.stderr)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return folder
+
+
 def _start_jax(args):
-    """Imports JAX, creates the host devices for ``--tp`` (before the backend starts) and checks
-    that ``--impl pallas`` has a GPU. Returns the jax module."""
+    """Imports JAX, turns on the compilation cache, creates the host devices for ``--tp`` (before
+    the backend starts) and checks that ``--impl pallas`` has a GPU. Returns the jax module."""
     import jax
 
+    _enable_compile_cache(jax, args)
     if args.tp > 1:  # host devices to shard over when JAX runs on the CPU (before it starts)
         jax.config.update("jax_num_cpu_devices", args.tp)
     if args.impl == "pallas" and jax.default_backend() != "gpu":
@@ -547,5 +578,5 @@ def main(argv=None) -> int:
         return 1
 
 
-__all__ = ["DEFAULT_OUT_DIR", "TEMPLATES", "build_parser", "build_workload", "install_interrupt_handler", "main",
-           "output_paths"]
+__all__ = ["DEFAULT_OUT_DIR", "TEMPLATES", "build_parser", "build_workload", "default_compile_cache",
+           "install_interrupt_handler", "main", "output_paths"]

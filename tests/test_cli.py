@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -17,11 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = ["--checkpoint", "--requests", "--max-new-tokens", "--arrival-gap", "--seed", "--num-blocks",
            "--block-size", "--max-seqs", "--max-seq-len", "--chunk-size", "--max-prefill-rows",
            "--no-prefix-caching", "--tp", "--impl", "--show", "--out-dir", "--png", "--json", "--color",
-           "--no-progress", "--walkthrough"]
+           "--no-progress", "--compile-cache", "--no-compile-cache", "--walkthrough"]
+# The CLI's persistent compilation cache goes to a folder of this test session, not the user's.
+_CACHE_HOME = tempfile.mkdtemp(prefix="paged-kv-test-cache-")
 
 
 def _run(*args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "XDG_CACHE_HOME": _CACHE_HOME}
     return subprocess.run([sys.executable, "-m", "paged_kv", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -220,7 +223,8 @@ def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
 
 def _interrupt_at(phase, *args, delay=0.0):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "PAGED_KV_TEST_PHASE": phase}
-    p = subprocess.Popen([sys.executable, "-m", "paged_kv", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    # No cache: the signal must come while XLA really compiles.
+    p = subprocess.Popen([sys.executable, "-m", "paged_kv", "--no-compile-cache", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     guard = threading.Timer(300, p.kill)
     guard.start()
@@ -269,3 +273,31 @@ def test_ctrl_c_while_the_report_renders(tmp_path):
                                           "--out-dir", str(tmp_path))
     _assert_interrupted(rc, err, took)
     assert "serving report" not in out
+
+
+def test_compilation_cache_is_filled_once_and_reused(tmp_path):
+    """The first run writes the compiled programs to --compile-cache; a second identical run loads
+    every one of them (it writes nothing new). --no-compile-cache writes nothing."""
+    cache = tmp_path / "cache"
+    args = ("--requests", "2", "--max-new-tokens", "3", "--arrival-gap", "0", "--no-progress",
+            "--compile-cache", str(cache))
+    first = _run(*args, "--out-dir", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr
+    entries = sorted(p.name for p in cache.iterdir())
+    assert len(entries) >= 3  # the admission, the step variants, ...
+    second = _run(*args, "--out-dir", str(tmp_path / "b"))
+    assert second.returncode == 0, second.stderr
+    assert sorted(p.name for p in cache.iterdir()) == entries
+    off = _run("--requests", "2", "--max-new-tokens", "3", "--no-progress", "--no-compile-cache",
+               "--compile-cache", str(tmp_path / "unused"), "--out-dir", str(tmp_path / "c"))
+    assert off.returncode == 0, off.stderr
+    assert not (tmp_path / "unused").exists()
+
+
+def test_default_compile_cache_follows_xdg(monkeypatch, tmp_path):
+    from paged_kv.cli import default_compile_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_compile_cache() == tmp_path / "paged-kv" / "jax"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_compile_cache() == Path.home() / ".cache" / "paged-kv" / "jax"
