@@ -112,10 +112,7 @@ def main() -> None:
                 times[k].append(dt * 1e6)
             print(f"\r  round {r}/{args.rounds}", end="", flush=True)
     print()
-    same = all((a == b).all() for a, b in zip(outputs["base"], outputs["new"]))
-    if not same:
-        raise SystemExit("the two versions admitted differently")
-    med = {k: statistics.median(v) for k, v in times.items()}
+    same, med = agree_and_medians(outputs, times, "admitted")
     result = dict(
         base=args.base, mode=args.mode, sync_dispatch=args.sync_dispatch, rounds=args.rounds,
         us_per_request_median=med, us_per_request_runs=times, ratio_new_over_base=med["new"] / med["base"],
@@ -128,6 +125,13 @@ def main() -> None:
     out = args.out or ROOT / "results" / f"ab_admission_{args.mode}{'_sync' if args.sync_dispatch else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def agree_and_medians(outputs: dict, runs: dict, what: str) -> tuple[bool, dict]:
+    """Stops unless both versions left identical arrays; else (True, median time per version)."""
+    if not all((x == y).all() for x, y in zip(outputs["base"], outputs["new"])):
+        raise SystemExit(f"the two versions {what} differently")
+    return True, {k: statistics.median(v) for k, v in runs.items()}
 
 
 def decode_ab(args, mods, jax, jnp, np) -> None:
@@ -158,10 +162,7 @@ def decode_ab(args, mods, jax, jnp, np) -> None:
             outputs[k] = [np.asarray(x) for x in (state.block_tables, state.ref_count, state.num_tokens)]
         print(f"\r  round {r}/{args.rounds}", end="", flush=True)
     print()
-    same = all((a == b).all() for a, b in zip(outputs["base"], outputs["new"]))
-    if not same:
-        raise SystemExit("the two versions decoded differently")
-    med = {k: statistics.median(v) for k, v in runs.items()}
+    same, med = agree_and_medians(outputs, runs, "decoded")
     result = dict(
         base=args.base, mode="decode", batch=batch, steps_per_run=steps, rounds=args.rounds,
         us_per_step_median=med, us_per_step_runs=runs, ratio_new_over_base=med["new"] / med["base"],

@@ -68,7 +68,7 @@ def test_greedy_loop_equals_contiguous_stepwise(model):
     want = np.take_along_axis(logp, ref[:, :, None], axis=-1)[:, :, 0]
     got = np.asarray(out.logprobs[:, 0])
     atol = tol.logprob_atol(tol.model_atol(model.config, 37 + n_new, np.abs(ref_logits).max(),
-                                           score_mag=tol.score_bound(model)), 256)
+                                           score_mag=tol.score_bound(model)), model.config.vocab_size)
     np.testing.assert_allclose(got[[0, 2]], want[[0, 2]], rtol=0, atol=atol)
     np.testing.assert_allclose(got[1, :stop], want[1, :stop], rtol=0, atol=atol)
     # Step s holds prompt + s tokens for every sequence still running (no sharing between prompts).
