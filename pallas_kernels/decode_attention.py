@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.reference import sanitize_block_tables
+from pallas_kernels.reference import sanitize_block_tables, score_knobs
 
 # A finite "minus infinity": exp(MASK - m) is 0, and MASK - MASK is 0, never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -62,8 +62,11 @@ def next_power_of_two(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-                   scale: float, blocks_per_tile: int, tiles_per_split: int):
+def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
+                   blocks_per_tile: int, tiles_per_split: int, soft_cap: float | None = None,
+                   has_bias: bool = False):
+  # refs: (ALiBi slopes [rows] when has_bias,) then the outputs o, m, l.
+  slope_ref, (o_ref, m_ref, l_ref) = (refs[0], refs[1:]) if has_bias else (None, refs)
   split = pl.program_id(2)
   block_size, head_dim = k_ref.shape[-2:]
   tile_keys = blocks_per_tile * block_size
@@ -77,6 +80,7 @@ def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
   my_tiles = jnp.clip(num_tiles - first_tile, 0, tiles_per_split)
 
   q = q_ref[...]
+  slope = slope_ref[...][:, None] if has_bias else None  # [rows, 1] float32
 
   def body(i, carry):
     o, m, l = carry
@@ -87,6 +91,7 @@ def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = s * scale
     pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
+    s = score_knobs(s, soft_cap, slope, pos, length - 1)  # the query sits at length - 1
     return online_softmax_step((o, m, l), s, v, pos < length)
 
   o, m, l = lax.fori_loop(0, my_tiles, body, online_softmax_init(rows, head_dim))
@@ -131,11 +136,12 @@ def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads:
 @functools.partial(
     jax.jit,
     static_argnames=("layer", "scale", "interpret", "blocks_per_tile", "num_splits",
-                     "num_warps", "num_stages"))
+                     "num_warps", "num_stages", "soft_cap"))
 def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, scale,
                                   interpret=False, blocks_per_tile=None, num_splits=None,
-                                  num_warps=4, num_stages=2):
-  """Pallas paged decode attention; arguments as :func:`pallas_kernels.paged_decode_attention`."""
+                                  num_warps=4, num_stages=2, soft_cap=None, alibi_slopes=None):
+  """Pallas paged decode attention; arguments as :func:`pallas_kernels.paged_decode_attention`.
+  ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given."""
   batch, num_q_heads, head_dim = q.shape
   _, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
   max_blocks = block_tables.shape[1]
@@ -151,19 +157,27 @@ def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, sca
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
 
-  kernel = functools.partial(_decode_kernel, scale=scale, blocks_per_tile=bpt,
-                             tiles_per_split=tps)
   kv_block = (None, None, None, num_blocks, block_size, head_dim)
+  in_specs = [
+      pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),  # lengths
+      pl.BlockSpec((None, padded_blocks), lambda b, h, s: (b, 0)),  # block table row
+      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+      pl.BlockSpec(kv_block, lambda b, h, s: (layer, 0, h, 0, 0, 0)),  # K pages
+      pl.BlockSpec(kv_block, lambda b, h, s: (layer, 1, h, 0, 0, 0)),  # V pages
+  ]
+  inputs = [lengths, bt, qg, pages, pages]
+  if alibi_slopes is not None:  # [Hq] -> [Hkv, rows], row g of KV head h is query head h * G + g
+    slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
+    inputs.append(jnp.pad(slopes, ((0, 0), (0, rows - group))))
+    in_specs.append(pl.BlockSpec((None, rows), lambda b, h, s: (h, 0)))
+
+  kernel = functools.partial(_decode_kernel, scale=scale, blocks_per_tile=bpt,
+                             tiles_per_split=tps, soft_cap=soft_cap,
+                             has_bias=alibi_slopes is not None)
   o, m, l = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, splits),
-      in_specs=[
-          pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),  # lengths
-          pl.BlockSpec((None, padded_blocks), lambda b, h, s: (b, 0)),  # block table row
-          pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
-          pl.BlockSpec(kv_block, lambda b, h, s: (layer, 0, h, 0, 0, 0)),  # K pages
-          pl.BlockSpec(kv_block, lambda b, h, s: (layer, 1, h, 0, 0, 0)),  # V pages
-      ],
+      in_specs=in_specs,
       out_specs=[
           pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
           pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
@@ -177,6 +191,6 @@ def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, sca
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="paged_decode_attention",
-  )(lengths, bt, qg, pages, pages)
+  )(*inputs)
   out = merge_splits(o, m, l)[:, :, :group]  # [B, Hkv, G, D]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -28,7 +28,8 @@ def resolve_impl(impl: str, head_dim: int | None = None) -> str:
   return impl
 
 
-def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None, impl="auto"):
+def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None, impl="auto",
+                           soft_cap=None, alibi_slopes=None):
   """Attention of one new query token per sequence over its paged K/V.
 
   Args:
@@ -41,23 +42,31 @@ def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None
       A length of 0 gives zeros; positions past the table's capacity do not exist.
     scale: softmax scale, default ``head_dim ** -0.5``.
     impl: "auto" | "pallas" | "interpret" | "reference".
+    soft_cap: optional static float > 0: scaled scores ``s`` become ``soft_cap * tanh(s /
+      soft_cap)`` (Gemma 2's attention logit soft-capping), before the bias and the mask.
+    alibi_slopes: optional float ``[num_q_heads]``: adds ``slope[h] * (key_pos - query_pos)``
+      to head ``h``'s scores (ALiBi; the query sits at ``lengths - 1``).
 
   Returns:
     ``[B, num_q_heads, head_dim]`` in ``q.dtype``. Query head ``h`` reads KV head
     ``h // (num_q_heads // num_kv_heads)``.
   """
-  layer, scale, impl = validate.check_decode(q, pages, layer, block_tables, lengths, scale, impl)
+  layer, scale, impl, soft_cap = validate.check_decode(
+      q, pages, layer, block_tables, lengths, scale, impl, soft_cap, alibi_slopes)
   impl = resolve_impl(impl, pages.shape[-1])
+  knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
+  if alibi_slopes is not None:
+    knobs["alibi_slopes"] = alibi_slopes
   if impl == "reference":
     return reference.paged_decode_attention_reference(
-        q, pages, layer, block_tables, lengths, scale=scale)
+        q, pages, layer, block_tables, lengths, scale=scale, **knobs)
   from pallas_kernels import decode_attention
   return decode_attention.paged_decode_attention_pallas(
-      q, pages, layer, block_tables, lengths, scale=scale, interpret=impl == "interpret")
+      q, pages, layer, block_tables, lengths, scale=scale, interpret=impl == "interpret", **knobs)
 
 
 def paged_prefill_attention(q, pages, layer, block_tables, q_start, q_lens, *, scale=None,
-                            impl="auto"):
+                            impl="auto", soft_cap=None, alibi_slopes=None):
   """Causal attention of a chunk of query tokens per sequence over its paged K/V.
 
   Query ``t`` of sequence ``b`` sits at absolute position ``q_start[b] + t``, is valid for
@@ -67,23 +76,28 @@ def paged_prefill_attention(q, pages, layer, block_tables, q_start, q_lens, *, s
 
   Args:
     q: ``[B, T, num_q_heads, head_dim]``, same dtype as ``pages``.
-    pages, layer, block_tables, scale, impl: as in :func:`paged_decode_attention`.
+    pages, layer, block_tables, scale, impl, soft_cap: as in :func:`paged_decode_attention`.
+    alibi_slopes: as in :func:`paged_decode_attention`; query ``t`` sits at ``q_start + t``.
     q_start: int32 ``[B]`` absolute position of each sequence's first query token.
     q_lens: int32 ``[B]`` valid query tokens per sequence (``<= T``).
 
   Returns:
     ``[B, T, num_q_heads, head_dim]`` in ``q.dtype``.
   """
-  layer, scale, impl = validate.check_prefill(
-      q, pages, layer, block_tables, q_start, q_lens, scale, impl)
+  layer, scale, impl, soft_cap = validate.check_prefill(
+      q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap, alibi_slopes)
   impl = resolve_impl(impl, pages.shape[-1])
+  # Knobs are passed only when set, so the default call is exactly the program without them.
+  knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
+  if alibi_slopes is not None:
+    knobs["alibi_slopes"] = alibi_slopes
   if impl == "reference":
     return reference.paged_prefill_attention_reference(
-        q, pages, layer, block_tables, q_start, q_lens, scale=scale)
+        q, pages, layer, block_tables, q_start, q_lens, scale=scale, **knobs)
   from pallas_kernels import prefill_attention
   return prefill_attention.paged_prefill_attention_pallas(
       q, pages, layer, block_tables, q_start, q_lens, scale=scale,
-      interpret=impl == "interpret")
+      interpret=impl == "interpret", **knobs)
 
 
 def write_kv(pages, layer, k, v, slots, *, impl="auto"):

@@ -26,11 +26,14 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.decode_attention import (
     MIN_DOT, next_power_of_two, online_softmax_init, online_softmax_step)
-from pallas_kernels.reference import sanitize_block_tables
+from pallas_kernels.reference import sanitize_block_tables, score_knobs
 
 
-def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float,
-                    group: int, blocks_per_tile: int, max_positions: int):
+def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
+                    group: int, blocks_per_tile: int, max_positions: int,
+                    soft_cap: float | None = None, has_bias: bool = False):
+  # refs: (ALiBi slope of each row [rows] when has_bias,) then the output.
+  slope_ref, o_ref = refs if has_bias else (None, refs[0])
   row_tile = pl.program_id(2)
   block_size, head_dim = k_ref.shape[-2:]
   tile_keys = blocks_per_tile * block_size
@@ -50,6 +53,7 @@ def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, 
   num_tiles = pl.cdiv(pl.cdiv(kv_len, block_size), blocks_per_tile)
 
   q = q_ref[...]
+  slope = slope_ref[...][:, None] if has_bias else None  # [rows, 1] float32
 
   def body(tile, carry):
     o, m, l = carry
@@ -59,6 +63,7 @@ def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, 
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = s * scale
     pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
+    s = score_knobs(s, soft_cap, slope, pos, q_pos)
     mask = (pos <= q_pos) & valid
     return online_softmax_step((o, m, l), s, v, mask)
 
@@ -70,11 +75,12 @@ def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, 
 @functools.partial(
     jax.jit,
     static_argnames=("layer", "scale", "interpret", "rows_per_tile", "blocks_per_tile",
-                     "num_warps", "num_stages"))
+                     "num_warps", "num_stages", "soft_cap"))
 def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_lens, *, scale,
                                    interpret=False, rows_per_tile=None, blocks_per_tile=None,
-                                   num_warps=4, num_stages=2):
-  """Pallas paged prefill attention; arguments as :func:`pallas_kernels.paged_prefill_attention`."""
+                                   num_warps=4, num_stages=2, soft_cap=None, alibi_slopes=None):
+  """Pallas paged prefill attention; arguments as :func:`pallas_kernels.paged_prefill_attention`.
+  ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given."""
   batch, num_tokens, num_q_heads, head_dim = q.shape
   _, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
   max_blocks = block_tables.shape[1]
@@ -101,26 +107,34 @@ def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_len
   qr = qr.reshape(batch, num_kv_heads, total_rows, head_dim)
   qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded_rows - total_rows), (0, 0)))
 
+  kv_block = (None, None, None, num_blocks, block_size, head_dim)
+  in_specs = [
+      pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_start
+      pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_lens
+      pl.BlockSpec((None, padded_blocks), lambda b, h, r: (b, 0)),  # block table row
+      pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h, r: (b, h, r, 0)),
+      pl.BlockSpec(kv_block, lambda b, h, r: (layer, 0, h, 0, 0, 0)),  # K pages
+      pl.BlockSpec(kv_block, lambda b, h, r: (layer, 1, h, 0, 0, 0)),  # V pages
+  ]
+  inputs = [starts, qlens, bt, qr, pages, pages]
+  if alibi_slopes is not None:  # [Hq] -> [Hkv, padded_rows]: row r of KV head h is head h * G + r % G
+    slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
+    inputs.append(slopes[:, jnp.arange(padded_rows) % group])
+    in_specs.append(pl.BlockSpec((None, rows_per_tile), lambda b, h, r: (h, r)))
+
   kernel = functools.partial(_prefill_kernel, scale=scale, group=group,
                              blocks_per_tile=blocks_per_tile,
-                             max_positions=max_blocks * block_size)
-  kv_block = (None, None, None, num_blocks, block_size, head_dim)
+                             max_positions=max_blocks * block_size, soft_cap=soft_cap,
+                             has_bias=alibi_slopes is not None)
   out = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, row_tiles),
-      in_specs=[
-          pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_start
-          pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_lens
-          pl.BlockSpec((None, padded_blocks), lambda b, h, r: (b, 0)),  # block table row
-          pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h, r: (b, h, r, 0)),
-          pl.BlockSpec(kv_block, lambda b, h, r: (layer, 0, h, 0, 0, 0)),  # K pages
-          pl.BlockSpec(kv_block, lambda b, h, r: (layer, 1, h, 0, 0, 0)),  # V pages
-      ],
+      in_specs=in_specs,
       out_specs=pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h, r: (b, h, r, 0)),
       out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, padded_rows, head_dim), q.dtype),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="paged_prefill_attention",
-  )(starts, qlens, bt, qr, pages, pages)
+  )(*inputs)
   out = out[:, :, :total_rows].reshape(batch, num_kv_heads, num_tokens, group, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_tokens, num_q_heads, head_dim)

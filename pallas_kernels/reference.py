@@ -37,11 +37,26 @@ def sanitize_slots(slots: jax.Array, num_slots: int) -> jax.Array:
   return jnp.where(ok, slots, NULL_BLOCK).astype(jnp.int32)
 
 
-def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale):
+def score_knobs(s, soft_cap, slopes, key_pos, query_pos):
+  """The optional score transforms, in float32, in the order every implementation applies them:
+  ``s`` (already scaled) is soft-capped, ``cap * tanh(s / cap)`` (Gemma 2), then the ALiBi bias
+  ``slope * (key_pos - query_pos)`` is added; masking comes after both. ``slopes``,
+  ``key_pos`` and ``query_pos`` broadcast against ``s``. With neither knob, ``s`` is returned
+  untouched (the program is the same as without this call)."""
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  if slopes is not None:
+    s = s + slopes * (key_pos - query_pos).astype(jnp.float32)
+  return s
+
+
+def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap=None,
+                     slopes=None):
   """Blockwise paged attention in plain XLA.
 
-  q ``[B, T, Hq, D]``; query ``(b, t)`` sees positions ``0 .. last_pos[b, t]`` when
-  ``valid[b, t]``, else nothing (zeros). Returns ``[B, T, Hq, D]`` in ``q.dtype``.
+  q ``[B, T, Hq, D]``; query ``(b, t)`` sits at position ``last_pos[b, t]`` and sees positions
+  ``0 .. last_pos[b, t]`` when ``valid[b, t]``, else nothing (zeros). ``soft_cap`` (static float)
+  and ``slopes`` (float ``[Hq]``): see :func:`score_knobs`. Returns ``[B, T, Hq, D]`` in ``q.dtype``.
 
   The table is walked ``chunk`` blocks (about 128 positions) at a time with an online
   softmax in float32, and only up to the furthest position any valid query sees. Each step
@@ -62,6 +77,8 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale):
   plane = jnp.arange(2 * hkv, dtype=jnp.int32)[:, None] * num_blocks
   qk = q.reshape(b, t, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * g, d)
   hi = jax.lax.Precision.HIGHEST
+  if slopes is not None:  # [Hq] -> [Hkv, 1, 1, G, 1], query head h = kv * G + g
+    slopes = slopes.astype(jnp.float32).reshape(hkv, 1, 1, g, 1)
 
   def step(c, carry):
     o, m, l = carry
@@ -71,6 +88,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale):
     s = jnp.einsum("kbrd,kbsd->kbrs", qk, kv[0], preferred_element_type=jnp.float32,
                    precision=hi).reshape(hkv, b, t, g, keys) * scale
     pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
+    s = score_knobs(s, soft_cap, slopes, pos, last_pos[None, :, :, None, None])
     mask = (pos[None, None, :] <= last_pos[:, :, None]) & valid[:, :, None]
     mask = mask[None, :, :, None, :]
     s = jnp.where(mask, s, -jnp.inf)
@@ -93,21 +111,24 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale):
   return out.transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "scale"))
-def paged_decode_attention_reference(q, pages, layer, block_tables, lengths, *, scale):
-  """q [B, Hq, D] -> [B, Hq, D]; attends to positions [0, lengths[b])."""
+@functools.partial(jax.jit, static_argnames=("layer", "scale", "soft_cap"))
+def paged_decode_attention_reference(q, pages, layer, block_tables, lengths, *, scale,
+                                     soft_cap=None, alibi_slopes=None):
+  """q [B, Hq, D] -> [B, Hq, D]; attends to positions [0, lengths[b]) (the query at lengths - 1)."""
   out = _paged_attention(q[:, None], pages, layer, block_tables, (lengths - 1)[:, None],
-                         (lengths > 0)[:, None], scale)
+                         (lengths > 0)[:, None], scale, soft_cap, alibi_slopes)
   return out[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "scale"))
-def paged_prefill_attention_reference(q, pages, layer, block_tables, q_start, q_lens, *, scale):
+@functools.partial(jax.jit, static_argnames=("layer", "scale", "soft_cap"))
+def paged_prefill_attention_reference(q, pages, layer, block_tables, q_start, q_lens, *, scale,
+                                      soft_cap=None, alibi_slopes=None):
   """q [B, T, Hq, D] -> [B, T, Hq, D]; query t attends to positions [0, q_start + t]."""
   tpos = jnp.arange(q.shape[1], dtype=jnp.int32)
   last_pos = jnp.maximum(q_start, 0)[:, None] + tpos[None, :]  # negative starts clamp to 0
   valid = tpos[None, :] < q_lens[:, None]
-  return _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale)
+  return _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap,
+                          alibi_slopes)
 
 
 @functools.partial(jax.jit, static_argnames=("layer",))

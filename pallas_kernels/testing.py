@@ -77,8 +77,12 @@ def contiguous_kv(pages, layer: int, table, length: int):
   return kv[0], kv[1]
 
 
-def dense_attention(q, pages, layer: int, table, num_visible: int, scale: float):
-  """q [Hq, D] of one query over the first ``num_visible`` positions -> float64 [Hq, D]."""
+def dense_attention(q, pages, layer: int, table, num_visible: int, scale: float, *,
+                    soft_cap: float | None = None, alibi_slopes=None):
+  """q [Hq, D] of one query over the first ``num_visible`` positions -> float64 [Hq, D].
+
+  The query sits at position ``num_visible - 1``. ``soft_cap``: scores become ``cap * tanh(s /
+  cap)``; ``alibi_slopes`` [Hq]: ``slope[h] * (key_pos - query_pos)`` is added (in that order)."""
   q = np.asarray(q, np.float64)
   num_q_heads, head_dim = q.shape
   if num_visible <= 0:
@@ -88,6 +92,10 @@ def dense_attention(q, pages, layer: int, table, num_visible: int, scale: float)
   out = np.zeros((num_q_heads, head_dim))
   for h in range(num_q_heads):
     logits = k[h // group] @ q[h] * scale
+    if soft_cap is not None:
+      logits = soft_cap * np.tanh(logits / soft_cap)
+    if alibi_slopes is not None:
+      logits = logits + float(alibi_slopes[h]) * (np.arange(num_visible) - (num_visible - 1))
     w = np.exp(logits - logits.max())
     out[h] = (w / w.sum()) @ v[h // group]
   return out

@@ -69,6 +69,33 @@ def check_scale(scale: Any, head_dim: int) -> float:
   return float(scale)
 
 
+def check_soft_cap(soft_cap: Any) -> float | None:
+  """None (no capping) or a finite Python float > 0 (static: it is compiled into the kernel)."""
+  if soft_cap is None:
+    return None
+  if isinstance(soft_cap, (bool, np.bool_)) or not isinstance(
+      soft_cap, (int, float, np.integer, np.floating)):
+    raise ValueError(f"soft_cap must be a Python float > 0 or None, got {type(soft_cap).__name__} "
+                     f"{soft_cap!r}")
+  if not np.isfinite(soft_cap) or soft_cap <= 0:
+    raise ValueError(f"soft_cap={soft_cap!r} must be a finite float > 0")
+  return float(soft_cap)
+
+
+def check_alibi_slopes(alibi_slopes: Any, num_q_heads: int):
+  """None, or a float ``[num_q_heads]`` array of ALiBi slopes (one per query head)."""
+  if alibi_slopes is None:
+    return None
+  shape = tuple(np.shape(alibi_slopes))
+  if shape != (num_q_heads,):
+    raise ValueError(f"alibi_slopes must have shape [num_q_heads] = ({num_q_heads},), got {shape}")
+  dtype = jnp.dtype(alibi_slopes.dtype if hasattr(alibi_slopes, "dtype")
+                    else np.asarray(alibi_slopes).dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"alibi_slopes must be a float array, got dtype {dtype}")
+  return alibi_slopes
+
+
 def _check_int32(name: str, x: Any, shape: tuple[int, ...] | None = None, ndim: int | None = None):
   xshape = tuple(np.shape(x))
   if ndim is not None and len(xshape) != ndim:
@@ -103,7 +130,8 @@ def _check_query(q: Any, ndim: int, pages: Any, num_kv_heads: int, head_dim: int
   return shape
 
 
-def check_decode(q, pages, layer, block_tables, lengths, scale, impl):
+def check_decode(q, pages, layer, block_tables, lengths, scale, impl, soft_cap=None,
+                 alibi_slopes=None):
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -115,10 +143,12 @@ def check_decode(q, pages, layer, block_tables, lengths, scale, impl):
     raise ValueError(f"block_tables must have at least one column, got shape {bt_shape}")
   _check_int32("lengths", lengths, shape=(b,))
   _check_pallas_shapes(impl, head_dim)
-  return layer, check_scale(scale, head_dim), impl
+  check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
+  return layer, check_scale(scale, head_dim), impl, check_soft_cap(soft_cap)
 
 
-def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl):
+def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap=None,
+                  alibi_slopes=None):
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -134,7 +164,8 @@ def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl):
   _check_int32("q_start", q_start, shape=(b,))
   _check_int32("q_lens", q_lens, shape=(b,))
   _check_pallas_shapes(impl, head_dim)
-  return layer, check_scale(scale, head_dim), impl
+  check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
+  return layer, check_scale(scale, head_dim), impl, check_soft_cap(soft_cap)
 
 
 def check_write_kv(pages, layer, k, v, slots, impl):

@@ -90,3 +90,38 @@ def test_partition_is_triton_legal_and_covers_table(block_size, max_blocks, batc
   assert bpt & (bpt - 1) == 0 and bpt * block_size >= 16
   assert bpt * tps * splits >= max_blocks  # every table column is visited by some split
   assert bpt * tps * (splits - 1) < max_blocks  # and no split is entirely padding
+
+
+KNOB_CASES = [(jnp.float32, 8, 32, 4, "cap"), (jnp.float32, 16, 32, 2, "both"),
+              (jnp.bfloat16, 8, 32, 4, "alibi"), (jnp.bfloat16, 16, 32, 1, "both")]
+
+
+def knobs_for(rng, num_q_heads, which):
+  slopes = jnp.asarray(rng.uniform(0.02, 0.5, num_q_heads), jnp.float32)
+  return {"cap": {"soft_cap": 2.0}, "alibi": {"alibi_slopes": slopes},
+          "both": {"soft_cap": 1.5, "alibi_slopes": slopes}}[which]
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim,group,which", KNOB_CASES)
+def test_decode_knobs_interpret_match_reference(dtype, block_size, head_dim, group, which):
+  """Soft-capping and ALiBi in the kernel (one tile and split-K) against the reference; lengths
+  end mid-block, GQA groups of 1, 2 and 4."""
+  rng = np.random.default_rng(block_size + group)
+  lengths = [1, block_size + 3, 5 * block_size - 5, 0]
+  case = kt.make_paged_case(rng, lengths, block_size=block_size, head_dim=head_dim,
+                            num_kv_heads=2, dtype=dtype)
+  q = kt.random_queries(rng, (len(lengths), 2 * group, head_dim), dtype)
+  ln = jnp.asarray(case.lengths)
+  knobs = knobs_for(rng, 2 * group, which)
+  want = pk.paged_decode_attention(q, case.pages, 1, case.block_tables, ln, scale=0.3,
+                                   impl="reference", **knobs)
+  got = pk.paged_decode_attention(q, case.pages, 1, case.block_tables, ln, scale=0.3,
+                                  impl="interpret", **knobs)
+  atol = tol.paged_attention_atol(q, case.pages, 1, 0.3, max(lengths), roundings=OURS + REFERENCE,
+                                  **knobs)
+  tol.assert_close(got, want, atol, f"kernel with {which}")
+  assert np.all(np.asarray(got[3]) == 0)
+  split = decode_attention.paged_decode_attention_pallas(
+      q, case.pages, 1, case.block_tables, ln, scale=0.3, interpret=True, blocks_per_tile=2,
+      num_splits=2, **knobs)
+  tol.assert_close(split, want, atol, f"split kernel with {which}")

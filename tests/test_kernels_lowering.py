@@ -79,3 +79,27 @@ def test_float32_kernels_lower_for_cuda():
       lambda q, p, bt, a, b: pk.paged_prefill_attention(q, p, 0, bt, a, b, impl="pallas"),
       S((2, 3, HQ, D), jnp.float32), pages, S((2, 9), jnp.int32), S((2,), jnp.int32),
       S((2,), jnp.int32))
+
+
+@pytest.mark.parametrize("knobs", [{"soft_cap": 50.0}, {"alibi": True},
+                                   {"soft_cap": 30.0, "alibi": True}])
+def test_attention_knobs_lower_for_cuda(knobs):
+  """Soft-capping (tanh) and the ALiBi slope input lower through Triton for both kernels."""
+  cap = knobs.get("soft_cap")
+  slopes = S((HQ,), jnp.float32) if knobs.get("alibi") else None
+  if slopes is None:
+    decode = lambda q, p, bt, ln: pk.paged_decode_attention(q, p, 3, bt, ln, impl="pallas",
+                                                            soft_cap=cap)
+    prefill = lambda q, p, bt, a, b: pk.paged_prefill_attention(q, p, 3, bt, a, b, impl="pallas",
+                                                                soft_cap=cap)
+    extra = ()
+  else:
+    decode = lambda q, p, bt, ln, sl: pk.paged_decode_attention(
+        q, p, 3, bt, ln, impl="pallas", soft_cap=cap, alibi_slopes=sl)
+    prefill = lambda q, p, bt, a, b, sl: pk.paged_prefill_attention(
+        q, p, 3, bt, a, b, impl="pallas", soft_cap=cap, alibi_slopes=sl)
+    extra = (slopes,)
+  _export_cuda(decode, S((5, HQ, D), BF16), _pages(), S((5, 37), jnp.int32), S((5,), jnp.int32),
+               *extra)
+  _export_cuda(prefill, S((2, 40, HQ, D), BF16), _pages(), S((2, 37), jnp.int32),
+               S((2,), jnp.int32), S((2,), jnp.int32), *extra)

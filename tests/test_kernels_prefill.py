@@ -54,3 +54,28 @@ def test_prefill_small_tiles_cross_tile_boundaries():
   got = prefill_attention.paged_prefill_attention_pallas(
       *args, scale=0.2, interpret=True, rows_per_tile=16, blocks_per_tile=1)
   tol.assert_close(got, want, tol.paged_attention_atol(q, case.pages, 1, 0.2, 23), "kernel")
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim,group,which",
+                         [(jnp.float32, 8, 32, 4, "both"), (jnp.bfloat16, 16, 32, 3, "both"),
+                          (jnp.float32, 16, 32, 1, "cap"), (jnp.bfloat16, 8, 32, 2, "alibi")])
+def test_prefill_knobs_interpret_match_reference(dtype, block_size, head_dim, group, which):
+  """Soft-capping and ALiBi in the prefill kernel against the reference: chunks starting
+  mid-block, a padding row, GQA groups 1-4 (group 3 with 16-row tiles splits a token's heads)."""
+  from tests.test_kernels_decode import knobs_for
+  rng = np.random.default_rng(block_size * group)
+  num_tokens = 5
+  q_start, q_lens = _chunks(block_size, num_tokens)
+  case = kt.make_paged_case(rng, q_start + q_lens, block_size=block_size, head_dim=head_dim,
+                            num_kv_heads=2, dtype=dtype)
+  q = kt.random_queries(rng, (len(q_start), num_tokens, 2 * group, head_dim), dtype)
+  knobs = knobs_for(rng, 2 * group, which)
+  args = (q, case.pages, 1, case.block_tables, jnp.asarray(q_start), jnp.asarray(q_lens))
+  want = pk.paged_prefill_attention(*args, scale=0.3, impl="reference", **knobs)
+  got = prefill_attention.paged_prefill_attention_pallas(
+      *args, scale=0.3, interpret=True, rows_per_tile=16, **knobs)
+  atol = tol.paged_attention_atol(q, case.pages, 1, 0.3, int(max(q_start + q_lens)),
+                                  roundings=OURS + REFERENCE, **knobs)
+  tol.assert_close(got, want, atol, f"kernel with {which}")
+  for b in range(len(q_start)):
+    assert np.all(np.asarray(got[b, q_lens[b]:]) == 0)

@@ -198,3 +198,72 @@ def test_auto_dispatch_and_use_under_jit():
   atol = tol.paged_attention_atol(q, want_pages, 1, 64 ** -0.5, 30)
   tol.assert_close(out, want, atol, "jit vs eager")
   np.testing.assert_array_equal(pages, want_pages)
+
+
+def _knobs(rng, num_q_heads, which):
+  """Attention knobs of a case: ``which`` in {"cap", "alibi", "both"}."""
+  slopes = jnp.asarray(rng.uniform(0.02, 0.5, num_q_heads), jnp.float32)
+  return {"cap": {"soft_cap": 2.0}, "alibi": {"alibi_slopes": slopes},
+          "both": {"soft_cap": 1.5, "alibi_slopes": slopes}}[which]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("which", ["cap", "alibi", "both"])
+def test_reference_knobs_match_dense(dtype, which):
+  """Soft-capping and ALiBi in the decode and prefill references against float64, with partial
+  blocks and GQA (group 4)."""
+  rng = np.random.default_rng(3)
+  block_size, head_dim, group = 8, 32, 4
+  lengths = [1, block_size + 3, 4 * block_size - 2, 0]
+  case = kt.make_paged_case(rng, lengths, block_size=block_size, head_dim=head_dim,
+                            num_kv_heads=2, dtype=dtype)
+  knobs = _knobs(rng, 2 * group, which)
+  q = kt.random_queries(rng, (len(lengths), 2 * group, head_dim), dtype)
+  scale = 0.3  # larger than head_dim ** -0.5, so the cap bites
+  out = pk.paged_decode_attention(q, case.pages, case.layer, case.block_tables,
+                                  jnp.asarray(case.lengths), scale=scale, impl="reference", **knobs)
+  want = np.stack([kt.dense_attention(q[b], case.pages, case.layer, case.block_tables[b], n, scale,
+                                      **knobs) for b, n in enumerate(case.lengths)])
+  atol = tol.paged_attention_atol(q, case.pages, case.layer, scale, max(lengths),
+                                  roundings=REFERENCE, **knobs)
+  tol.assert_close(out, want, atol, f"decode reference with {which} vs float64")
+  plain = np.stack([kt.dense_attention(q[b], case.pages, case.layer, case.block_tables[b], n, scale)
+                    for b, n in enumerate(case.lengths)])
+  assert np.abs(plain - want).max() > 10 * atol  # the knob changes the result beyond the tolerance
+
+  q_start = np.array([0, block_size - 2, 2 * block_size + 1], np.int32)
+  q_lens = np.array([5, 4, 2], np.int32)
+  case = kt.make_paged_case(rng, q_start + q_lens, block_size=block_size, head_dim=head_dim,
+                            num_kv_heads=2, dtype=dtype)
+  q = kt.random_queries(rng, (3, 5, 2 * group, head_dim), dtype)
+  out = pk.paged_prefill_attention(q, case.pages, case.layer, case.block_tables,
+                                   jnp.asarray(q_start), jnp.asarray(q_lens), scale=scale,
+                                   impl="reference", **knobs)
+  atol = tol.paged_attention_atol(q, case.pages, case.layer, scale, int(max(q_start + q_lens)),
+                                  roundings=REFERENCE, **knobs)
+  for b in range(3):
+    for t in range(int(q_lens[b])):
+      want = kt.dense_attention(q[b, t], case.pages, case.layer, case.block_tables[b],
+                                int(q_start[b]) + t + 1, scale, **knobs)
+      tol.assert_close(out[b, t], want, atol, f"prefill reference with {which} at ({b}, {t})")
+
+
+@pytest.mark.parametrize("knobs,match", [
+    ({"soft_cap": 0.0}, "soft_cap=0.0 must be a finite float > 0"),
+    ({"soft_cap": float("inf")}, "soft_cap=inf"),
+    ({"soft_cap": jnp.float32(2.0)}, "soft_cap must be a Python float"),
+    ({"alibi_slopes": jnp.ones((3,))}, r"alibi_slopes must have shape \[num_q_heads\] = \(4,\)"),
+    ({"alibi_slopes": jnp.ones((4,), jnp.int32)}, "alibi_slopes must be a float array"),
+])
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_bad_knobs_raise_before_tracing(knobs, match, impl):
+  rng = np.random.default_rng(0)
+  case = kt.make_paged_case(rng, [5], block_size=8, head_dim=16, num_kv_heads=2)
+  q = kt.random_queries(rng, (1, 4, 16))
+  with pytest.raises(ValueError, match=match):
+    pk.paged_decode_attention(q, case.pages, 1, case.block_tables, jnp.asarray(case.lengths),
+                              impl=impl, **knobs)
+  with pytest.raises(ValueError, match=match):
+    pk.paged_prefill_attention(q[:, None], case.pages, 1, case.block_tables,
+                               jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32), impl=impl,
+                               **knobs)

@@ -89,7 +89,7 @@ def score_magnitude(q, k, scale: float) -> float:
 
 
 def attention_atol(dtype, head_dim: int, context: int, score_mag: float, value_mag: float, *,
-                   roundings: float = 0) -> float:
+                   roundings: float = 0, score_ops: int = 0) -> float:
   """Bound on ``|x - y|`` between two computations of ``softmax(scale q k^T) v`` (any tiling,
   online or not, split or not), to first order in ``u`` of float32 accumulation.
 
@@ -103,21 +103,37 @@ def attention_atol(dtype, head_dim: int, context: int, score_mag: float, value_m
   with ``V = max |v|`` over the keys, and two computations differ by twice that:
   ``eps V (2 (D + 4) S + 4 n + 7)``, plus ``roundings * eps_store / 2 * V`` for roundings to a
   bfloat16 storage dtype (weights cast to ``v.dtype`` before ``P V``, the output) over both.
+
+  ``score_ops``: further float32 operations on each score before the softmax (the attention
+  knobs, :func:`knob_score_ops`), each a relative error ``u`` of a value of magnitude at most
+  ``score_mag`` (which then must include the bias); soft-capping ``c tanh(s / c)`` has slope at
+  most 1, so it does not amplify the error of ``s``.
   """
-  effective_len = 2 * (head_dim + 4) * score_mag + 4 * context + 7
+  effective_len = 2 * (head_dim + 4 + score_ops) * score_mag + 4 * context + 7
   return chain_atol(dtype, [effective_len], value_mag, roundings=roundings)
 
 
+def knob_score_ops(soft_cap=None, alibi_slopes=None) -> int:
+  """Roundings (``u`` each) the attention knobs add per score: soft-capping a division, a
+  ``tanh`` (within 2 ulp: ``4 u``) and a product, 6; ALiBi a product and a sum, 2 (the position
+  difference is exact in int32 and its conversion to float32 exact below ``2**24``)."""
+  return (6 if soft_cap is not None else 0) + (2 if alibi_slopes is not None else 0)
+
+
 def paged_attention_atol(q, pages, layer: int, scale: float, context: int, *,
-                         roundings: float = 0) -> float:
+                         roundings: float = 0, soft_cap=None, alibi_slopes=None) -> float:
   """:func:`attention_atol` for queries ``q [..., D]`` over the K/V of ``pages``' ``layer``: the
   score magnitude over every (query, key) pair and ``max |v|`` over every value in the layer
-  (upper bounds for any visible subset), in the pages' dtype."""
+  (upper bounds for any visible subset), in the pages' dtype. With ALiBi the bias
+  ``max |slope| * (context - 1)`` adds to the score magnitude. Soft-capping keeps the uncapped
+  magnitude: the score dot's error is made before the cap (which passes it on with slope <= 1)."""
   k = np.asarray(pages[layer, 0], np.float32)
   v = np.asarray(pages[layer, 1], np.float32)
-  return attention_atol(pages.dtype, np.shape(q)[-1], context,
-                        score_magnitude(np.asarray(q, np.float32), k, scale),
-                        float(np.abs(v).max()), roundings=roundings)
+  s = score_magnitude(np.asarray(q, np.float32), k, scale)
+  if alibi_slopes is not None:
+    s += float(np.abs(np.asarray(alibi_slopes, np.float64)).max()) * max(context - 1, 0)
+  return attention_atol(pages.dtype, np.shape(q)[-1], context, s, float(np.abs(v).max()),
+                        roundings=roundings, score_ops=knob_score_ops(soft_cap, alibi_slopes))
 
 
 def assert_close(actual, desired, atol: float, what: str = "") -> float:
