@@ -1,8 +1,9 @@
-"""Baseline: the same Llama over an ordinary contiguous KV cache.
+"""Baseline: the same model (any `models.protocol.PagedModel`) over an ordinary contiguous KV cache.
 
 Cache layout: one array `[num_layers, 2, batch, max_len, num_kv_heads, head_dim]` (axis 1: 0=K, 1=V);
 sequence b's token at position p lives at `[:, :, b, p]`. Attention is plain `jnp` over all `max_len`
-keys with a causal mask by position. Used as the reference for the paged path in tests and benchmarks.
+keys with a causal mask by position, and the same attend options as the paged path (scale, soft_cap,
+alibi_slopes). Used as the reference for the paged path in tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -13,18 +14,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import LlamaConfig
+from models.protocol import attend_options, check_model, model_facts
+from pallas_kernels.reference import score_knobs
 
 
-def init_contiguous_cache(config: LlamaConfig, batch: int, max_len: int, dtype=None) -> jax.Array:
-    """Zeroed cache `[num_layers, 2, batch, max_len, num_kv_heads, head_dim]`."""
-    dtype = config.jnp_dtype if dtype is None else dtype
-    return jnp.zeros((config.num_layers, 2, batch, max_len, config.num_kv_heads, config.head_dim), dtype)
+def init_contiguous_cache(model, batch: int, max_len: int, dtype=None) -> jax.Array:
+    """Zeroed cache `[num_layers, 2, batch, max_len, num_kv_heads, head_dim]` for `model` (a
+    `models.protocol.PagedModel`, its facts or a `LlamaConfig`)."""
+    f = model_facts(model)
+    dtype = f.dtype if dtype is None else dtype
+    return jnp.zeros((f.num_layers, 2, batch, max_len, f.num_kv_heads, f.head_dim), dtype)
 
 
-def _make_attend(q_start, q_lens, scale):
-    def attend(layer, q, k, v, cache):
+def _make_attend(q_start, q_lens):
+    def attend(layer, q, k, v, cache, **options):
+        options = attend_options(options)
         b, t, qh, e = q.shape
+        scale = options.get("scale")
+        scale = e ** -0.5 if scale is None else scale
+        slopes = options.get("alibi_slopes")
         kvh = k.shape[2]
         max_len = cache.shape[3]
         pos = q_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
@@ -36,6 +44,10 @@ def _make_attend(q_start, q_lens, scale):
         keys, values = cache[layer, 0], cache[layer, 1]  # [B, S, KVH, D]
         qg = q.reshape(b, t, kvh, qh // kvh, e).astype(jnp.float32)
         s = jnp.einsum("btkge,bske->bkgts", qg, keys.astype(jnp.float32)) * scale
+        if slopes is not None:  # [QH] -> [1, KVH, G, 1, 1], head h = kv * G + g
+            slopes = jnp.asarray(slopes, jnp.float32).reshape(1, kvh, qh // kvh, 1, 1)
+        s = score_knobs(s, options.get("soft_cap"), slopes, jnp.arange(max_len)[None, None, None, None, :],
+                        pos[:, None, None, :, None])
         mask = jnp.arange(max_len)[None, None, :] <= pos[:, :, None]  # [B, T, S]
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)
@@ -53,10 +65,10 @@ def contiguous_forward(model, cache: jax.Array, tokens: jax.Array, q_start: jax.
     Returns (float32 logits [B, T, V], or [B, V] at each sequence's last valid token when
     `last_only`; updated cache). Padding positions give zero attention outputs and write nothing.
     """
-    cfg = model.config
+    model = check_model(model)
     b, t = tokens.shape
     positions = q_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    hidden, cache = model(tokens, positions, cache, _make_attend(q_start, q_lens, cfg.head_dim ** -0.5))
+    hidden, cache = model(tokens, positions, cache, _make_attend(q_start, q_lens))
     if last_only:
         hidden = hidden[jnp.arange(b), jnp.maximum(q_lens - 1, 0)]
     return model.logits(hidden), cache

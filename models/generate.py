@@ -84,7 +84,7 @@ def greedy_generate_contiguous(model, prompts: Sequence[Sequence[int]], max_new_
     graphdef, state = nnx.split(model)
     if max_len is None:
         max_len = max(len(p) for p in prompts) + max_new_tokens
-    box = [init_contiguous_cache(model.config, len(prompts), max_len)]
+    box = [init_contiguous_cache(model, len(prompts), max_len)]
 
     def prefill(toks, q_start, q_lens):
         logits, box[0] = contiguous_step(graphdef, state, box[0], jnp.asarray(toks), jnp.asarray(q_start),

@@ -132,7 +132,40 @@ def safe_tokens(tokens: Array, vocab_size: int) -> Array:
 
 
 class Llama(nnx.Module):
-    """Llama 3 decoder. `__call__` returns final-normed hidden states; `logits` applies the head."""
+    """Llama 3 decoder. `__call__` returns final-normed hidden states; `logits` applies the head.
+
+    Implements `models.protocol.PagedModel`: the facts below are read from `config`, and
+    `partition_specs` gives its tensor-parallel layout (`models.sharding.weight_specs`).
+    """
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def dtype(self) -> str:
+        return self.config.dtype
+
+    def partition_specs(self, weights: nnx.State, tp: int):
+        """PartitionSpecs of `weights` (this model's state) over the "tp" mesh axis."""
+        from models.sharding import weight_specs
+        return weight_specs(weights, self.config, tp)
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
         self.config = config

@@ -23,7 +23,7 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from models.config import LlamaConfig
+from models.protocol import attend_options, check_model, model_facts
 
 NULL_BLOCK = pk.NULL_BLOCK
 IMPLS = tuple(pk.IMPLS)
@@ -86,36 +86,52 @@ def make_paged_batch(block_tables, q_start, q_lens, num_tokens: int, block_size:
 
 
 # ---------------------------------------------------------------------------- forward
-def _make_attend(batch: PagedBatch, scale: float, impl: str, decode: bool, mesh=None):
-    def attend_local(layer, q, k, v, pages, batch):
+def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None):
+    """The `attend` callback of `models.protocol.PagedModel` over the paged cache: writes k/v at
+    `batch.slots`, then paged decode or prefill attention with the call's options (scale, soft_cap,
+    alibi_slopes; anything else raises ValueError naming it)."""
+
+    def attend_local(layer, q, k, v, pages, batch, slopes, *, scale=None, soft_cap=None):
         b, t, _, _ = q.shape
         kvh, e = k.shape[2], k.shape[3]
         q = q.astype(pages.dtype)
         pages = pk.write_kv(pages, layer, k.reshape(b * t, kvh, e).astype(pages.dtype),
                             v.reshape(b * t, kvh, e).astype(pages.dtype), batch.slots.reshape(b * t), impl=impl)
+        # Knobs are passed only when set: without them the kernels compile exactly as before.
+        knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
+        if slopes is not None:
+            knobs["alibi_slopes"] = slopes
         if decode:
             out = pk.paged_decode_attention(q[:, 0], pages, layer, batch.block_tables, batch.lengths,
-                                            scale=scale, impl=impl)
+                                            scale=scale, impl=impl, **knobs)
             out = jnp.where((batch.q_lens > 0)[:, None, None], out, 0)[:, None]
         else:
             out = pk.paged_prefill_attention(q, pages, layer, batch.block_tables, batch.q_start, batch.q_lens,
-                                             scale=scale, impl=impl)
+                                             scale=scale, impl=impl, **knobs)
         return out, pages
 
     if mesh is None:
-        return lambda layer, q, k, v, pages: attend_local(layer, q, k, v, pages, batch)
+        def attend(layer, q, k, v, pages, **options):
+            options = attend_options(options)
+            slopes = options.pop("alibi_slopes", None)
+            return attend_local(layer, q, k, v, pages, batch, slopes, **options)
+
+        return attend
 
     from models.sharding import AXIS, PAGE_SPEC
 
     # Each device writes and attends over its own KV heads (and the query heads that read them):
-    # block ids are global and the metadata is replicated, so nothing crosses devices here.
+    # block ids are global and the metadata is replicated, so nothing crosses devices here. ALiBi
+    # slopes are per query head, so they are split like the query heads.
     heads = P(None, None, AXIS, None)
 
-    def attend(layer, q, k, v, pages):
-        fn = jax.shard_map(functools.partial(attend_local, layer), mesh=mesh,
-                           in_specs=(heads, heads, heads, PAGE_SPEC, P()), out_specs=(heads, PAGE_SPEC),
-                           check_vma=False)
-        return fn(q, k, v, pages, batch)
+    def attend(layer, q, k, v, pages, **options):
+        options = attend_options(options)
+        slopes = options.pop("alibi_slopes", None)
+        fn = jax.shard_map(functools.partial(attend_local, layer, **options), mesh=mesh,
+                           in_specs=(heads, heads, heads, PAGE_SPEC, P(), None if slopes is None else P(AXIS)),
+                           out_specs=(heads, PAGE_SPEC), check_vma=False)
+        return fn(q, k, v, pages, batch, slopes)
 
     return attend
 
@@ -131,15 +147,16 @@ def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str =
     return fn(pages, src, dst)
 
 
-def _check_mesh(config: LlamaConfig, mesh) -> None:
+def _check_mesh(model, mesh) -> None:
     if mesh is not None:
         from models.sharding import check_on_mesh
-        check_on_mesh(config, mesh, config.num_kv_heads)
+        check_on_mesh(model, mesh, model_facts(model).num_kv_heads)
 
 
 def paged_forward(model, pages: jax.Array, batch: PagedBatch, tokens: jax.Array, *, impl: str = "auto",
                   last_only: bool = False, mesh=None):
-    """Un-jitted forward. tokens int32[B, T] (a prefill chunk) or int32[B] (decode, one per sequence).
+    """Un-jitted forward of a `models.protocol.PagedModel`. tokens int32[B, T] (a prefill chunk) or
+    int32[B] (decode, one per sequence).
 
     Returns (float32 logits, pages): logits [B, T, V] for a chunk ([B, V] at the last valid token
     when `last_only`), [B, V] for decode.
@@ -150,11 +167,11 @@ def paged_forward(model, pages: jax.Array, batch: PagedBatch, tokens: jax.Array,
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-    _check_mesh(model.config, mesh)
+    model = check_model(model)
+    _check_mesh(model, mesh)
     decode = tokens.ndim == 1
     toks = tokens[:, None] if decode else tokens
-    scale = model.config.head_dim ** -0.5
-    hidden, pages = model(toks, batch.positions, pages, _make_attend(batch, scale, impl, decode, mesh))
+    hidden, pages = model(toks, batch.positions, pages, _make_attend(batch, impl, decode, mesh))
     if decode:
         hidden = hidden[:, 0]
     elif last_only:
@@ -230,22 +247,25 @@ def kv_bytes_per_token_raw(num_layers: int, num_kv_heads: int, head_dim: int, dt
     return num_layers * 2 * num_kv_heads * head_dim * np.dtype(jnp.dtype(dtype)).itemsize
 
 
-def kv_bytes_per_token(config: LlamaConfig, dtype=None) -> int:
-    """K and V bytes of one token over all layers (Llama 3.1 8B bf16: 128 KiB)."""
-    return kv_bytes_per_token_raw(config.num_layers, config.num_kv_heads, config.head_dim,
-                                  config.dtype if dtype is None else dtype)
+def kv_bytes_per_token(model, dtype=None) -> int:
+    """K and V bytes of one token over all layers (Llama 3.1 8B bf16: 128 KiB). `model`: a
+    `models.protocol.PagedModel` (or its split, its `ModelFacts`, a `LlamaConfig`)."""
+    f = model_facts(model)
+    return kv_bytes_per_token_raw(f.num_layers, f.num_kv_heads, f.head_dim, f.dtype if dtype is None else dtype)
 
 
-def kv_bytes_per_block(config: LlamaConfig, block_size: int = 16, dtype=None) -> int:
+def kv_bytes_per_block(model, block_size: int = 16, dtype=None) -> int:
     """Bytes of one block (Llama 3.1 8B bf16, 16 tokens: 2 MiB)."""
-    return kv_bytes_per_token(config, dtype) * block_size
+    return kv_bytes_per_token(model, dtype) * block_size
 
 
-def page_spec_for_budget(config: LlamaConfig, *, block_size: int = 16, budget_bytes: int | None = None,
+def page_spec_for_budget(model, *, block_size: int = 16, budget_bytes: int | None = None,
                          memory_fraction: float | None = None, device=None, dtype=None) -> KVPageSpec:
-    """Largest page pool fitting a budget: `budget_bytes`, or `memory_fraction` of the device's
-    memory limit (`device.memory_stats()["bytes_limit"]`; first device when `device` is None).
-    The null block counts against the budget. Raises ValueError when fewer than 2 blocks fit."""
+    """Largest page pool for `model` (as in `kv_bytes_per_token`) fitting a budget: `budget_bytes`,
+    or `memory_fraction` of the device's memory limit (`device.memory_stats()["bytes_limit"]`; first
+    device when `device` is None). The null block counts against the budget. Raises ValueError when
+    fewer than 2 blocks fit."""
+    f = model_facts(model)
     if (budget_bytes is None) == (memory_fraction is None):
         raise ValueError("give exactly one of budget_bytes and memory_fraction")
     if block_size < 1:
@@ -258,18 +278,21 @@ def page_spec_for_budget(config: LlamaConfig, *, block_size: int = 16, budget_by
         if "bytes_limit" not in stats:
             raise ValueError(f"device {device} reports no memory limit; pass budget_bytes instead")
         budget_bytes = int(stats["bytes_limit"] * memory_fraction)
-    dtype = config.dtype if dtype is None else str(jnp.dtype(dtype))
-    per_block = kv_bytes_per_block(config, block_size, dtype)
+    dtype = f.dtype if dtype is None else str(jnp.dtype(dtype))
+    per_block = kv_bytes_per_block(f, block_size, dtype)
     num_blocks = int(budget_bytes) // per_block
     if num_blocks < 2:
         raise ValueError(f"budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes; "
                          "need >= 2 (block 0 is the reserved null block)")
-    return KVPageSpec(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size, dtype)
+    return KVPageSpec(f.num_layers, f.num_kv_heads, f.head_dim, num_blocks, block_size, dtype)
 
 
-def page_spec(config: LlamaConfig, num_blocks: int, block_size: int = 16, dtype=None) -> KVPageSpec:
-    return KVPageSpec(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size,
-                      config.dtype if dtype is None else str(jnp.dtype(dtype)))
+def page_spec(model, num_blocks: int, block_size: int = 16, dtype=None) -> KVPageSpec:
+    """Pages for `model` (a `models.protocol.PagedModel`, its split, its `ModelFacts` or a
+    `LlamaConfig`): its layers, KV heads, head_dim and dtype (or `dtype`)."""
+    f = model_facts(model)
+    return KVPageSpec(f.num_layers, f.num_kv_heads, f.head_dim, num_blocks, block_size,
+                      f.dtype if dtype is None else str(jnp.dtype(dtype)))
 
 
 def allocate_pages(spec: KVPageSpec, device=None) -> jax.Array:

@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import LlamaConfig
 from models.llama import Llama, abstract_model
+from models.protocol import check_model, model_facts, partition_specs
 
 AXIS = "tp"
 """Name of the tensor-parallel mesh axis."""
@@ -181,34 +182,64 @@ def _expand_kv(w, r: int):
     return w if r == 1 else jnp.repeat(w, r, axis=1)
 
 
-def shard_model(model, mesh: Mesh):
-    """Place a `Llama` (or its `(graphdef, state)` split) on `mesh`; returns the same kind.
+def _llama_config(model) -> LlamaConfig | None:
+    """The config of a Llama (module, split, or the config itself); None for other models."""
+    if isinstance(model, LlamaConfig):
+        return model
+    module = nnx.merge(*model) if isinstance(model, tuple) else model
+    return module.config if isinstance(module, Llama) else None
 
-    KV heads are replicated when `tp > num_kv_heads` (the returned model's config says so). A model
-    already placed this way is returned as is (no copy)."""
+
+def placed_kv_heads(model, tp: int) -> int:
+    """KV heads of `model` (a `models.protocol.PagedModel`, its split, or a `LlamaConfig`) once
+    placed at degree `tp`: a Llama's `kv_heads_for`; any other model keeps its own count, which tp
+    must divide (only the Llama knows how to replicate its KV heads)."""
+    config = _llama_config(model)
+    if config is not None:
+        return kv_heads_for(config, tp)
+    f = model_facts(model)
+    if f.num_kv_heads % tp:
+        raise ValueError(f"tensor-parallel degree tp={tp} does not divide num_kv_heads={f.num_kv_heads} of "
+                         f"{type(check_model(model)).__name__}")
+    return f.num_kv_heads
+
+
+def shard_model(model, mesh: Mesh):
+    """Place a `models.protocol.PagedModel` (or its `(graphdef, state)` split) on `mesh`; returns
+    the same kind. The layout is the model's own `partition_specs(weights, tp)` (a model without
+    one raises ValueError before anything is placed).
+
+    A Llama's KV heads are replicated when `tp > num_kv_heads` (the returned model's config says
+    so). A model already placed this way is returned as is (no copy)."""
     tp = tp_degree(mesh)
     is_pair = isinstance(model, tuple)
     graphdef, weights = model if is_pair else nnx.split(model)
-    config = nnx.merge(graphdef, weights).config if is_pair else model.config
-    check_degree(config, tp)
-    kvh = kv_heads_for(config, tp)
-    if kvh != config.num_kv_heads:
-        r = kvh // config.num_kv_heads
-        weights = jax.tree_util.tree_map_with_path(
-            lambda path, x: _expand_kv(x, r) if _leaf_name(path) in ("k_proj", "v_proj") else x, weights)
-        config = config.replace(num_kv_heads=kvh)
-        graphdef, _ = nnx.split(abstract_model(config))
-    specs = weight_specs(weights, config, tp)
+    module = check_model((graphdef, weights))
+    if not callable(getattr(module, "partition_specs", None)):
+        partition_specs(module, weights, tp)  # raises, naming the model
+    config = _llama_config(module)
+    if config is None:
+        placed_kv_heads(module, tp)
+    else:
+        check_degree(config, tp)
+        kvh = kv_heads_for(config, tp)
+        if kvh != config.num_kv_heads:
+            r = kvh // config.num_kv_heads
+            weights = jax.tree_util.tree_map_with_path(
+                lambda path, x: _expand_kv(x, r) if _leaf_name(path) in ("k_proj", "v_proj") else x, weights)
+            config = config.replace(num_kv_heads=kvh)
+            graphdef, _ = nnx.split(abstract_model(config))
+    specs = partition_specs(module, weights, tp)
     weights = jax.tree.map(lambda x, s: put(x, NamedSharding(mesh, s)), weights, specs)
     return (graphdef, weights) if is_pair else nnx.merge(graphdef, weights)
 
 
-def shard_pages(pages, mesh: Mesh, config: LlamaConfig):
-    """Place pages on `mesh`, sharded on KV heads. `config` is the placed model's (or the original)
-    config: pages with the original KV-head count are repeated to the placed count first (fresh
-    pages are zeros; pages holding K/V stay exact since replicas hold the same K/V)."""
+def shard_pages(pages, mesh: Mesh, model):
+    """Place pages on `mesh`, sharded on KV heads. `model` is the placed model (or the original, or
+    a Llama's config): pages with the original KV-head count are repeated to the placed count first
+    (fresh pages are zeros; pages holding K/V stay exact since replicas hold the same K/V)."""
     tp = tp_degree(mesh)
-    kvh = kv_heads_for(config, tp)
+    kvh = placed_kv_heads(model, tp)
     have = pages.shape[2]
     if have != kvh:
         if kvh % have:
@@ -220,8 +251,7 @@ def shard_pages(pages, mesh: Mesh, config: LlamaConfig):
 def shard(model, pages, mesh: Mesh):
     """`(model, pages) -> (model, pages)` placed on `mesh` (pages may be None). Idempotent."""
     model = shard_model(model, mesh)
-    config = model.config if isinstance(model, Llama) else nnx.merge(*model).config
-    return model, (None if pages is None else shard_pages(pages, mesh, config))
+    return model, (None if pages is None else shard_pages(pages, mesh, model))
 
 
 def allocate_pages_on_mesh(spec, mesh: Mesh) -> jax.Array:
@@ -235,10 +265,15 @@ def allocate_pages_on_mesh(spec, mesh: Mesh) -> jax.Array:
                    out_shardings=NamedSharding(mesh, PAGE_SPEC))()
 
 
-def check_on_mesh(config: LlamaConfig, mesh: Mesh, num_kv_heads: int) -> int:
-    """Check a placed model (`num_kv_heads`: the placed count) against `mesh`; returns tp."""
+def check_on_mesh(model, mesh: Mesh, num_kv_heads: int) -> int:
+    """Check a placed model (or a Llama's config; `num_kv_heads`: the placed count) against `mesh`;
+    returns tp. A model without `partition_specs` cannot run on a mesh (ValueError naming it)."""
     tp = tp_degree(mesh)
-    check_degree(config, tp)
+    config = _llama_config(model)
+    if config is not None:
+        check_degree(config, tp)
+    elif not callable(getattr(check_model(model), "partition_specs", None)):
+        partition_specs(model, None, tp)  # raises, naming the model
     if num_kv_heads % tp:
         raise ValueError(f"num_kv_heads={num_kv_heads} is not divisible by tp={tp}: place the model with "
                          "models.sharding.shard(model, pages, mesh) first (it replicates KV heads)")

@@ -36,7 +36,7 @@ def reference_beam_search(model, prompt, k, max_new, length_penalty, eos_ids):
         for j, (_, toks) in enumerate(beams):
             seqs[j, :len(prompt) + len(toks)] = prompt + toks
         q_lens = np.full(k, len(prompt) + step, np.int32)
-        logits, _ = contiguous_step(graphdef, state, init_contiguous_cache(model.config, k, width), jnp.asarray(seqs),
+        logits, _ = contiguous_step(graphdef, state, init_contiguous_cache(model, k, width), jnp.asarray(seqs),
                                     jnp.zeros(k, jnp.int32), jnp.asarray(q_lens), last_only=True)
         logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
         scores = np.array([s for s, _ in beams], np.float32)

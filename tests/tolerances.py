@@ -262,3 +262,58 @@ def beam_score_atol(model, context: int, steps: int, score: float) -> float:
   logits_atol = model_atol(cfg, context, logits_bound(model), score_mag=score_bound(model))
   per_step = logprob_atol(logits_atol, cfg.vocab_size)
   return steps * per_step + (steps + 1) * eps(jnp.float32) * abs(float(score))
+
+
+# ---------------------------------------------------------------------------- GPT-2 (examples/gpt2.py)
+def gpt2_reduction_lens(cfg, context: int, score_mag: float) -> list[float]:
+  """Reduction lengths ``K_i`` along the GPT-2 forward pass of ``examples.gpt2`` (``cfg`` a
+  ``GPT2Config``), as :func:`llama_reduction_lens` for the Llama. LayerNorm: the mean and the
+  variance over ``d`` (``2 d``), the subtraction, rsqrt, scale and bias (5); projections over their
+  input width plus the bias add; the tanh GELU ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``: 7
+  products and sums and a tanh within 2 ulp (``4 u``), 11. As for the Llama's RMSNorm, each
+  LayerNorm renormalises its input, so a stage's relative error is not amplified beyond order one
+  (the pre-norm argument of the module docstring; it assumes the centred input is not tiny
+  relative to the input itself)."""
+  d, e = cfg.n_embd, cfg.n_embd // cfg.n_head
+  norm = 2 * d + 5
+  attn = 2 * (e + 4) * score_mag + 4 * context + 7  # as in attention_atol
+  layer = [norm, d + 1, attn, d + 1, 1,  # qkv over d + bias, attention, out over heads * e + bias, add
+           norm, d + 1, 11, 4 * d + 1, 1]  # fc over d + bias, GELU, proj over 4 d + bias, add
+  return layer * cfg.n_layer + [norm, d]  # final LayerNorm, the tied head over d
+
+
+def _ln_out_norm(ln) -> float:
+  """Bound on ``||LayerNorm(x)||_2 = ||g * x_hat + b||`` with ``||x_hat||_2 <= sqrt(d)``."""
+  g, b = _f64(ln.scale[...]), _f64(ln.bias[...])
+  return math.sqrt(g.size) * float(np.abs(g).max()) + float(np.linalg.norm(b))
+
+
+def gpt2_score_bound(model) -> float:
+  """A-priori bound on the attention score magnitude ``S`` of an ``examples.gpt2.GPT2`` from its
+  weights: head ``h``'s query is ``W_q,h^T y + b_q,h`` with ``y`` the LayerNorm output, so
+  ``||q_h|| <= sigma(W_q,h) ||y|| + ||b_q,h||`` (likewise keys) and ``S <= scale max ||q_h|| max
+  ||k_h||`` (Cauchy-Schwarz), the largest over the layers."""
+  best = 0.0
+  for block in model.blocks:
+    w, bias, y = _f64(block.qkv[...]), _f64(block.qkv_bias[...]), _ln_out_norm(block.ln_1)
+    norms = [max(np.linalg.norm(w[:, j, h], 2) * y + np.linalg.norm(bias[j, h]) for h in range(w.shape[2]))
+             for j in (0, 1)]
+    best = max(best, model.head_dim ** -0.5 * norms[0] * norms[1])
+  return best
+
+
+def gpt2_logits_bound(model) -> float:
+  """A-priori bound on ``max |logits|`` of an ``examples.gpt2.GPT2``: ``|wte_v . y| <=
+  sqrt(d) ||wte_v * g|| + |wte_v . b|`` for the final LayerNorm's output ``y = g x_hat + b``."""
+  wte, g, b = _f64(model.wte[...]), _f64(model.ln_f.scale[...]), _f64(model.ln_f.bias[...])
+  rows = np.sqrt(((wte * g) ** 2).sum(-1)) * math.sqrt(g.size) + np.abs(wte @ b)
+  return float(rows.max())
+
+
+def gpt2_atol(model, context: int, magnitude: float) -> float:
+  """:func:`chain_atol` over :func:`gpt2_reduction_lens` for a float32 model (its roundings are
+  part of ``gamma_K``; narrower dtypes would need their roundings counted)."""
+  if model.dtype != "float32":
+    raise ValueError(f"gpt2_atol counts no roundings to {model.dtype}; float32 models only")
+  lens = gpt2_reduction_lens(model.cfg, context, gpt2_score_bound(model))
+  return chain_atol(model.dtype, lens, magnitude, roundings=0)

@@ -14,7 +14,7 @@ Example::
 
     model = init_model(tiny())
     mgr = pk.ManagerConfig(num_blocks=256, block_size=16, max_seqs=32, max_blocks_per_seq=16)
-    pages = allocate_pages(page_spec(model.config, mgr.num_blocks, mgr.block_size))
+    pages = allocate_pages(page_spec(model, mgr.num_blocks, mgr.block_size))
     toks, lens = engine.pad_prompts([[1, 2, 3], [4, 5, 6, 7, 8]], width=16)
     params = engine.SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, n=4)
     out, pages, state = engine.generate(model, pages, toks, lens, jax.random.key(0), params, manager=mgr)

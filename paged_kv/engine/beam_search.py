@@ -168,7 +168,7 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
         budget = jnp.minimum(budget, budgets.astype(jnp.int32))
 
     # A prompt with an id outside the vocabulary is not admitted (nothing computed or cached).
-    bad = bad_prompts(prompt_tokens, lens, model.config.vocab_size)
+    bad = bad_prompts(prompt_tokens, lens, model.vocab_size)
     # Each prompt is admitted and prefilled once, into its first beam's row; step 0's ``select``
     # gives the other beams its table.
     state, pages, logits, status = prefill(model, pages, manager, state, jnp.where(bad, -1, rows[::k]),
@@ -238,9 +238,9 @@ def beam_search(model, pages: jax.Array, prompt_tokens, prompt_lens, params: Bea
     """
     if not isinstance(params, BeamParams):
         raise ValueError(f"params must be a BeamParams, got {type(params).__name__}")
-    graphdef, weights, model_config, pages, mesh = requests.place(model, pages, mesh)
+    graphdef, weights, facts, pages, mesh = requests.place(model, pages, mesh)
     k = params.beam_width
-    req = requests.check_request(model_config, manager, pages, state, prompt_tokens, prompt_lens,
+    req = requests.check_request(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=k, what="beam_width", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
                                  vocab_needed=k * (1 + max(len(params.eos_token_ids), 1)))

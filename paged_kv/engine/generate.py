@@ -151,7 +151,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
 
     # A prompt with an id outside the vocabulary is not admitted (a padding row for ``admit``):
     # nothing of it is computed, written or registered in the prefix cache.
-    bad = bad_prompts(prompt_tokens, lens, model.config.vocab_size)
+    bad = bad_prompts(prompt_tokens, lens, model.vocab_size)
     bad_rows = jnp.repeat(bad, n)
     # Each prompt is admitted and prefilled once, into its first sample's row; the others fork it.
     state, pages, logits, status = prefill(model, pages, manager, state, jnp.where(bad, -1, rows[::n]),
@@ -206,7 +206,8 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
     """Samples ``params.n`` answers for each prompt, all on the device in one jitted loop.
 
     Args:
-      model: a ``models.Llama`` (NNX module) or its ``(graphdef, state)`` split.
+      model: an NNX module implementing ``models.protocol.PagedModel`` (``models.Llama``, or your
+        own) or its ``(graphdef, state)`` split.
       pages: the KV pages ``[layers, 2, kv_heads, manager.num_blocks, manager.block_size, head_dim]``
         (donated).
       prompt_tokens: int32 ``[B, L]`` zero-padded prompts (see ``pad_prompts``); ids at positions
@@ -244,8 +245,8 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     key = requests.check_key(key)
-    graphdef, weights, model_config, pages, mesh = requests.place(model, pages, mesh)
-    req = requests.check_request(model_config, manager, pages, state, prompt_tokens, prompt_lens,
+    graphdef, weights, facts, pages, mesh = requests.place(model, pages, mesh)
+    req = requests.check_request(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
                                  top_k=params.top_k)

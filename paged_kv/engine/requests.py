@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from models.paged import IMPLS, page_spec
+from models.protocol import ModelFacts, model_facts
 from paged_kv.config import ManagerConfig
 from paged_kv.state import BlockManagerState, init_state
 
@@ -162,20 +163,21 @@ def place(model, pages, mesh):
     """Resolve the mesh of a call and put the model and pages on it.
 
     ``mesh`` None: the mesh the pages are already sharded over (``models.sharding.shard``), or none
-    (one device: nothing changes). Returns ``(graphdef, weights, model_config, pages, mesh)``; with
-    a mesh the model and pages are placed (a no-op when they already are), and ``model_config`` is
-    the placed model's (KV heads replicated when tp exceeds them).
+    (one device: nothing changes). Returns ``(graphdef, weights, facts, pages, mesh)``; with a mesh
+    the model and pages are placed (a no-op when they already are), and ``facts`` (the model's
+    ``models.protocol.ModelFacts``) are the placed model's (KV heads replicated when tp exceeds them).
+    ValueError, before anything is traced, when the model does not implement the protocol.
     """
     from models import sharding
 
     graphdef, weights = split_model(model)
+    facts = model_facts(model if isinstance(model, nnx.Module) else (graphdef, weights))
     mesh = sharding.mesh_of(pages) if mesh is None else mesh
     if mesh is None:
-        config = model.config if hasattr(model, "config") else nnx.merge(graphdef, weights).config
-        return graphdef, weights, config, pages, None
+        return graphdef, weights, facts, pages, None
     sharding.tp_degree(mesh)
     (graphdef, weights), pages = sharding.shard((graphdef, weights), pages, mesh)
-    return graphdef, weights, nnx.merge(graphdef, weights).config, pages, mesh
+    return graphdef, weights, model_facts((graphdef, weights)), pages, mesh
 
 
 def replicate_inputs(mesh, *arrays):
@@ -236,7 +238,7 @@ class Request:
         return self.num_prompts * self.rows_per_prompt
 
 
-def check_request(model_config, manager: ManagerConfig, pages, state, prompt_tokens, prompt_lens, *,
+def check_request(facts: ModelFacts, manager: ManagerConfig, pages, state, prompt_tokens, prompt_lens, *,
                   rows_per_prompt: int, what: str, budgets=None, chunk_size=None, impl: str = "auto",
                   eos_token_ids=(), top_k: int = 0, vocab_needed: int = 1) -> Request:
     """Validates a generate/beam-search call. ``rows_per_prompt`` is n or the beam width.
@@ -245,17 +247,18 @@ def check_request(model_config, manager: ManagerConfig, pages, state, prompt_tok
     ``[B]``, ``budgets`` int ``[B]``); values (lengths, token ids ``< vocab_size`` at positions
     ``< prompt_lens``, budgets, busy rows) when the arrays are concrete. Inside the caller's ``jit``
     an out-of-vocabulary id cannot be caught here: the loops flag its row instead."""
+    facts = model_facts(facts)  # ModelFacts from ``place`` (a model or a LlamaConfig also works)
     if not isinstance(manager, ManagerConfig):
         raise ValueError(f"manager must be a ManagerConfig, got {type(manager).__name__}")
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-    spec = page_spec(model_config, manager.num_blocks, manager.block_size, dtype=getattr(pages, "dtype", None))
+    spec = page_spec(facts, manager.num_blocks, manager.block_size, dtype=getattr(pages, "dtype", None))
     if tuple(np.shape(pages)) != spec.shape:
         raise ValueError(f"pages have shape {tuple(np.shape(pages))}; this model and manager need {spec.shape} "
                          f"(num_blocks={manager.num_blocks}, block_size={manager.block_size})")
     if state is not None and not isinstance(state, BlockManagerState):
         raise ValueError(f"state must be a BlockManagerState or None, got {type(state).__name__}")
-    vocab = model_config.vocab_size
+    vocab = facts.vocab_size
     for t in eos_token_ids:
         if t >= vocab:
             raise ValueError(f"eos token id {t} must be < vocab_size={vocab}")
@@ -279,7 +282,7 @@ def check_request(model_config, manager: ManagerConfig, pages, state, prompt_tok
     if rows > manager.max_seqs:
         raise ValueError(f"{b} prompts x {rows_per_prompt} ({what}) = {rows} sequences; the manager holds "
                          f"max_seqs={manager.max_seqs}")
-    context = min(manager.max_tokens_per_seq, model_config.max_position_embeddings)
+    context = min(manager.max_tokens_per_seq, facts.max_positions)
     if width > manager.max_tokens_per_seq:
         raise ValueError(f"prompt_tokens width {width} exceeds the {manager.max_tokens_per_seq} tokens a "
                          f"sequence can hold (max_blocks_per_seq={manager.max_blocks_per_seq} x "
@@ -292,7 +295,7 @@ def check_request(model_config, manager: ManagerConfig, pages, state, prompt_tok
             if n > context:
                 raise ValueError(f"prompt {i} has {n} tokens, longer than the context of {context} tokens "
                                  f"(min of max_blocks_per_seq x block_size = {manager.max_tokens_per_seq} and "
-                                 f"max_position_embeddings = {model_config.max_position_embeddings})")
+                                 f"the model's max_positions = {facts.max_positions})")
         toks = _concrete(prompt_tokens)
         if toks is not None:
             check_padded_tokens(toks, lens, vocab)

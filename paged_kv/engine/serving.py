@@ -78,6 +78,7 @@ from flax import nnx, struct
 
 from models.llama import in_vocab
 from models.paged import allocate_pages, kv_bytes_per_block, make_paged_batch, page_spec, paged_forward
+from models.protocol import model_facts
 from paged_kv.admission import admit
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.engine import requests as _requests
@@ -322,7 +323,7 @@ def _step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepI
     state, _ = free(mgr, state, inp.free_ids)
     state, _ = select(mgr, state, inp.sel_dst, inp.sel_parent)
     pf_logits = None
-    vocab = model.config.vocab_size
+    vocab = model.vocab_size
     bad_tokens = jnp.sum(~in_vocab(inp.dec_tokens, vocab) & inp.dec_live, dtype=jnp.int32)
     if shape.prefill_rows:
         pr = inp.pf_rows
@@ -516,7 +517,8 @@ class ServingEngine:
 
     def __init__(self, model, config: ServingConfig, *, seed: int = 0, mesh=None):
         """Args:
-          model: a ``models.Llama`` (NNX module) or its ``(graphdef, state)`` split.
+          model: an NNX module implementing ``models.protocol.PagedModel`` (``models.Llama``, or
+            your own) or its ``(graphdef, state)`` split.
           config: the ``ServingConfig``.
           seed: the engine's sampling seed (with each request's seed, it fixes sampled tokens).
           mesh: a ``jax.sharding.Mesh`` with a "tp" axis (``models.sharding.make_mesh``) to run
@@ -531,7 +533,8 @@ class ServingEngine:
         mgr = config.manager
         self.manager = mgr
         graphdef, weights = _requests.split_model(model)
-        base_config = model.config if hasattr(model, "config") else nnx.merge(graphdef, weights).config
+        # The model's facts (models.protocol): checked here, before anything is compiled.
+        base_config = model_facts((graphdef, weights))
         pages = allocate_pages(page_spec(base_config, mgr.num_blocks, mgr.block_size))
         if mesh is None:
             self.graphdef, self.weights, self.model_config, self.pages = graphdef, weights, base_config, pages
@@ -540,7 +543,7 @@ class ServingEngine:
                 (graphdef, weights), pages, mesh)
         self.mesh = mesh
         self.state, self.key = _requests.replicate_inputs(mesh, init_state(mgr), jax.random.key(seed))
-        self.context = min(mgr.max_tokens_per_seq, self.model_config.max_position_embeddings)
+        self.context = min(mgr.max_tokens_per_seq, self.model_config.max_positions)
         self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size)
         self._admit_width = min(mgr.max_tokens_per_seq, -(-self.context // mgr.block_size) * mgr.block_size)
         self._waiting: collections.deque[_Family] = collections.deque()
@@ -580,8 +583,8 @@ class ServingEngine:
         if n > self.context:
             raise ValueError(
                 f"prompt has {n} tokens, more than the {self.context} a sequence can hold (min of "
-                f"max_blocks_per_seq x block_size = {mgr.max_tokens_per_seq} and max_position_embeddings = "
-                f"{self.model_config.max_position_embeddings})")
+                f"max_blocks_per_seq x block_size = {mgr.max_tokens_per_seq} and the model's max_positions = "
+                f"{self.model_config.max_positions})")
         need = mgr.blocks_for(n)
         if need > mgr.num_blocks - 1:
             raise ValueError(f"prompt has {n} tokens = {need} blocks; the pool has only {mgr.num_blocks - 1} "

@@ -46,7 +46,7 @@ def prefill(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerS
     num_chunks = -(-length // chunk_size)
     padded = jnp.pad(prompt_tokens, ((0, 0), (0, num_chunks * chunk_size - length + chunk_size)))
     offsets = jnp.arange(chunk_size, dtype=jnp.int32)[None, :]
-    vocab = model.config.vocab_size
+    vocab = model.vocab_size
 
     def chunk(c, carry):
         pages, last = carry

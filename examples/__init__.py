@@ -1,0 +1,1 @@
+"""Examples of bringing your own model to paged-kv (see docs/own_model.md)."""

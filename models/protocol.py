@@ -1,0 +1,168 @@
+"""The model protocol: what a model must provide to decode through the paged cache.
+
+paged-kv never looks inside a model. The engine (``generate``, ``beam_search``), the
+``ServingEngine``, page sizing (``page_spec``, ``page_spec_for_budget``, ``allocate_pages``) and the
+paged / contiguous forwards use only the members of ``PagedModel`` below; ``models.Llama`` is one
+implementation, ``examples/gpt2.py`` another. ``model_facts`` checks a model against the protocol
+on the host, before anything is traced or compiled, and raises ``ValueError`` naming what is
+missing or wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+Array = jax.Array
+
+ATTEND_OPTIONS = ("scale", "soft_cap", "alibi_slopes")
+"""Keyword options an ``attend`` callback accepts (see ``PagedModel``)."""
+
+FACTS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_positions", "dtype")
+"""The facts a model states about itself, as attributes (or properties)."""
+
+REQUIRED = ("__call__", "logits") + FACTS
+
+
+@runtime_checkable
+class PagedModel(Protocol):
+    """A decoder that paged-kv can run. Shapes: B sequences, T tokens per sequence this step,
+    QH query heads, KVH = ``num_kv_heads`` (QH a multiple of it), D = ``head_dim``, V = ``vocab_size``.
+
+    Facts (plain Python values; read on the host, never traced):
+      num_layers: int >= 1, layers that call ``attend`` (layer ids ``0 .. num_layers - 1``).
+      num_kv_heads: int >= 1, K/V heads per layer (the pages hold these).
+      head_dim: int >= 1, D of q, k and v.
+      vocab_size: int >= 1, V (token ids and logits).
+      max_positions: int >= 1, the longest sequence the model supports (prompt plus generated).
+      dtype: the K/V dtype the pages are allocated in (a name or a ``jnp`` dtype: float32,
+        bfloat16 or float16).
+
+    ``__call__(tokens int32[B, T], positions int32[B, T], cache, attend) -> (hidden[B, T, ...], cache)``:
+      for each layer ``i`` in order, computes q, k, v (positional encoding already applied) and calls
+      ``out, cache = attend(i, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache, **options)``,
+      which stores k/v in ``cache`` and returns the causal attention output ``out[B, T, QH, D]``
+      (dtype of the pages). ``cache`` is opaque: thread it through and return it. Rows past a
+      sequence's valid tokens (padding) may carry any ids and positions, including ids
+      ``>= vocab_size`` and positions ``>= max_positions``: they must not produce NaN (clamp the
+      lookups), their outputs are discarded. ``options`` (all optional, see ``ATTEND_OPTIONS``):
+        scale: float, the softmax scale (default ``D ** -0.5``);
+        soft_cap: float > 0, logit soft-capping ``cap * tanh(s / cap)`` of the scaled scores
+          (Gemma 2), applied before the bias and the causal mask;
+        alibi_slopes: float ``[QH]``, adds ``slope[h] * (key_pos - query_pos)`` (<= 0) to head ``h``'s
+          scores (ALiBi).
+      Any other option raises ``ValueError`` naming it. Every call must pass the same options for a
+      given layer at every step (they are part of the compiled program).
+    ``logits(hidden[..., ...]) -> float32[..., V]``: the output head on what ``__call__`` returned.
+
+    Optional, for tensor parallelism (``models.sharding``, a ``mesh=`` argument):
+      ``partition_specs(weights: nnx.State, tp: int) -> PartitionSpec tree`` (same structure as
+      ``weights``) over the mesh axis ``models.sharding.AXIS``, with q heads and KV heads split
+      over it (the pages are sharded on KV heads). A model without it raises ``ValueError`` when
+      used with a mesh.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    dtype: Any
+
+    def __call__(self, tokens: Array, positions: Array, cache: Any,
+                 attend: Callable[..., tuple[Array, Any]]) -> tuple[Array, Any]: ...
+
+    def logits(self, hidden: Array) -> Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """The checked facts of a ``PagedModel`` (hashable; ``dtype`` is a dtype name)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    dtype: str
+
+
+_FLOATS = ("float32", "bfloat16", "float16")
+
+
+def _as_module(model):
+    """An NNX ``(graphdef, state)`` pair is merged (host-side, no computation)."""
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nnx.GraphDef):
+        return nnx.merge(*model)
+    return model
+
+
+def model_facts(model) -> ModelFacts:
+    """Check ``model`` (a ``PagedModel``, its NNX ``(graphdef, state)`` split, ``ModelFacts``, or a
+    ``models.LlamaConfig``) against the protocol and return its facts.
+
+    Raises ValueError naming every missing member, or the fact with a bad value and what it must
+    be. Cheap and host-side: call it before tracing.
+    """
+    if isinstance(model, ModelFacts):
+        return model
+    from models.config import LlamaConfig  # a Llama's config states the same facts
+    if isinstance(model, LlamaConfig):
+        return ModelFacts(model.num_layers, model.num_kv_heads, model.head_dim, model.vocab_size,
+                          model.max_position_embeddings, str(jnp.dtype(model.dtype)))
+    model = _as_module(model)
+    name = type(model).__name__
+    missing = [m for m in REQUIRED if not (callable(model) if m == "__call__" else hasattr(model, m))]
+    if missing:
+        raise ValueError(f"model {name} does not implement the paged model protocol: missing "
+                         f"{', '.join(missing)} (see models.protocol.PagedModel)")
+    if not callable(getattr(model, "logits")):
+        raise ValueError(f"model {name}: logits must be a method logits(hidden) -> float32 logits")
+    values = {}
+    for fact in FACTS[:-1]:
+        v = getattr(model, fact)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"model {name}: {fact}={v!r} must be a Python int >= 1")
+        values[fact] = int(v)
+    try:
+        dtype = str(jnp.dtype(model.dtype))
+    except TypeError:
+        dtype = None
+    if dtype not in _FLOATS:
+        raise ValueError(f"model {name}: dtype={model.dtype!r} must be one of {_FLOATS}")
+    return ModelFacts(dtype=dtype, **values)
+
+
+def check_model(model):
+    """``model`` merged into a module when split, after ``model_facts`` checked it."""
+    model_facts(model)
+    return _as_module(model)
+
+
+def partition_specs(model, weights, tp: int):
+    """The model's ``partition_specs(weights, tp)``; ValueError when it has none."""
+    model = _as_module(model)
+    fn = getattr(model, "partition_specs", None)
+    if not callable(fn):
+        raise ValueError(f"model {type(model).__name__} defines no partition_specs(weights, tp), so it "
+                         "cannot be sharded over a mesh (tensor parallelism); run it without mesh= or "
+                         "add the method (see models.protocol.PagedModel)")
+    return fn(weights, tp)
+
+
+def attend_options(options: dict) -> dict:
+    """Check the keyword options of an ``attend`` call; ValueError naming an unsupported one."""
+    bad = sorted(set(options) - set(ATTEND_OPTIONS))
+    if bad:
+        raise ValueError(f"attend got unsupported option(s) {', '.join(bad)}; supported: "
+                         f"{', '.join(ATTEND_OPTIONS)}")
+    return options
+
+
+__all__ = ["ATTEND_OPTIONS", "FACTS", "ModelFacts", "PagedModel", "attend_options", "check_model",
+           "model_facts", "partition_specs"]
