@@ -1,7 +1,10 @@
 """Flax NNX Llama 3 family decoder that runs over the paged KV cache (`pallas_kernels`) or a
 contiguous baseline cache, and loads/saves Hugging Face Llama checkpoints.
 
-Modules: `config` (LlamaConfig, presets, RoPE frequencies), `llama` (NNX modules), `paged` (paged
+Any model that implements `models.protocol.PagedModel` runs through the paged cache and the engines;
+the Llama is one (docs/own_model.md, examples/gpt2.py).
+
+Modules: `protocol` (the model protocol: PagedModel, ModelFacts, model_facts), `config` (LlamaConfig, presets, RoPE frequencies), `llama` (NNX modules), `paged` (paged
 forward, PagedBatch metadata, jitted steps, page sizing), `contiguous` (baseline cache path),
 `hf_io` (safetensors checkpoints), `generate` (host greedy loops for tests and benchmarks), `sharding`
 (tensor parallelism over a `jax.sharding.Mesh`: placing a model and its pages, sharded loading, KV
@@ -13,6 +16,7 @@ from models.contiguous import contiguous_forward, contiguous_step, init_contiguo
 from models.generate import greedy_generate_contiguous, greedy_generate_paged
 from models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
 from models import sharding
+from models.protocol import ModelFacts, PagedModel, model_facts
 from models.llama import Llama, abstract_model, in_vocab, init_model, safe_tokens
 from models.paged import (
     KVPageSpec,
@@ -30,7 +34,8 @@ from models.paged import (
 )
 
 __all__ = [
-    "CheckpointError", "KVPageSpec", "Llama", "Llama3RopeScaling", "LlamaConfig", "PagedBatch",
+    "CheckpointError", "KVPageSpec", "Llama", "Llama3RopeScaling", "LlamaConfig", "ModelFacts", "PagedBatch",
+    "PagedModel", "model_facts",
     "abstract_model", "allocate_pages", "compute_slots", "contiguous_forward", "contiguous_step",
     "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "in_vocab", "init_contiguous_cache",
     "init_model", "kv_bytes_per_block", "kv_bytes_per_token", "llama31_8b", "llama32_1b",

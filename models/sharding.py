@@ -25,6 +25,10 @@ query head `h` then reads replicated head `h // (num_heads // tp)`, whose weight
 original head `h // (num_heads // num_kv_heads)`, so the model computes exactly the same function.
 The placed model's `config.num_kv_heads` is that effective count; pages are sized from it.
 
+The table is the Llama's layout (`Llama.partition_specs`). Any other `models.protocol.PagedModel`
+is placed with its own `partition_specs(weights, tp)` (a model without one raises ValueError for
+mesh use, never a guessed layout), with no KV-head replication: tp must divide its KV heads.
+
 Entry points: `make_mesh`, `shard(model, pages, mesh)` (place a model and its pages),
 `allocate_pages_on_mesh`, `load_sharded` (each process reads only its slices of the safetensors
 tensors), `kv_capacity` (blocks and tokens per device after weights), `valid_degrees`.
