@@ -226,3 +226,71 @@ def test_mesh_use_needs_partition_specs(model):
     toks, lens = engine.pad_prompts([[1, 2, 3]], width=8)
     with pytest.raises(ValueError, match="GPT2 defines no partition_specs"):
         engine.generate(model, pages, toks, lens, 0, SamplingParams(max_new_tokens=2), manager=MGR, mesh=mesh)
+
+
+# ---------------------------------------------------------------------------- attend options through the protocol
+class KnobModel(nnx.Module):
+    """One attention layer that asks ``attend`` for a scale, a soft cap and ALiBi slopes (or none):
+    embedding [V, d] -> q, k, v (GQA, 4 query heads over 2 KV heads of 16) -> attend -> head [64, V]."""
+
+    def __init__(self, knobs: bool, seed: int = 0):
+        rngs = nnx.Rngs(seed)
+        self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size = 1, 2, 16, 64
+        self.max_positions, self.dtype, self.knobs = 64, "float32", knobs
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (64, 32)))
+        self.wq = nnx.Param(0.5 * jax.random.normal(rngs.params(), (32, 4, 16)))
+        self.wk = nnx.Param(0.5 * jax.random.normal(rngs.params(), (32, 2, 16)))
+        self.wv = nnx.Param(0.2 * jax.random.normal(rngs.params(), (32, 2, 16)))
+        self.head = nnx.Param(0.2 * jax.random.normal(rngs.params(), (64, 64)))  # [QH * D, V]
+        self.slopes = nnx.Param(jnp.array([0.5, 0.25, 0.125, 0.0625]))
+
+    def __call__(self, tokens, positions, cache, attend):
+        x = jnp.take(self.embed[...], tokens, axis=0, mode="clip")
+        q, k, v = (jnp.einsum("btd,dhe->bthe", x, w[...]) for w in (self.wq, self.wk, self.wv))
+        options = dict(scale=0.4, soft_cap=3.0, alibi_slopes=self.slopes[...]) if self.knobs else {}
+        out, cache = attend(0, q, k, v, cache, **options)
+        return out.reshape(out.shape[:2] + (64,)), cache
+
+    def logits(self, hidden):
+        return (hidden @ self.head[...]).astype(jnp.float32)
+
+
+def _knob_atol(m: KnobModel, context: int, magnitude: float) -> float:
+    """q/k/v projections over d = 32, attention (scores bounded from the weights: ``||q_h|| <=
+    sigma(W_q,h) max ||e||`` and likewise ``k``, times the scale, plus the ALiBi bias), the head
+    over 64 (tests/tolerances.py)."""
+    e = float(np.sqrt((np.asarray(m.embed[...], np.float64) ** 2).sum(-1)).max())
+    sig = [max(np.linalg.norm(np.asarray(w[...], np.float64)[:, h], 2) for h in range(w.shape[1]))
+           for w in (m.wq, m.wk)]
+    s = 0.4 * sig[0] * sig[1] * e * e + 0.5 * (context - 1)
+    ops = tol.knob_score_ops(3.0, m.slopes[...])
+    attn = 2 * (16 + 4 + ops) * s + 4 * context + 7
+    return tol.chain_atol(jnp.float32, [32, attn, 64], magnitude)
+
+
+def test_attend_options_reach_paged_and_contiguous_attention():
+    """A model passing scale, soft_cap and alibi_slopes to ``attend``: paged greedy decoding (the
+    XLA kernels, and the Pallas kernels in interpret mode for the prompt) equals its contiguous
+    one, logits within the bound, and the options change the logits."""
+    prompts = [[3, 9, 27, 17, 51, 25, 11], [40, 2, 8, 32, 60]]
+    runs = {}
+    for knobs in (True, False):
+        m = KnobModel(knobs)
+        pages = allocate_pages(page_spec(m, 9, BS))
+        tables = np.array([[4, 1], [7, 2]], np.int32)
+        paged, paged_logits, _ = greedy_generate_paged(m, pages, tables, prompts, 6, chunk_size=BS, impl="reference")
+        contig, contig_logits = greedy_generate_contiguous(m, prompts, 6, chunk_size=BS, max_len=16)
+        np.testing.assert_array_equal(paged, contig)
+        atol = _knob_atol(m, 13, float(np.abs(contig_logits).max()))
+        tol.assert_close(paged_logits, contig_logits, atol, f"paged vs contiguous, knobs={knobs}")
+        runs[knobs] = contig_logits, atol
+    assert np.abs(runs[True][0] - runs[False][0]).max() > 100 * runs[True][1]
+
+    m = KnobModel(True)
+    graphdef, state = nnx.split(m)
+    batch = make_paged_batch(jnp.array([[4, 1], [7, 2]], jnp.int32), [0, 0], [7, 5], BS, BS)
+    toks = jnp.zeros((2, BS), jnp.int32).at[0, :7].set(jnp.array(prompts[0])).at[1, :5].set(jnp.array(prompts[1]))
+    want, _ = paged_prefill_step(graphdef, state, allocate_pages(page_spec(m, 9, BS)), batch, toks, impl="reference")
+    got, _ = paged_prefill_step(graphdef, state, allocate_pages(page_spec(m, 9, BS)), batch, toks, impl="interpret")
+    tol.assert_close(np.asarray(got)[0, :7], np.asarray(want)[0, :7], _knob_atol(m, 7, float(np.abs(want).max())),
+                     "interpret vs reference")
