@@ -6,6 +6,12 @@ on the same weights. Non-conforming models fail with a ValueError naming the mis
 before anything compiles. One tiny float32 model and one ManagerConfig for the whole module, so
 each loop compiles once."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +19,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import paged_kv as pk
 from examples.gpt2 import GPT2, GPT2Config, from_transformers
@@ -254,6 +261,17 @@ class KnobModel(nnx.Module):
     def logits(self, hidden):
         return (hidden @ self.head[...]).astype(jnp.float32)
 
+    def partition_specs(self, weights, tp):
+        """Query and KV heads split over "tp" (the head's input rows, heads * D, too); the rest
+        replicated. ALiBi slopes stay whole here: attend splits them with the query heads."""
+        heads = {"wq": P(None, sharding.AXIS, None), "wk": P(None, sharding.AXIS, None),
+                 "wv": P(None, sharding.AXIS, None), "head": P(sharding.AXIS, None)}
+        name = lambda path: [getattr(k, "key", None) for k in path if getattr(k, "key", None) != "value"][-1]
+        return jax.tree_util.tree_map_with_path(lambda path, x: heads.get(name(path), P()), weights)
+
+
+KNOB_PROMPTS = [[3, 9, 27, 17, 51, 25, 11], [40, 2, 8, 32, 60]]
+
 
 def _knob_atol(m: KnobModel, context: int, magnitude: float) -> float:
     """q/k/v projections over d = 32, attention (scores bounded from the weights: ``||q_h|| <=
@@ -272,7 +290,7 @@ def test_attend_options_reach_paged_and_contiguous_attention():
     """A model passing scale, soft_cap and alibi_slopes to ``attend``: paged greedy decoding (the
     XLA kernels, and the Pallas kernels in interpret mode for the prompt) equals its contiguous
     one, logits within the bound, and the options change the logits."""
-    prompts = [[3, 9, 27, 17, 51, 25, 11], [40, 2, 8, 32, 60]]
+    prompts = KNOB_PROMPTS
     runs = {}
     for knobs in (True, False):
         m = KnobModel(knobs)
@@ -294,3 +312,40 @@ def test_attend_options_reach_paged_and_contiguous_attention():
     got, _ = paged_prefill_step(graphdef, state, allocate_pages(page_spec(m, 9, BS)), batch, toks, impl="interpret")
     tol.assert_close(np.asarray(got)[0, :7], np.asarray(want)[0, :7], _knob_atol(m, 7, float(np.abs(want).max())),
                      "interpret vs reference")
+
+
+MESH_SCRIPT = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+sys.path.insert(0, os.getcwd())
+import jax, numpy as np
+import paged_kv as pk
+from models import allocate_pages, page_spec, sharding
+from paged_kv import engine
+from tests.test_model_gpt2 import KnobModel, KNOB_PROMPTS
+m = KnobModel(True)
+mgr = pk.ManagerConfig(num_blocks=16, block_size=8, max_seqs=4, max_blocks_per_seq=4)
+toks, lens = engine.pad_prompts(KNOB_PROMPTS, width=8)
+out, pages, _ = engine.generate(m, allocate_pages(page_spec(m, 16, 8)), toks, lens, 0,
+                                engine.SamplingParams(max_new_tokens=6), manager=mgr, chunk_size=8,
+                                mesh=sharding.make_mesh(2))
+print("RESULT " + json.dumps({"tokens": np.asarray(out.tokens[:, 0]).tolist(), "devices": len(jax.devices()),
+                              "spec": str(pages.sharding.spec)}))
+"""
+
+
+@pytest.mark.skipif(os.environ.get("PAGED_KV_MESH_TESTS") != "1",
+                    reason="about 30 s (a 2-device subprocess); set PAGED_KV_MESH_TESTS=1")
+def test_attend_options_on_a_mesh():
+    """A protocol model with its own partition_specs and ALiBi slopes on a 2-device "tp" mesh
+    (slopes split with the query heads inside attend): the same greedy tokens as its contiguous
+    decoding on one device."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert res["devices"] == 2 and "tp" in res["spec"]
+    want, _ = greedy_generate_contiguous(KnobModel(True), KNOB_PROMPTS, 6, chunk_size=BS, max_len=16)
+    assert res["tokens"] == want.tolist()
