@@ -144,15 +144,20 @@ def check_model(model):
     return _as_module(model)
 
 
-def partition_specs(model, weights, tp: int):
-    """The model's ``partition_specs(weights, tp)``; ValueError when it has none."""
+def check_partition_specs(model):
+    """ValueError unless ``model`` defines ``partition_specs`` (needed for any mesh use); returns
+    the module."""
     model = _as_module(model)
-    fn = getattr(model, "partition_specs", None)
-    if not callable(fn):
+    if not callable(getattr(model, "partition_specs", None)):
         raise ValueError(f"model {type(model).__name__} defines no partition_specs(weights, tp), so it "
                          "cannot be sharded over a mesh (tensor parallelism); run it without mesh= or "
                          "add the method (see models.protocol.PagedModel)")
-    return fn(weights, tp)
+    return model
+
+
+def partition_specs(model, weights, tp: int):
+    """The model's ``partition_specs(weights, tp)``; ValueError when it has none."""
+    return check_partition_specs(model).partition_specs(weights, tp)
 
 
 def attend_options(options: dict) -> dict:
@@ -165,4 +170,4 @@ def attend_options(options: dict) -> dict:
 
 
 __all__ = ["ATTEND_OPTIONS", "FACTS", "ModelFacts", "PagedModel", "attend_options", "check_model",
-           "model_facts", "partition_specs"]
+           "check_partition_specs", "model_facts", "partition_specs"]

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import LlamaConfig
 from models.llama import Llama, abstract_model
-from models.protocol import check_model, model_facts, partition_specs
+from models.protocol import check_model, check_partition_specs, model_facts, partition_specs
 
 AXIS = "tp"
 """Name of the tensor-parallel mesh axis."""
@@ -218,9 +218,7 @@ def shard_model(model, mesh: Mesh):
     tp = tp_degree(mesh)
     is_pair = isinstance(model, tuple)
     graphdef, weights = model if is_pair else nnx.split(model)
-    module = check_model((graphdef, weights))
-    if not callable(getattr(module, "partition_specs", None)):
-        partition_specs(module, weights, tp)  # raises, naming the model
+    module = check_partition_specs(check_model((graphdef, weights)))
     config = _llama_config(module)
     if config is None:
         placed_kv_heads(module, tp)
@@ -276,8 +274,8 @@ def check_on_mesh(model, mesh: Mesh, num_kv_heads: int) -> int:
     config = _llama_config(model)
     if config is not None:
         check_degree(config, tp)
-    elif not callable(getattr(check_model(model), "partition_specs", None)):
-        partition_specs(model, None, tp)  # raises, naming the model
+    else:
+        check_partition_specs(check_model(model))
     if num_kv_heads % tp:
         raise ValueError(f"num_kv_heads={num_kv_heads} is not divisible by tp={tp}: place the model with "
                          "models.sharding.shard(model, pages, mesh) first (it replicates KV heads)")
