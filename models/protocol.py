@@ -31,7 +31,8 @@ REQUIRED = ("__call__", "logits") + FACTS
 
 @runtime_checkable
 class PagedModel(Protocol):
-    """A decoder that paged-kv can run. Shapes: B sequences, T tokens per sequence this step,
+    """A decoder that paged-kv can run: a Flax NNX module (the engines jit it as its
+    ``(graphdef, state)`` split, so every fact must be a static attribute). Shapes: B sequences, T tokens per sequence this step,
     QH query heads, KVH = ``num_kv_heads`` (QH a multiple of it), D = ``head_dim``, V = ``vocab_size``.
 
     Facts (plain Python values; read on the host, never traced):

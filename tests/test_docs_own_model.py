@@ -1,11 +1,19 @@
 """docs/own_model.md runs as printed: its ```python blocks, in order, as one script in a fresh
 Python process started outside the repository. The page's model block is also the model part of
-examples/gpt2.py verbatim, so the two cannot drift apart."""
+examples/gpt2.py verbatim, so the two cannot drift apart, and the greedy requests of its
+ServingEngine run (which preempts) print the tokens of the same model's contiguous greedy
+decoding. This is the GPT-2's serving-with-preemption check (tests/test_model_gpt2.py has the rest)."""
 
+import ast
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from flax import nnx
+
+from examples.gpt2 import GPT2, GPT2Config
+from models import greedy_generate_contiguous
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "own_model.md"
@@ -28,6 +36,13 @@ def test_page_blocks_run_as_printed(tmp_path):
     assert re.search(r"^pi \[\[", out, flags=re.M) and re.search(r"^sqrt2 \[\[.*\], \[", out, flags=re.M)
     preemptions = int(re.search(r"^(\d+) preemptions$", out, flags=re.M).group(1))
     assert preemptions >= 1  # the page's claim: the small pool forces preemption
+    # The page's model and greedy prompts (its ServingEngine block); same config and seed, same weights.
+    model = GPT2(GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4), rngs=nnx.Rngs(0))
+    greedy = {"pi": [3, 1, 4, 1, 5, 9, 2, 6, 5], "e": [2, 7, 1, 8, 2, 8, 1, 8]}
+    want, _ = greedy_generate_contiguous(model, list(greedy.values()), 16, chunk_size=8, max_len=32)
+    for (rid, _), tokens in zip(greedy.items(), want):
+        line = re.search(rf"^{rid} (\[\[.*\]\]) \d+$", out, flags=re.M).group(1)
+        assert ast.literal_eval(line) == [tokens.tolist()], rid
 
 
 def test_page_model_is_the_example():

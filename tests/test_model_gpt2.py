@@ -1,8 +1,8 @@
 """Bring your own model: the GPT-2 of examples/gpt2.py through the model protocol.
 
-It runs the contiguous and paged forwards, engine.generate (greedy, sampled, n > 1),
-beam_search and the ServingEngine with preemption, and matches transformers' GPT2LMHeadModel
-on the same weights. Non-conforming models fail with a ValueError naming the missing member
+It runs the contiguous and paged forwards, engine.generate (greedy, sampled, n > 1) and
+beam_search, and matches transformers' GPT2LMHeadModel on the same weights (its ServingEngine run
+with preemption is tests/test_docs_own_model.py, on the page's example). Non-conforming models fail with a ValueError naming the missing member
 before anything compiles. One tiny float32 model and one ManagerConfig for the whole module, so
 each loop compiles once."""
 
@@ -28,7 +28,7 @@ from models import (allocate_pages, contiguous_step, greedy_generate_contiguous,
                     sharding)
 from models.protocol import ModelFacts, model_facts
 from paged_kv import engine
-from paged_kv.engine import BeamParams, Request, SamplingParams, ServingConfig, ServingEngine
+from paged_kv.engine import BeamParams, SamplingParams, ServingConfig, ServingEngine
 from tests import tolerances as tol
 from tests.test_engine_beam import reference_beam_search
 
@@ -144,19 +144,6 @@ def test_engine_generate_greedy_sampled_and_beam(model, hf_greedy):
     for b, p in enumerate(prompts.tolist()):
         for j, (_, _, tokens) in enumerate(reference_beam_search(model, p, k, steps, 1.0, ())):
             np.testing.assert_array_equal(np.asarray(beams.tokens[b, j, :len(tokens)]), tokens)
-
-
-def test_serving_engine_with_preemption(model):
-    """Four requests at once in a 9-block pool preempt; each request's greedy tokens equal the
-    model's own contiguous greedy decoding."""
-    prompts = [_prompts(1, n, seed=10 + n)[0].tolist() for n in (9, 14, 6, 11)]
-    eng = ServingEngine(model, SERVING)
-    outs = {o.request_id: o for o in eng.run(
-        [Request(p, SamplingParams(max_new_tokens=20), request_id=i) for i, p in enumerate(prompts)])}
-    assert eng.stats().preemptions >= 1
-    want = _contiguous_greedy(model, prompts, 20)
-    for i in range(len(prompts)):
-        assert outs[i].ok and outs[i].tokens[0] == want[i].tolist(), i
 
 
 # ---------------------------------------------------------------------------- non-conforming models
