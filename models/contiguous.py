@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.protocol import attend_options, check_model, model_facts
-from pallas_kernels.reference import score_knobs
 
 
 def init_contiguous_cache(model, batch: int, max_len: int, dtype=None) -> jax.Array:
@@ -44,10 +43,15 @@ def _make_attend(q_start, q_lens):
         keys, values = cache[layer, 0], cache[layer, 1]  # [B, S, KVH, D]
         qg = q.reshape(b, t, kvh, qh // kvh, e).astype(jnp.float32)
         s = jnp.einsum("btkge,bske->bkgts", qg, keys.astype(jnp.float32)) * scale
+        # The options in the kernels' order (scale, soft cap, ALiBi, then the mask), written out here
+        # independently of pallas_kernels so the paged-vs-contiguous comparisons check them.
+        cap = options.get("soft_cap")
+        if cap is not None:
+            s = cap * jnp.tanh(s / cap)
         if slopes is not None:  # [QH] -> [1, KVH, G, 1, 1], head h = kv * G + g
             slopes = jnp.asarray(slopes, jnp.float32).reshape(1, kvh, qh // kvh, 1, 1)
-        s = score_knobs(s, options.get("soft_cap"), slopes, jnp.arange(max_len)[None, None, None, None, :],
-                        pos[:, None, None, :, None])
+            dist = jnp.arange(max_len)[None, None, :] - pos[:, :, None]  # key - query position [B, T, S]
+            s = s + slopes * dist[:, None, None].astype(jnp.float32)
         mask = jnp.arange(max_len)[None, None, :] <= pos[:, :, None]  # [B, T, S]
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)

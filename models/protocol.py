@@ -32,8 +32,9 @@ REQUIRED = ("__call__", "logits") + FACTS
 @runtime_checkable
 class PagedModel(Protocol):
     """A decoder that paged-kv can run: a Flax NNX module (the engines jit it as its
-    ``(graphdef, state)`` split, so every fact must be a static attribute). Shapes: B sequences, T tokens per sequence this step,
-    QH query heads, KVH = ``num_kv_heads`` (QH a multiple of it), D = ``head_dim``, V = ``vocab_size``.
+    ``(graphdef, state)`` split, so every fact must be a static attribute). Shapes: B sequences, T
+    tokens per sequence this step, QH query heads, KVH = ``num_kv_heads`` (QH a multiple of it),
+    D = ``head_dim``, V = ``vocab_size``.
 
     Facts (plain Python values; read on the host, never traced):
       num_layers: int >= 1, layers that call ``attend`` (layer ids ``0 .. num_layers - 1``).

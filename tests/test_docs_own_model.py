@@ -33,6 +33,8 @@ def test_page_blocks_run_as_printed(tmp_path):
     out = run.stdout
     assert "ModelFacts(num_layers=2, num_kv_heads=4, head_dim=8, vocab_size=96, max_positions=64" in out
     assert "(2, 2, 4, 32, 8, 8)" in out and "(2, 3, 8)" in out
+    assert ("Unfinished does not implement the paged model protocol: missing __call__, logits, head_dim, "
+            "max_positions, dtype") in out
     assert re.search(r"^pi \[\[", out, flags=re.M) and re.search(r"^sqrt2 \[\[.*\], \[", out, flags=re.M)
     preemptions = int(re.search(r"^(\d+) preemptions$", out, flags=re.M).group(1))
     assert preemptions >= 1  # the page's claim: the small pool forces preemption

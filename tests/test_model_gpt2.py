@@ -1,10 +1,11 @@
 """Bring your own model: the GPT-2 of examples/gpt2.py through the model protocol.
 
 It runs the contiguous and paged forwards, engine.generate (greedy, sampled, n > 1) and
-beam_search, and matches transformers' GPT2LMHeadModel on the same weights (its ServingEngine run
-with preemption is tests/test_docs_own_model.py, on the page's example). Non-conforming models fail with a ValueError naming the missing member
-before anything compiles. One tiny float32 model and one ManagerConfig for the whole module, so
-each loop compiles once."""
+beam_search, and matches transformers' GPT2LMHeadModel on the same weights; its ServingEngine run
+with preemption is tests/test_docs_own_model.py, on the page's example. Non-conforming models fail
+with a ValueError naming the missing member before anything compiles; attend options reach the
+paged and contiguous attention alike. One tiny float32 model and one ManagerConfig for the whole
+module, so each loop compiles once."""
 
 import json
 import os
@@ -178,7 +179,7 @@ class BadOption(nnx.Module):
 
 def test_missing_members_are_named_before_compiling():
     bad = NoHead()
-    with pytest.raises(ValueError, match=r"NoHead does not implement the paged model protocol: missing logits, head_dim"):
+    with pytest.raises(ValueError, match="NoHead does not implement the paged model protocol: missing logits, head_dim"):
         model_facts(bad)
     with pytest.raises(ValueError, match="missing logits, head_dim"):
         page_spec(bad, 4, BS)
@@ -204,7 +205,7 @@ def test_unsupported_attend_option_is_named():
     pages = allocate_pages(page_spec(m, 4, BS))
     batch = make_paged_batch(jnp.ones((1, 1), jnp.int32), [0], [1], 1, BS)
     graphdef, state = nnx.split(m)
-    with pytest.raises(ValueError, match="unsupported option.*sliding_window; supported: scale, soft_cap, alibi_slopes"):
+    with pytest.raises(ValueError, match="unsupported option.*sliding_window; supported: scale, soft_cap, alibi"):
         paged_decode_step(graphdef, state, pages, batch, jnp.zeros((1,), jnp.int32), impl="reference")
     with pytest.raises(ValueError, match="sliding_window"):
         contiguous_step(graphdef, state, init_contiguous_cache(m, 1, 4), jnp.zeros((1, 1), jnp.int32),
