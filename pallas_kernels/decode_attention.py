@@ -157,27 +157,27 @@ def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, sca
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
 
-  kv_block = (None, None, None, num_blocks, block_size, head_dim)
-  in_specs = [
-      pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),  # lengths
-      pl.BlockSpec((None, padded_blocks), lambda b, h, s: (b, 0)),  # block table row
-      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
-      pl.BlockSpec(kv_block, lambda b, h, s: (layer, 0, h, 0, 0, 0)),  # K pages
-      pl.BlockSpec(kv_block, lambda b, h, s: (layer, 1, h, 0, 0, 0)),  # V pages
-  ]
-  inputs = [lengths, bt, qg, pages, pages]
-  if alibi_slopes is not None:  # [Hq] -> [Hkv, rows], row g of KV head h is query head h * G + g
+  # ALiBi: one more input, [Hq] -> [Hkv, rows], row g of KV head h is query head h * G + g.
+  bias_inputs, bias_specs = [], []
+  if alibi_slopes is not None:
     slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
-    inputs.append(jnp.pad(slopes, ((0, 0), (0, rows - group))))
-    in_specs.append(pl.BlockSpec((None, rows), lambda b, h, s: (h, 0)))
+    bias_inputs.append(jnp.pad(slopes, ((0, 0), (0, rows - group))))
+    bias_specs.append(pl.BlockSpec((None, rows), lambda b, h, s: (h, 0)))
 
   kernel = functools.partial(_decode_kernel, scale=scale, blocks_per_tile=bpt,
                              tiles_per_split=tps, soft_cap=soft_cap,
                              has_bias=alibi_slopes is not None)
+  kv_block = (None, None, None, num_blocks, block_size, head_dim)
   o, m, l = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, splits),
-      in_specs=in_specs,
+      in_specs=[
+          pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),  # lengths
+          pl.BlockSpec((None, padded_blocks), lambda b, h, s: (b, 0)),  # block table row
+          pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+          pl.BlockSpec(kv_block, lambda b, h, s: (layer, 0, h, 0, 0, 0)),  # K pages
+          pl.BlockSpec(kv_block, lambda b, h, s: (layer, 1, h, 0, 0, 0)),  # V pages
+      ] + bias_specs,
       out_specs=[
           pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
           pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
@@ -191,6 +191,6 @@ def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, sca
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="paged_decode_attention",
-  )(*inputs)
+  )(lengths, bt, qg, pages, pages, *bias_inputs)
   out = merge_splits(o, m, l)[:, :, :group]  # [B, Hkv, G, D]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

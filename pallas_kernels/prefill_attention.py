@@ -107,34 +107,34 @@ def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_len
   qr = qr.reshape(batch, num_kv_heads, total_rows, head_dim)
   qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded_rows - total_rows), (0, 0)))
 
-  kv_block = (None, None, None, num_blocks, block_size, head_dim)
-  in_specs = [
-      pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_start
-      pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_lens
-      pl.BlockSpec((None, padded_blocks), lambda b, h, r: (b, 0)),  # block table row
-      pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h, r: (b, h, r, 0)),
-      pl.BlockSpec(kv_block, lambda b, h, r: (layer, 0, h, 0, 0, 0)),  # K pages
-      pl.BlockSpec(kv_block, lambda b, h, r: (layer, 1, h, 0, 0, 0)),  # V pages
-  ]
-  inputs = [starts, qlens, bt, qr, pages, pages]
-  if alibi_slopes is not None:  # [Hq] -> [Hkv, padded_rows]: row r of KV head h is head h * G + r % G
+  # ALiBi: one more input, [Hq] -> [Hkv, padded_rows], row r of KV head h is head h * G + r % G.
+  bias_inputs, bias_specs = [], []
+  if alibi_slopes is not None:
     slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
-    inputs.append(slopes[:, jnp.arange(padded_rows) % group])
-    in_specs.append(pl.BlockSpec((None, rows_per_tile), lambda b, h, r: (h, r)))
+    bias_inputs.append(slopes[:, jnp.arange(padded_rows) % group])
+    bias_specs.append(pl.BlockSpec((None, rows_per_tile), lambda b, h, r: (h, r)))
 
   kernel = functools.partial(_prefill_kernel, scale=scale, group=group,
                              blocks_per_tile=blocks_per_tile,
                              max_positions=max_blocks * block_size, soft_cap=soft_cap,
                              has_bias=alibi_slopes is not None)
+  kv_block = (None, None, None, num_blocks, block_size, head_dim)
   out = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, row_tiles),
-      in_specs=in_specs,
+      in_specs=[
+          pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_start
+          pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_lens
+          pl.BlockSpec((None, padded_blocks), lambda b, h, r: (b, 0)),  # block table row
+          pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h, r: (b, h, r, 0)),
+          pl.BlockSpec(kv_block, lambda b, h, r: (layer, 0, h, 0, 0, 0)),  # K pages
+          pl.BlockSpec(kv_block, lambda b, h, r: (layer, 1, h, 0, 0, 0)),  # V pages
+      ] + bias_specs,
       out_specs=pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h, r: (b, h, r, 0)),
       out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, padded_rows, head_dim), q.dtype),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="paged_prefill_attention",
-  )(*inputs)
+  )(starts, qlens, bt, qr, pages, pages, *bias_inputs)
   out = out[:, :, :total_rows].reshape(batch, num_kv_heads, num_tokens, group, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_tokens, num_q_heads, head_dim)
