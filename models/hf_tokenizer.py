@@ -73,17 +73,30 @@ def _ids(value: Any, field: str, vocab_size: int) -> tuple[int, ...]:
 
 class StreamDecoder:
     """Incremental detokenisation of one sequence: `push(token_id)` returns the text that token
-    completes ("" while a multi-byte character or a merged piece is still incomplete), so that the
-    pieces joined equal `decode` of all the ids. Special tokens print nothing."""
+    completes ("" while a multi-byte character or a merged piece is still incomplete), and
+    `finish()` what is still held when the sequence ends (an incomplete character: U+FFFD, as
+    `decode` shows it), so that all the pieces joined equal `decode` of all the ids. Special tokens
+    print nothing."""
 
     def __init__(self, tokenizer: "HFTokenizer"):
         from tokenizers.decoders import DecodeStream
 
         self._tok = tokenizer
         self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._sent = 0  # characters returned so far
 
     def push(self, token_id: int) -> str:
-        return self._stream.step(self._tok.backend, int(token_id)) or ""
+        self._ids.append(int(token_id))
+        piece = self._stream.step(self._tok.backend, int(token_id)) or ""
+        self._sent += len(piece)
+        return piece
+
+    def finish(self) -> str:
+        whole = self._tok.backend.decode(self._ids, skip_special_tokens=True)
+        rest = whole[self._sent:]
+        self._sent = len(whole)
+        return rest
 
 
 class ByteStreamDecoder:
@@ -96,6 +109,10 @@ class ByteStreamDecoder:
     def push(self, token_id: int) -> str:
         t = int(token_id)
         return self._utf8.decode(bytes([t])) if 0 <= t < 256 else ""
+
+    def finish(self) -> str:
+        """An incomplete character still held, as U+FFFD (what `decode` shows)."""
+        return self._utf8.decode(b"", final=True)
 
 
 class HFTokenizer:

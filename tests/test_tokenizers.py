@@ -76,8 +76,12 @@ def test_streaming_pieces_join_to_the_text(tok, text):
     ids = tok.encode(text, add_bos=False)
     dec = tok.stream()
     pieces = [dec.push(i) for i in ids]
-    assert "".join(pieces) == tok.decode(ids)
+    assert "".join(pieces) + dec.finish() == tok.decode(ids)
     assert all("\ufffd" not in p for p in pieces)
+    # Cut inside a character: the held bytes come out at the end as decode shows them.
+    for cut in range(1, len(ids)):
+        dec = tok.stream()
+        assert "".join(dec.push(i) for i in ids[:cut]) + dec.finish() == tok.decode(ids[:cut])
 
 
 def test_byte_stream_decoder_holds_partial_characters():
@@ -86,6 +90,8 @@ def test_byte_stream_decoder_holds_partial_characters():
     dec = stream_decoder(bt)
     pieces = [dec.push(i) for i in ids]
     assert pieces == ["", "", "é", "", "", "日", "", "", "", "🦁", ""]
+    dec = stream_decoder(bt)
+    assert [dec.push(i) for i in "日".encode()[:2]] == ["", ""] and dec.finish() == "\ufffd"
 
 
 def test_special_ids_follow_the_checkpoint(tok, ckpt):
