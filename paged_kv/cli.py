@@ -614,7 +614,8 @@ def _stream_prompts(engine, reqs, tok, prompts, encode_s: float):
         "decode_ms_per_token": 1000 * printer.decode_s / max(printer.tokens, 1),
         "streamed_tokens": printer.tokens,
         # Steady-state step time: the wall time of all steps less the first call of each shape.
-        "step_ms_mean": 1000 * (st.step_s - st.compile_s) / max(st.steps - len(engine._seen_shapes), 1),
+        "step_ms_mean": 1000 * (st.step_s - st.compile_s) / max(
+            st.steps - sum(1 for k in engine._seen_shapes if k[0] == "step"), 1),
     }
 
 
