@@ -24,6 +24,7 @@ and the byte tokenizer (prompts as UTF-8 bytes) when there is none.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import os
 from datetime import datetime
@@ -182,6 +183,18 @@ class HFTokenizer:
         return f"{TOKENIZER_FILE} ({self.kind}, {self.vocab_size} ids) through tokenizers"
 
     # ------------------------------------------------------------------ chat
+    def compile_chat_template(self) -> None:
+        """Compile the chat template now (it is compiled once and kept); ValueError for a template
+        jinja2 cannot parse, or none."""
+        import jinja2
+
+        if self.chat_template is None:
+            raise ValueError(f"the checkpoint's {TOKENIZER_CONFIG_FILE} has no chat_template")
+        try:
+            _compiled_template(self.chat_template)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat_template: {e}") from None
+
     def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
         """`messages` ([{"role": ..., "content": ...}, ...]) through the checkpoint's `chat_template`
         (`render_chat_template`); ValueError when the checkpoint has none."""
@@ -242,21 +255,12 @@ class HFTokenizer:
 
 
 # ---------------------------------------------------------------------------- chat templates
-def render_chat_template(template: str, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                         special_tokens: dict[str, str] | None = None) -> str:
-    """Render a Hugging Face chat template with jinja2 in the environment transformers uses for
-    `apply_chat_template`: a sandbox (a template is code from the checkpoint: it may not reach
-    Python objects), `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a `tojson`
-    filter that keeps non-ASCII text, and the globals `raise_exception(message)` and
-    `strftime_now(format)`. The template sees `messages`, `add_generation_prompt` and the special
-    tokens' strings (`bos_token`, `eos_token`, ...)."""
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
+    """The template compiled in transformers' environment (`render_chat_template`), once per string."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    if not isinstance(messages, (list, tuple)) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        raise ValueError("messages must be a list of {'role': str, 'content': ...} dicts")
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -268,9 +272,24 @@ def render_chat_template(template: str, messages: Sequence[dict], *, add_generat
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_chat_template(template: str, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                         special_tokens: dict[str, str] | None = None) -> str:
+    """Render a Hugging Face chat template with jinja2 in the environment transformers uses for
+    `apply_chat_template`: a sandbox (a template is code from the checkpoint: it may not reach
+    Python objects), `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a `tojson`
+    filter that keeps non-ASCII text, and the globals `raise_exception(message)` and
+    `strftime_now(format)`. The template sees `messages`, `add_generation_prompt` and the special
+    tokens' strings (`bos_token`, `eos_token`, ...)."""
+    import jinja2
+
+    if not isinstance(messages, (list, tuple)) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise ValueError("messages must be a list of {'role': str, 'content': ...} dicts")
     try:
-        compiled = env.from_string(template)
-        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+        return _compiled_template(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                **(special_tokens or {}))
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat_template: {e}") from None

@@ -474,22 +474,29 @@ def _read_prompts(args) -> list[str] | None:
     return texts
 
 
-def _user_prompts(args, tok) -> list[tuple[str, list[int]]] | None:
+def _user_prompts(args, tok, timing: dict) -> list[tuple[str, list[int]]] | None:
     """(text, token ids) per prompt: with ``--chat`` the text rendered through the chat template
     and encoded without added special tokens (the template carries them), as transformers'
-    ``apply_chat_template`` does; else encoded with the checkpoint's special tokens."""
+    ``apply_chat_template`` does; else encoded with the checkpoint's special tokens. ``timing``
+    receives ``encode_s`` and ``render_s`` (seconds over all prompts)."""
     texts = _read_prompts(args)
     if texts is None:
         return None
     out = []
+    timing.update(encode_s=0.0, render_s=0.0)
+    if args.chat:
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError("--chat: the checkpoint has no chat template (tokenizer_config.json's chat_template)")
+        tok.compile_chat_template()  # imports jinja2 and compiles the template once, outside the timing
     for text in texts:
+        t0 = time.perf_counter()
         if args.chat:
-            if getattr(tok, "chat_template", None) is None:
-                raise ValueError("--chat: the checkpoint has no chat template (tokenizer_config.json's chat_template)")
-            rendered = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
-            ids = tok.encode(rendered, add_bos=False)
-        else:
-            ids = tok.encode(text, add_bos=True)
+            text_in = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+        t1 = time.perf_counter()
+        ids = tok.encode(text_in, add_bos=False) if args.chat else tok.encode(text, add_bos=True)
+        t2 = time.perf_counter()
+        timing["render_s"] += t1 - t0
+        timing["encode_s"] += t2 - t1
         if not ids:
             raise ValueError(f"prompt {text!r} has no tokens")
         out.append((text, ids))
@@ -596,9 +603,9 @@ class _StreamPrinter:
         self._advance()
 
 
-def _stream_prompts(engine, reqs, tok, prompts, encode_s: float):
-    """Serve ``reqs`` (made from ``prompts``, whose encoding took ``encode_s`` seconds) streaming
-    their text; returns (outputs, tokenizer timing for the report)."""
+def _stream_prompts(engine, reqs, tok, prompts, prep: dict):
+    """Serve ``reqs`` (made from ``prompts``; ``prep``: their encode and chat-render seconds)
+    streaming their text; returns (outputs, tokenizer timing for the report)."""
     printer = _StreamPrinter(tok, reqs, prompts)
     _phase("compile")
     outputs = []
@@ -609,7 +616,8 @@ def _stream_prompts(engine, reqs, tok, prompts, encode_s: float):
     n = max(len(reqs), 1)
     return outputs, {
         "requests": len(reqs), "steps": st.steps,
-        "encode_ms_per_request": 1000 * encode_s / n,
+        "encode_ms_per_request": 1000 * prep["encode_s"] / n,
+        "chat_render_ms_per_request": 1000 * prep["render_s"] / n,
         "decode_ms_per_request": 1000 * printer.decode_s / n,
         "decode_ms_per_token": 1000 * printer.decode_s / max(printer.tokens, 1),
         "streamed_tokens": printer.tokens,
@@ -667,9 +675,8 @@ def _run(args, ckpt: Path) -> int:
     if vocab < tok.vocab_size:
         raise ValueError(f"the model's vocabulary has {vocab} ids; the tokenizer ({tok_desc}) has {tok.vocab_size}")
     eos_ids = tuple(tok.eos_ids)
-    t0 = time.perf_counter()
-    prompts = _user_prompts(args, tok)  # encoded (and rendered through the chat template) before compiling
-    encode_s = time.perf_counter() - t0
+    prep: dict = {}
+    prompts = _user_prompts(args, tok, prep)  # encoded (and rendered through the chat template) before compiling
     context = min(args.max_seq_len, model.config.max_position_embeddings)
     mgr = pk.ManagerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                            max_blocks_per_seq=-(-context // args.block_size),
@@ -704,7 +711,7 @@ def _run(args, ckpt: Path) -> int:
         print(f"note: {note}", flush=True)
     print("the first step of each shape compiles (about a minute on a 2-core CPU) ...", flush=True)
     if prompts is not None:
-        outputs, timing = _stream_prompts(engine, reqs, tok, prompts, encode_s)
+        outputs, timing = _stream_prompts(engine, reqs, tok, prompts, prep)
         extra = {"prompts": len(reqs), "tokenizer": {"description": tok_desc, **timing},
                  "answers": _answers(outputs, prompts, tok, as_text)}
         return _report(args, engine, outputs, ckpt, tok, as_text, extra, show=_print_beams)
@@ -767,7 +774,9 @@ def _report(args, engine, outputs, ckpt: Path, tok, as_text: bool, extra: dict, 
     print(report.format_report(rep))
     tk = extra.get("tokenizer")
     if tk and tk.get("steps"):
-        print(f"tokenization: encode {tk['encode_ms_per_request']:.3f} ms per request, streamed decode "
+        render = (f" (+ {tk['chat_render_ms_per_request']:.3f} ms rendering the chat template)"
+                  if args.chat else "")
+        print(f"tokenization: encode {tk['encode_ms_per_request']:.3f} ms per request{render}, streamed decode "
               f"{tk['decode_ms_per_request']:.3f} ms per request ({tk['decode_ms_per_token'] * 1000:.1f} us per "
               f"token), against {tk['step_ms_mean']:.1f} ms per engine step ({tk['steps']} steps)")
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
