@@ -527,6 +527,16 @@ def _prompt_requests(args, prompts, eos_ids):
     return [Request(ids, params, arrival=0, request_id=i) for i, (_, ids) in enumerate(prompts)]
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if chr(c) not in "\n\t"}
+"""C0 controls and DEL (bar newline and tab) -> a visible escape: generated text never moves the
+terminal's cursor or starts an escape sequence."""
+
+
+def printable(text: str) -> str:
+    """``text`` as the stream prints it (control characters escaped, ``_CONTROL``)."""
+    return text.translate(_CONTROL)
+
+
 class _StreamPrinter:
     """Prints answers as their tokens arrive, one answer at a time in (prompt, sample) order: the
     current answer prints live, later ones are decoded as they come and held until their turn.
@@ -574,7 +584,7 @@ class _StreamPrinter:
         if u not in self.decoders:
             return  # a beam hypothesis past the best: printed with the summary
         t0 = time.perf_counter()
-        text = "".join(self.decoders[u].push(t) for t in delta.tokens if int(t) not in self.eos)
+        text = printable("".join(self.decoders[u].push(t) for t in delta.tokens if int(t) not in self.eos))
         self.decode_s += time.perf_counter() - t0
         self.tokens += len(delta.tokens)
         if self.cur < len(self.units) and self.units[self.cur] == u:
@@ -584,7 +594,7 @@ class _StreamPrinter:
             self.held[u].append(text)
         if delta.finish_reason is not None:
             t0 = time.perf_counter()
-            rest = self.decoders[u].finish()  # an incomplete character at the end prints as U+FFFD
+            rest = printable(self.decoders[u].finish())  # an incomplete character at the end prints as U+FFFD
             self.decode_s += time.perf_counter() - t0
             self._finish(u, f"{rest} [{delta.finish_reason}]")
 

@@ -335,6 +335,7 @@ def test_your_prompts_stream_through_the_checkpoint_tokenizer(bpe_ckpt, tmp_path
     order, and the streamed text of every answer is the decode of its tokens (the report JSON
     records them)."""
     from models.hf_tokenizer import HFTokenizer
+    from paged_kv.cli import printable
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\nQ: Where does the owl live? A:\n\n")
@@ -353,15 +354,16 @@ def test_your_prompts_stream_through_the_checkpoint_tokenizer(bpe_ckpt, tmp_path
     tok = HFTokenizer.load(bpe_ckpt)
     rendered = tok.render_chat([{"role": "user", "content": "The cow says"}])
     assert rep["answers"][1]["prompt_tokens"] == len(tok.encode(rendered, add_bos=False))
-    lines = [ln for ln in out.splitlines() if ln.startswith("[prompt ")]
     expected = []
     for i, entry in enumerate(rep["answers"]):
         for j, a in enumerate(entry["answers"]):
             assert a["text"] == tok.decode(a["tokens"], stop_at_eos=True)
             head = f"[prompt {i}, sample {j}] {entry['prompt']!r} ->"
-            expected.append(f"{head} {a['text']} [{a['finish_reason']}]")
-    assert lines == expected
+            expected.append(f"{head} {printable(a['text'])} [{a['finish_reason']}]")
+    # One answer after the other, in order (an answer may itself hold a newline: compare the text).
+    assert "\n".join(expected) + "\n\n== paged-kv serving report ==" in out
     assert "tokenization: encode" in out and "ms per engine step" in out
+    assert printable("a\x1b[2J\tb\nc\x7f") == "a\\x1b[2J\tb\nc\\x7f"  # no escape sequence reaches the terminal
     assert rep["tokenizer"]["streamed_tokens"] == sum(len(a["tokens"]) for e in rep["answers"] for a in e["answers"])
 
 
