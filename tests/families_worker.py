@@ -8,7 +8,8 @@ SPEC.json: {"checkpoints": {name: dir}, "prompts": [[ids], ...], "new_tokens": N
 Each checkpoint is loaded straight onto the mesh (`models.sharding.load_sharded`: every tensor's
 shape and dtype checked first), its pages sharded on KV heads; the prompts are prefilled in chunks
 of B and decoded one token per step. Prints one JSON line (prefixed RESULT): per checkpoint the
-greedy tokens [batch, N] and the placed model's KV-head count.
+greedy tokens [batch, N], the placed model's KV-head count and whether the sliced load equals
+the whole load placed by `models.sharding.shard_model`.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ jax.config.update("jax_disable_most_optimizations", True)
 def greedy_tp2(ckpt: str, prompts: list[list[int]], new_tokens: int, block: int) -> dict:
     from flax import nnx
 
-    from models import make_paged_batch, page_spec, sharding
+    from models import load_hf_checkpoint, make_paged_batch, page_spec, sharding
     from models.paged import paged_decode_step, paged_prefill_step
 
     mesh = sharding.make_mesh(2)
     model = sharding.load_sharded(ckpt, mesh)
+    placed = sharding.shard_model(load_hf_checkpoint(ckpt), mesh)
+    a, b = jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(placed))
+    same = len(a) == len(b) and all(
+        x.shape == y.shape and x.sharding.is_equivalent_to(y.sharding, x.ndim) and
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
     b, n = len(prompts), len(prompts[0])
     need = -(-(n + new_tokens) // block)
     pages = sharding.allocate_pages_on_mesh(page_spec(model.config, 1 + b * need, block), mesh)
@@ -63,7 +69,7 @@ def greedy_tp2(ckpt: str, prompts: list[list[int]], new_tokens: int, block: int)
         logits, pages = paged_decode_step(graphdef, state, pages, batch, tok, impl="reference", mesh=mesh)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
     return {"tokens": np.stack(out, 1).tolist(), "placed_kv_heads": model.config.num_kv_heads,
-            "devices": jax.device_count()}
+            "devices": jax.device_count(), "same_as_shard_model": bool(same)}
 
 
 if __name__ == "__main__":

@@ -379,3 +379,38 @@ def test_chat_without_a_template_is_one_line(bpe_ckpt, tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == ["paged-kv: error: --chat: the checkpoint has no chat template "
                                              "(tokenizer_config.json's chat_template)"], r.stderr
+
+
+def test_stream_printer_holds_later_answers_until_their_turn():
+    """The printer in isolation (no model): answers print whole and in (prompt, sample) order
+    whatever order their tokens arrive in; a beam request prints its best hypothesis; a rejected
+    request prints its error; EOS ids print nothing; a character split over two deltas prints once."""
+    import io
+
+    from models.tokenizer import ByteTokenizer
+    from paged_kv.cli import _StreamPrinter
+    from paged_kv.engine import BeamParams, SamplingParams
+    from paged_kv.engine.serving import Request, TokenDelta
+
+    tok = ByteTokenizer()
+    reqs = [Request([1], SamplingParams(n=2), request_id=0), Request([1], BeamParams(beam_width=2), request_id=1),
+            Request([1], SamplingParams(), request_id=2)]
+    out = io.StringIO()
+    pr = _StreamPrinter(tok, reqs, [("a", [1]), ("b", [1]), ("c", [1])], out=out)
+    e = list("é".encode())
+    pr.on_token(TokenDelta(0, 1, (ord("y"),)))             # held: sample 1 is not on screen yet
+    pr.on_token(TokenDelta(0, 0, (ord("x"), e[0])))        # live; half a character: nothing yet
+    assert out.getvalue() == "[prompt 0, sample 0] 'a' -> x"
+    pr.on_token(TokenDelta(1, 0, (ord("B"), tok.eos_id), "eos"))  # the beam's best, held
+    pr.on_token(TokenDelta(1, 1, (ord("Z"),), "length"))   # a lesser hypothesis: not streamed
+    pr.on_token(TokenDelta(0, 0, (e[1], tok.eos_id), "eos"))
+    pr.on_token(TokenDelta(0, 1, (ord("z"),), "length"))
+
+    class Rejected:
+        request_id, error = 2, "prompt too long"
+    pr.on_output(Rejected())
+    assert out.getvalue() == ("[prompt 0, sample 0] 'a' -> xé [eos]\n"
+                              "[prompt 0, sample 1] 'a' -> yz [length]\n"
+                              "[prompt 1, best beam] 'b' -> B [eos]\n"
+                              "[prompt 2, answer] 'c' ->  [rejected: prompt too long]\n")
+    assert pr.tokens == 8

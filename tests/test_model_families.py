@@ -38,9 +38,10 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
               rope_theta=10_000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CASES = {
-    # Qwen2.5-like: q/k/v biases, tied embeddings (as the 0.5B).
+    # Qwen2.5-like: q/k/v biases, tied embeddings (as the 0.5B); one KV head, so tp=2 replicates
+    # it (and its k/v biases).
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-              dict(tie_word_embeddings=True, use_sliding_window=False)),
+              dict(tie_word_embeddings=True, use_sliding_window=False, num_key_value_heads=1)),
     # Qwen3-like: head_dim 32 with hidden 64 and 4 heads (q is 128 wide), q/k norms, no bias.
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               dict(head_dim=32, attention_bias=False, tie_word_embeddings=False)),
@@ -63,7 +64,7 @@ PROMPT_LEN, NEW_TOKENS, BLOCK = 24, 32, 8
 def _hf_model(case: str, seed: int = 0):
     config_cls, model_cls, extra = CASES[case]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
     # transformers initialises biases to 0 and norm scales to 1: draw them, so that a bias or a
     # norm scale applied in the wrong place (or not at all) changes the logits.
     with torch.no_grad():
@@ -182,6 +183,9 @@ def test_greedy_tokens_match_tp2(references, tp2):
     for case in CASES:
         assert res[case]["devices"] == 2
         np.testing.assert_array_equal(np.asarray(res[case]["tokens"]), references[case], err_msg=case)
+        # Sliced loading onto the mesh equals loading whole and placing (shard_model), leaf for leaf.
+        assert res[case]["same_as_shard_model"], case
+    assert res["qwen2"]["placed_kv_heads"] == 2  # its one KV head (and k/v biases) replicated over tp=2
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
