@@ -17,7 +17,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.config import LlamaConfig, checkpoint_dtype
+from models.config import LlamaConfig
 from models.llama import Llama, abstract_model
 
 CONFIG_FILE = "config.json"
@@ -130,8 +130,10 @@ def _unreadable(file: Path, path: Path, err: BaseException) -> CheckpointError:
                            f"corrupt?): {first}")
 
 
-_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16"}
-"""safetensors dtype -> the model dtype it holds (the others: F16, F64, integers, FP8 ... are refused)."""
+_DECLARED_ST_DTYPE = {"float32": "F32", "fp32": "F32", "bfloat16": "BF16", "bf16": "BF16", "float16": "F16",
+                      "fp16": "F16"}
+"""config.json's declared dtype -> the safetensors dtype its tensors must have. float16 checkpoints
+load only with a `dtype` override (`models.config.SUPPORTED_DTYPES`): their F16 weights are cast."""
 
 # Non-weights that some checkpoints carry (older transformers saved RoPE's buffer); ignored.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -143,7 +145,8 @@ def check_checkpoint(path: str | os.PathLike, config: LlamaConfig, hf: dict) -> 
 
     Each safetensors file must open (a truncated file or a header naming an unknown dtype raises
     here, naming the file); each tensor the config implies must be present with the HF shape and
-    the dtype `config.json` declares (`torch_dtype`/`dtype`: F32 for float32, BF16 for bfloat16);
+    the dtype `config.json` declares (`torch_dtype`/`dtype`: F32, BF16, or F16 for a float16
+    checkpoint loaded with a `dtype` override);
     and no file may hold a tensor the config does not use (say a `q_proj.bias` in a Llama whose
     config says `attention_bias: false`: ignoring it would compute another model). The one
     exception is `lm_head.weight` of a tied model, which transformers ignores too (the head is the
@@ -152,7 +155,11 @@ def check_checkpoint(path: str | os.PathLike, config: LlamaConfig, hf: dict) -> 
     """
     path = Path(path)
     files = _weight_map(path)
-    declared = checkpoint_dtype(hf)
+    declared = str(hf.get("torch_dtype", hf.get("dtype")) or "float32").removeprefix("torch.")
+    if declared not in _DECLARED_ST_DTYPE:
+        raise CheckpointError(f"unsupported checkpoint dtype {declared!r} in config.json: expected one of "
+                              f"{sorted(set(_DECLARED_ST_DTYPE))}")
+    want_dt = _DECLARED_ST_DTYPE[declared]
     want = {name: shape for name, _, shape in _hf_tensors(config)}
     headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
     for file in sorted(set(files.values())):
@@ -184,9 +191,9 @@ def check_checkpoint(path: str | os.PathLike, config: LlamaConfig, hf: dict) -> 
         if got != shape:
             raise CheckpointError(f"tensor {name!r} in {file.name!r} has shape {got}, expected {shape} for this "
                                   "config")
-        if _ST_DTYPES.get(dt) != declared:
+        if dt != want_dt:
             raise CheckpointError(f"tensor {name!r} in {file.name!r} has dtype {dt}; config.json declares "
-                                  f"{declared!r} ({'F32' if declared == 'float32' else 'BF16'})")
+                                  f"{declared!r} ({want_dt})")
     return files
 
 

@@ -257,3 +257,18 @@ def test_tied_checkpoint_with_a_stored_head_loads(tmp_path):
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
     save_file(tensors, tmp_path / "model.safetensors")
     _assert_same_weights(load_hf_checkpoint(tmp_path), m)
+
+
+def test_float16_checkpoint_loads_with_a_dtype_override(tmp_path):
+    """float16 is not a compute dtype here, but a float16 checkpoint loads cast to float32 when
+    asked (its tensors must then all be F16, as its config.json declares)."""
+    m = init_model(tiny(), seed=3)
+    save_hf_checkpoint(m, tmp_path)
+    tensors = {k: v.astype(np.float16) for k, v in load_file(tmp_path / "model.safetensors").items()}
+    save_file(tensors, tmp_path / "model.safetensors")
+    _edit_config(tmp_path, torch_dtype="float16")
+    with pytest.raises(ValueError, match="unsupported checkpoint dtype 'float16'"):
+        load_hf_checkpoint(tmp_path)
+    sd = hf_state_dict(load_hf_checkpoint(tmp_path, dtype="float32"))
+    for name, w in tensors.items():
+        np.testing.assert_array_equal(sd[name], w.astype(np.float32))
