@@ -659,7 +659,7 @@ def _answers(outputs, prompts, tok, as_text: bool) -> list[dict]:
 def _print_beams(outputs, tok, count: int, *, as_text: bool = True) -> None:
     """After streaming: every hypothesis of the beam requests with its score (the answers of the
     sampled ones were streamed)."""
-    for o in outputs:
+    for o in sorted(outputs, key=lambda o: o.request_id):  # prompt order (they finish in any order)
         if o.ok and o.request.is_beam:
             print(f"\n[prompt {o.request_id}: beam search, width {o.request.params.beam_width}]")
             for j, toks in enumerate(o.tokens[:count]):
