@@ -6,7 +6,9 @@ the Llama is one (docs/own_model.md, examples/gpt2.py).
 
 Modules: `protocol` (the model protocol: PagedModel, ModelFacts, model_facts), `config` (LlamaConfig, presets, RoPE frequencies), `llama` (NNX modules), `paged` (paged
 forward, PagedBatch metadata, jitted steps, page sizing), `contiguous` (baseline cache path),
-`hf_io` (safetensors checkpoints), `generate` (host greedy loops for tests and benchmarks), `sharding`
+`hf_io` (safetensors checkpoints of the llama, qwen2, qwen3 and mistral families, every tensor checked
+before loading), `tokenizer` (bytes) and `hf_tokenizer` (a checkpoint's own `tokenizer.json`, special
+ids, chat template, streamed decoding), `generate` (host greedy loops for tests and benchmarks), `sharding`
 (tensor parallelism over a `jax.sharding.Mesh`: placing a model and its pages, sharded loading, KV
 capacity per device).
 """

@@ -5,6 +5,19 @@ construction: every bad value raises `ValueError` naming the field, the value an
 It converts to and from a Hugging Face `config.json` dictionary (`from_hf_config`/`to_hf_config`);
 both the legacy layout (`rope_theta` + `rope_scaling`, as in the published Llama 3 checkpoints) and the
 transformers 5 layout (`rope_parameters`) are read; the legacy layout is written.
+
+Families (`model_type`), all the same decoder with a few switches (`FAMILIES`):
+
+| model_type | HF class | differs from Llama by |
+|---|---|---|
+| `llama` | `LlamaForCausalLM` | optional `attention_bias` (q/k/v/o) and `mlp_bias` (gate/up/down) |
+| `qwen2` | `Qwen2ForCausalLM` | a bias on q/k/v (always; none on o) |
+| `qwen3` | `Qwen3ForCausalLM` | RMSNorm over each head of q and k before RoPE; explicit `head_dim`; optional `attention_bias` (q/k/v/o) |
+| `mistral` | `MistralForCausalLM` | nothing, when its sliding window covers the whole context |
+
+A checkpoint this decoder cannot compute exactly (a sliding window shorter than the context, a
+RoPE type other than `default`/`llama3`, another architecture or activation) is refused with a
+one-line `ValueError` naming the field and its value.
 """
 
 from __future__ import annotations
@@ -16,6 +29,9 @@ from typing import Any, Mapping
 import numpy as np
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM"}
+"""model_type -> the transformers `*ForCausalLM` class of that family."""
 _HF_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -50,6 +66,11 @@ class LlamaConfig:
     `head_dim` defaults to `hidden_size // num_heads`. `dtype` is both the parameter and the
     activation dtype ("float32" or "bfloat16"); attention softmax, RMSNorm statistics and RoPE
     angles are always computed in float32.
+
+    Family switches (module docstring): `model_type` (a key of `FAMILIES`, what `to_hf_config`
+    writes), `qkv_bias` (biases on the q/k/v projections), `o_bias` (on the output projection),
+    `mlp_bias` (on gate/up/down), `qk_norm` (RMSNorm with a `head_dim` scale over each head of q
+    and of k, before RoPE).
     """
 
     vocab_size: int
@@ -67,6 +88,11 @@ class LlamaConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -92,6 +118,11 @@ class LlamaConfig:
             raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None or a Llama3RopeScaling")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {SUPPORTED_DTYPES}")
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type={self.model_type!r} must be one of {tuple(FAMILIES)}")
+        for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         eos = self.eos_token_ids
         if isinstance(eos, (int, np.integer)):
             eos = (int(eos),)
@@ -115,7 +146,8 @@ class LlamaConfig:
         """Number of parameters (embedding counted once when tied)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * h * self.intermediate_size
+        attn += self.qkv_bias * d * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * h + self.qk_norm * 2 * d
+        mlp = 3 * h * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + h)
         per_layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + head
@@ -126,26 +158,38 @@ class LlamaConfig:
     # ------------------------------------------------------------------ Hugging Face
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], *, dtype: str | None = None) -> "LlamaConfig":
-        """Build from a Hugging Face `config.json` dict of a `LlamaForCausalLM`.
+        """Build from a Hugging Face `config.json` dict of a `LlamaForCausalLM`, `Qwen2ForCausalLM`,
+        `Qwen3ForCausalLM` or `MistralForCausalLM` (module docstring).
 
-        Raises ValueError for another architecture or for Llama variants this model does not
-        implement (attention/MLP biases, activations other than SiLU, RoPE types other than the
-        default and `llama3`). `dtype` overrides the checkpoint's `torch_dtype`/`dtype`.
+        Raises a one-line ValueError naming the field and its value for another architecture, an
+        activation other than SiLU, a RoPE type other than the default and `llama3`, or a sliding
+        window shorter than `max_position_embeddings` (the model would attend differently past
+        it). `dtype` overrides the checkpoint's `torch_dtype`/`dtype`.
         """
         model_type = hf.get("model_type")
-        if model_type != "llama":
-            raise ValueError(f"unsupported model_type={model_type!r}: only 'llama' is supported")
+        if model_type not in FAMILIES:
+            raise ValueError(f"unsupported model_type={model_type!r}: expected one of {tuple(FAMILIES)}")
         archs = hf.get("architectures")
-        if archs is not None and "LlamaForCausalLM" not in archs:
-            raise ValueError(f"unsupported architectures={archs!r}: expected ['LlamaForCausalLM']")
+        if archs is not None and FAMILIES[model_type] not in archs:
+            raise ValueError(f"unsupported architectures={archs!r} for model_type={model_type!r}: expected "
+                             f"[{FAMILIES[model_type]!r}]")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act={act!r}: only 'silu' is supported")
-        for key in ("attention_bias", "mlp_bias"):
-            if hf.get(key, False):
-                raise ValueError(f"unsupported {key}={hf[key]!r}: biases are not implemented")
+        # Which projections carry biases, as each transformers family builds its modules.
+        attention_bias = bool(hf.get("attention_bias") or False)
+        switches = {
+            "llama": dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(hf.get("mlp_bias") or False)),
+            "qwen2": dict(qkv_bias=True),
+            "qwen3": dict(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True),
+            "mistral": {},
+        }[model_type]
+        num_layers = int(hf["num_hidden_layers"])
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        _check_sliding_window(hf, model_type, num_layers, max_pos)
 
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
         if rope_type == "default":
@@ -156,39 +200,48 @@ class LlamaConfig:
                 high_freq_factor=float(rope["high_freq_factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
         else:
-            raise ValueError(f"unsupported rope type {rope_type!r}: expected 'default' or 'llama3'")
+            raise ValueError(f"unsupported {field}.rope_type={rope_type!r}: expected 'default' or 'llama3'")
 
         if dtype is None:
-            hf_dtype = hf.get("torch_dtype", hf.get("dtype")) or "float32"
-            hf_dtype = str(hf_dtype).removeprefix("torch.")
-            if hf_dtype not in _HF_DTYPE_NAMES:
-                raise ValueError(f"unsupported checkpoint dtype {hf_dtype!r}: expected one of {SUPPORTED_DTYPES}")
-            dtype = _HF_DTYPE_NAMES[hf_dtype]
+            dtype = checkpoint_dtype(hf)
         eos = hf.get("eos_token_id")
         eos = () if eos is None else (eos if isinstance(eos, (list, tuple)) else (eos,))
+        # Qwen2/3 and Mistral checkpoints may store head_dim as null: hidden_size // heads then.
         return cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=int(hf["num_attention_heads"]),
             num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-            head_dim=hf.get("head_dim"),
+            head_dim=hf.get("head_dim") or None,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=dtype,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(int(t) for t in eos),
+            model_type=model_type,
+            **switches,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A `config.json` dict that transformers' `LlamaForCausalLM` loads into the same model."""
+        """A `config.json` dict that transformers' class of this family (`FAMILIES`) loads into
+        the same model. A switch that family cannot express raises ValueError."""
+        expressible = {
+            "llama": self.qkv_bias == self.o_bias and not self.qk_norm,
+            "qwen2": self.qkv_bias and not (self.o_bias or self.mlp_bias or self.qk_norm),
+            "qwen3": self.qk_norm and self.qkv_bias == self.o_bias and not self.mlp_bias,
+            "mistral": not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm),
+        }[self.model_type]
+        if not expressible:
+            raise ValueError(f"model_type={self.model_type!r} cannot express qkv_bias={self.qkv_bias}, "
+                             f"o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}")
         out: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [FAMILIES[self.model_type]],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -202,13 +255,17 @@ class LlamaConfig:
             "rope_scaling": None,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
             "torch_dtype": self.dtype,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": (None if not self.eos_token_ids else
                              self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)),
         }
+        if self.model_type == "llama":
+            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        elif self.model_type == "qwen3":
+            out["attention_bias"] = self.qkv_bias
+        if self.model_type != "llama":  # full attention everywhere (these families can slide)
+            out.update(sliding_window=None, use_sliding_window=False)
         if self.rope_scaling is not None:
             s = self.rope_scaling
             out["rope_scaling"] = {
@@ -217,6 +274,48 @@ class LlamaConfig:
                 "original_max_position_embeddings": s.original_max_position_embeddings,
             }
         return out
+
+
+def checkpoint_dtype(hf: Mapping[str, Any]) -> str:
+    """The dtype a `config.json` declares (`torch_dtype`, or transformers 5's `dtype`; float32
+    when absent), as one of `SUPPORTED_DTYPES`; ValueError naming it otherwise."""
+    hf_dtype = hf.get("torch_dtype", hf.get("dtype")) or "float32"
+    hf_dtype = str(hf_dtype).removeprefix("torch.")
+    if hf_dtype not in _HF_DTYPE_NAMES:
+        raise ValueError(f"unsupported checkpoint dtype {hf_dtype!r}: expected one of {SUPPORTED_DTYPES}")
+    return _HF_DTYPE_NAMES[hf_dtype]
+
+
+def _check_sliding_window(hf: Mapping[str, Any], model_type: str, num_layers: int, max_pos: int) -> None:
+    """ValueError when some layer attends through a sliding window shorter than the context.
+
+    A window of W keys (transformers masks key j for query i unless i - j < W) changes nothing for
+    sequences of at most W tokens, and no sequence is longer than `max_position_embeddings`, so a
+    window at least that long is served exactly by full attention. Which layers slide follows
+    transformers: `layer_types` where given; else Qwen2/3 slide from layer `max_window_layers`
+    on when `use_sliding_window`, and Mistral slides everywhere when `sliding_window` is set.
+    Llama has no sliding window.
+    """
+    if model_type == "llama":
+        return
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"unsupported layer_types entry {unknown[0]!r}: expected 'full_attention' or "
+                             "'sliding_attention'")
+        sliding = "sliding_attention" in layer_types
+        where = "layer_types"
+    elif model_type in ("qwen2", "qwen3"):
+        sliding = bool(hf.get("use_sliding_window", False)) and num_layers > int(hf.get("max_window_layers", 28))
+        where = "use_sliding_window"
+    else:
+        sliding = window is not None
+        where = "sliding_window"
+    if sliding and window is not None and int(window) < max_pos:
+        raise ValueError(f"unsupported sliding_window={int(window)} (set by {where}): shorter than "
+                         f"max_position_embeddings={max_pos}, and sliding-window attention is not implemented")
 
 
 # ---------------------------------------------------------------------- presets

@@ -1,4 +1,4 @@
-"""Load and save Hugging Face Llama checkpoints (`config.json` + safetensors), numpy API only.
+"""Load and save Hugging Face Llama-family checkpoints (`config.json` + safetensors), numpy API only.
 
 A checkpoint directory holds `config.json` and either `model.safetensors` or several shards listed in
 `model.safetensors.index.json` (`weight_map`: tensor name -> shard file). Nothing is downloaded.
@@ -30,7 +30,8 @@ class CheckpointError(ValueError):
 
 
 def _hf_tensors(config: LlamaConfig) -> Iterator[tuple[str, tuple, tuple[int, ...]]]:
-    """(HF tensor name, path into the NNX state, HF shape) for every weight of the model."""
+    """(HF tensor name, path into the NNX state, HF shape) for every weight of the model,
+    including the family's biases and q/k norms (`models.llama` docstring)."""
     d, e, f, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
     qh, kvh = config.num_heads, config.num_kv_heads
     yield "model.embed_tokens.weight", ("embed",), (v, d)
@@ -40,9 +41,22 @@ def _hf_tensors(config: LlamaConfig) -> Iterator[tuple[str, tuple, tuple[int, ..
         yield p + "self_attn.k_proj.weight", ("layers", i, "attn", "k_proj"), (kvh * e, d)
         yield p + "self_attn.v_proj.weight", ("layers", i, "attn", "v_proj"), (kvh * e, d)
         yield p + "self_attn.o_proj.weight", ("layers", i, "attn", "o_proj"), (d, qh * e)
+        if config.qkv_bias:
+            yield p + "self_attn.q_proj.bias", ("layers", i, "attn", "q_bias"), (qh * e,)
+            yield p + "self_attn.k_proj.bias", ("layers", i, "attn", "k_bias"), (kvh * e,)
+            yield p + "self_attn.v_proj.bias", ("layers", i, "attn", "v_bias"), (kvh * e,)
+        if config.o_bias:
+            yield p + "self_attn.o_proj.bias", ("layers", i, "attn", "o_bias"), (d,)
+        if config.qk_norm:
+            yield p + "self_attn.q_norm.weight", ("layers", i, "attn", "q_norm", "scale"), (e,)
+            yield p + "self_attn.k_norm.weight", ("layers", i, "attn", "k_norm", "scale"), (e,)
         yield p + "mlp.gate_proj.weight", ("layers", i, "mlp", "gate"), (f, d)
         yield p + "mlp.up_proj.weight", ("layers", i, "mlp", "up"), (f, d)
         yield p + "mlp.down_proj.weight", ("layers", i, "mlp", "down"), (d, f)
+        if config.mlp_bias:
+            yield p + "mlp.gate_proj.bias", ("layers", i, "mlp", "gate_bias"), (f,)
+            yield p + "mlp.up_proj.bias", ("layers", i, "mlp", "up_bias"), (f,)
+            yield p + "mlp.down_proj.bias", ("layers", i, "mlp", "down_bias"), (d,)
         yield p + "input_layernorm.weight", ("layers", i, "input_norm", "scale"), (d,)
         yield p + "post_attention_layernorm.weight", ("layers", i, "post_attn_norm", "scale"), (d,)
     yield "model.norm.weight", ("final_norm", "scale"), (d,)
@@ -59,6 +73,8 @@ def _to_model_layout(name: str, w: np.ndarray, config: LlamaConfig) -> np.ndarra
         return w.T.reshape(w.shape[1] // e, e, w.shape[0])
     if name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
         return w.T
+    if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+        return w.reshape(w.shape[0] // e, e)
     return w
 
 
@@ -69,6 +85,8 @@ def _to_hf_layout(name: str, w: np.ndarray) -> np.ndarray:
         return w.reshape(-1, w.shape[-1]).T
     if name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
         return w.T
+    if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+        return w.reshape(-1)
     return w
 
 
@@ -99,26 +117,106 @@ def _weight_map(path: Path) -> dict[str, Path]:
     single = path / SINGLE_FILE
     if not single.is_file():
         raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {str(path)!r}")
-    with safe_open(single, framework="numpy") as fh:
-        return {name: single for name in fh.keys()}
+    try:
+        with safe_open(single, framework="numpy") as fh:
+            return {name: single for name in fh.keys()}
+    except Exception as err:  # safetensors raises its own error type for a bad header or size
+        raise _unreadable(single, path, err) from err
+
+
+def _unreadable(file: Path, path: Path, err: BaseException) -> CheckpointError:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return CheckpointError(f"safetensors file {file.name!r} of {str(path)!r} cannot be read (truncated or "
+                           f"corrupt?): {first}")
+
+
+_DECLARED_ST_DTYPE = {"float32": "F32", "fp32": "F32", "bfloat16": "BF16", "bf16": "BF16", "float16": "F16",
+                      "fp16": "F16"}
+"""config.json's declared dtype -> the safetensors dtype its tensors must have. float16 checkpoints
+load only with a `dtype` override (`models.config.SUPPORTED_DTYPES`): their F16 weights are cast."""
+
+# Non-weights that some checkpoints carry (older transformers saved RoPE's buffer); ignored.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def check_checkpoint(path: str | os.PathLike, config: LlamaConfig, hf: dict) -> dict[str, Path]:
+    """Check every tensor of a checkpoint against its config before anything is built or compiled;
+    returns the weight map (tensor name -> file).
+
+    Each safetensors file must open (a truncated file or a header naming an unknown dtype raises
+    here, naming the file); each tensor the config implies must be present with the HF shape and
+    the dtype `config.json` declares (`torch_dtype`/`dtype`: F32, BF16, or F16 for a float16
+    checkpoint loaded with a `dtype` override);
+    and no file may hold a tensor the config does not use (say a `q_proj.bias` in a Llama whose
+    config says `attention_bias: false`: ignoring it would compute another model). The one
+    exception is `lm_head.weight` of a tied model, which transformers ignores too (the head is the
+    embedding), and RoPE buffers. Raises CheckpointError naming the tensor (or file), what it is
+    and what the config expects.
+    """
+    path = Path(path)
+    files = _weight_map(path)
+    declared = str(hf.get("torch_dtype", hf.get("dtype")) or "float32").removeprefix("torch.")
+    if declared not in _DECLARED_ST_DTYPE:
+        raise CheckpointError(f"unsupported checkpoint dtype {declared!r} in config.json: expected one of "
+                              f"{sorted(set(_DECLARED_ST_DTYPE))}")
+    want_dt = _DECLARED_ST_DTYPE[declared]
+    want = {name: shape for name, _, shape in _hf_tensors(config)}
+    headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
+    for file in sorted(set(files.values())):
+        try:
+            with safe_open(file, framework="numpy") as fh:
+                headers[file] = {n: (fh.get_slice(n).get_dtype(), tuple(fh.get_slice(n).get_shape()))
+                                 for n in fh.keys()}
+        except Exception as err:  # safetensors raises its own error type for a bad header or size
+            raise _unreadable(file, path, err) from err
+    for name, file in files.items():
+        if name not in headers[file]:
+            raise CheckpointError(f"tensor {name!r} listed for {file.name!r} is not in that file")
+    for file, header in headers.items():
+        for name in header:
+            if name in want or name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            raise CheckpointError(
+                f"tensor {name!r} in {file.name!r} is not a weight of this config (model_type="
+                f"{config.model_type!r}, qkv_bias={config.qkv_bias}, o_bias={config.o_bias}, mlp_bias="
+                f"{config.mlp_bias}, qk_norm={config.qk_norm}, tie_word_embeddings={config.tie_word_embeddings}): "
+                "config.json and the weights disagree")
+    for name, shape in want.items():
+        if name not in files:
+            raise CheckpointError(f"tensor {name!r} is missing from checkpoint {str(path)!r}")
+        file = files[name]
+        dt, got = headers[file][name]
+        if got != shape:
+            raise CheckpointError(f"tensor {name!r} in {file.name!r} has shape {got}, expected {shape} for this "
+                                  "config")
+        if dt != want_dt:
+            raise CheckpointError(f"tensor {name!r} in {file.name!r} has dtype {dt}; config.json declares "
+                                  f"{declared!r} ({want_dt})")
+    return files
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> Llama:
-    """Load a Hugging Face `LlamaForCausalLM` checkpoint directory into a `Llama`.
+    """Load a Hugging Face Llama-family checkpoint directory (`models.config.FAMILIES`) into a `Llama`.
+
+    Every tensor is checked against the config first (`check_checkpoint`), before any weight is
+    read or anything compiled.
 
     `dtype` ("float32"/"bfloat16") overrides the checkpoint's dtype; weights are cast to it.
     `mesh`: a `jax.sharding.Mesh` with a "tp" axis to load tensor-parallel, each process reading
     only the slices its devices hold (`models.sharding.load_sharded`).
     Raises FileNotFoundError (missing directory, config.json, weight file or shard), ValueError
-    (unsupported architecture/variant) and CheckpointError (missing tensor, wrong shape), each
-    naming the file or tensor.
+    (unsupported architecture/variant) and CheckpointError (missing, unexpected or unreadable
+    tensor, wrong shape or dtype, truncated file), each naming the file or tensor.
     """
     if mesh is not None:
         from models.sharding import load_sharded
         return load_sharded(path, mesh, dtype=dtype)
     path = Path(path)
-    config = LlamaConfig.from_hf_config(read_hf_config(path), dtype=dtype)
-    files = _weight_map(path)
+    hf = read_hf_config(path)
+    config = LlamaConfig.from_hf_config(hf, dtype=dtype)
+    files = check_checkpoint(path, config, hf)
     model = abstract_model(config)
     graphdef, state = nnx.split(model)
     target = config.jnp_dtype
@@ -165,7 +263,8 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
 
 def save_hf_checkpoint(model: Llama, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> None:
     """Write `config.json` and the weights as safetensors (sharded with an index when the weights
-    exceed `max_shard_bytes`). transformers' `LlamaForCausalLM.from_pretrained` reads the result."""
+    exceed `max_shard_bytes`). transformers' `*ForCausalLM.from_pretrained` of the config's family reads
+    the result."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     with open(path / CONFIG_FILE, "w") as fh:

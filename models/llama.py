@@ -19,6 +19,12 @@ Parameter layout (HF tensor it maps to in `models.hf_io`):
   layers[i].mlp.gate/up  [d, F]; down [F, d]
   layers[i].input_norm / post_attn_norm [d]; final_norm [d]
   lm_head                [V, d]            lm_head.weight (absent when tied)
+
+Family switches (`LlamaConfig`; each parameter exists only when its switch is on):
+  layers[i].attn.q_bias  [QH, D]; k_bias, v_bias [KVH, D]   ...self_attn.{q,k,v}_proj.bias  (qkv_bias)
+  layers[i].attn.o_bias  [d]                                ...self_attn.o_proj.bias        (o_bias)
+  layers[i].attn.q_norm / k_norm [D] (RMSNorm per head)     ...self_attn.{q,k}_norm.weight  (qk_norm)
+  layers[i].mlp.gate_bias / up_bias [F]; down_bias [d]      ...mlp.{gate,up,down}_proj.bias (mlp_bias)
 """
 
 from __future__ import annotations
@@ -64,38 +70,65 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention projections; the attention itself is delegated to `attend`."""
+    """Grouped-query attention projections; the attention itself is delegated to `attend`.
+
+    With the family switches (module docstring): biases added after the projections, and q/k
+    normalised per head (Qwen3) after their bias and before RoPE, in transformers' order."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
         d, e, dt, std = config.hidden_size, config.head_dim, config.jnp_dtype, init_std
-        self.q_proj = nnx.Param(_normal(rngs, (d, config.num_heads, e), dt, std))
-        self.k_proj = nnx.Param(_normal(rngs, (d, config.num_kv_heads, e), dt, std))
-        self.v_proj = nnx.Param(_normal(rngs, (d, config.num_kv_heads, e), dt, std))
-        self.o_proj = nnx.Param(_normal(rngs, (config.num_heads, e, d), dt, std))
+        qh, kvh = config.num_heads, config.num_kv_heads
+        self.q_proj = nnx.Param(_normal(rngs, (d, qh, e), dt, std))
+        self.k_proj = nnx.Param(_normal(rngs, (d, kvh, e), dt, std))
+        self.v_proj = nnx.Param(_normal(rngs, (d, kvh, e), dt, std))
+        self.o_proj = nnx.Param(_normal(rngs, (qh, e, d), dt, std))
+        if config.qkv_bias:
+            self.q_bias = nnx.Param(_normal(rngs, (qh, e), dt, std))
+            self.k_bias = nnx.Param(_normal(rngs, (kvh, e), dt, std))
+            self.v_bias = nnx.Param(_normal(rngs, (kvh, e), dt, std))
+        if config.o_bias:
+            self.o_bias = nnx.Param(_normal(rngs, (d,), dt, std))
+        if config.qk_norm:
+            self.q_norm = RMSNorm(e, config.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(e, config.rms_norm_eps, dt)
+        self.qkv_bias, self.has_o_bias, self.qk_norm = config.qkv_bias, config.o_bias, config.qk_norm
 
     def __call__(self, x, positions, inv_freq, layer: int, cache, attend: AttendFn):
         q = jnp.einsum("btd,dhe->bthe", x, self.q_proj[...])
         k = jnp.einsum("btd,dke->btke", x, self.k_proj[...])
         v = jnp.einsum("btd,dke->btke", x, self.v_proj[...])
+        if self.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         out, cache = attend(layer, q, k, v, cache)
-        return jnp.einsum("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...]), cache
+        out = jnp.einsum("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...])
+        return (out + self.o_bias[...] if self.has_o_bias else out), cache
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), each projection with a bias under `mlp_bias`."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
         d, f, dt, std = config.hidden_size, config.intermediate_size, config.jnp_dtype, init_std
         self.gate = nnx.Param(_normal(rngs, (d, f), dt, std))
         self.up = nnx.Param(_normal(rngs, (d, f), dt, std))
         self.down = nnx.Param(_normal(rngs, (f, d), dt, std))
+        if config.mlp_bias:
+            self.gate_bias = nnx.Param(_normal(rngs, (f,), dt, std))
+            self.up_bias = nnx.Param(_normal(rngs, (f,), dt, std))
+            self.down_bias = nnx.Param(_normal(rngs, (d,), dt, std))
+        self.mlp_bias = config.mlp_bias
 
     def __call__(self, x):
         gate = jnp.einsum("btd,df->btf", x, self.gate[...])
         up = jnp.einsum("btd,df->btf", x, self.up[...])
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...])
+        if self.mlp_bias:
+            gate, up = gate + self.gate_bias[...], up + self.up_bias[...]
+        down = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...])
+        return down + self.down_bias[...] if self.mlp_bias else down
 
 
 class DecoderLayer(nnx.Module):

@@ -8,6 +8,8 @@ What is sharded over the "tp" axis of size `tp` (everything else is replicated):
 | `k_proj`, `v_proj` | `[d, kv_heads, head_dim]` | KV heads |
 | `o_proj` | `[num_heads, head_dim, d]` | heads (row-parallel: XLA all-reduces its output) |
 | `gate`, `up` | `[d, f]` | `f` (column-parallel) |
+| `q_bias`, `k_bias`, `v_bias` (qwen2, biased llama/qwen3) | `[heads, head_dim]` | heads |
+| `gate_bias`, `up_bias` (llama `mlp_bias`) | `[f]` | `f` |
 | `down` | `[f, d]` | `f` (row-parallel: XLA all-reduces its output) |
 | `lm_head` (or the tied `embed`) | `[vocab, d]` | vocab, when `tp` divides it |
 | KV `pages` | `[layers, 2, kv_heads, blocks, block_size, head_dim]` | KV heads |
@@ -139,6 +141,13 @@ def weight_spec(name: str, shape: tuple[int, ...], tp: int, tied: bool) -> P:
         return P(None, AXIS)
     if name == "down":
         return P(AXIS, None)
+    # Family biases follow their projection's output axis: the q/k/v biases [heads, head_dim] and
+    # the gate/up biases [f] are split with it; o_proj's and down's [d] are added after the
+    # all-reduce, so they are replicated (as are the q/k norm scales [head_dim], named "scale").
+    if name in ("q_bias", "k_bias", "v_bias"):
+        return P(AXIS, None)
+    if name in ("gate_bias", "up_bias"):
+        return P(AXIS)
     # The output head is vocab-parallel when tp divides the vocabulary (logits are gathered for the
     # sampler); an embedding that is also the head is sharded the same way (XLA masks the lookup).
     if name == "lm_head" or (name == "embed" and tied):
@@ -186,6 +195,16 @@ def _expand_kv(w, r: int):
     return w if r == 1 else jnp.repeat(w, r, axis=1)
 
 
+def _expand_kv_leaf(name: str, w, r: int):
+    """`_expand_kv` for the K/V leaves of a model: projections `[d, kv, e]` (axis 1) and their
+    biases `[kv, e]` (axis 0); other leaves unchanged."""
+    if name in ("k_proj", "v_proj"):
+        return _expand_kv(w, r)
+    if name in ("k_bias", "v_bias") and r > 1:
+        return jnp.repeat(w, r, axis=0)
+    return w
+
+
 def _llama_config(model) -> LlamaConfig | None:
     """The config of a Llama (module, split, or the config itself); None for other models."""
     if isinstance(model, LlamaConfig):
@@ -228,7 +247,7 @@ def shard_model(model, mesh: Mesh):
         if kvh != config.num_kv_heads:
             r = kvh // config.num_kv_heads
             weights = jax.tree_util.tree_map_with_path(
-                lambda path, x: _expand_kv(x, r) if _leaf_name(path) in ("k_proj", "v_proj") else x, weights)
+                lambda path, x: _expand_kv_leaf(_leaf_name(path), x, r), weights)
             config = config.replace(num_kv_heads=kvh)
             graphdef, _ = nnx.split(abstract_model(config))
     specs = partition_specs(module, weights, tp)
@@ -317,6 +336,12 @@ def _read_slice(handle, name: str, index, model_shape, config: LlamaConfig, r: i
         (h0, h1), (e0, e1), (d0, d1) = rng
         w = read(slice(d0, d1), slice(h0 * e, h1 * e))  # HF [d, heads * e]
         return w.T.reshape(h1 - h0, e, d1 - d0)[:, e0:e1]
+    if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+        (h0, h1), (e0, e1) = rng
+        rep = r if name.endswith(("k_proj.bias", "v_proj.bias")) else 1
+        lo, hi = h0 // rep, (h1 - 1) // rep + 1
+        w = read(slice(lo * e, hi * e)).reshape(hi - lo, e)  # HF [heads * e]
+        return w[[h // rep - lo for h in range(h0, h1)], e0:e1]
     if name.endswith(("gate_proj.weight", "up_proj.weight")):
         (d0, d1), (f0, f1) = rng
         return read(slice(f0, f1), slice(d0, d1)).T  # HF [f, d]
@@ -340,12 +365,13 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = Non
     from models import hf_io
 
     path = Path(path)
-    config = LlamaConfig.from_hf_config(hf_io.read_hf_config(path), dtype=dtype)
+    hf = hf_io.read_hf_config(path)
+    config = LlamaConfig.from_hf_config(hf, dtype=dtype)
     tp = tp_degree(mesh)
     kvh = kv_heads_for(config, tp)
     placed = config.replace(num_kv_heads=kvh)
     r = kvh // config.num_kv_heads
-    files = hf_io._weight_map(path)
+    files = hf_io.check_checkpoint(path, config, hf)  # every shape and dtype, before any array is built
     graphdef, state = nnx.split(abstract_model(placed))
     target = placed.jnp_dtype
     handles: dict[Path, object] = {}
@@ -426,7 +452,8 @@ def weight_bytes_per_device(config: LlamaConfig, tp: int) -> int:
     itemsize = jnp.dtype(config.dtype).itemsize
     total = 0
     for name, state_path, hf_shape in _hf_tensors(config):
-        numel = math.prod(hf_shape) * (r if name.endswith(("k_proj.weight", "v_proj.weight")) else 1)
+        kv = name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"))
+        numel = math.prod(hf_shape) * (r if kv else 1)
         model_shape = (config.vocab_size,) if state_path[-1] in ("embed", "lm_head") else ()
         spec = weight_spec(str(state_path[-1]), model_shape, tp, config.tie_word_embeddings)
         total += numel * itemsize // (tp if AXIS in tuple(spec) else 1)

@@ -37,6 +37,14 @@ class ByteTokenizer:
         self.pad_id, self.bos_id, self.eos_id, self.vocab_size = pad_id, bos_id, eos_id, vocab_size
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation (one here; `models.hf_tokenizer.HFTokenizer` may have several)."""
+        return (self.eos_id,)
+
+    def describe(self) -> str:
+        return f"byte-level ({self.vocab_size} ids)"
+
+    @property
     def special_tokens(self) -> dict[str, int]:
         return {"<pad>": self.pad_id, "<bos>": self.bos_id, "<eos>": self.eos_id}
 

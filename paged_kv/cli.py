@@ -9,9 +9,20 @@ request family's block tables, in the terminal and as a PNG. The files (the repo
 the PNG) go to an output folder, ``paged-kv-out/`` by default (``--out-dir``), created if missing.
 
     python -m paged_kv                       # the built-in checkpoints/tiny-llama
-    python -m paged_kv --checkpoint DIR      # any Hugging Face Llama directory (byte-level prompts)
+    python -m paged_kv --checkpoint DIR      # a Hugging Face Llama / Qwen2 / Qwen3 / Mistral directory
+    python -m paged_kv --checkpoint DIR --prompt "Once upon a time" --prompt "The cow says" --n 2
+                                             # your prompts instead of the workload, streamed as generated
     python -m paged_kv --out-dir runs/a      # write report.json and block_tables.png there
     python -m paged_kv --walkthrough         # the block-manager walkthrough instead
+
+With ``--prompt`` (repeatable) or ``--prompts-file`` the CLI serves those prompts instead of the
+workload, with the sampling options of the library (``--n``, ``--beam-width``, ``--temperature``,
+``--top-p``, ``--top-k``, ``--max-new-tokens``, ``--seed``); ``--chat`` renders each prompt as a
+user message through the checkpoint's chat template. The text streams to the terminal as tokens
+are generated (one answer at a time, in prompt order; later answers are held until their turn),
+then the report follows. Prompts are tokenized with the checkpoint's own ``tokenizer.json`` (a
+Hugging Face tokenizer, through the ``tokenizers`` library) or, for the built-in model, bytes;
+the run's header says which.
 
 How the library works: ``docs/design.md``.
 """
@@ -176,6 +187,20 @@ _positive = _int_at_least(1)
 _non_negative = _int_at_least(0)
 
 
+def _float_in(low: float, high: float, *, low_open: bool = False):
+    """An argparse type: a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (low < v if low_open else low <= v) or not v <= high:
+            raise argparse.ArgumentTypeError(f"{v:g} must be in {'(' if low_open else '['}{low:g}, {high:g}]")
+        return v
+    parse.__name__ = "number"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="paged-kv",
@@ -188,10 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter)
     g = p.add_argument_group("model and workload")
     g.add_argument("--checkpoint", metavar="DIR", default=None,
-                   help="Hugging Face Llama checkpoint directory (config.json + safetensors); prompts are UTF-8 "
-                        "bytes, so the vocabulary needs >= 259 ids, and answers print as token ids where the "
-                        "checkpoint has no byte-level tokenizer.json to decode them. Default: the built-in "
-                        "checkpoints/tiny-llama")
+                   help="Hugging Face checkpoint directory (config.json + safetensors) of a llama, qwen2, qwen3 or "
+                        "mistral model; its tokenizer.json (with tokenizer_config.json and generation_config.json "
+                        "for the special tokens) tokenizes the prompts; without one, prompts are UTF-8 bytes (the "
+                        "vocabulary then needs >= 259 ids) and answers that are not bytes print as token ids. "
+                        "Default: the built-in checkpoints/tiny-llama")
     g.add_argument("--requests", type=_positive, default=24, metavar="N",
                    help="requests in the workload (the 12 templates repeat)")
     g.add_argument("--max-new-tokens", type=_positive, default=48, metavar="N",
@@ -199,6 +225,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--arrival-gap", type=_non_negative, default=2, metavar="STEPS",
                    help="engine steps between two arrivals (0: all at once)")
     g.add_argument("--seed", type=_non_negative, default=0, help="sampling seed (same seed, same outputs)")
+    g = p.add_argument_group("your prompts (instead of the workload; the answers stream as they are generated)")
+    g.add_argument("--prompt", action="append", metavar="TEXT", default=None,
+                   help="a prompt to serve (repeat the option for several)")
+    g.add_argument("--prompts-file", metavar="FILE", default=None,
+                   help="a UTF-8 text file of prompts, one per line (empty lines skipped)")
+    g.add_argument("--chat", action="store_true",
+                   help="render each prompt as a user message through the checkpoint's chat template "
+                        "(tokenizer_config.json's chat_template), with the assistant's turn opened")
+    g.add_argument("--n", type=_positive, default=1, metavar="N", help="answers per prompt (parallel sampling)")
+    g.add_argument("--beam-width", type=_positive, default=1, metavar="K",
+                   help="beam search of width K (K > 1) instead of sampling; returns K hypotheses")
+    g.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy decoding")
+    g.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=1.0, metavar="P",
+                   help="nucleus sampling: keep the most likely tokens whose probability reaches P")
+    g.add_argument("--top-k", type=_non_negative, default=0, metavar="K",
+                   help="keep the K most likely tokens (0: all)")
     g = p.add_argument_group("KV cache and scheduler")
     g.add_argument("--num-blocks", type=_positive, default=64, metavar="N",
                    help="KV blocks in the pool (block 0 is reserved); small pools force preemptions")
@@ -250,12 +293,13 @@ def output_paths(args) -> tuple[Path, Path]:
             Path(args.json) if args.json else out / JSON_NAME)
 
 
-def build_workload(tokenizer, num_requests: int, max_new_tokens: int, arrival_gap: int, eos_id: int):
-    """The ready-made requests (ids ``0 .. num_requests - 1``, arrival ``i * arrival_gap``)."""
+def build_workload(tokenizer, num_requests: int, max_new_tokens: int, arrival_gap: int, eos_id):
+    """The ready-made requests (ids ``0 .. num_requests - 1``, arrival ``i * arrival_gap``).
+    ``eos_id``: the EOS id, or a sequence of them (every one ends an answer)."""
     from paged_kv.engine import BeamParams, SamplingParams
     from paged_kv.engine.serving import Request
 
-    eos = (eos_id,)
+    eos = tuple(int(t) for t in eos_id) if isinstance(eos_id, (list, tuple)) else (int(eos_id),)
     kinds = {
         "greedy": SamplingParams(max_new_tokens=max_new_tokens, eos_token_ids=eos),
         "sample": SamplingParams(max_new_tokens=max_new_tokens, temperature=0.7, eos_token_ids=eos),
@@ -393,28 +437,233 @@ class _UsageError(Exception):
 
 
 def _load_tokenizer(ckpt: Path, vocab_size: int):
-    """(tokenizer, answers as text, note): the checkpoint's byte-level ``tokenizer.json``, else the
-    byte tokenizer for the prompts with answers printed as token ids where they are not bytes."""
+    """(tokenizer, answers as text, note, description): what the checkpoint ships
+    (``models.hf_tokenizer.load_tokenizer``): its Hugging Face ``tokenizer.json``, its byte-level
+    one, or none (the byte tokenizer for the prompts, answers printed as text where every id is a
+    byte, else as token ids). ``ValueError`` for a tokenizer file that cannot be read."""
+    from models.hf_tokenizer import load_tokenizer
     from models.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
-    path = ckpt / TOKENIZER_FILE
-    if path.is_file():
-        try:
-            return ByteTokenizer.load(ckpt), True, None
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            return ByteTokenizer(), False, (f"{TOKENIZER_FILE} is not a byte-level tokenizer ({_first_line(e)}): "
-                                            "prompts go in as UTF-8 bytes, answers are printed as token ids")
-    tok = ByteTokenizer()
+    tok, desc = load_tokenizer(ckpt)
     note = None
-    if vocab_size != tok.vocab_size:
+    if isinstance(tok, ByteTokenizer) and not (ckpt / TOKENIZER_FILE).is_file() and vocab_size != tok.vocab_size:
         note = (f"no {TOKENIZER_FILE} and a vocabulary of {vocab_size} ids: prompts go in as UTF-8 bytes, answers "
                 f"are printed as text where every id is a byte-level one, else as token ids")
-    return tok, True, note
+    return tok, True, note, desc
 
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------- your prompts
+def _read_prompts(args) -> list[str] | None:
+    """The ``--prompt`` texts, then the lines of ``--prompts-file``; None when neither is given."""
+    if args.prompt is None and args.prompts_file is None:
+        return None
+    texts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as fh:
+                texts += [line.rstrip("\r\n") for line in fh if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --prompts-file {args.prompts_file!r}: {_first_line(e)}") from None
+    if not texts:
+        raise ValueError(f"--prompts-file {args.prompts_file!r} holds no prompt (every line is empty)")
+    return texts
+
+
+def _user_prompts(args, tok, timing: dict) -> list[tuple[str, list[int]]] | None:
+    """(text, token ids) per prompt: with ``--chat`` the text rendered through the chat template
+    and encoded without added special tokens (the template carries them), as transformers'
+    ``apply_chat_template`` does; else encoded with the checkpoint's special tokens. ``timing``
+    receives ``encode_s`` and ``render_s`` (seconds over all prompts)."""
+    texts = _read_prompts(args)
+    if texts is None:
+        return None
+    out = []
+    timing.update(encode_s=0.0, render_s=0.0)
+    if args.chat:
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError("--chat: the checkpoint has no chat template (tokenizer_config.json's chat_template)")
+        tok.compile_chat_template()  # imports jinja2 and compiles the template once, outside the timing
+    for text in texts:
+        t0 = time.perf_counter()
+        if args.chat:
+            text_in = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+        t1 = time.perf_counter()
+        ids = tok.encode(text_in, add_bos=False) if args.chat else tok.encode(text, add_bos=True)
+        t2 = time.perf_counter()
+        timing["render_s"] += t1 - t0
+        timing["encode_s"] += t2 - t1
+        if not ids:
+            raise ValueError(f"prompt {text!r} has no tokens")
+        out.append((text, ids))
+    return out
+
+
+def _sampling_params(args, eos_ids=()):
+    """The ``SamplingParams`` or ``BeamParams`` of ``--n``, ``--beam-width``, ``--temperature``,
+    ``--top-p``, ``--top-k`` and ``--max-new-tokens`` (``ValueError`` for a bad combination)."""
+    from paged_kv.engine import BeamParams, SamplingParams
+
+    if args.beam_width > 1:
+        sampled = [f"{name} {v:g}" for name, v, default in (("--n", args.n, 1), ("--temperature", args.temperature, 0),
+                                                             ("--top-p", args.top_p, 1), ("--top-k", args.top_k, 0))
+                   if v != default]
+        if sampled:
+            raise ValueError(f"--beam-width {args.beam_width} is beam search; it takes no sampling option "
+                             f"({', '.join(sampled)})")
+        return BeamParams(beam_width=args.beam_width, max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids)
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, n=args.n, eos_token_ids=eos_ids)
+
+
+def _prompt_requests(args, prompts, eos_ids):
+    from paged_kv.engine.serving import Request
+
+    params = _sampling_params(args, eos_ids)
+    return [Request(ids, params, arrival=0, request_id=i) for i, (_, ids) in enumerate(prompts)]
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if chr(c) not in "\n\t"}
+"""C0 controls and DEL (bar newline and tab) -> a visible escape: generated text never moves the
+terminal's cursor or starts an escape sequence."""
+
+
+def printable(text: str) -> str:
+    """``text`` as the stream prints it (control characters escaped, ``_CONTROL``)."""
+    return text.translate(_CONTROL)
+
+
+class _StreamPrinter:
+    """Prints answers as their tokens arrive, one answer at a time in (prompt, sample) order: the
+    current answer prints live, later ones are decoded as they come and held until their turn.
+    Beam requests print their best hypothesis when the search ends (the rest in the summary).
+    Each answer is decoded incrementally (``models.hf_tokenizer.stream_decoder``), so a character
+    split over several tokens prints once, whole; EOS and special tokens print nothing."""
+
+    def __init__(self, tok, requests, prompts, out=None):
+        from models.hf_tokenizer import stream_decoder
+
+        self.out = out or sys.stdout
+        self.tok = tok
+        self.units = []  # (request id, sample index)
+        self.titles = {}
+        for req, (text, _) in zip(requests, prompts):
+            width = 1 if req.is_beam else req.params.n
+            for j in range(width):
+                self.units.append((req.request_id, j))
+                what = "best beam" if req.is_beam else (f"sample {j}" if width > 1 else "answer")
+                self.titles[(req.request_id, j)] = f"[prompt {req.request_id}, {what}] {_short(text, 60)!r} ->"
+        self.decoders = {u: stream_decoder(tok) for u in self.units}
+        self.eos = {int(t) for t in tok.eos_ids}
+        self.held = {u: [] for u in self.units}
+        self.done: set = set()
+        self.cur = -1
+        self.decode_s = 0.0
+        self.tokens = 0
+        self._advance()
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def _advance(self) -> None:
+        while self.cur < 0 or (self.cur < len(self.units) and self.units[self.cur] in self.done):
+            if self.cur >= 0:
+                self._write("\n")
+            self.cur += 1
+            if self.cur < len(self.units):
+                u = self.units[self.cur]
+                self._write(self.titles[u] + " " + "".join(self.held.pop(u)))
+
+    def on_token(self, delta) -> None:
+        u = (delta.request_id, delta.index)
+        if u not in self.decoders:
+            return  # a beam hypothesis past the best: printed with the summary
+        t0 = time.perf_counter()
+        text = printable("".join(self.decoders[u].push(t) for t in delta.tokens if int(t) not in self.eos))
+        self.decode_s += time.perf_counter() - t0
+        self.tokens += len(delta.tokens)
+        if self.cur < len(self.units) and self.units[self.cur] == u:
+            if text:
+                self._write(text)
+        else:
+            self.held[u].append(text)
+        if delta.finish_reason is not None:
+            t0 = time.perf_counter()
+            rest = printable(self.decoders[u].finish())  # an incomplete character at the end prints as U+FFFD
+            self.decode_s += time.perf_counter() - t0
+            self._finish(u, f"{rest} [{delta.finish_reason}]")
+
+    def on_output(self, out) -> None:
+        """A finished (or rejected) request: all its answers are complete."""
+        for u in self.units:
+            if u[0] == out.request_id and u not in self.done:
+                self._finish(u, f" [rejected: {out.error}]" if out.error else "")
+
+    def _finish(self, u, tail: str) -> None:
+        if self.cur < len(self.units) and self.units[self.cur] == u:
+            self._write(tail)
+        else:
+            self.held[u].append(tail)
+        self.done.add(u)
+        self._advance()
+
+
+def _stream_prompts(engine, reqs, tok, prompts, prep: dict):
+    """Serve ``reqs`` (made from ``prompts``; ``prep``: their encode and chat-render seconds)
+    streaming their text; returns (outputs, tokenizer timing for the report)."""
+    printer = _StreamPrinter(tok, reqs, prompts)
+    _phase("compile")
+    outputs = []
+    for out in engine.run(reqs, on_token=printer.on_token):
+        outputs.append(out)
+        printer.on_output(out)
+    st = engine.stats()
+    n = max(len(reqs), 1)
+    return outputs, {
+        "requests": len(reqs), "steps": st.steps,
+        "encode_ms_per_request": 1000 * prep["encode_s"] / n,
+        "chat_render_ms_per_request": 1000 * prep["render_s"] / n,
+        "decode_ms_per_request": 1000 * printer.decode_s / n,
+        "decode_ms_per_token": 1000 * printer.decode_s / max(printer.tokens, 1),
+        "streamed_tokens": printer.tokens,
+        # Steady-state step time: the wall time of all steps less the first call of each shape.
+        "step_ms_mean": 1000 * (st.step_s - st.compile_s) / max(
+            st.steps - sum(1 for k in engine._seen_shapes if k[0] == "step"), 1),
+    }
+
+
+def _answers(outputs, prompts, tok, as_text: bool) -> list[dict]:
+    """The report's record of your prompts: per prompt its text, token count, and per answer the
+    token ids, the text (up to the first EOS; None where the ids are not all text) and why it ended."""
+    out = []
+    for o in sorted(outputs, key=lambda o: o.request_id):
+        text, ids = prompts[o.request_id]
+        entry = {"prompt": text, "prompt_tokens": len(ids), "error": o.error, "answers": []}
+        for j, toks in enumerate(o.tokens):
+            try:
+                decoded = tok.decode(toks, stop_at_eos=True) if as_text else None
+            except ValueError:  # an id the tokenizer has no text for
+                decoded = None
+            entry["answers"].append({"tokens": [int(t) for t in toks], "text": decoded,
+                                     "finish_reason": o.finish_reasons[j],
+                                     **({"score": float(o.scores[j])} if o.scores is not None else {})})
+        out.append(entry)
+    return out
+
+
+def _print_beams(outputs, tok, count: int, *, as_text: bool = True) -> None:
+    """After streaming: every hypothesis of the beam requests with its score (the answers of the
+    sampled ones were streamed)."""
+    for o in sorted(outputs, key=lambda o: o.request_id):  # prompt order (they finish in any order)
+        if o.ok and o.request.is_beam:
+            print(f"\n[prompt {o.request_id}: beam search, width {o.request.params.beam_width}]")
+            for j, toks in enumerate(o.tokens[:count]):
+                print(f"    beam {j} (score {o.scores[j]:.3f}): {_shown_tokens(tok, toks, 90, as_text=as_text)}")
 
 
 def _run(args, ckpt: Path) -> int:
@@ -424,7 +673,6 @@ def _run(args, ckpt: Path) -> int:
     import paged_kv as pk
     from models import load_hf_checkpoint
     from models.hf_io import CheckpointError
-    from paged_kv import report
     from paged_kv.engine.serving import ServingConfig, ServingEngine
 
     _phase("load")
@@ -433,15 +681,24 @@ def _run(args, ckpt: Path) -> int:
     except (CheckpointError, OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot load checkpoint {str(ckpt)!r}: {_first_line(e)}") from None
     vocab = model.config.vocab_size
-    tok, as_text, note = _load_tokenizer(ckpt, vocab)
+    tok, as_text, note, tok_desc = _load_tokenizer(ckpt, vocab)
     if vocab < tok.vocab_size:
-        raise ValueError(f"the model's vocabulary has {vocab} ids; byte-level prompts need {tok.vocab_size}")
+        raise ValueError(f"the model's vocabulary has {vocab} ids; the tokenizer ({tok_desc}) has {tok.vocab_size}")
+    eos_ids = tuple(tok.eos_ids)
+    prep: dict = {}
+    prompts = _user_prompts(args, tok, prep)  # encoded (and rendered through the chat template) before compiling
     context = min(args.max_seq_len, model.config.max_position_embeddings)
     mgr = pk.ManagerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                            max_blocks_per_seq=-(-context // args.block_size),
                            prefix_caching=not args.no_prefix_caching)
-    cfg = ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(args.max_prefill_rows, args.max_seqs),
-                        impl=args.impl)
+    rows = args.max_prefill_rows
+    if prompts is not None:  # a family of n samples or k beams is (re-)admitted in one admission
+        rows = max(rows, args.n, args.beam_width)
+    # A beam of width k ranks k * (1 + #EOS ids) candidates per row (ServingConfig.top_candidates);
+    # the workload's beams have width 4.
+    candidates = max(8, (args.beam_width if prompts is not None else 4) * (1 + max(len(eos_ids), 1)))
+    cfg = ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(rows, args.max_seqs),
+                        top_candidates=candidates, impl=args.impl)
     mesh = None
     if args.tp > 1:
         from models import sharding
@@ -449,15 +706,25 @@ def _run(args, ckpt: Path) -> int:
         sharding.check_degree(model.config, args.tp)
         mesh = sharding.make_mesh(args.tp)
     engine = ServingEngine(model, cfg, seed=args.seed, mesh=mesh)
-    reqs = build_workload(tok, args.requests, args.max_new_tokens, args.arrival_gap, tok.eos_id)
+    if prompts is not None:
+        reqs = _prompt_requests(args, prompts, eos_ids)
+    else:
+        reqs = build_workload(tok, args.requests, args.max_new_tokens, args.arrival_gap, eos_ids)
 
     print(f"paged-kv: {len(reqs)} requests on {ckpt.name} ({model.config.num_params() / 1e6:.2f}M parameters, "
           f"JAX {jax.__version__} on {jax.default_backend()}); pool of {mgr.num_blocks} blocks x "
           f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}"
           + (f", tensor-parallel over {args.tp} devices" if mesh is not None else ""), flush=True)
+    print(f"tokenizer: {tok_desc}; EOS ids {', '.join(map(str, eos_ids)) or 'none'}"
+          + ("; prompts rendered through the chat template" if args.chat else ""), flush=True)
     if note:
         print(f"note: {note}", flush=True)
     print("the first step of each shape compiles (about a minute on a 2-core CPU) ...", flush=True)
+    if prompts is not None:
+        outputs, timing = _stream_prompts(engine, reqs, tok, prompts, prep)
+        extra = {"prompts": len(reqs), "tokenizer": {"description": tok_desc, **timing},
+                 "answers": _answers(outputs, prompts, tok, as_text)}
+        return _report(args, engine, outputs, ckpt, tok, as_text, extra, show=_print_beams)
     from tqdm import tqdm
 
     bar = tqdm(total=len(reqs), unit="req", desc="serving", file=sys.stderr, disable=args.no_progress,
@@ -486,11 +753,17 @@ def _run(args, ckpt: Path) -> int:
                   f"first token after {ttft}")
     bar.close()
 
+    extra = {"workload": {"requests": args.requests, "max_new_tokens": args.max_new_tokens,
+                          "arrival_gap": args.arrival_gap}}
+    return _report(args, engine, outputs, ckpt, tok, as_text, extra, show=_print_outputs)
+
+
+def _report(args, engine, outputs, ckpt: Path, tok, as_text: bool, extra: dict, *, show) -> int:
+    """The report, its files and the answers (``show(outputs, tok, count, as_text=...)``); the exit status."""
+    from paged_kv import report
+
     _phase("report")
-    rep = report.build_report(engine, outputs, extra={"checkpoint": str(ckpt), "seed": args.seed,
-                                                      "workload": {"requests": args.requests,
-                                                                   "max_new_tokens": args.max_new_tokens,
-                                                                   "arrival_gap": args.arrival_gap}})
+    rep = report.build_report(engine, outputs, extra={"checkpoint": str(ckpt), "seed": args.seed, **extra})
     # The files first: nothing printed below can lose them. Their folder (--out-dir) is created
     # only now, so a run that fails early leaves nothing behind.
     png_path, json_path = output_paths(args)
@@ -506,9 +779,16 @@ def _run(args, ckpt: Path) -> int:
             problems.append(f"cannot write the block-table picture {str(png_path)!r}: {_first_line(e)}")
 
     if args.show:
-        _print_outputs(outputs, tok, args.show, as_text=as_text)
+        show(outputs, tok, args.show, as_text=as_text)
     print()
     print(report.format_report(rep))
+    tk = extra.get("tokenizer")
+    if tk and tk.get("steps"):
+        render = (f" (+ {tk['chat_render_ms_per_request']:.3f} ms rendering the chat template)"
+                  if args.chat else "")
+        print(f"tokenization: encode {tk['encode_ms_per_request']:.3f} ms per request{render}, streamed decode "
+              f"{tk['decode_ms_per_request']:.3f} ms per request ({tk['decode_ms_per_token'] * 1000:.1f} us per "
+              f"token), against {tk['step_ms_mean']:.1f} ms per engine step ({tk['steps']} steps)")
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
     if engine.snapshot is not None:
         print()
@@ -558,6 +838,20 @@ def main(argv=None) -> int:
 
         pk.ManagerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                          max_blocks_per_seq=-(-args.max_seq_len // args.block_size))
+    except ValueError as e:
+        parser.error(str(e))
+    try:  # your prompts and their sampling options, before anything is loaded
+        if _read_prompts(args) is None:
+            given = [opt for opt, v, default in (("--chat", args.chat, False), ("--n", args.n, 1),
+                                                  ("--beam-width", args.beam_width, 1),
+                                                  ("--temperature", args.temperature, 0.0),
+                                                  ("--top-p", args.top_p, 1.0), ("--top-k", args.top_k, 0))
+                     if v != default]
+            if given:
+                parser.error(f"{given[0]} applies to your prompts: give --prompt TEXT or --prompts-file FILE "
+                             "(the built-in workload has its own sampling options)")
+        else:
+            _sampling_params(args)
     except ValueError as e:
         parser.error(str(e))
     if args.walkthrough:

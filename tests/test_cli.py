@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = ["--checkpoint", "--requests", "--max-new-tokens", "--arrival-gap", "--seed", "--num-blocks",
            "--block-size", "--max-seqs", "--max-seq-len", "--chunk-size", "--max-prefill-rows",
            "--no-prefix-caching", "--tp", "--impl", "--show", "--out-dir", "--png", "--json", "--color",
-           "--no-progress", "--compile-cache", "--no-compile-cache", "--walkthrough"]
+           "--no-progress", "--compile-cache", "--no-compile-cache", "--walkthrough", "--prompt", "--prompts-file",
+           "--chat", "--n", "--beam-width", "--temperature", "--top-p", "--top-k"]
 # The CLI's persistent compilation cache goes to a folder of this test session, not the user's.
 _CACHE_HOME = tempfile.mkdtemp(prefix="paged-kv-test-cache-")
 
@@ -301,3 +302,115 @@ def test_default_compile_cache_follows_xdg(monkeypatch, tmp_path):
     assert default_compile_cache() == tmp_path / "paged-kv" / "jax"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_compile_cache() == Path.home() / ".cache" / "paged-kv" / "jax"
+
+
+# -- your prompts, streamed -----------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--n", "2"], "--n applies to your prompts: give --prompt TEXT or --prompts-file FILE"),
+    (["--chat"], "--chat applies to your prompts"),
+    (["--prompt", "hi", "--beam-width", "2", "--temperature", "0.5"],
+     "--beam-width 2 is beam search; it takes no sampling option (--temperature 0.5)"),
+    (["--prompt", "hi", "--top-p", "0"], "argument --top-p: 0 must be in (0, 1]"),
+    (["--prompt", "hi", "--temperature", "-1"], "argument --temperature: -1 must be in [0, 100]"),
+    (["--prompts-file", "/nonexistent/prompts.txt"], "cannot read --prompts-file '/nonexistent/prompts.txt'"),
+])
+def test_prompt_options_are_checked_first(args, message):
+    r = _run(*args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"paged-kv: error: {message}"), r.stderr
+    assert lines[0].endswith("(see --help)")
+
+
+@pytest.fixture(scope="module")
+def bpe_ckpt(tmp_path_factory):
+    from scripts import bpe_checkpoint
+
+    return bpe_checkpoint.write_checkpoint(tmp_path_factory.mktemp("bpe"), family="qwen2", vocab_size=400)
+
+
+def test_your_prompts_stream_through_the_checkpoint_tokenizer(bpe_ckpt, tmp_path):
+    """Two prompts from the command line and one from a file, through the chat template, two sampled
+    answers each: the header names the tokenizer, the answers stream one after another in prompt
+    order, and the streamed text of every answer is the decode of its tokens (the report JSON
+    records them)."""
+    from models.hf_tokenizer import HFTokenizer
+    from paged_kv.cli import printable
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\nQ: Where does the owl live? A:\n\n")
+    js = tmp_path / "r.json"
+    r = _run("--checkpoint", str(bpe_ckpt), "--prompt", "Once upon a time there was a", "--prompt", "The cow says",
+             "--prompts-file", str(prompts), "--chat", "--n", "2", "--temperature", "0.8", "--top-k", "50",
+             "--max-new-tokens", "12", "--num-blocks", "32", "--max-seqs", "8", "--max-seq-len", "128",
+             "--chunk-size", "32", "--json", str(js), "--png", str(tmp_path / "t.png"), "--seed", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "tokenizer: tokenizer.json (BPE, 400 ids) through tokenizers; EOS ids 1, 2; prompts rendered through " \
+           "the chat template" in out
+    rep = json.loads(js.read_text())
+    assert [a["prompt"] for a in rep["answers"]] == ["Once upon a time there was a", "The cow says",
+                                                     "Q: Where does the owl live? A:"]
+    tok = HFTokenizer.load(bpe_ckpt)
+    rendered = tok.render_chat([{"role": "user", "content": "The cow says"}])
+    assert rep["answers"][1]["prompt_tokens"] == len(tok.encode(rendered, add_bos=False))
+    expected = []
+    for i, entry in enumerate(rep["answers"]):
+        for j, a in enumerate(entry["answers"]):
+            assert a["text"] == tok.decode(a["tokens"], stop_at_eos=True)
+            head = f"[prompt {i}, sample {j}] {entry['prompt']!r} ->"
+            expected.append(f"{head} {printable(a['text'])} [{a['finish_reason']}]")
+    # One answer after the other, in order (an answer may itself hold a newline: compare the text).
+    assert "\n".join(expected) + "\n\n== paged-kv serving report ==" in out
+    assert "tokenization: encode" in out and "ms per engine step" in out
+    assert printable("a\x1b[2J\tb\nc\x7f") == "a\\x1b[2J\tb\nc\\x7f"  # no escape sequence reaches the terminal
+    assert rep["tokenizer"]["streamed_tokens"] == sum(len(a["tokens"]) for e in rep["answers"] for a in e["answers"])
+
+
+def test_chat_without_a_template_is_one_line(bpe_ckpt, tmp_path):
+    d = tmp_path / "c"
+    import shutil
+
+    shutil.copytree(bpe_ckpt, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r = _run("--checkpoint", str(d), "--prompt", "hi", "--chat", "--out-dir", str(tmp_path / "o"))
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == ["paged-kv: error: --chat: the checkpoint has no chat template "
+                                             "(tokenizer_config.json's chat_template)"], r.stderr
+
+
+def test_stream_printer_holds_later_answers_until_their_turn():
+    """The printer in isolation (no model): answers print whole and in (prompt, sample) order
+    whatever order their tokens arrive in; a beam request prints its best hypothesis; a rejected
+    request prints its error; EOS ids print nothing; a character split over two deltas prints once."""
+    import io
+
+    from models.tokenizer import ByteTokenizer
+    from paged_kv.cli import _StreamPrinter
+    from paged_kv.engine import BeamParams, SamplingParams
+    from paged_kv.engine.serving import Request, TokenDelta
+
+    tok = ByteTokenizer()
+    reqs = [Request([1], SamplingParams(n=2), request_id=0), Request([1], BeamParams(beam_width=2), request_id=1),
+            Request([1], SamplingParams(), request_id=2)]
+    out = io.StringIO()
+    pr = _StreamPrinter(tok, reqs, [("a", [1]), ("b", [1]), ("c", [1])], out=out)
+    e = list("é".encode())
+    pr.on_token(TokenDelta(0, 1, (ord("y"),)))             # held: sample 1 is not on screen yet
+    pr.on_token(TokenDelta(0, 0, (ord("x"), e[0])))        # live; half a character: nothing yet
+    assert out.getvalue() == "[prompt 0, sample 0] 'a' -> x"
+    pr.on_token(TokenDelta(1, 0, (ord("B"), tok.eos_id), "eos"))  # the beam's best, held
+    pr.on_token(TokenDelta(1, 1, (ord("Z"),), "length"))   # a lesser hypothesis: not streamed
+    pr.on_token(TokenDelta(0, 0, (e[1], tok.eos_id), "eos"))
+    pr.on_token(TokenDelta(0, 1, (ord("z"),), "length"))
+
+    class Rejected:
+        request_id, error = 2, "prompt too long"
+    pr.on_output(Rejected())
+    assert out.getvalue() == ("[prompt 0, sample 0] 'a' -> xé [eos]\n"
+                              "[prompt 0, sample 1] 'a' -> yz [length]\n"
+                              "[prompt 1, best beam] 'b' -> B [eos]\n"
+                              "[prompt 2, answer] 'c' ->  [rejected: prompt too long]\n")
+    assert pr.tokens == 8

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint loading and saving: round trips and clear errors."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -123,16 +124,31 @@ def _edit_config(ckpt, **changes):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral"), "unsupported model_type='mistral'"),
+    (dict(architectures=["GemmaForCausalLM"], model_type="gemma"), "unsupported model_type='gemma'"),
     (dict(architectures=["LlamaForSequenceClassification"]), "unsupported architectures"),
-    (dict(attention_bias=True), "unsupported attention_bias"),
+    (dict(architectures=["MistralForCausalLM"]), "unsupported architectures=['MistralForCausalLM'] for "
+                                                "model_type='llama'"),
     (dict(hidden_act="gelu"), "unsupported hidden_act='gelu'"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope type 'yarn'"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope_scaling.rope_type='yarn'"),
+    (dict(rope_scaling=None, rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+     "unsupported rope_parameters.rope_type='dynamic'"),
     (dict(num_key_value_heads=3), "num_kv_heads=3 must divide num_heads=4"),
+    # Sliding windows shorter than the context (max_position_embeddings=256 here).
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128),
+     "unsupported sliding_window=128 (set by sliding_window): shorter than max_position_embeddings=256"),
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True, sliding_window=64,
+          max_window_layers=1), "unsupported sliding_window=64 (set by use_sliding_window)"),
+    (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", sliding_window=32,
+          layer_types=["full_attention", "sliding_attention"]), "unsupported sliding_window=32 (set by layer_types)"),
+    (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", layer_types=["full_attention", "chunked"]),
+     "unsupported layer_types entry 'chunked'"),
+    # The config and the weights disagree: biases the config asks for are not in the file.
+    (dict(attention_bias=True), "'model.layers.0.self_attn.q_proj.bias' is missing"),
+    (dict(torch_dtype="float16"), "unsupported checkpoint dtype 'float16'"),
 ])
 def test_unsupported_config(ckpt, changes, message):
     _edit_config(ckpt, **changes)
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         load_hf_checkpoint(ckpt)
 
 
@@ -141,3 +157,118 @@ def test_copy_of_checkpoint_loads(ckpt, tmp_path, model):
     dst = tmp_path / "copy"
     shutil.copytree(ckpt, dst)
     _assert_same_weights(load_hf_checkpoint(dst), model)
+
+
+# ---------------------------------------------------------------------------- safety on load
+def _no_compile(monkeypatch):
+    """Fail the test if anything is jitted or placed on a device: every check comes first."""
+    import models.hf_io as hf_io
+
+    def boom(*a, **k):
+        raise AssertionError("a weight was placed before every tensor was checked")
+    monkeypatch.setattr(hf_io.jnp, "asarray", boom)
+
+
+def test_weights_of_another_config(ckpt, model, tmp_path, monkeypatch):
+    """config.json of one size, weights of another: the first tensor that differs is named."""
+    other = tmp_path / "other"
+    save_hf_checkpoint(init_model(tiny(hidden_size=32, intermediate_size=64)), other)
+    shutil.copy(ckpt / "config.json", other / "config.json")
+    _no_compile(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"tensor 'model.embed_tokens.weight' in 'model.safetensors' has "
+                                              r"shape \(256, 32\), expected \(256, 64\)"):
+        load_hf_checkpoint(other)
+
+
+def test_tensor_the_config_does_not_use(ckpt, monkeypatch):
+    """A bias in a Llama whose config says attention_bias false would be silently dropped."""
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.bias"] = np.zeros((32,), np.float32)
+    save_file(tensors, ckpt / "model.safetensors")
+    _no_compile(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.self_attn.k_proj.bias' in 'model.safetensors' "
+                                              r"is not a weight of this config \(model_type='llama', qkv_bias=False"):
+        load_hf_checkpoint(ckpt)
+
+
+def test_wrong_dtype_named(ckpt, monkeypatch):
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.0.mlp.gate_proj.weight"] = tensors["model.layers.0.mlp.gate_proj.weight"].astype(np.float16)
+    save_file(tensors, ckpt / "model.safetensors")
+    _no_compile(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.gate_proj.weight' in 'model.safetensors' has "
+                                              r"dtype F16; config.json declares 'float32' \(F32\)"):
+        load_hf_checkpoint(ckpt)
+
+
+def test_integer_tensor_refused(ckpt, monkeypatch):
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.norm.weight"] = np.ones((64,), np.int8)
+    save_file(tensors, ckpt / "model.safetensors")
+    _no_compile(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' in 'model.safetensors' has dtype I8"):
+        load_hf_checkpoint(ckpt)
+
+
+def test_unknown_dtype_in_header(ckpt, monkeypatch):
+    """A header naming a dtype safetensors does not know (a quantised format, say)."""
+    import struct
+
+    data = (ckpt / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header["model.norm.weight"]["dtype"] = "Q4_K"
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    _no_compile(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"safetensors file 'model.safetensors' of .* cannot be read .*Q4_K"):
+        load_hf_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("cut", [10, 1000])
+def test_truncated_file(ckpt, cut, monkeypatch):
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[:-cut])
+    _no_compile(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"safetensors file 'model.safetensors' .* cannot be read "
+                                              r"\(truncated or corrupt\?\)"):
+        load_hf_checkpoint(ckpt)
+
+
+def test_truncated_shard_sharded_loader(model, tmp_path):
+    """The tensor-parallel loader runs the same checks (here on a one-device mesh)."""
+    from models import sharding
+
+    save_hf_checkpoint(model, tmp_path, max_shard_bytes=60_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    data = (tmp_path / shard).read_bytes()
+    (tmp_path / shard).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"safetensors file '{shard}'"):
+        sharding.load_sharded(tmp_path, sharding.make_mesh(1))
+
+
+def test_tied_checkpoint_with_a_stored_head_loads(tmp_path):
+    """transformers ignores `lm_head.weight` of a tied model (the head is the embedding): so do we."""
+    m = init_model(tiny(tie_word_embeddings=True), seed=2)
+    save_hf_checkpoint(m, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, tmp_path / "model.safetensors")
+    _assert_same_weights(load_hf_checkpoint(tmp_path), m)
+
+
+def test_float16_checkpoint_loads_with_a_dtype_override(tmp_path):
+    """float16 is not a compute dtype here, but a float16 checkpoint loads cast to float32 when
+    asked (its tensors must then all be F16, as its config.json declares)."""
+    m = init_model(tiny(), seed=3)
+    save_hf_checkpoint(m, tmp_path)
+    tensors = {k: v.astype(np.float16) for k, v in load_file(tmp_path / "model.safetensors").items()}
+    save_file(tensors, tmp_path / "model.safetensors")
+    _edit_config(tmp_path, torch_dtype="float16")
+    with pytest.raises(ValueError, match="unsupported checkpoint dtype 'float16'"):
+        load_hf_checkpoint(tmp_path)
+    sd = hf_state_dict(load_hf_checkpoint(tmp_path, dtype="float32"))
+    for name, w in tensors.items():
+        np.testing.assert_array_equal(sd[name], w.astype(np.float32))

@@ -261,3 +261,44 @@ def test_tensor_parallel_serving_matches_one_device(pressured):
     assert res["preemptions"] == eng.stats().preemptions
     for o in outs:
         assert res["tokens"][str(o.request_id)] == o.tokens, o.request_id
+
+
+# ---------------------------------------------------------------------------- streaming
+def test_streaming_sends_every_token_once_under_preemption(model, pressured):
+    """The pressured workload streamed: every request is preempted or waits, yet each sample's
+    deltas join to exactly its output tokens (no token sent twice, none lost), its last delta and
+    only it carries the finish reason, all of a request's deltas come before its output, beam
+    hypotheses come whole at the end, and streaming changes no token."""
+    from paged_kv.engine import TokenDelta
+
+    _, outs_ref = pressured
+    eng = ServingEngine(model, CFG, seed=0)
+    events = []
+    outs = []
+    for out in eng.run(_workload(0), on_token=events.append):
+        outs.append(out)
+        events.append(out)
+    assert eng.stats().preemptions >= 2
+    preempted = {o.request_id for o in outs if o.stats.preemptions}
+    assert preempted, "the workload must preempt some request"
+    assert [o.tokens for o in outs] == [o.tokens for o in outs_ref]
+    for o in outs:
+        mine = [e for e in events if isinstance(e, TokenDelta) and e.request_id == o.request_id]
+        assert events.index(o) > max(events.index(e) for e in mine)  # deltas first, then the output
+        for j, toks in enumerate(o.tokens):
+            per = [e for e in mine if e.index == j]
+            assert [t for e in per for t in e.tokens] == toks, (o.request_id, j)
+            assert [e.finish_reason for e in per][:-1] == [None] * (len(per) - 1)
+            assert per[-1].finish_reason == o.finish_reasons[j]
+            if o.request.is_beam:
+                assert len(per) == 1  # a hypothesis is sent whole when the search ends
+            else:
+                assert all(len(e.tokens) <= 1 for e in per)  # one token per step
+        assert {e.index for e in mine} == set(range(len(o.tokens)))
+
+
+def test_streaming_callback_checked_before_any_step(model):
+    eng = ServingEngine(model, CFG)
+    with pytest.raises(ValueError, match="run: on_token is int 3; it must be None or a callable"):
+        eng.run([Request(TOK.encode("hi"))], on_token=3)
+    assert eng.step_count == 0 and eng.idle

@@ -162,8 +162,13 @@ def llama_reduction_lens(cfg, context: int, score_mag: float, *, num_layers: int
   proj = h  # q/k/v projection over hidden
   rope = 4  # two products, a sum, cos/sin of the angle
   attn = 2 * (d + 4) * score_mag + 4 * context + 7  # as in attention_atol
-  layer = [norm, proj, rope, attn, cfg.num_heads * d, 1,  # o_proj, residual add
-           norm, h, 3, f, 1]  # gate/up over hidden, SiLU times up, down over intermediate, add
+  # Family switches (models.config): a bias is one more rounding after its projection; a q/k
+  # norm (Qwen3) is an RMSNorm over head_dim between the projection and RoPE.
+  proj += getattr(cfg, "qkv_bias", False) + (d + 2) * getattr(cfg, "qk_norm", False)
+  o_add = 1 + getattr(cfg, "o_bias", False)
+  mlp_add = getattr(cfg, "mlp_bias", False)
+  layer = [norm, proj, rope, attn, cfg.num_heads * d, o_add,  # o_proj (+ bias), residual add
+           norm, h + mlp_add, 3, f + mlp_add, 1]  # gate/up over hidden, SiLU times up, down, add
   if through == "kv":
     return layer * (layers - 1) + [norm, proj, rope]
   if through != "logits":
@@ -231,14 +236,25 @@ def score_bound(model) -> float:
   :class:`models.Llama` from its weights alone: a head's query is ``W_q,h^T (g * x_hat)`` rotated
   by RoPE (which keeps its norm), ``||x_hat||_2 <= sqrt(hidden)``, and ``sum |q_i k_i| <=
   ||q|| ||k||``, so ``S <= scale * hidden * max_h sigma(diag(g) W_q,h) * max_h sigma(diag(g)
-  W_k,h)`` (``sigma``: the largest singular value), the largest over the layers."""
+  W_k,h)`` (``sigma``: the largest singular value), the largest over the layers.
+
+  Family switches: a bias ``b_h`` adds at most ``||b_h||`` to a head's norm (triangle inequality);
+  a per-head RMSNorm with scale ``g'`` (Qwen3's q/k norm) bounds it by ``sqrt(head_dim) max |g'|``
+  whatever came before."""
   cfg = model.config
   best = 0.0
   for layer in model.layers:
     g = _f64(layer.input_norm.scale[...])[:, None]
-    sigma = [max(np.linalg.norm(g * w[:, h], 2) for h in range(w.shape[1]))
-             for w in (_f64(layer.attn.q_proj[...]), _f64(layer.attn.k_proj[...]))]
-    best = max(best, cfg.head_dim ** -0.5 * cfg.hidden_size * sigma[0] * sigma[1])
+    norms = []
+    for which in ("q", "k"):
+      w = _f64(getattr(layer.attn, f"{which}_proj")[...])
+      n = math.sqrt(cfg.hidden_size) * max(np.linalg.norm(g * w[:, h], 2) for h in range(w.shape[1]))
+      if getattr(cfg, "qkv_bias", False):
+        n += float(np.sqrt((_f64(getattr(layer.attn, f"{which}_bias")[...]) ** 2).sum(-1)).max())
+      if getattr(cfg, "qk_norm", False):
+        n = math.sqrt(cfg.head_dim) * float(np.abs(_f64(getattr(layer.attn, f"{which}_norm").scale[...])).max())
+      norms.append(n)
+    best = max(best, cfg.head_dim ** -0.5 * norms[0] * norms[1])
   return best
 
 

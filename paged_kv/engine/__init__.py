@@ -38,11 +38,11 @@ from paged_kv.engine.beam_search import BeamOutput, beam_search, beam_search_jit
 from paged_kv.engine.generate import BlockStats, FinishReason, GenerateOutput, generate, generate_jit, generate_loop
 from paged_kv.engine.requests import pad_prompts
 from paged_kv.engine.sampling import BeamParams, SamplingParams, filter_logits, sample_tokens
-from paged_kv.engine.serving import Request, RequestOutput, ServingConfig, ServingEngine
+from paged_kv.engine.serving import Request, RequestOutput, ServingConfig, ServingEngine, TokenDelta
 
 __all__ = [
     "BeamOutput", "BeamParams", "BlockStats", "FinishReason", "GenerateOutput", "SamplingParams", "beam_search",
     "beam_search_jit", "beam_search_loop", "filter_logits", "generate", "generate_jit", "generate_loop",
     "pad_prompts", "sample_tokens",
-    "Request", "RequestOutput", "ServingConfig", "ServingEngine",
+    "Request", "RequestOutput", "ServingConfig", "ServingEngine", "TokenDelta",
 ]

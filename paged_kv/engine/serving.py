@@ -57,6 +57,14 @@ and the KV pages over the mesh's "tp" axis (KV heads) and replicates the block-m
 the step inputs; the step is the same function (the forward and the copy-on-write copies run per
 device under ``shard_map``), and the host still reads back only the small per-row outputs.
 
+Streaming: ``run(requests, on_token=callback)`` calls ``callback(TokenDelta)`` after each step
+with every token generated in it, per request and sample, in order; each token is sent exactly
+once, however often its request is preempted and re-admitted (re-admission recomputes the
+generated tokens' K/V; it does not generate them again). A sample's last delta carries its
+``finish_reason``. Beam hypotheses are not final until the search ends (beams are reselected
+every step), so a beam request sends each returned hypothesis whole, in one delta, when it
+finishes.
+
 Beam search follows ``engine.beam_search`` (same scoring, tie breaking and stopping rules); the
 device returns each beam row's ``top_candidates`` best log-probabilities, which always contain
 the ``k * (1 + max(#EOS, 1))`` best continuations over all beams, and the host ranks them.
@@ -243,6 +251,25 @@ class RequestOutput:
         return self.error is None
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenDelta:
+    """Tokens of one sample of a request that no earlier delta carried (streaming, ``run(...,
+    on_token=...)``).
+
+    Attributes:
+      request_id: the request's id.
+      index: the sample index in ``[0, n)``, or the hypothesis rank (best first) of a beam request.
+      tokens: the new token ids, in order (a beam hypothesis: all of it, sent once at the end; may
+        be empty on a sample's last delta when it ended without a new token).
+      finish_reason: None while the sample goes on; ``"eos"`` or ``"length"`` on its last delta.
+    """
+
+    request_id: object
+    index: int
+    tokens: tuple[int, ...]
+    finish_reason: str | None = None
+
+
 # ---------------------------------------------------------------------------- the jitted step
 @dataclasses.dataclass(frozen=True)
 class _StepShape:
@@ -390,6 +417,7 @@ class _Sample:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish: str | None = None
     row: int | None = None
+    streamed: int = 0  # tokens[:streamed] were sent as TokenDelta (streaming never resends them)
 
 
 @dataclasses.dataclass
@@ -565,6 +593,7 @@ class ServingEngine:
         self.step_count = 0
         self.snapshot: TableSnapshot | None = None
         self._seen_shapes: set = set()
+        self._deltas: list[TokenDelta] | None = None  # collected only while run() streams
 
     # ------------------------------------------------------------------ submission
     def check(self, request: Request) -> None:
@@ -981,11 +1010,22 @@ class ServingEngine:
         if eos or len(s.tokens) >= fam.budget:
             s.finish = "eos" if eos else "length"
             s.row = None
+            self._stream_sample(fam, s)
             self._release_row(fam, row)
             if all(x.finish is not None for x in fam.samples):
                 self._finish(fam, now)
         else:
+            self._stream_sample(fam, s)
             self._pending[row] = tok
+
+    def _stream_sample(self, fam: _Family, s: _Sample) -> None:
+        """Queue the sample's tokens not yet streamed (with its finish reason once it ended)."""
+        if self._deltas is None:
+            return
+        new = tuple(s.tokens[s.streamed:])
+        if new or s.finish is not None:
+            self._deltas.append(TokenDelta(fam.rid, fam.samples.index(s), new, s.finish))
+            s.streamed = len(s.tokens)
 
     def _end_row_table_full(self, fam: _Family, row: int) -> None:
         now = time.perf_counter()
@@ -994,6 +1034,7 @@ class ServingEngine:
             return
         s = next(s for s in fam.samples if s.row == row)
         s.finish, s.row = "length", None
+        self._stream_sample(fam, s)
         self._release_row(fam, row)
         if all(x.finish is not None for x in fam.samples):
             self._finish(fam, now)
@@ -1085,6 +1126,9 @@ class ServingEngine:
                                 logprobs=[list(s.logprobs) for s in fam.samples], scores=None,
                                 finish_reasons=[s.finish for s in fam.samples], stats=fam.stats)
         out.stats.generated_tokens = sum(len(t) for t in out.tokens)
+        if self._deltas is not None and fam.req.is_beam:
+            self._deltas.extend(TokenDelta(fam.rid, j, tuple(t), reason)
+                                for j, (t, reason) in enumerate(zip(out.tokens, out.finish_reasons)))
         self._finished.append(out)
 
     def _preempt_newest(self) -> None:
@@ -1159,7 +1203,8 @@ class ServingEngine:
     # ------------------------------------------------------------------ the loop
     def run(self, requests: Iterable[Request], arrivals: Sequence[int] | None = None, *,
             max_steps: int | None = None,
-            on_step: Callable[["ServingEngine"], None] | None = None) -> Iterator[RequestOutput]:
+            on_step: Callable[["ServingEngine"], None] | None = None,
+            on_token: Callable[[TokenDelta], None] | None = None) -> Iterator[RequestOutput]:
         """Submits each request when ``step_count`` reaches its arrival step and steps until every
         request has finished; yields outputs as they finish (rejected requests: an output with
         ``error`` set, when they arrive). When nothing runs, the clock jumps to the next arrival.
@@ -1169,6 +1214,8 @@ class ServingEngine:
           arrivals: arrival step per request (default: each request's ``arrival``).
           max_steps: stop after this many steps (``RuntimeError`` if work is left).
           on_step: called after each step (progress reporting).
+          on_token: streaming: called with each ``TokenDelta`` of a step (module docstring), after
+            the step and before the outputs of the requests it finished are yielded.
 
         The arguments are checked when ``run`` is called, before any step: ``ValueError`` naming
         the bad value (requests that are not ``Request`` objects, arrivals that are not ints >= 0
@@ -1202,8 +1249,26 @@ class ServingEngine:
             raise ValueError(f"run: max_steps is {shown(max_steps)}; it must be None or an int >= 1")
         if on_step is not None and not callable(on_step):
             raise ValueError(f"run: on_step is {shown(on_step)}; it must be None or a callable taking the engine")
+        if on_token is not None and not callable(on_token):
+            raise ValueError(f"run: on_token is {shown(on_token)}; it must be None or a callable taking a TokenDelta")
+
+        def stepped() -> list[RequestOutput]:
+            done = self.step()
+            if on_token is not None:
+                deltas, self._deltas = self._deltas, []
+                for d in deltas:
+                    on_token(d)
+            return done
 
         def serve() -> Iterator[RequestOutput]:
+            if on_token is not None:
+                self._deltas = []
+            try:
+                yield from loop()
+            finally:
+                self._deltas = None
+
+        def loop() -> Iterator[RequestOutput]:
             pending = collections.deque(sorted(requests, key=lambda q: q.arrival))
             start = self.step_count
             while pending or not self.idle:
@@ -1217,16 +1282,16 @@ class ServingEngine:
                     if pending:
                         self.step_count = pending[0].arrival  # nothing to do until then
                     continue
-                yield from self.step()
+                yield from stepped()
                 if on_step is not None:
                     on_step(self)
                 if max_steps is not None and self.step_count - start >= max_steps:
                     raise RuntimeError(f"run: {max_steps} steps done and requests are left "
                                        f"({self.num_waiting} waiting, {self.num_running} running)")
-            yield from self.step()  # flush frees
+            yield from stepped()  # flush frees
 
         return serve()
 
 
 __all__ = ["EngineStats", "Request", "RequestOutput", "RequestStats", "ServingConfig", "ServingEngine",
-           "StepInputs", "StepOutputs", "TableSnapshot"]
+           "StepInputs", "StepOutputs", "TableSnapshot", "TokenDelta"]
