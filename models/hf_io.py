@@ -31,7 +31,9 @@ class CheckpointError(ValueError):
 
 def _hf_tensors(config: LlamaConfig) -> Iterator[tuple[str, tuple, tuple[int, ...]]]:
     """(HF tensor name, path into the NNX state, HF shape) for every weight of the model,
-    including the family's biases and q/k norms (`models.llama` docstring)."""
+    including the family's biases and q/k norms (`models.llama` docstring). A layer's path holds
+    its index after "layers": ("layers", i, "attn", "q_proj") is slice [i] of the stacked
+    `layers.attn.q_proj` (`state_node`)."""
     d, e, f, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
     qh, kvh = config.num_heads, config.num_kv_heads
     yield "model.embed_tokens.weight", ("embed",), (v, d)
@@ -62,6 +64,27 @@ def _hf_tensors(config: LlamaConfig) -> Iterator[tuple[str, tuple, tuple[int, ..
     yield "model.norm.weight", ("final_norm", "scale"), (d,)
     if not config.tie_word_embeddings:
         yield "lm_head.weight", ("lm_head",), (v, d)
+
+
+def state_node(state: nnx.State, state_path: tuple):
+    """(the variable at `state_path` in `state`, its layer index or None): an int in the path is
+    the layer, an index into the variable's leading (stacked) axis, not a key."""
+    node, layer = state, None
+    for key in state_path:
+        if isinstance(key, int):
+            layer = key
+        else:
+            node = node[key]
+    return node, layer
+
+
+def _stack_into(state: nnx.State, pending: dict) -> None:
+    """Set each stacked variable of `state` from its per-layer arrays `pending[path]` (in layer
+    order), and each unstacked one from its single array: one stack per variable, so loading
+    never rewrites a stacked array once per layer."""
+    for path, ws in pending.items():
+        node, _ = state_node(state, path)
+        node.set_value(ws[0] if len(ws) == 1 and path[0] != "layers" else jnp.stack(ws))
 
 
 def _to_model_layout(name: str, w: np.ndarray, config: LlamaConfig) -> np.ndarray:
@@ -221,6 +244,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None, mes
     graphdef, state = nnx.split(model)
     target = config.jnp_dtype
     handles: dict[Path, object] = {}
+    pending: dict[tuple, list] = {}  # path without the layer index -> arrays in layer order
     try:
         for name, state_path, hf_shape in _hf_tensors(config):
             if name not in files:
@@ -235,13 +259,12 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None, mes
             if tuple(w.shape) != hf_shape:
                 raise CheckpointError(f"tensor {name!r} in {file.name!r} has shape {tuple(w.shape)}, "
                                       f"expected {hf_shape} for this config")
-            node = state
-            for key in state_path:
-                node = node[key]
-            node.set_value(jnp.asarray(_to_model_layout(name, w, config), dtype=target))
+            key = tuple(k for k in state_path if not isinstance(k, int))
+            pending.setdefault(key, []).append(jnp.asarray(_to_model_layout(name, w, config), dtype=target))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+    _stack_into(state, pending)
     return nnx.merge(graphdef, state)
 
 
@@ -249,12 +272,12 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
     """The model's weights as HF-named numpy arrays in HF layout (bfloat16 as ml_dtypes.bfloat16)."""
     config = model.config
     _, state = nnx.split(model)
-    out = {}
+    out, host = {}, {}
     for name, state_path, hf_shape in _hf_tensors(config):
-        node = state
-        for key in state_path:
-            node = node[key]
-        w = np.asarray(node.get_value())  # bfloat16 arrives as ml_dtypes.bfloat16, which safetensors writes as BF16
+        node, layer = state_node(state, state_path)
+        if id(node) not in host:  # one device-to-host copy per (stacked) variable
+            host[id(node)] = np.asarray(node.get_value())
+        w = host[id(node)] if layer is None else host[id(node)][layer]  # bfloat16 arrives as ml_dtypes.bfloat16, which safetensors writes as BF16
         w = np.ascontiguousarray(_to_hf_layout(name, w))
         assert w.shape == hf_shape, (name, w.shape, hf_shape)
         out[name] = w

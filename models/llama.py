@@ -4,27 +4,30 @@ The module holds weights only. Where K/V are stored and how attention reads them
 caller as an `attend` function, so the same weights run over the paged KV cache (`models.paged`) and
 over an ordinary contiguous cache (`models.contiguous`):
 
-    attend(layer: int, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache) -> (out[B, T, QH, D], cache)
+    attend(layer: int32 scalar (traced), q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache) -> (out[B, T, QH, D], cache)
 
 q and k arrive with RoPE applied; `attend` stores k/v into `cache` and attends. Dimension names in
 einsum strings: b batch, t query tokens, d model width, h query heads, k kv heads, g heads per kv
 head, e head dim, f MLP width, v vocabulary.
 
-Parameter layout (HF tensor it maps to in `models.hf_io`):
-  embed.embedding        [V, d]            model.embed_tokens.weight
-  layers[i].attn.q_proj  [d, QH, D]        ...self_attn.q_proj.weight  [QH*D, d] transposed
-  layers[i].attn.k_proj  [d, KVH, D]       ...self_attn.k_proj.weight
-  layers[i].attn.v_proj  [d, KVH, D]       ...self_attn.v_proj.weight
-  layers[i].attn.o_proj  [QH, D, d]        ...self_attn.o_proj.weight  [d, QH*D] transposed
-  layers[i].mlp.gate/up  [d, F]; down [F, d]
-  layers[i].input_norm / post_attn_norm [d]; final_norm [d]
+Parameter layout (HF tensor it maps to in `models.hf_io`). The decoder layers are stacked: `layers`
+is one `DecoderLayer` whose every parameter has a leading layer axis L = num_layers, and the
+forward runs one `jax.lax.scan` over that axis (compile time independent of depth). Layer i's
+slice `[i]` is HF's `model.layers.{i}.` tensor:
+  embed                  [V, d]            model.embed_tokens.weight
+  layers.attn.q_proj     [L, d, QH, D]     ...self_attn.q_proj.weight  [QH*D, d] transposed
+  layers.attn.k_proj     [L, d, KVH, D]    ...self_attn.k_proj.weight
+  layers.attn.v_proj     [L, d, KVH, D]    ...self_attn.v_proj.weight
+  layers.attn.o_proj     [L, QH, D, d]     ...self_attn.o_proj.weight  [d, QH*D] transposed
+  layers.mlp.gate/up     [L, d, F]; down [L, F, d]
+  layers.input_norm / post_attn_norm [L, d]; final_norm [d]
   lm_head                [V, d]            lm_head.weight (absent when tied)
 
 Family switches (`LlamaConfig`; each parameter exists only when its switch is on):
-  layers[i].attn.q_bias  [QH, D]; k_bias, v_bias [KVH, D]   ...self_attn.{q,k,v}_proj.bias  (qkv_bias)
-  layers[i].attn.o_bias  [d]                                ...self_attn.o_proj.bias        (o_bias)
-  layers[i].attn.q_norm / k_norm [D] (RMSNorm per head)     ...self_attn.{q,k}_norm.weight  (qk_norm)
-  layers[i].mlp.gate_bias / up_bias [F]; down_bias [d]      ...mlp.{gate,up,down}_proj.bias (mlp_bias)
+  layers.attn.q_bias  [L, QH, D]; k_bias, v_bias [L, KVH, D]  ...self_attn.{q,k,v}_proj.bias  (qkv_bias)
+  layers.attn.o_bias  [L, d]                                  ...self_attn.o_proj.bias        (o_bias)
+  layers.attn.q_norm / k_norm [L, D] (RMSNorm per head)       ...self_attn.{q,k}_norm.weight  (qk_norm)
+  layers.mlp.gate_bias / up_bias [L, F]; down_bias [L, d]     ...mlp.{gate,up,down}_proj.bias (mlp_bias)
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from flax import nnx
 from models.config import LlamaConfig, rope_inv_freq
 
 Array = jax.Array
-AttendFn = Callable[[int, Array, Array, Array, Any], tuple[Array, Any]]
+AttendFn = Callable[[Array, Array, Array, Array, Any], tuple[Array, Any]]
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std: float):
@@ -93,7 +96,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(e, config.rms_norm_eps, dt)
         self.qkv_bias, self.has_o_bias, self.qk_norm = config.qkv_bias, config.o_bias, config.qk_norm
 
-    def __call__(self, x, positions, inv_freq, layer: int, cache, attend: AttendFn):
+    def __call__(self, x, positions, inv_freq, layer, cache, attend: AttendFn):
         q = jnp.einsum("btd,dhe->bthe", x, self.q_proj[...])
         k = jnp.einsum("btd,dke->btke", x, self.k_proj[...])
         v = jnp.einsum("btd,dke->btke", x, self.v_proj[...])
@@ -132,6 +135,9 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """One decoder layer (pre-norm attention and MLP, each residual). In `Llama` its parameters
+    carry a leading layer axis and it is called on one slice inside the scan over layers."""
+
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
         dt = config.jnp_dtype
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
@@ -139,7 +145,7 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config, rngs=rngs, init_std=init_std)
 
-    def __call__(self, x, positions, inv_freq, layer: int, cache, attend: AttendFn):
+    def __call__(self, x, positions, inv_freq, layer, cache, attend: AttendFn):
         h, cache = self.attn(self.input_norm(x), positions, inv_freq, layer, cache, attend)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x)), cache
@@ -204,7 +210,9 @@ class Llama(nnx.Module):
         self.config = config
         dt, std = config.jnp_dtype, init_std
         self.embed = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dt, std))
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, init_std=std) for _ in range(config.num_layers)])
+        # Each layer is built as before (same random draws, in the same order) and then stacked, so
+        # a seed gives the weights it gave when layers were a list.
+        self.layers = stack_layers([DecoderLayer(config, rngs=rngs, init_std=std) for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dt, std))
@@ -218,14 +226,48 @@ class Llama(nnx.Module):
         """
         inv_freq = jnp.asarray(rope_inv_freq(self.config))
         x = jnp.take(self.embed[...], safe_tokens(tokens, self.config.vocab_size), axis=0)
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(x, positions, inv_freq, i, cache, attend)
+        layer_def, stacked = nnx.split(self.layers)
+
+        def body(carry, xs):
+            # xs: this layer's weights (the scan slices the stacked ones) and its id, an int32
+            # scalar that `attend` uses to index the cache's layer axis in place.
+            x, cache = carry
+            weights, i = xs
+            x, cache = nnx.merge(layer_def, weights)(x, positions, inv_freq, i, cache, attend)
+            return (x, cache), None
+
+        if getattr(attend, "static_layer", False):
+            # The attend callback needs Python ints (the Pallas kernels compile the layer in):
+            # the same layers, unrolled, each on its static slice of the stacked weights.
+            for i in range(self.config.num_layers):
+                weights = jax.tree.map(lambda w: w[i], stacked)
+                (x, cache), _ = body((x, cache), (weights, i))
+        else:
+            ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+            (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, ids))
         return self.final_norm(x), cache
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Layer `i` (a Python int) as its own `DecoderLayer`: slice `[i]` of every stacked weight
+        (a copy; for inspection, e.g. weight-derived error bounds)."""
+        if not 0 <= i < self.config.num_layers:
+            raise IndexError(f"layer {i} out of range [0, {self.config.num_layers})")
+        layer_def, stacked = nnx.split(self.layers)
+        return nnx.merge(layer_def, jax.tree.map(lambda w: w[i], stacked))
 
     def logits(self, hidden: Array) -> Array:
         """hidden[..., d] -> float32 logits[..., V] (matmul in the config dtype)."""
         head = self.embed[...] if self.config.tie_word_embeddings else self.lm_head[...]
         return jnp.einsum("...d,vd->...v", hidden, head).astype(jnp.float32)
+
+
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """The layers as one `DecoderLayer` whose parameters gain a leading axis of len(layers)
+    (works on abstract `jax.ShapeDtypeStruct` leaves too, under `nnx.eval_shape`)."""
+    splits = [nnx.split(layer) for layer in layers]
+    graphdef = splits[0][0]
+    stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *(state for _, state in splits))
+    return nnx.merge(graphdef, stacked)
 
 
 def init_model(config: LlamaConfig, seed: int = 0, init_std: float = 0.02) -> Llama:

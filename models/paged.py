@@ -86,10 +86,14 @@ def make_paged_batch(block_tables, q_start, q_lens, num_tokens: int, block_size:
 
 
 # ---------------------------------------------------------------------------- forward
-def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None):
+def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim: int | None = None):
     """The `attend` callback of `models.protocol.PagedModel` over the paged cache: writes k/v at
     `batch.slots`, then paged decode or prefill attention with the call's options (scale, soft_cap,
-    alibi_slopes; anything else raises ValueError naming it)."""
+    alibi_slopes; anything else raises ValueError naming it).
+
+    Its attribute `static_layer` (`models.protocol.STATIC_LAYER`) is True when `impl` resolves to
+    a Pallas kernel, which compiles the layer id in: a model that scans over layers then calls it
+    with Python ints instead (`models.llama.Llama` does)."""
 
     def attend_local(layer, q, k, v, pages, batch, slopes, *, scale=None, soft_cap=None):
         b, t, _, _ = q.shape
@@ -116,6 +120,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None):
             slopes = options.pop("alibi_slopes", None)
             return attend_local(layer, q, k, v, pages, batch, slopes, **options)
 
+        attend.static_layer = pk.resolve_impl(impl, head_dim) != "reference"
         return attend
 
     from models.sharding import AXIS, PAGE_SPEC
@@ -133,6 +138,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None):
                            out_specs=(heads, PAGE_SPEC), check_vma=False)
         return fn(q, k, v, pages, batch, slopes)
 
+    attend.static_layer = pk.resolve_impl(impl, head_dim) != "reference"
     return attend
 
 
@@ -171,7 +177,8 @@ def paged_forward(model, pages: jax.Array, batch: PagedBatch, tokens: jax.Array,
     _check_mesh(model, mesh)
     decode = tokens.ndim == 1
     toks = tokens[:, None] if decode else tokens
-    hidden, pages = model(toks, batch.positions, pages, _make_attend(batch, impl, decode, mesh))
+    attend = _make_attend(batch, impl, decode, mesh, model_facts(model).head_dim)
+    hidden, pages = model(toks, batch.positions, pages, attend)
     if decode:
         hidden = hidden[:, 0]
     elif last_only:

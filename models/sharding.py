@@ -14,6 +14,9 @@ What is sharded over the "tp" axis of size `tp` (everything else is replicated):
 | `lm_head` (or the tied `embed`) | `[vocab, d]` | vocab, when `tp` divides it |
 | KV `pages` | `[layers, 2, kv_heads, blocks, block_size, head_dim]` | KV heads |
 
+The decoder-layer weights are stacked (`models.llama`): each of them has a leading layer axis
+`[L, ...]` before the shape above, never sharded, so its spec is `P(None, ...)` of the table's.
+
 So each device holds every block for its own KV heads: block ids are global, the block-manager
 state stays small and replicated, and block copies, KV writes and paged attention are
 device-local; `models.paged` runs those kernels under `jax.shard_map` over "tp" (a Pallas call is
@@ -155,16 +158,29 @@ def weight_spec(name: str, shape: tuple[int, ...], tp: int, tied: bool) -> P:
     return P()
 
 
-def _leaf_name(path) -> str:
+def _path_keys(path) -> list:
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    keys = [k for k in keys if k != "value"]
-    return str(keys[-1])
+    return [k for k in keys if k != "value"]
+
+
+def _leaf_name(path) -> str:
+    return str(_path_keys(path)[-1])
+
+
+def _stacked_spec(stacked: bool, name: str, shape: tuple[int, ...], tp: int, tied: bool) -> P:
+    """`weight_spec` of one layer's slice, with the leading layer axis (never sharded) in front
+    when the variable is a stacked decoder-layer weight (`models.llama`: `layers.*` is [L, ...])."""
+    if not stacked:
+        return weight_spec(name, shape, tp, tied)
+    return P(None, *weight_spec(name, shape[1:], tp, tied))
 
 
 def weight_specs(weights: nnx.State, config: LlamaConfig, tp: int):
-    """PartitionSpecs for an `nnx.State` of a model (same tree structure)."""
+    """PartitionSpecs for an `nnx.State` of a model (same tree structure). Stacked layer weights
+    (under "layers") get an unsharded leading layer axis before the table's spec."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: weight_spec(_leaf_name(path), tuple(x.shape), tp, config.tie_word_embeddings), weights)
+        lambda path, x: _stacked_spec(_path_keys(path)[0] == "layers", _leaf_name(path), tuple(x.shape), tp,
+                                      config.tie_word_embeddings), weights)
 
 
 # ---------------------------------------------------------------------------- placing arrays
@@ -191,18 +207,15 @@ def replicate(tree, mesh: Mesh):
 
 
 def _expand_kv(w, r: int):
-    """Repeat each KV head `r` times along axis 1 (`[d, kv, e]` weights) -> `[d, kv * r, e]`."""
-    return w if r == 1 else jnp.repeat(w, r, axis=1)
+    """Repeat each KV head `r` times along the KV-head axis, the second to last of `[..., kv, e]`
+    (projections `[L, d, kv, e]`, biases `[L, kv, e]`, with or without the layer axis)."""
+    return w if r == 1 else jnp.repeat(w, r, axis=-2)
 
 
 def _expand_kv_leaf(name: str, w, r: int):
-    """`_expand_kv` for the K/V leaves of a model: projections `[d, kv, e]` (axis 1) and their
-    biases `[kv, e]` (axis 0); other leaves unchanged."""
-    if name in ("k_proj", "v_proj"):
-        return _expand_kv(w, r)
-    if name in ("k_bias", "v_bias") and r > 1:
-        return jnp.repeat(w, r, axis=0)
-    return w
+    """`_expand_kv` for the K/V leaves of a model (projections and their biases); other leaves
+    unchanged."""
+    return _expand_kv(w, r) if name in ("k_proj", "v_proj", "k_bias", "v_bias") else w
 
 
 def _llama_config(model) -> LlamaConfig | None:
@@ -376,6 +389,7 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = Non
     target = placed.jnp_dtype
     handles: dict[Path, object] = {}
     counter, total = [0], 0
+    groups: dict[tuple, list] = {}  # variable path (no layer index) -> [(HF name, handle)] in layer order
     try:
         for name, state_path, hf_shape in hf_io._hf_tensors(config):
             if name not in files:
@@ -391,23 +405,30 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = Non
             if shape != hf_shape:
                 raise hf_io.CheckpointError(f"tensor {name!r} in {file.name!r} has shape {shape}, "
                                             f"expected {hf_shape} for this config")
-            node = state
-            for key in state_path:
-                node = node[key]
-            model_shape = tuple(node.get_value().shape)
             total += math.prod(hf_shape) * _ST_ITEMSIZE.get(h.get_slice(name).get_dtype(), 0)
-            spec = weight_spec(str(state_path[-1]), model_shape, tp, placed.tie_word_embeddings)
-            sharding = NamedSharding(mesh, spec)
+            groups.setdefault(tuple(k for k in state_path if not isinstance(k, int)), []).append((name, h))
+        for var_path, members in groups.items():
+            node, _ = hf_io.state_node(state, var_path)
+            model_shape = tuple(node.get_value().shape)
+            stacked = var_path[0] == "layers"  # leading layer axis: member l is layer l's tensor
+            spec = _stacked_spec(stacked, str(var_path[-1]), model_shape, tp, placed.tie_word_embeddings)
             cache: dict = {}
 
-            def callback(index, name=name, h=h, model_shape=model_shape, cache=cache):
+            def callback(index, members=members, model_shape=model_shape, cache=cache, stacked=stacked):
                 key = tuple(_range(s, n) for s, n in zip(index, model_shape))
                 if key not in cache:  # several local devices may hold the same (replicated) block
-                    cache[key] = np.asarray(_read_slice(h, name, index, model_shape, config, r, counter)
-                                            ).astype(target)
+                    if stacked:  # the block's layers, each read as its own HF tensor's slice
+                        l0, l1 = _range(index[0], model_shape[0]) if len(index) else (0, model_shape[0])
+                        block = np.stack([np.asarray(_read_slice(members[l][1], members[l][0], tuple(index)[1:],
+                                                                 model_shape[1:], config, r, counter))
+                                          for l in range(l0, l1)])
+                    else:
+                        name, h = members[0]
+                        block = np.asarray(_read_slice(h, name, index, model_shape, config, r, counter))
+                    cache[key] = block.astype(target)
                 return cache[key]
 
-            node.set_value(jax.make_array_from_callback(model_shape, sharding, callback))
+            node.set_value(jax.make_array_from_callback(model_shape, NamedSharding(mesh, spec), callback))
     finally:
         for fh in handles.values():
             fh.__exit__(None, None, None)

@@ -35,7 +35,8 @@ def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None
   Args:
     q: ``[B, num_q_heads, head_dim]``, same dtype as ``pages``.
     pages: ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``.
-    layer: static Python int, the layer whose K/V are read.
+    layer: the layer whose K/V are read: a Python int, or (``impl="reference"``, or "auto"
+      resolving to it) an int32 scalar, traced inside a scan over layers.
     block_tables: int32 ``[B, max_blocks_per_seq]`` physical block ids; entries outside
       ``[0, num_blocks)`` are clamped to the null block 0 (never another sequence's block).
     lengths: int32 ``[B]`` tokens in the cache per sequence, current token included.
@@ -54,6 +55,7 @@ def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None
   layer, scale, impl, soft_cap = validate.check_decode(
       q, pages, layer, block_tables, lengths, scale, impl, soft_cap, alibi_slopes)
   impl = resolve_impl(impl, pages.shape[-1])
+  validate.check_static_layer(layer, impl)
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
     knobs["alibi_slopes"] = alibi_slopes
@@ -87,6 +89,7 @@ def paged_prefill_attention(q, pages, layer, block_tables, q_start, q_lens, *, s
   layer, scale, impl, soft_cap = validate.check_prefill(
       q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap, alibi_slopes)
   impl = resolve_impl(impl, pages.shape[-1])
+  validate.check_static_layer(layer, impl)
   # Knobs are passed only when set, so the default call is exactly the program without them.
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
@@ -106,7 +109,7 @@ def write_kv(pages, layer, k, v, slots, *, impl="auto"):
   Args:
     pages: the page array; donate it (``jax.jit(..., donate_argnums=...)``) so the update is
       in place.
-    layer: static Python int.
+    layer: as in :func:`paged_decode_attention`.
     k, v: ``[N, num_kv_heads, head_dim]`` in the pages' dtype.
     slots: int32 ``[N]``, ``slot = block_id * block_size + offset``. Padding rows should carry
       a slot inside the null block 0; slots outside ``[0, num_blocks * block_size)`` are
@@ -117,6 +120,7 @@ def write_kv(pages, layer, k, v, slots, *, impl="auto"):
   """
   layer, impl = validate.check_write_kv(pages, layer, k, v, slots, impl)
   impl = resolve_impl(impl, pages.shape[-1])
+  validate.check_static_layer(layer, impl)
   if impl == "reference":
     return reference.write_kv_reference(pages, layer, k, v, slots)
   from pallas_kernels import kv_write

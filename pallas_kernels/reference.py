@@ -73,8 +73,11 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   num_chunks = -(-bt.shape[1] // chunk)
   bt = jnp.pad(bt, ((0, 0), (0, num_chunks * chunk - bt.shape[1])))
   keys = chunk * block_size
-  rows = pages[layer].reshape(2 * hkv * num_blocks, block_size * d)
-  plane = jnp.arange(2 * hkv, dtype=jnp.int32)[:, None] * num_blocks
+  # Rows of every layer, gathered with the layer folded into the row id: with a traced layer
+  # (a scan over layers) `pages[layer]` would be a dynamic slice XLA may copy out, one layer's
+  # pages per layer per step; a reshape is free and the gather reads only the rows it needs.
+  rows = pages.reshape(-1, block_size * d)
+  plane = (layer * 2 * hkv + jnp.arange(2 * hkv, dtype=jnp.int32)[:, None]) * num_blocks
   qk = q.reshape(b, t, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * g, d)
   hi = jax.lax.Precision.HIGHEST
   if slopes is not None:  # [Hq] -> [Hkv, 1, 1, G, 1], query head h = kv * G + g
@@ -111,7 +114,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   return out.transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "scale", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
 def paged_decode_attention_reference(q, pages, layer, block_tables, lengths, *, scale,
                                      soft_cap=None, alibi_slopes=None):
   """q [B, Hq, D] -> [B, Hq, D]; attends to positions [0, lengths[b]) (the query at lengths - 1)."""
@@ -120,7 +123,7 @@ def paged_decode_attention_reference(q, pages, layer, block_tables, lengths, *, 
   return out[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "scale", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
 def paged_prefill_attention_reference(q, pages, layer, block_tables, q_start, q_lens, *, scale,
                                       soft_cap=None, alibi_slopes=None):
   """q [B, T, Hq, D] -> [B, T, Hq, D]; query t attends to positions [0, q_start + t]."""
@@ -131,7 +134,7 @@ def paged_prefill_attention_reference(q, pages, layer, block_tables, q_start, q_
                           alibi_slopes)
 
 
-@functools.partial(jax.jit, static_argnames=("layer",))
+@jax.jit
 def write_kv_reference(pages, layer, k, v, slots):
   """pages[layer, 0|1, h, slot // bs, slot % bs] = k|v[n, h] for every row n."""
   num_layers, _, hkv, num_blocks, block_size, d = pages.shape

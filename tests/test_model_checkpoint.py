@@ -69,7 +69,7 @@ def test_hf_layout(model):
     assert sd["model.layers.0.self_attn.q_proj.weight"].shape == (cfg.num_heads * cfg.head_dim, cfg.hidden_size)
     assert sd["model.layers.1.self_attn.k_proj.weight"].shape == (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
     assert sd["model.layers.0.mlp.down_proj.weight"].shape == (cfg.hidden_size, cfg.intermediate_size)
-    q = np.asarray(model.layers[0].attn.q_proj[...])
+    q = np.asarray(model.layers.attn.q_proj[0])
     # HF row h * D + e of q_proj is query head h, dimension e.
     np.testing.assert_array_equal(sd["model.layers.0.self_attn.q_proj.weight"][1 * cfg.head_dim + 3], q[:, 1, 3])
 

@@ -243,7 +243,7 @@ def score_bound(model) -> float:
   whatever came before."""
   cfg = model.config
   best = 0.0
-  for layer in model.layers:
+  for layer in (model.layer(i) for i in range(cfg.num_layers)):
     g = _f64(layer.input_norm.scale[...])[:, None]
     norms = []
     for which in ("q", "k"):
