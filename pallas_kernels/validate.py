@@ -71,8 +71,8 @@ def check_layer(layer: Any, num_layers: int, *, traced_ok: bool = False):
       raise ValueError(f"layer must be an integer scalar, got {layer.dtype} shape {layer.shape}")
     return layer.astype(jnp.int32)
   if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
-    kind = "a Python int or an int32 scalar" if traced_ok else "a static Python int (the Pallas kernels)"
-    raise ValueError(f"layer must be {kind}, got {type(layer).__name__} {layer!r}")
+    alt = " (or, for impl='reference', an integer scalar array)" if traced_ok else ""
+    raise ValueError(f"layer must be a static Python int{alt}, got {type(layer).__name__} {layer!r}")
   if not 0 <= int(layer) < num_layers:
     raise ValueError(f"layer={layer} out of range [0, {num_layers}) for pages with {num_layers} layers")
   return int(layer)

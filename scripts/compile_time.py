@@ -1,0 +1,144 @@
+"""Compile time of the paged decode step against model depth, and the step's run time.
+
+For each depth in `--layers` the decode step (`models.paged_decode_step`, the `bench_model.py`
+width: d=256, F=768, 8 query / 2 KV heads, vocab 2048, float32) is lowered and compiled from
+abstract shapes (`abstract_model`: no weights allocated), timing tracing + lowering and XLA's
+compile separately, in a fresh jit cache each time (`jax.clear_caches`). For each depth in
+`--step-layers` the compiled step then runs on real weights: the median of `--repeats` calls.
+
+Only the public API is used, so the same script measures another checkout of the project:
+
+    python scripts/compile_time.py --label after
+    PYTHONPATH=/tmp/base17 python scripts/compile_time.py --label before   # main's code
+
+Results are merged into `--out` (default results/compile_time.json) under the label, with the
+load average at start and end (the machine is shared: compare runs made back to back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+if "PYTHONPATH" not in os.environ:  # measure this checkout unless told otherwise
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import models  # noqa: E402
+from models import LlamaConfig, allocate_pages, init_model, make_paged_batch, page_spec, paged_decode_step  # noqa: E402
+from models.llama import abstract_model  # noqa: E402
+
+BATCH, CONTEXT, BLOCK = 8, 256, 16
+
+
+def config(num_layers: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=num_layers, num_heads=8,
+                       num_kv_heads=2, max_position_embeddings=4096, dtype="float32")
+
+
+def inputs(cfg: LlamaConfig):
+    """(pages, batch metadata, tokens) of a decode step: BATCH sequences at CONTEXT tokens, each in
+    its own scrambled blocks."""
+    rs = np.random.RandomState(0)
+    per_seq = -(-CONTEXT // BLOCK)
+    tables = rs.permutation(np.arange(1, 1 + BATCH * per_seq)).reshape(BATCH, per_seq).astype(np.int32)
+    pages = allocate_pages(page_spec(cfg, 1 + BATCH * per_seq, BLOCK))
+    meta = make_paged_batch(tables, np.full(BATCH, CONTEXT - 1, np.int32), np.ones(BATCH, np.int32), 1, BLOCK)
+    tokens = jnp.asarray(rs.randint(0, cfg.vocab_size, BATCH), jnp.int32)
+    return pages, meta, tokens
+
+
+def compile_seconds(num_layers: int) -> dict:
+    jax.clear_caches()
+    cfg = config(num_layers)
+    graphdef, state = nnx.split(abstract_model(cfg))
+    pages, meta, tokens = inputs(cfg)
+    pages = jax.ShapeDtypeStruct(pages.shape, pages.dtype)
+    t0 = time.perf_counter()
+    lowered = paged_decode_step.lower(graphdef, state, pages, meta, tokens, impl="reference")
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    return {"layers": num_layers, "lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
+
+
+def step_ms(num_layers: int, repeats: int) -> dict:
+    jax.clear_caches()
+    cfg = config(num_layers)
+    graphdef, state = nnx.split(init_model(cfg, seed=0))
+    pages, meta, tokens = inputs(cfg)
+    box = {"pages": pages}
+
+    def step():
+        logits, box["pages"] = paged_decode_step(graphdef, state, box["pages"], meta, tokens, impl="reference")
+        logits.block_until_ready()
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"layers": num_layers, "step_ms": 1e3 * statistics.median(times), "repeats": repeats}
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--label", required=True, help="key in the JSON, e.g. before / after")
+    ap.add_argument("--layers", type=int, nargs="*", default=[4, 16, 32, 80])
+    ap.add_argument("--step-layers", type=int, nargs="*", default=[4, 16])
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--commit", help="commit of the measured source when it is no git checkout (an archive)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "compile_time.json"))
+    args = ap.parse_args(argv)
+
+    load_start = load()
+    compiles = []
+    for n in args.layers:
+        compiles.append(compile_seconds(n))
+        print(f"{n:3d} layers: lower {compiles[-1]['lower_s']:.2f} s, compile {compiles[-1]['compile_s']:.2f} s",
+              flush=True)
+    steps = []
+    for n in args.step_layers:
+        steps.append(step_ms(n, args.repeats))
+        print(f"{n:3d} layers: decode step {steps[-1]['step_ms']:.2f} ms (median of {args.repeats})", flush=True)
+    src = Path(models.__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or None
+    except OSError:
+        commit = None
+    commit = args.commit or commit
+    entry = {"source": str(src), "commit": commit, "jax": jax.__version__, "backend": jax.default_backend(),
+             "cpu_count": os.cpu_count(), "machine": platform.machine(), "batch": BATCH, "context": CONTEXT,
+             "block_size": BLOCK, "load_avg_start": load_start, "load_avg_end": load(), "compile": compiles,
+             "step": steps}
+    by = {c["layers"]: c["total_s"] for c in compiles}
+    if 4 in by and 32 in by:
+        entry["compile_32_over_4"] = by[32] / by[4]
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data.setdefault(args.label, {}).update({k: v for k, v in entry.items() if v != [] or k not in data[args.label]})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {out} [{args.label}]")
+
+
+if __name__ == "__main__":
+    main()
