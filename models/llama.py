@@ -4,7 +4,11 @@ The module holds weights only. Where K/V are stored and how attention reads them
 caller as an `attend` function, so the same weights run over the paged KV cache (`models.paged`) and
 over an ordinary contiguous cache (`models.contiguous`):
 
-    attend(layer: int32 scalar (traced), q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache) -> (out[B, T, QH, D], cache)
+    attend(layer, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache) -> (out[B, T, QH, D], cache)
+
+`layer` is an int32 scalar traced by the scan over layers, or a Python int when the callback sets
+`attend.static_layer = True` (the Pallas kernels compile the layer in; the layers then run
+unrolled).
 
 q and k arrive with RoPE applied; `attend` stores k/v into `cache` and attends. Dimension names in
 einsum strings: b batch, t query tokens, d model width, h query heads, k kv heads, g heads per kv
