@@ -150,6 +150,64 @@ class ServingEngine(Scheduler):
         """The block-manager state (``BlockManagerState`` of device arrays; donated by every call)."""
         return self.device.state
 
+    # ------------------------------------------------------------------ compilation
+    def programs(self) -> list[tuple[str, str, Callable]]:
+        """The jitted programs a run calls: ``(name, why it exists, lower)`` where ``lower()``
+        returns the program lowered on inputs of its exact shapes (``jax.stages.Lowered``)."""
+        cfg, mgr = self.config, self.manager
+        p, c, r = cfg.max_prefill_rows, cfg.chunk_size, mgr.max_seqs
+        return [
+            ("step variant 1/2 (decode)",
+             f"every step without a prefill chunk: free, select, append + paged decode forward of R={r} rows, "
+             "copy-on-write, fork, per-row sampling",
+             lambda: self.device.lower_step(0)),
+            (f"step variant 2/2 (prefill chunk [{p}, {c}] + decode)",
+             f"steps that also prefill one chunk of a cohort: the paged prefill forward of P={p} prompts x "
+             f"C={c} positions before the decode forward",
+             lambda: self.device.lower_step(p)),
+            ("admit",
+             f"each admission: frees, prefix-cache lookup and block allocation for up to {p} prompts of "
+             f"{self._admit_width} tokens (fixed shape: one compile)",
+             lambda: self.device.lower_admit(self._admit_width)),
+            ("free",
+             "frees rows when no model step runs (the end of a run, or only frees left)",
+             lambda: self.device.lower_free()),
+        ]
+
+    def compile(self, progress: Callable[[int, int, str, float | None], None] | None = None) -> list[dict]:
+        """Compiles every program of ``programs()`` now (ahead of time: ``lower(...).compile()``),
+        so that no step waits for XLA and compile time is measured per program.
+
+        ``progress(k, total, name, seconds)`` is called before each program (``seconds`` None)
+        and after it (its compile seconds). The engine's clock starts here when nothing was
+        submitted yet, and ``EngineStats.compile_s`` / ``compile_ahead_s`` count this time, so
+        ``tokens_per_s`` still excludes it. Returns (and keeps as ``compile_table``) one
+        ``{"program", "seconds", "why"}`` per program. With JAX's persistent compilation cache on,
+        a program compiled by an earlier run is loaded instead (its seconds are then lowering
+        and loading)."""
+        import time
+
+        if self._t_start is None:
+            self._t_start = time.perf_counter()
+        progs = self.programs()
+        table = []
+        for k, (name, why, lower) in enumerate(progs, start=1):
+            if progress is not None:
+                progress(k, len(progs), name, None)
+            t0 = time.perf_counter()
+            lower().compile()
+            dt = time.perf_counter() - t0
+            table.append({"program": name, "seconds": round(dt, 3), "why": why})
+            if progress is not None:
+                progress(k, len(progs), name, dt)
+        p = self.config.max_prefill_rows  # the keys step() and admission time first calls by
+        self._compiled_ahead.update({("step", 0), ("step", p), ("admit", p, self._admit_width)})
+        total = sum(t["seconds"] for t in table)
+        self._stats.compile_s += total
+        self._stats.compile_ahead_s += total
+        self.compile_table = table
+        return table
+
     # ------------------------------------------------------------------ the loop
     def run(self, requests: Iterable[Request], arrivals: Sequence[int] | None = None, *,
             max_steps: int | None = None,

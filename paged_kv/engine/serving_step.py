@@ -270,6 +270,33 @@ class DeviceStep:
                                                inp, shape=self._shapes[prefill_rows])
         return jax.device_get(out)
 
+    # -- ahead-of-time compilation (``ServingEngine.compile``) -------------------------------
+    def lower_step(self, prefill_rows: int):
+        """The step variant with ``prefill_rows`` (0 or P) lowered on example inputs of its exact
+        shapes and placement; ``.compile()`` fills the cache the ``step`` calls hit."""
+        inp, _ = build_inputs(self.config, np.full((self.config.manager.max_seqs,), -1, np.int32), (), {}, (), 0, ())
+        if prefill_rows:
+            p, c = prefill_rows, self.config.chunk_size
+            inp = inp.replace(pf_rows=np.full((p,), -1, np.int32), pf_tokens=np.zeros((p, c), np.int32),
+                              pf_start=np.zeros((p,), np.int32), pf_lens=np.zeros((p,), np.int32))
+        if self.mesh is not None:
+            (inp,) = _requests.replicate_inputs(self.mesh, inp)
+        return step_jit.lower(self.graphdef, self.weights, self.pages, self.state, self.key, inp,
+                              shape=self._shapes[prefill_rows])
+
+    def lower_admit(self, width: int):
+        """The ``admit`` program for ``max_prefill_rows`` prompts of ``width`` tokens, lowered."""
+        r, a = self.config.manager.max_seqs, self.config.max_prefill_rows
+        args = _requests.replicate_inputs(self.mesh, np.full((r,), -1, np.int32), np.full((a,), -1, np.int32),
+                                          np.zeros((a,), np.int32), np.zeros((a, width), np.int32),
+                                          np.zeros((a,), np.uint32))
+        return admit_jit.lower(self.config.manager, self.state, *args)
+
+    def lower_free(self):
+        """The ``free`` program, lowered."""
+        (free_ids,) = _requests.replicate_inputs(self.mesh, np.full((self.config.manager.max_seqs,), -1, np.int32))
+        return free_jit.lower(self.config.manager, self.state, free_ids)
+
     def free(self, free_ids) -> int:
         """Frees ``free_ids`` [R] (-1 pads); returns the free block count."""
         (free_ids,) = _requests.replicate_inputs(self.mesh, free_ids)

@@ -199,7 +199,8 @@ class EngineStats:
     prefill_tokens: int = 0
     wall_s: float = 0.0
     step_s: float = 0.0
-    compile_s: float = 0.0
+    compile_s: float = 0.0  # first calls of each shape + compile_ahead_s
+    compile_ahead_s: float = 0.0  # ServingEngine.compile (before the first step; not in step_s)
     peak_blocks_used: int = 0
     preemptions: int = 0
     copies: int = 0
