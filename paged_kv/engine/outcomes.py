@@ -32,11 +32,12 @@ class Outcomes:
         produced: list[int] = []  # rows whose logits are valid this step
         # Decoding rows.
         failed = []
+        status = out.status.tolist()  # Python ints once, not a numpy scalar per row
         for row in list(self._pending):
-            if out.status[row] == Status.OK:
+            if status[row] == Status.OK:
                 del self._pending[row]
                 produced.append(row)
-            elif out.status[row] == Status.TABLE_FULL:  # cannot happen within the budget; end the row
+            elif status[row] == Status.TABLE_FULL:  # cannot happen within the budget; end the row
                 del self._pending[row]
                 fam, _ = self._row_owner[row]
                 self._end_row_table_full(fam, row)
@@ -61,6 +62,7 @@ class Outcomes:
             if self._chunk >= self._chunk_end:
                 self._cohort = []
         beam_fams = {}
+        tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
         for row in produced:
             owner = self._row_owner.get(row)
             if owner is None or owner[0].phase is not Phase.RUNNING:
@@ -70,7 +72,7 @@ class Outcomes:
                 self._results[row] = (out.top_logprobs[row], out.top_ids[row])
                 beam_fams[fam.seq] = fam
             else:
-                self._emit_sample(fam, row, int(out.tokens[row]), float(out.logprobs[row]), now)
+                self._emit_sample(fam, row, tokens[row], logprobs[row], now)
         for fam in beam_fams.values():
             self._maybe_choose(fam, now)
         if failed:

@@ -153,7 +153,8 @@ class ServingEngine(Scheduler):
     # ------------------------------------------------------------------ compilation
     def programs(self) -> list[tuple[str, str, Callable]]:
         """The jitted programs a run calls: ``(name, why it exists, lower)`` where ``lower()``
-        returns the program lowered on inputs of its exact shapes (``jax.stages.Lowered``)."""
+        returns the program lowered on inputs of its exact shapes (``jax.stages.Lowered``).
+        (Frees with no model step left, at the end of a run, run the decode-only variant.)"""
         cfg, mgr = self.config, self.manager
         p, c, r = cfg.max_prefill_rows, cfg.chunk_size, mgr.max_seqs
         return [
@@ -169,9 +170,6 @@ class ServingEngine(Scheduler):
              f"each admission: frees, prefix-cache lookup and block allocation for up to {p} prompts of "
              f"{self._admit_width} tokens (fixed shape: one compile)",
              lambda: self.device.lower_admit(self._admit_width)),
-            ("free",
-             "frees rows when no model step runs (the end of a run, or only frees left)",
-             lambda: self.device.lower_free()),
         ]
 
     def compile(self, progress: Callable[[int, int, str, float | None], None] | None = None) -> list[dict]:

@@ -1,5 +1,5 @@
-"""The serving engine's device side: one jitted step of static shapes, plus the ``admit`` and
-``free`` programs, and ``DeviceStep``, which holds the device arrays and calls them.
+"""The serving engine's device side: one jitted step of static shapes (two variants), the
+``admit`` program, and ``DeviceStep``, which holds the device arrays and calls them.
 
 The step (one ``jax.jit``; shapes fixed by ``R = max_seqs``, ``P`` (0 when no prefill chunk runs,
 else ``max_prefill_rows``: two compiled variants) and ``C = chunk_size``): ``free`` finished or
@@ -109,14 +109,24 @@ class StepOutputs:
     bad_tokens: jax.Array
 
 
+def _unless_padding(ids: jax.Array, op, state: BlockManagerState) -> BlockManagerState:
+    """``op(state)`` when some row of ``ids`` (int32 [R]) is not padding, else ``state`` as is.
+
+    Most steps free, select and fork nothing; the op on all-padding rows leaves the state
+    unchanged anyway, so the ``lax.cond`` gives the same state and saves the op's gathers and
+    scatters over R rows on those steps (the CPU runs only the branch taken). The block-manager
+    state is small: no KV page passes through the cond."""
+    return jax.lax.cond(jnp.any(ids >= 0), op, lambda s: s, state)
+
+
 def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, *, shape: StepShape):
     cfg = shape.config
     mgr = cfg.manager
     model = nnx.merge(graphdef, weights)
     r = mgr.max_seqs
     rows = jnp.arange(r, dtype=jnp.int32)
-    state, _ = free(mgr, state, inp.free_ids)
-    state, _ = select(mgr, state, inp.sel_dst, inp.sel_parent)
+    state = _unless_padding(inp.free_ids, lambda s: free(mgr, s, inp.free_ids)[0], state)
+    state = _unless_padding(inp.sel_dst, lambda s: select(mgr, s, inp.sel_dst, inp.sel_parent)[0], state)
     pf_logits = None
     vocab = model.vocab_size
     bad_tokens = jnp.sum(~in_vocab(inp.dec_tokens, vocab) & inp.dec_live, dtype=jnp.int32)
@@ -134,7 +144,7 @@ def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepIn
                                                   impl=cfg.impl, mesh=shape.mesh)
     if pf_logits is not None:
         logits = logits.at[jnp.where(inp.pf_rows >= 0, inp.pf_rows, r)].set(pf_logits, mode="drop")
-    state, _ = fork(mgr, state, inp.fork_src, inp.fork_dst)
+    state = _unless_padding(inp.fork_dst, lambda s: fork(mgr, s, inp.fork_src, inp.fork_dst)[0], state)
     logits = logits[jnp.clip(inp.logit_src, 0, r - 1)]
     keys = jax.vmap(lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, s), i), t))(
         inp.seed, inp.sample_idx, inp.token_idx)
@@ -162,14 +172,6 @@ def admit_fn(manager: ManagerConfig, state, free_ids, seq_ids, lens, tokens, sal
 
 
 admit_jit = jax.jit(admit_fn, static_argnums=0, donate_argnums=1)
-
-
-def free_fn(manager: ManagerConfig, state, free_ids):
-    state, _ = free(manager, state, free_ids)
-    return state, state.queue.num_free
-
-
-free_jit = jax.jit(free_fn, static_argnums=0, donate_argnums=1)
 
 def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pending: dict, cohort, chunk: int,
                  running) -> tuple[StepInputs, tuple | None]:
@@ -292,20 +294,18 @@ class DeviceStep:
                                           np.zeros((a,), np.uint32))
         return admit_jit.lower(self.config.manager, self.state, *args)
 
-    def lower_free(self):
-        """The ``free`` program, lowered."""
-        (free_ids,) = _requests.replicate_inputs(self.mesh, np.full((self.config.manager.max_seqs,), -1, np.int32))
-        return free_jit.lower(self.config.manager, self.state, free_ids)
-
     def free(self, free_ids) -> int:
-        """Frees ``free_ids`` [R] (-1 pads); returns the free block count."""
-        (free_ids,) = _requests.replicate_inputs(self.mesh, free_ids)
-        self.state, num_free = free_jit(self.config.manager, self.state, free_ids)
-        return int(num_free)
+        """Frees ``free_ids`` [R] (-1 pads); returns the free block count.
+
+        Runs the decode-only step variant with no row decoding (its first op is this ``free``;
+        nothing else changes the state): one program fewer to compile than a ``free`` of its own,
+        for the cost of one step's forward over idle rows at the end of a run."""
+        inp, _ = build_inputs(self.config, np.asarray(free_ids, np.int32), (), {}, (), 0, ())
+        return int(self.step(inp, 0).num_free)
 
     def cache_stats(self):
         """The prefix cache's counters (host ints: lookups, query_tokens, hit_tokens, evictions)."""
         return jax.device_get(self.state.cache.stats)
 
 
-__all__ = ["DeviceStep", "StepInputs", "StepOutputs", "StepShape", "admit_jit", "build_inputs", "free_jit", "step_fn", "step_jit"]
+__all__ = ["DeviceStep", "StepInputs", "StepOutputs", "StepShape", "admit_jit", "build_inputs", "step_fn", "step_jit"]
