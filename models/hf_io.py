@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,64 +17,12 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.config import LlamaConfig
+from models.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, check_checkpoint, read_hf_config  # noqa: F401
+from models.hf_format import hf_tensors as _hf_tensors, state_node
 from models.llama import Llama, abstract_model
-
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from models.sharding import load_sharded
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into the model (wrong shape, missing tensor, ...)."""
-
-
-def _hf_tensors(config: LlamaConfig) -> Iterator[tuple[str, tuple, tuple[int, ...]]]:
-    """(HF tensor name, path into the NNX state, HF shape) for every weight of the model,
-    including the family's biases and q/k norms (`models.llama` docstring). A layer's path holds
-    its index after "layers": ("layers", i, "attn", "q_proj") is slice [i] of the stacked
-    `layers.attn.q_proj` (`state_node`)."""
-    d, e, f, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
-    qh, kvh = config.num_heads, config.num_kv_heads
-    yield "model.embed_tokens.weight", ("embed",), (v, d)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        yield p + "self_attn.q_proj.weight", ("layers", i, "attn", "q_proj"), (qh * e, d)
-        yield p + "self_attn.k_proj.weight", ("layers", i, "attn", "k_proj"), (kvh * e, d)
-        yield p + "self_attn.v_proj.weight", ("layers", i, "attn", "v_proj"), (kvh * e, d)
-        yield p + "self_attn.o_proj.weight", ("layers", i, "attn", "o_proj"), (d, qh * e)
-        if config.qkv_bias:
-            yield p + "self_attn.q_proj.bias", ("layers", i, "attn", "q_bias"), (qh * e,)
-            yield p + "self_attn.k_proj.bias", ("layers", i, "attn", "k_bias"), (kvh * e,)
-            yield p + "self_attn.v_proj.bias", ("layers", i, "attn", "v_bias"), (kvh * e,)
-        if config.o_bias:
-            yield p + "self_attn.o_proj.bias", ("layers", i, "attn", "o_bias"), (d,)
-        if config.qk_norm:
-            yield p + "self_attn.q_norm.weight", ("layers", i, "attn", "q_norm", "scale"), (e,)
-            yield p + "self_attn.k_norm.weight", ("layers", i, "attn", "k_norm", "scale"), (e,)
-        yield p + "mlp.gate_proj.weight", ("layers", i, "mlp", "gate"), (f, d)
-        yield p + "mlp.up_proj.weight", ("layers", i, "mlp", "up"), (f, d)
-        yield p + "mlp.down_proj.weight", ("layers", i, "mlp", "down"), (d, f)
-        if config.mlp_bias:
-            yield p + "mlp.gate_proj.bias", ("layers", i, "mlp", "gate_bias"), (f,)
-            yield p + "mlp.up_proj.bias", ("layers", i, "mlp", "up_bias"), (f,)
-            yield p + "mlp.down_proj.bias", ("layers", i, "mlp", "down_bias"), (d,)
-        yield p + "input_layernorm.weight", ("layers", i, "input_norm", "scale"), (d,)
-        yield p + "post_attention_layernorm.weight", ("layers", i, "post_attn_norm", "scale"), (d,)
-    yield "model.norm.weight", ("final_norm", "scale"), (d,)
-    if not config.tie_word_embeddings:
-        yield "lm_head.weight", ("lm_head",), (v, d)
-
-
-def state_node(state: nnx.State, state_path: tuple):
-    """(the variable at `state_path` in `state`, its layer index or None): an int in the path is
-    the layer, an index into the variable's leading (stacked) axis, not a key."""
-    node, layer = state, None
-    for key in state_path:
-        if isinstance(key, int):
-            layer = key
-        else:
-            node = node[key]
-    return node, layer
 
 
 def _stack_into(state: nnx.State, pending: dict) -> None:
@@ -113,113 +60,6 @@ def _to_hf_layout(name: str, w: np.ndarray) -> np.ndarray:
     return w
 
 
-def read_hf_config(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    cfg_file = path / CONFIG_FILE
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"missing {CONFIG_FILE} in checkpoint directory {str(path)!r}")
-    with open(cfg_file) as fh:
-        return json.load(fh)
-
-
-def _weight_map(path: Path) -> dict[str, Path]:
-    index = path / INDEX_FILE
-    if index.is_file():
-        with open(index) as fh:
-            wm = json.load(fh).get("weight_map")
-        if not isinstance(wm, dict):
-            raise CheckpointError(f"{index} has no 'weight_map' object")
-        files = {name: path / shard for name, shard in wm.items()}
-        for shard in sorted(set(files.values())):
-            if not shard.is_file():
-                raise FileNotFoundError(f"missing safetensors shard {shard.name!r} listed in {INDEX_FILE} "
-                                        f"of {str(path)!r}")
-        return files
-    single = path / SINGLE_FILE
-    if not single.is_file():
-        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {str(path)!r}")
-    try:
-        with safe_open(single, framework="numpy") as fh:
-            return {name: single for name in fh.keys()}
-    except Exception as err:  # safetensors raises its own error type for a bad header or size
-        raise _unreadable(single, path, err) from err
-
-
-def _unreadable(file: Path, path: Path, err: BaseException) -> CheckpointError:
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return CheckpointError(f"safetensors file {file.name!r} of {str(path)!r} cannot be read (truncated or "
-                           f"corrupt?): {first}")
-
-
-_DECLARED_ST_DTYPE = {"float32": "F32", "fp32": "F32", "bfloat16": "BF16", "bf16": "BF16", "float16": "F16",
-                      "fp16": "F16"}
-"""config.json's declared dtype -> the safetensors dtype its tensors must have. float16 checkpoints
-load only with a `dtype` override (`models.config.SUPPORTED_DTYPES`): their F16 weights are cast."""
-
-# Non-weights that some checkpoints carry (older transformers saved RoPE's buffer); ignored.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def check_checkpoint(path: str | os.PathLike, config: LlamaConfig, hf: dict) -> dict[str, Path]:
-    """Check every tensor of a checkpoint against its config before anything is built or compiled;
-    returns the weight map (tensor name -> file).
-
-    Each safetensors file must open (a truncated file or a header naming an unknown dtype raises
-    here, naming the file); each tensor the config implies must be present with the HF shape and
-    the dtype `config.json` declares (`torch_dtype`/`dtype`: F32, BF16, or F16 for a float16
-    checkpoint loaded with a `dtype` override);
-    and no file may hold a tensor the config does not use (say a `q_proj.bias` in a Llama whose
-    config says `attention_bias: false`: ignoring it would compute another model). The one
-    exception is `lm_head.weight` of a tied model, which transformers ignores too (the head is the
-    embedding), and RoPE buffers. Raises CheckpointError naming the tensor (or file), what it is
-    and what the config expects.
-    """
-    path = Path(path)
-    files = _weight_map(path)
-    declared = str(hf.get("torch_dtype", hf.get("dtype")) or "float32").removeprefix("torch.")
-    if declared not in _DECLARED_ST_DTYPE:
-        raise CheckpointError(f"unsupported checkpoint dtype {declared!r} in config.json: expected one of "
-                              f"{sorted(set(_DECLARED_ST_DTYPE))}")
-    want_dt = _DECLARED_ST_DTYPE[declared]
-    want = {name: shape for name, _, shape in _hf_tensors(config)}
-    headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
-    for file in sorted(set(files.values())):
-        try:
-            with safe_open(file, framework="numpy") as fh:
-                headers[file] = {n: (fh.get_slice(n).get_dtype(), tuple(fh.get_slice(n).get_shape()))
-                                 for n in fh.keys()}
-        except Exception as err:  # safetensors raises its own error type for a bad header or size
-            raise _unreadable(file, path, err) from err
-    for name, file in files.items():
-        if name not in headers[file]:
-            raise CheckpointError(f"tensor {name!r} listed for {file.name!r} is not in that file")
-    for file, header in headers.items():
-        for name in header:
-            if name in want or name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue
-            raise CheckpointError(
-                f"tensor {name!r} in {file.name!r} is not a weight of this config (model_type="
-                f"{config.model_type!r}, qkv_bias={config.qkv_bias}, o_bias={config.o_bias}, mlp_bias="
-                f"{config.mlp_bias}, qk_norm={config.qk_norm}, tie_word_embeddings={config.tie_word_embeddings}): "
-                "config.json and the weights disagree")
-    for name, shape in want.items():
-        if name not in files:
-            raise CheckpointError(f"tensor {name!r} is missing from checkpoint {str(path)!r}")
-        file = files[name]
-        dt, got = headers[file][name]
-        if got != shape:
-            raise CheckpointError(f"tensor {name!r} in {file.name!r} has shape {got}, expected {shape} for this "
-                                  "config")
-        if dt != want_dt:
-            raise CheckpointError(f"tensor {name!r} in {file.name!r} has dtype {dt}; config.json declares "
-                                  f"{declared!r} ({want_dt})")
-    return files
-
-
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> Llama:
     """Load a Hugging Face Llama-family checkpoint directory (`models.config.FAMILIES`) into a `Llama`.
 
@@ -234,7 +74,6 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None, mes
     tensor, wrong shape or dtype, truncated file), each naming the file or tensor.
     """
     if mesh is not None:
-        from models.sharding import load_sharded
         return load_sharded(path, mesh, dtype=dtype)
     path = Path(path)
     hf = read_hf_config(path)

@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from models import hf_format
 from models.config import LlamaConfig
 from models.llama import Llama, abstract_model
 from models.protocol import check_model, check_partition_specs, model_facts, partition_specs
@@ -375,25 +376,23 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = Non
     """
     from safetensors import safe_open
 
-    from models import hf_io
-
     path = Path(path)
-    hf = hf_io.read_hf_config(path)
+    hf = hf_format.read_hf_config(path)
     config = LlamaConfig.from_hf_config(hf, dtype=dtype)
     tp = tp_degree(mesh)
     kvh = kv_heads_for(config, tp)
     placed = config.replace(num_kv_heads=kvh)
     r = kvh // config.num_kv_heads
-    files = hf_io.check_checkpoint(path, config, hf)  # every shape and dtype, before any array is built
+    files = hf_format.check_checkpoint(path, config, hf)  # every shape and dtype, before any array is built
     graphdef, state = nnx.split(abstract_model(placed))
     target = placed.jnp_dtype
     handles: dict[Path, object] = {}
     counter, total = [0], 0
     groups: dict[tuple, list] = {}  # variable path (no layer index) -> [(HF name, handle)] in layer order
     try:
-        for name, state_path, hf_shape in hf_io._hf_tensors(config):
+        for name, state_path, hf_shape in hf_format.hf_tensors(config):
             if name not in files:
-                raise hf_io.CheckpointError(f"tensor {name!r} is missing from checkpoint {str(path)!r}")
+                raise hf_format.CheckpointError(f"tensor {name!r} is missing from checkpoint {str(path)!r}")
             file = files[name]
             if file not in handles:
                 handles[file] = safe_open(file, framework="numpy").__enter__()
@@ -401,14 +400,14 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = Non
             try:
                 shape = tuple(h.get_slice(name).get_shape())
             except Exception as err:
-                raise hf_io.CheckpointError(f"tensor {name!r} listed for {file.name!r} cannot be read: {err}") from err
+                raise hf_format.CheckpointError(f"tensor {name!r} listed for {file.name!r} cannot be read: {err}") from err
             if shape != hf_shape:
-                raise hf_io.CheckpointError(f"tensor {name!r} in {file.name!r} has shape {shape}, "
+                raise hf_format.CheckpointError(f"tensor {name!r} in {file.name!r} has shape {shape}, "
                                             f"expected {hf_shape} for this config")
             total += math.prod(hf_shape) * _ST_ITEMSIZE.get(h.get_slice(name).get_dtype(), 0)
             groups.setdefault(tuple(k for k in state_path if not isinstance(k, int)), []).append((name, h))
         for var_path, members in groups.items():
-            node, _ = hf_io.state_node(state, var_path)
+            node, _ = hf_format.state_node(state, var_path)
             model_shape = tuple(node.get_value().shape)
             stacked = var_path[0] == "layers"  # leading layer axis: member l is layer l's tensor
             spec = _stacked_spec(stacked, str(var_path[-1]), model_shape, tp, placed.tie_word_embeddings)
@@ -466,13 +465,11 @@ class KVCapacity:
 def weight_bytes_per_device(config: LlamaConfig, tp: int) -> int:
     """Bytes of weights on one device at degree `tp` (replicated KV heads counted). Arithmetic on
     the checkpoint's tensor list: no model is built."""
-    from models.hf_io import _hf_tensors
-
     kvh = kv_heads_for(config, tp)
     r = kvh // config.num_kv_heads
     itemsize = jnp.dtype(config.dtype).itemsize
     total = 0
-    for name, state_path, hf_shape in _hf_tensors(config):
+    for name, state_path, hf_shape in hf_format.hf_tensors(config):
         kv = name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"))
         numel = math.prod(hf_shape) * (r if kv else 1)
         model_shape = (config.vocab_size,) if state_path[-1] in ("embed", "lm_head") else ()

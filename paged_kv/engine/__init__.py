@@ -31,7 +31,10 @@ with ``models.sharding.shard``), the block-manager state and prompts are replica
 loops run unchanged (the kernels per device under ``shard_map``).
 
 Modules: ``sampling`` (parameters, sampler), ``steps`` (chunked prefill and the decode step with
-their block-manager side), ``generate``, ``beam_search``, ``requests`` (request checks).
+their block-manager side), ``generate``, ``beam_search``, ``requests`` (request checks), and the
+serving loop: ``serving`` (``ServingEngine``, wiring), ``serving_types`` (its config, request,
+output and statistics types), ``scheduler`` + ``outcomes`` + ``families`` (the host policy,
+testable without a model), ``serving_step`` (the jitted step and its inputs and outputs).
 """
 
 from paged_kv.engine.beam_search import BeamOutput, beam_search, beam_search_jit, beam_search_loop

@@ -1,0 +1,203 @@
+"""What the serving scheduler does with one step's outputs: each produced row's token goes to its
+sample (or its top candidates to its beam family, ranked once every beam of the family has them),
+samples and families finish, rows are released, tokens are queued for streaming, and a failed
+``append`` preempts the newest running request (by recompute: it goes back to the front of the
+waiting queue with its generated tokens).
+
+``Outcomes`` is a base class of ``engine.scheduler.Scheduler``, split out to keep each file
+readable: it uses the scheduler's host state (``_pending``, ``_row_owner``, ``_results``,
+``_select``, ``_to_free``, ``_free_rows``, ``_running``, ``_waiting``, ``_cohort``, ``_stats``,
+``_deltas``, ``_finished``) and holds none of its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from paged_kv.engine import families as F
+from paged_kv.engine.families import Beam, Family, Phase, Sample
+from paged_kv.engine.serving_step import StepOutputs
+from paged_kv.engine.serving_types import TokenDelta
+from paged_kv.status import Status
+
+
+class Outcomes:
+    """Processing of ``StepOutputs`` (host numpy) for ``Scheduler``."""
+
+    def _process(self, out: StepOutputs, pf) -> None:
+        now = time.perf_counter()
+        st = self._stats
+        produced: list[int] = []  # rows whose logits are valid this step
+        # Decoding rows.
+        failed = []
+        status = out.status.tolist()  # Python ints once, not a numpy scalar per row
+        for row in list(self._pending):
+            if status[row] == Status.OK:
+                del self._pending[row]
+                produced.append(row)
+            elif status[row] == Status.TABLE_FULL:  # cannot happen within the budget; end the row
+                del self._pending[row]
+                fam, _ = self._row_owner[row]
+                self._end_row_table_full(fam, row)
+            else:
+                failed.append(row)
+        # Rows whose prefill ended.
+        if pf is not None:
+            st.prefill_steps += 1
+            st.prefill_tokens += int(np.sum(pf[3]))
+            for cr, end in zip(list(self._cohort), pf[4]):
+                if not end:
+                    continue
+                if cr.discard:
+                    self._to_free.append(cr.row)
+                    self._free_rows.append(cr.row)
+                    self._free_rows.sort()
+                    continue
+                produced.append(cr.row)
+                produced.extend(cr.fork_to)
+                cr.family.prefilling.discard(cr.row)
+            self._chunk += 1
+            if self._chunk >= self._chunk_end:
+                self._cohort = []
+        beam_fams = {}
+        tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
+        for row in produced:
+            owner = self._row_owner.get(row)
+            if owner is None or owner[0].phase is not Phase.RUNNING:
+                continue  # released while processing this step (its request ended)
+            fam = owner[0]
+            if fam.req.is_beam:
+                self._results[row] = (out.top_logprobs[row], out.top_ids[row])
+                beam_fams[fam.seq] = fam
+            else:
+                self._emit_sample(fam, row, tokens[row], logprobs[row], now)
+        for fam in beam_fams.values():
+            self._maybe_choose(fam, now)
+        if failed:
+            self._preempt_newest()
+
+    def _first_token(self, fam: Family, now: float) -> None:
+        if fam.stats.first_token_step is None:
+            fam.stats.first_token_step = self.step_count
+            fam.stats.time_to_first_token_s = now - fam.t_submit
+
+    def _emit_sample(self, fam: Family, row: int, tok: int, logp: float, now: float) -> None:
+        s = next(s for s in fam.samples if s.row == row)
+        self._first_token(fam, now)
+        s.tokens.append(tok)
+        s.logprobs.append(logp)
+        self._stats.generated_tokens += 1
+        eos = tok in fam.req.params.eos_token_ids
+        if eos or len(s.tokens) >= fam.budget:
+            s.finish = "eos" if eos else "length"
+            s.row = None
+            self._stream_sample(fam, s)
+            self._release_row(fam, row)
+            if all(x.finish is not None for x in fam.samples):
+                self._finish(fam, now)
+        else:
+            self._stream_sample(fam, s)
+            self._pending[row] = tok
+
+    def _stream_sample(self, fam: Family, s: Sample) -> None:
+        """Queue the sample's tokens not yet streamed (with its finish reason once it ended)."""
+        if self._deltas is None:
+            return
+        new = tuple(s.tokens[s.streamed:])
+        if new or s.finish is not None:
+            self._deltas.append(TokenDelta(fam.rid, fam.samples.index(s), new, s.finish))
+            s.streamed = len(s.tokens)
+
+    def _end_row_table_full(self, fam: Family, row: int) -> None:
+        now = time.perf_counter()
+        if fam.req.is_beam:
+            self._finish_beams(fam, now, final=True)
+            return
+        s = next(s for s in fam.samples if s.row == row)
+        s.finish, s.row = "length", None
+        self._stream_sample(fam, s)
+        self._release_row(fam, row)
+        if all(x.finish is not None for x in fam.samples):
+            self._finish(fam, now)
+
+    def _release_row(self, fam: Family, row: int) -> None:
+        self._to_free.append(row)
+        self._pending.pop(row, None)
+        self._results.pop(row, None)
+        self._row_owner.pop(row, None)
+        if row in fam.rows:
+            fam.rows.remove(row)
+        self._free_rows.append(row)
+        self._free_rows.sort()
+
+    # -- beam search (host side; the algorithm of engine.beam_search) -------------------------
+    def _maybe_choose(self, fam: Family, now: float) -> None:
+        p = fam.req.params
+        k = p.beam_width
+        live = fam.beams if fam.beams else [Beam(tokens=[], score=0.0, row=fam.rows[0])]
+        if any(b.row not in self._results for b in live):
+            return  # some beam still waits for its forward (prefill or a retried append)
+        self._first_token(fam, now)
+        finished, keep, length = F.rank_beams(live, [self._results.pop(b.row) for b in live], p, self.vocab_size)
+        if length >= fam.budget:
+            finished += [(val, live[i].tokens + [tok], length) for val, i, tok in keep]
+        F.merge_pool(fam, finished, p.length_penalty)
+        self._stats.generated_tokens += len(keep)
+        if length >= fam.budget or len(fam.pool) >= k or len(keep) < k:
+            fam.beams = [Beam(live[i].tokens + [tok], val) for val, i, tok in keep]
+            self._finish_beams(fam, now, final=False)
+            return
+        # New beams take rows: beam j -> fam.rows[j]; its table is its parent's (select next step).
+        parents = [live[i].row for _, i, _ in keep]
+        fam.beams = [Beam(live[i].tokens + [tok], val, row=fam.rows[j]) for j, (val, i, tok) in enumerate(keep)]
+        for j, b in enumerate(fam.beams):
+            self._select.append((b.row, parents[j]))
+            self._pending[b.row] = b.tokens[-1]
+
+    def _finish_beams(self, fam: Family, now: float, *, final: bool) -> None:
+        if final:  # out of table: the live beams are hypotheses of their current length
+            F.merge_pool(fam, [(b.score, b.tokens, len(b.tokens)) for b in fam.beams if b.tokens],
+                         fam.req.params.length_penalty)
+        for row in list(fam.rows):
+            self._release_row(fam, row)
+        self._finish(fam, now)
+
+    # -- finishing and preemption ---------------------------------------------------------
+    def _finish(self, fam: Family, now: float) -> None:
+        for row in list(fam.rows):  # reserved rows never used (a sample family finishing early)
+            self._release_row(fam, row)
+        fam.phase = Phase.DONE
+        self._running.pop(fam.seq, None)
+        fam.stats.finish_step = self.step_count
+        fam.stats.latency_s = now - fam.t_submit
+        self._stats.finished += 1
+        out = F.family_output(fam)
+        if self._deltas is not None and fam.req.is_beam:
+            self._deltas.extend(TokenDelta(fam.rid, j, tuple(t), reason)
+                                for j, (t, reason) in enumerate(zip(out.tokens, out.finish_reasons)))
+        self._finished.append(out)
+
+    def _preempt_newest(self) -> None:
+        """Preempt the newest running request that is not in the middle of its prefill."""
+        cands = [f for f in self._running.values() if not f.prefilling]
+        if not cands:
+            return
+        fam = max(cands, key=lambda f: f.seq)
+        for row in list(fam.rows):
+            self._release_row(fam, row)
+        for s in fam.samples:
+            s.row = None
+        for b in fam.beams:
+            b.row = None
+        self._select = [(d, p) for d, p in self._select if self._row_owner.get(d, (None,))[0] is not None]
+        fam.phase = Phase.WAITING
+        fam.stats.preemptions += 1
+        self._stats.preemptions += 1
+        self._running.pop(fam.seq)
+        # Front of the queue, but behind older preempted requests already there.
+        i = 0
+        while i < len(self._waiting) and self._waiting[i].stats.preemptions > 0 and self._waiting[i].seq < fam.seq:
+            i += 1
+        self._waiting.insert(i, fam)

@@ -1,0 +1,294 @@
+"""The serving engine's host policy: admission, preemption, families and beams, streaming.
+
+``Scheduler`` owns every host-side decision and no device array. Each ``step()`` it admits
+waiting families (first come, first served, while rows, prefill rows and blocks allow), builds
+one step's ``StepInputs`` (numpy, static shapes), calls ``device.step`` once, and turns the
+``StepOutputs`` it gets back into tokens, finished requests, beam reselections and, when an
+``append`` found no free block, a preemption of the newest running request.
+
+``device`` is anything with the four methods of ``serving_step.DeviceStep``::
+
+    admit(free_ids [R], ids [A], lens [A], toks [A, W], salts [A]) -> (status [A], cached [A], shared [A], num_free)
+    step(inp: StepInputs, prefill_rows: int) -> StepOutputs      # host (numpy) values
+    free(free_ids [R]) -> num_free
+    cache_stats() -> object with lookups, query_tokens, hit_tokens, evictions
+
+so the policy can be driven by a fake device in tests, without a model (``tests/test_scheduler.py``).
+What happens to a step's outputs (tokens to samples, beam ranking, finishing, streaming,
+preemption) is in ``engine.outcomes``, a base class of ``Scheduler``.
+See ``paged_kv.engine.serving`` for the rules themselves (admission, cohorts, preemption, streaming).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import numpy as np
+
+from paged_kv.engine import families as F
+from paged_kv.engine.families import CohortRow, Family, Phase, Sample
+from paged_kv.engine.outcomes import Outcomes
+from paged_kv.engine.serving_step import build_inputs
+from paged_kv.engine.serving_types import EngineStats, Request, RequestOutput, RequestStats, ServingConfig
+from paged_kv.engine.serving_types import TableSnapshot, TokenDelta
+from paged_kv.status import Status
+
+
+class Scheduler(Outcomes):
+    """Host scheduler of a serving engine (module docstring).
+
+    Args:
+      config: the ``ServingConfig``.
+      device: the device side (``DeviceStep`` or a fake with the same methods).
+      vocab_size, max_positions: the model's facts (request checks, beam tie breaking).
+    """
+
+    def __init__(self, config: ServingConfig, device, *, vocab_size: int, max_positions: int):
+        mgr = config.manager
+        self.config, self.manager, self.device = config, mgr, device
+        self.vocab_size, self.max_positions = vocab_size, max_positions
+        self.context = min(mgr.max_tokens_per_seq, max_positions)
+        # Every admit call has this fixed width (one compile): the context rounded up to blocks.
+        self._admit_width = min(mgr.max_tokens_per_seq, -(-self.context // mgr.block_size) * mgr.block_size)
+        self._waiting: collections.deque[Family] = collections.deque()
+        self._running: dict[int, Family] = {}  # by seq
+        self._free_rows: list[int] = list(range(mgr.max_seqs))
+        self._row_owner: dict[int, tuple[Family, int]] = {}
+        self._pending: dict[int, int] = {}  # row -> token to feed next step
+        self._results: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # beam row -> top (logprobs, ids)
+        self._select: list[tuple[int, int]] = []  # (dst, parent) for the next step
+        self._to_free: list[int] = []
+        self._cohort: list[CohortRow] = []
+        self._chunk = 0
+        self._chunk_end = 0
+        self._num_free = mgr.num_blocks - 1
+        self._submitted = 0
+        self._finished: list[RequestOutput] = []
+        self._stats = EngineStats()
+        self._t_start: float | None = None
+        self.step_count = 0
+        self.snapshot: TableSnapshot | None = None
+        self._seen_shapes: set = set()  # shapes whose first call was timed as compiling
+        self._compiled_ahead: set = set()  # shapes ServingEngine.compile compiled before any call
+        self.compile_table: list[dict] = []  # per program: compile seconds and why (ServingEngine.compile)
+        self._deltas: list[TokenDelta] | None = None  # collected only while run() streams
+
+    # ------------------------------------------------------------------ submission
+    def check(self, request: Request) -> None:
+        """``ValueError`` when ``request`` can never run on this engine (the message names the
+        value and the limit): a prompt token id outside ``[0, vocab_size)`` (e.g. "prompt token id
+        259 at position 16 is out of range: ids must be in [0, vocab_size=259)"), a prompt longer
+        than the context or the pool, EOS ids or ``top_k`` beyond the vocabulary, a family too wide
+        or too large for the pool."""
+        F.check_request(request, self.config, context=self.context, vocab_size=self.vocab_size,
+                        max_positions=self.max_positions)
+
+    def submit(self, request: Request) -> object:
+        """Queues ``request`` (at the back of the waiting queue); returns its id.
+
+        Raises ``ValueError`` if it is invalid for this model (a token id outside ``[0, vocab_size)``)
+        or can never fit (prompt longer than the context or the pool, ``n``/beam width too wide,
+        its sequences larger than the pool); nothing is queued and the engine is unchanged.
+        """
+        self.check(request)
+        if self._t_start is None:
+            self._t_start = time.perf_counter()
+        seq = self._submitted
+        self._submitted += 1
+        rid = seq if request.request_id is None else request.request_id
+        fam = Family(req=request, rid=rid, seq=seq, seed=seq if request.seed is None else request.seed,
+                     budget=F.budget(request, self.context), t_submit=time.perf_counter())
+        fam.stats.prompt_tokens = len(request.prompt)
+        fam.stats.arrival_step = self.step_count
+        if not request.is_beam:
+            fam.samples = [Sample() for _ in range(request.params.n)]
+        self._waiting.append(fam)
+        return rid
+
+    def reject(self, request: Request, error: str) -> RequestOutput:
+        """The output of a request that was not accepted (counted in the statistics)."""
+        self._stats.rejected += 1
+        return RequestOutput(request_id=request.request_id, request=request, tokens=[], logprobs=None, scores=None,
+                             finish_reasons=[], stats=RequestStats(prompt_tokens=len(request.prompt),
+                                                                   arrival_step=self.step_count), error=error)
+
+    @property
+    def idle(self) -> bool:
+        """No request is waiting or running."""
+        return not self._waiting and not self._running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks held by running sequences after the last step (host copy; no device read)."""
+        return self.manager.num_blocks - 1 - self._num_free
+
+    @property
+    def preemptions(self) -> int:
+        return self._stats.preemptions
+
+    # ------------------------------------------------------------------ admission
+    def _try_admit(self) -> None:
+        if self._cohort or not self._waiting:
+            return
+        mgr, cfg = self.manager, self.config
+        picked = F.pick_admissions(self._waiting, mgr, cfg.max_prefill_rows, num_free=self._num_free,
+                                   running_rows=sum(len(f.rows) for f in self._running.values()),
+                                   free_rows=len(self._free_rows), anything_running=bool(self._running))
+        if not picked:
+            return
+        # Rows for each family; the admitted row of a new family is its first row.
+        plan = []  # (family, row, index, tokens)
+        fam_rows: dict[int, list[int]] = {}
+        for fam, entries in picked:
+            rows = [self._free_rows.pop(0) for _ in range(F.rows_needed(fam, entries))]
+            fam_rows[fam.seq] = rows
+            for j, (idx, toks, _) in enumerate(entries):
+                plan.append((fam, rows[j], idx, toks))
+        # Fixed shapes (every admission compiles once): max_prefill_rows prompts of the context.
+        a = cfg.max_prefill_rows
+        width = self._admit_width
+        ids = np.full((a,), -1, np.int32)
+        lens = np.zeros((a,), np.int32)
+        toks = np.zeros((a, width), np.int32)
+        salts = np.zeros((a,), np.uint32)
+        for i, (fam, row, _, t) in enumerate(plan):
+            ids[i], lens[i], salts[i] = row, len(t), fam.req.salt
+            toks[i, :len(t)] = t
+        free_ids = self._take_frees()
+        t0 = time.perf_counter()
+        status, cached, shared, num_free = self.device.admit(free_ids, ids, lens, toks, salts)
+        self._note_compile(("admit", a, width), t0)
+        self._num_free = int(num_free)
+        failed = {fam.seq for i, (fam, *_) in enumerate(plan) if status[i] != Status.OK}
+        # Admission is first come, first served: once a prompt fails, every later one fails, but
+        # the first rows of a re-admitted family may already be in. Such a family goes back to the
+        # queue; its admitted rows are still prefilled (``admit`` cached their full blocks, which
+        # must not stay cached without their K/V), then freed: a later re-admission hits them.
+        cohort = []
+        kept_rows = set()
+        for i, (fam, row, idx, t) in enumerate(plan):
+            if status[i] != Status.OK:
+                continue
+            start = int(cached[i]) + int(shared[i])
+            if fam.seq in failed:
+                kept_rows.add(row)
+                cohort.append(CohortRow(row=row, family=fam, index=idx, tokens=np.asarray(t, np.int32),
+                                        start=min(start, len(t) - 1), fork_to=[], discard=True))
+                continue
+            fam.stats.cached_prompt_tokens += int(cached[i])
+            fam.stats.shared_prompt_tokens += int(shared[i])
+            new_n = (not fam.req.is_beam) and all(not s.tokens for s in fam.samples)
+            fork_to = fam_rows[fam.seq][1:] if new_n else []
+            cohort.append(CohortRow(row=row, family=fam, index=idx, tokens=np.asarray(t, np.int32),
+                                    start=min(start, len(t) - 1), fork_to=fork_to))
+        for fam, _ in picked:
+            if fam.seq in failed:
+                self._free_rows.extend(r for r in fam_rows[fam.seq] if r not in kept_rows)
+                continue
+            self._waiting.remove(fam)
+            fam.phase = Phase.RUNNING
+            fam.rows = fam_rows[fam.seq]
+            fam.stats.admissions += 1
+            self._stats.admissions += 1
+            self._running[fam.seq] = fam
+            for j, row in enumerate(fam.rows):
+                self._row_owner[row] = (fam, j)
+        self._free_rows.sort()
+        for c in cohort:
+            if c.discard:
+                continue
+            c.family.prefilling.add(c.row)
+            if c.family.req.is_beam:
+                b = c.family.beams[c.index] if c.family.beams else None
+                if b is not None:
+                    b.row = c.row
+            else:
+                c.family.samples[c.index].row = c.row
+                for j, dst in enumerate(c.fork_to, start=1):  # forked when the prefill ends
+                    c.family.samples[j].row = dst
+        if not cohort and not self._running:
+            # Even alone the head did not fit: it never will (check() should have caught it).
+            fam = self._waiting.popleft()
+            self._finished.append(self.reject(fam.req, "request does not fit the block pool"))
+        self._cohort = cohort
+        if cohort:
+            size = self.config.chunk_size
+            self._chunk = min(c.start for c in cohort) // size
+            self._chunk_end = -(-max(len(c.tokens) for c in cohort) // size)
+
+    def _take_frees(self) -> np.ndarray:
+        r = self.manager.max_seqs
+        ids = np.full((r,), -1, np.int32)
+        ids[:len(self._to_free)] = self._to_free
+        self._to_free = []
+        return ids
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: admit if possible, run one device step, process its results
+        (sample / beam bookkeeping, finishing, preemption). Returns the requests that finished."""
+        t0 = time.perf_counter()
+        if self._t_start is None:
+            self._t_start = t0
+        self._try_admit()
+        cfg = self.config
+        if not (self._cohort or self._pending):
+            if self._to_free:
+                self._num_free = int(self.device.free(self._take_frees()))
+            self._refresh_cache_stats()
+            return self._drain(t0)
+        inp, pf = build_inputs(cfg, self._take_frees(), self._select, self._pending, self._cohort, self._chunk,
+                               self._running.values())
+        self._select = []
+        prefill_rows = cfg.max_prefill_rows if pf else 0
+        t1 = time.perf_counter()
+        out = self.device.step(inp, prefill_rows)
+        self._note_compile(("step", prefill_rows), t1)
+        self.step_count += 1
+        st = self._stats
+        st.steps += 1
+        st.copies += int(out.copies)
+        st.bad_tokens += int(out.bad_tokens)
+        self._num_free = int(out.num_free)
+        st.peak_blocks_used = max(st.peak_blocks_used, self.manager.num_blocks - 1 - self._num_free)
+        self._process(out, pf)
+        if cfg.record_tables:
+            self.snapshot = F.record_sharing(st, self.snapshot, self._running.values(), self._row_owner, out,
+                                             self.manager.block_size, self.step_count)
+        return self._drain(t0)
+
+    def _note_compile(self, key, t0: float) -> None:
+        # The first call of each shape compiles: its time is reported apart from the throughput.
+        if key not in self._seen_shapes and key not in self._compiled_ahead:
+            self._seen_shapes.add(key)
+            self._stats.compile_s += time.perf_counter() - t0
+
+    def _drain(self, t0: float) -> list[RequestOutput]:
+        now = time.perf_counter()
+        self._stats.step_s += now - t0
+        if self._t_start is not None:
+            self._stats.wall_s = now - self._t_start
+        done, self._finished = self._finished, []
+        return done
+
+    # ------------------------------------------------------------------ statistics
+    def _refresh_cache_stats(self) -> None:
+        cs = self.device.cache_stats()
+        st = self._stats
+        st.cache_lookups, st.cache_query_tokens = int(cs.lookups), int(cs.query_tokens)
+        st.cache_hit_tokens, st.cache_evictions = int(cs.hit_tokens), int(cs.evictions)
+
+    def stats(self) -> EngineStats:
+        """Engine statistics so far (prefix-cache counters read from the device)."""
+        self._refresh_cache_stats()
+        return dataclasses.replace(self._stats)

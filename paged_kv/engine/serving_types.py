@@ -1,0 +1,260 @@
+"""The serving engine's public value types: its configuration, requests, their outputs and
+statistics, streamed token deltas and the block-table snapshot.
+
+Host-only (no jax): ``ServingConfig`` (static, hashable: part of the step's jit key), ``Request``
+(checked on construction), ``RequestOutput`` / ``RequestStats`` (what a finished request returns),
+``TokenDelta`` (streaming), ``EngineStats`` (engine-wide counters) and ``TableSnapshot`` (the
+block tables of one family at one step, for the block-table picture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from paged_kv.config import ManagerConfig
+from paged_kv.engine import requests as _requests
+from paged_kv.engine.sampling import BeamParams, SamplingParams
+
+IMPLS = ("auto", "pallas", "interpret", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    """Static configuration of a ``ServingEngine`` (hashable: part of the step's jit key).
+
+    Attributes:
+      manager: the block manager's config; ``max_seqs`` is the batch ``R`` of every step.
+      chunk_size: prefill positions per step (the ``C`` of the ``[P, C]`` prefill batch).
+      max_prefill_rows: prompts per admission (cohort) at most: the ``P`` of the prefill batch
+        of a step that runs a chunk (0 otherwise), and the shape of every ``admit`` call. Also the
+        widest ``n`` / beam width a request may have (a preempted one is re-admitted as a unit).
+      top_candidates: log-probabilities returned per row for beam search; a beam request needs
+        ``k * (1 + max(#EOS ids, 1)) <= top_candidates``.
+      impl: kernel implementation (``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``).
+      record_tables: read the block tables back every step (sharing statistics, the block-table
+        picture); costs one ``[R, max_blocks_per_seq]`` transfer per step.
+    """
+
+    manager: ManagerConfig
+    chunk_size: int = 64
+    max_prefill_rows: int = 8
+    top_candidates: int = 8
+    impl: str = "auto"
+    record_tables: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.manager, ManagerConfig):
+            raise ValueError(f"manager must be a ManagerConfig, got {type(self.manager).__name__}")
+        for name, lo in (("chunk_size", 1), ("max_prefill_rows", 1), ("top_candidates", 2)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}={v!r} must be an int >= {lo}")
+        if self.max_prefill_rows > self.manager.max_seqs:
+            raise ValueError(f"max_prefill_rows={self.max_prefill_rows} must be <= manager.max_seqs="
+                             f"{self.manager.max_seqs}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r} must be one of {IMPLS}")
+        if not isinstance(self.record_tables, bool):
+            raise ValueError(f"record_tables={self.record_tables!r} must be a bool")
+
+
+def is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request.
+
+    Attributes:
+      prompt: token ids, at least one: a sequence of ints (not bools or floats) or a 1-D integer
+        array, each in ``[0, 2**31)``; stored as a tuple of ints. ``ServingEngine.submit`` checks
+        them against the model's vocabulary (``[0, vocab_size)``).
+      params: ``SamplingParams`` (``n`` samples, greedy when ``temperature == 0``) or
+        ``BeamParams`` (beam search of width ``beam_width``).
+      salt: prefix-cache salt in ``[0, 2**32)``: requests share cached blocks only with equal salts.
+      arrival: the engine step at which ``ServingEngine.run`` submits it (>= 0).
+      request_id: any hashable label (default: the submission number).
+      seed: sampling seed (default: the submission number); with the engine's seed it fixes the
+        sampled tokens.
+    """
+
+    prompt: tuple[int, ...]
+    params: SamplingParams | BeamParams = SamplingParams()
+    salt: int = 0
+    arrival: int = 0
+    request_id: object = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        # Vectorised checks (no per-token Python loop): ints, not bools or floats, in [0, 2**31).
+        object.__setattr__(self, "prompt", tuple(_requests.token_ids(self.prompt).tolist()))
+        if not isinstance(self.params, (SamplingParams, BeamParams)):
+            raise ValueError(f"params must be SamplingParams or BeamParams, got {type(self.params).__name__}")
+        if not is_int(self.salt) or not 0 <= self.salt < 2**32:
+            raise ValueError(f"salt={self.salt!r} must be an int in [0, 2**32)")
+        if not is_int(self.arrival) or self.arrival < 0:
+            raise ValueError(f"arrival={self.arrival!r} must be an int >= 0")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**31):
+            raise ValueError(f"seed={self.seed!r} must be None or an int in [0, 2**31)")
+
+    @property
+    def is_beam(self) -> bool:
+        return isinstance(self.params, BeamParams)
+
+    @property
+    def width(self) -> int:
+        """Rows the request holds while it runs: ``n`` or the beam width."""
+        return self.params.beam_width if self.is_beam else self.params.n
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """Per-request statistics (``RequestOutput.stats``).
+
+    Attributes:
+      prompt_tokens: tokens of the original prompt.
+      cached_prompt_tokens: prompt tokens served from the prefix cache, over all admissions
+        (a re-admission after preemption counts its recomputed tokens too).
+      shared_prompt_tokens: prompt tokens whose blocks another prompt of the same admission
+        computed.
+      admissions: 1 + re-admissions after preemption.
+      preemptions: times the request was preempted.
+      generated_tokens: tokens generated, over all samples / the returned beam hypotheses.
+      arrival_step, first_token_step, finish_step: engine steps.
+      time_to_first_token_s: wall time from submission to the first generated token.
+      latency_s: wall time from submission to the end.
+    """
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    shared_prompt_tokens: int = 0
+    admissions: int = 0
+    preemptions: int = 0
+    generated_tokens: int = 0
+    arrival_step: int = 0
+    first_token_step: int | None = None
+    finish_step: int | None = None
+    time_to_first_token_s: float | None = None
+    latency_s: float | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A finished (or rejected) request.
+
+    Attributes:
+      request_id: the request's id.
+      request: the request itself.
+      tokens: generated tokens: ``n`` samples in sample order, or the beam hypotheses best first.
+      logprobs: per sample, each token's log-probability under the model (sampling), or None.
+      scores: per beam hypothesis, ``sum_logprobs / length ** length_penalty``, or None.
+      finish_reasons: per sample / hypothesis, ``"eos"`` or ``"length"``.
+      stats: ``RequestStats``.
+      error: why the request was rejected (then nothing was generated), else None.
+    """
+
+    request_id: object
+    request: Request
+    tokens: list[list[int]]
+    logprobs: list[list[float]] | None
+    scores: list[float] | None
+    finish_reasons: list[str]
+    stats: RequestStats
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDelta:
+    """Tokens of one sample of a request that no earlier delta carried (streaming, ``run(...,
+    on_token=...)``).
+
+    Attributes:
+      request_id: the request's id.
+      index: the sample index in ``[0, n)``, or the hypothesis rank (best first) of a beam request.
+      tokens: the new token ids, in order (a beam hypothesis: all of it, sent once at the end; may
+        be empty on a sample's last delta when it ended without a new token).
+      finish_reason: None while the sample goes on; ``"eos"`` or ``"length"`` on its last delta.
+    """
+
+    request_id: object
+    index: int
+    tokens: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Engine-wide statistics (``ServingEngine.stats()``)."""
+
+    steps: int = 0
+    prefill_steps: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    wall_s: float = 0.0
+    step_s: float = 0.0
+    compile_s: float = 0.0  # first calls of each shape + compile_ahead_s
+    compile_ahead_s: float = 0.0  # ServingEngine.compile (before the first step; not in step_s)
+    peak_blocks_used: int = 0
+    preemptions: int = 0
+    copies: int = 0
+    bad_tokens: int = 0  # tokens outside the vocabulary that reached a step (host checks bypassed)
+    finished: int = 0
+    rejected: int = 0
+    admissions: int = 0
+    cache_lookups: int = 0
+    cache_query_tokens: int = 0
+    cache_hit_tokens: int = 0
+    cache_evictions: int = 0
+    # Block-steps held by n > 1 / beam families: with sharing (distinct blocks) and without
+    # (sum over rows of ceil(tokens / block_size)), summed over steps; and the peaks.
+    sampling_blocks_shared: int = 0
+    sampling_blocks_unshared: int = 0
+    beam_blocks_shared: int = 0
+    beam_blocks_unshared: int = 0
+    peak_sampling_saved: int = 0
+    peak_beam_saved: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens (samples, and every beam's token each step) per second of wall time
+        since the first submission, not counting the first call of each step shape (compilation)."""
+        t = self.wall_s - self.compile_s
+        return self.generated_tokens / t if t > 0 else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cache_hit_tokens / self.cache_query_tokens if self.cache_query_tokens else 0.0
+
+
+@dataclasses.dataclass
+class TableSnapshot:
+    """The block tables of one request family at one step (for the block-table picture).
+
+    Attributes:
+      request_id, kind ("sample" or "beam"), step.
+      labels: one per row ("sample 0", "beam 2", ...).
+      blocks: per row, the physical block ids it holds, first block first.
+      refs: per row, each block's reference count in the whole pool at that step.
+      num_tokens: per row, tokens with a KV slot.
+      saved_blocks: blocks saved by sharing at that step (unshared - shared).
+    """
+
+    request_id: object
+    kind: str
+    step: int
+    labels: list[str]
+    blocks: list[list[int]]
+    refs: list[list[int]]
+    num_tokens: list[int]
+    saved_blocks: int
+
+
+__all__ = ["EngineStats", "IMPLS", "Request", "RequestOutput", "RequestStats", "ServingConfig", "TableSnapshot",
+           "TokenDelta"]
