@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import tiling
 from pallas_kernels.reference import NULL_BLOCK
 
 IMPLS = ("auto", "pallas", "interpret", "reference")
@@ -88,6 +89,17 @@ def _check_pallas_shapes(impl: str, head_dim: int):
         "use impl='reference'")
 
 
+def _check_tiling(kernel: str, impl: str, dtype, head_dim: int, block_size: int):
+  """Refuses an attention configuration no checked tile serves (see
+  :mod:`pallas_kernels.tiling`): on the Pallas paths, and for ``impl="auto"`` where it would
+  resolve to Pallas (a GPU backend, a power-of-two head_dim >= 16)."""
+  pallas = impl in ("pallas", "interpret") or (
+      impl == "auto" and jax.default_backend() == "gpu" and is_power_of_two(head_dim)
+      and head_dim >= 16)
+  if pallas:
+    tiling.check_attention_fits(kernel, dtype, head_dim, block_size)
+
+
 def _check_query(q: Any, ndim: int, pages: Any, num_kv_heads: int, head_dim: int, layout: str):
   shape = tuple(np.shape(q))
   if len(shape) != ndim:
@@ -115,6 +127,7 @@ def check_decode(q, pages, layer, block_tables, lengths, scale, impl):
     raise ValueError(f"block_tables must have at least one column, got shape {bt_shape}")
   _check_int32("lengths", lengths, shape=(b,))
   _check_pallas_shapes(impl, head_dim)
+  _check_tiling("decode", impl, pages.dtype, head_dim, block_size)
   return layer, check_scale(scale, head_dim), impl
 
 
@@ -134,6 +147,7 @@ def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl):
   _check_int32("q_start", q_start, shape=(b,))
   _check_int32("q_lens", q_lens, shape=(b,))
   _check_pallas_shapes(impl, head_dim)
+  _check_tiling("prefill", impl, pages.dtype, head_dim, block_size)
   return layer, check_scale(scale, head_dim), impl
 
 
