@@ -287,8 +287,9 @@ LLAMA_BATCH = 64  # serving rows / sequences per decode step
 LLAMA_CONTEXT = 4096
 
 
-def _llama_programs(target: str, variant: str):
-  """Name -> (jitted fn, abstract args, static kwargs) at Llama 3.1 8B shapes, bf16."""
+def _llama_programs(target: str, variant: str, layers: int = 32):
+  """Name -> (jitted fn, abstract args, static kwargs, kind) at Llama 3.1 8B shapes, bf16, with
+  ``layers`` decoder layers (32 is the real depth)."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -310,7 +311,7 @@ def _llama_programs(target: str, variant: str):
 
   tp = 2 if variant == "tp2" else 1
   _, mesh1 = _topology(target, tp)
-  cfg = llama31_8b("bfloat16")
+  cfg = llama31_8b("bfloat16").replace(num_layers=layers)
   bs = 16
   blocks_per_seq = LLAMA_CONTEXT // bs
   mgr = ManagerConfig(num_blocks=LLAMA_BATCH * blocks_per_seq + 1, block_size=bs, max_seqs=LLAMA_BATCH,
@@ -403,13 +404,14 @@ _RESULT_KEYS = ("compile_s", "deviceless", "status", "error", "kernels", "thunk_
                 "memory", "spills", "max_registers", "per_step", "triton_kernels", "distinct_kernels")
 
 
-def run_program(target: str, variant: str, name: str, keep_dir: str | None, use_cache: bool = True) -> dict:
+def run_program(target: str, variant: str, name: str, keep_dir: str | None, use_cache: bool = True,
+                layers: int = 32) -> dict:
   """Worker task: lower and compile one whole program; figures per step."""
   _set_cache(use_cache)
   t0 = time.perf_counter()
-  res: dict = {"program": name, "target": target}
+  res: dict = {"program": name, "target": target, "layers": layers}
   try:
-    progs, mgr, cfg = _llama_programs(target, variant)
+    progs, mgr, cfg = _llama_programs(target, variant, layers)
     fn, args, static, kind = progs[name]
     lowered = fn.trace(*args, **static).lower()
   except Exception as e:  # noqa: BLE001
@@ -446,6 +448,30 @@ def run_program(target: str, variant: str, name: str, keep_dir: str | None, use_
   return res
 
 
+DEFAULT_LAYERS = 32  # the real depth: compiling 4 layers instead saved little (README)
+DEPTH_PROBE = 2
+
+
+def depth_extrapolation(program_results: list[dict]) -> dict | None:
+  """Per-layer cost of the serving decode step from two depths, and the step at 32 layers.
+
+  Every layer is the same code (the model's layer loop traces one ``DecoderLayer`` per index; the
+  index only moves the kernels' offset into the pages), so per-step kernel counts are affine in
+  the depth: ``count(L) = fixed + L * per_layer``."""
+  steps = {r["layers"]: r for r in program_results
+           if r["program"] == "serving_step_decode" and r.get("status") == "compiled"}
+  if len(steps) < 2:
+    return None
+  lo, hi = sorted(steps)[:2]
+  out = {"depths": [lo, hi]}
+  for path in ("least", "most"):
+    for key in ("kernels", "host_launches", "host_syncs"):
+      a, b = steps[lo]["per_step"][path][key], steps[hi]["per_step"][path][key]
+      per = (b - a) / (hi - lo)
+      out[f"{path}_{key}"] = {"per_layer": per, "fixed": a - lo * per, "at_32_layers": a + (32 - lo) * per}
+  return out
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workers", type=int, default=2)
@@ -454,6 +480,8 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="large size only (a smoke run)")
   ap.add_argument("--keep-dumps", default=None, help="keep XLA dumps and logs under this folder")
   ap.add_argument("--programs", nargs="*", default=None, help="only these whole programs")
+  ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
+                  help="decoder layers of the whole programs (Llama 3.1 8B has 32; see README)")
   ap.add_argument("--no-cache", action="store_true",
                   help=f"compile everything again (passing results are kept in {CACHE_DIR}, keyed by "
                        "the lowered program, the target and the compiler versions)")
@@ -461,12 +489,18 @@ def main(argv=None) -> int:
   t_start = time.perf_counter()
 
   groups = [] if a.only == "programs" else kernel_groups(a.quick)
-  progs = [] if a.only == "kernels" else [p for p in PROGRAMS if a.programs is None or p[2] in a.programs]
+  progs = [] if a.only == "kernels" else [
+      (*p, a.layers) for p in PROGRAMS if a.programs is None or p[2] in a.programs]
+  if progs and a.layers < 32 and a.layers != DEPTH_PROBE and any(p[2] == "serving_step_decode" for p in progs):
+    # At a reduced depth, a second depth of the decode step gives the per-layer cost (the layers
+    # are one code traced once per layer index), so the figures extrapolate to 32 layers.
+    progs.append(("sm_90", "tp1", "serving_step_decode", DEPTH_PROBE))
   ctx = multiprocessing.get_context("spawn")
   kernel_results, program_results = [], []
   with concurrent.futures.ProcessPoolExecutor(max_workers=a.workers, mp_context=ctx) as pool:
     # Whole programs first (the longest tasks), then the kernel groups.
-    pfut = [pool.submit(run_program, t, v, n, a.keep_dumps, not a.no_cache) for t, v, n in progs]
+    pfut = [pool.submit(run_program, t, v, n, a.keep_dumps, not a.no_cache, L)
+            for t, v, n, L in progs]
     kfut = [pool.submit(run_kernel_group, g, a.keep_dumps, not a.no_cache) for g in groups]
     done = 0
     for f in concurrent.futures.as_completed(pfut + kfut):
@@ -474,7 +508,7 @@ def main(argv=None) -> int:
       if f in pfut:
         r = f.result()
         program_results.append(r)
-        print(f"[{time.perf_counter() - t_start:6.1f}s] program {r['program']}: {r['status']} "
+        print(f"[{time.perf_counter() - t_start:6.1f}s] program {r['program']} ({r['layers']} layers): {r['status']} "
               f"compile {r.get('compile_s')}s", flush=True)
       else:
         kernel_results.extend(f.result())
@@ -493,7 +527,8 @@ def main(argv=None) -> int:
     if why:
       failures.append((r["program"], why))
   kernel_results.sort(key=lambda r: json.dumps(r["spec"], sort_keys=True))
-  program_results.sort(key=lambda r: r["program"])
+  program_results.sort(key=lambda r: (r["program"], r["layers"]))
+  depth = depth_extrapolation(program_results)
   import jax
   report = {
       "jax": jax.__version__,
@@ -514,6 +549,7 @@ def main(argv=None) -> int:
       "failures": [{"what": w, "why": y} for w, y in failures],
       "kernels": kernel_results,
       "programs": program_results,
+      "decode_step_per_layer": depth,
   }
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   with open(a.out, "w") as f:
