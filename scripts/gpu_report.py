@@ -289,3 +289,58 @@ def kv_read_lower_bound(kv_bytes: int, bandwidth_bytes_per_s: float) -> float:
   """Seconds to read ``kv_bytes`` of K/V at full memory bandwidth: a step cannot be faster."""
   return kv_bytes / bandwidth_bytes_per_s
 
+
+
+# ------------------------------------------------------------------------------ README tables
+_KERNEL_NAMES = {"decode": "paged_decode_attention", "prefill": "paged_prefill_attention",
+                 "write_kv": "write_kv", "copy_blocks": "copy_blocks"}
+
+
+def markdown_summary(report: dict, kernels=("decode", "prefill"), targets=("sm_90",)) -> str:
+  """The README's tables from a gate report: one line per (kernel, dtype, head_dim) at block
+  size 16, GQA 4 (8 for sm_80), large size (the same kernel stands for GQA 1/4/8 in decode), and
+  one line per whole program."""
+  by_key = {}
+  for r in report.get("kernels", []):
+    by_key.setdefault(r.get("name"), r)
+  lines = ["| target | kernel | dtype | head_dim | registers | spills (B) | shared memory (B) | grid | threads | MMA |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  order = {"bfloat16": 0, "float16": 1, "float32": 2}
+  chosen = sorted((r for r in report.get("kernels", []) if r["spec"]["kernel"] in kernels
+                   and r["spec"]["target"] in targets and (
+                       (r["spec"]["purpose"] == "matrix" and r["spec"]["block_size"] == 16 and r["spec"]["group"] == 4
+                        and r["spec"]["size"] == "large") or r["spec"]["purpose"] == "sm_80")),
+                  key=lambda r: (r["spec"]["target"], kernels.index(r["spec"]["kernel"]), order[r["spec"]["dtype"]],
+                                 r["spec"]["head_dim"]))
+  for r in chosen:
+    s = r["spec"]
+    src = by_key.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
+    k = (src.get("kernels") or {}).get(_KERNEL_NAMES[s["kernel"]], {})
+    spill = sum((src.get("spills") or {}).values())
+    lines.append(f"| {s['target']} | {s['kernel']} | {s['dtype']} | {s['head_dim']} | {k.get('registers')} | "
+                 f"{spill} | {k.get('shared_memory_bytes'):,} | {k.get('grid')} | {k.get('threads')} | "
+                 f"{k.get('mma') or '-'} |" if k else f"| {s['target']} | {s['kernel']} | {s['dtype']} | "
+                 f"{s['head_dim']} | {src.get('status')} | | | | | |")
+  lines += ["", "| program | layers | kernels / step (least, most) | host launches / step | host syncs / step (least, most) "
+            "| conditionals, whiles (in CUDA graphs) | temp memory | compile s | K/V read bound (H200) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+  for p in report.get("programs", []):
+    if p.get("status") != "compiled":
+      lines.append(f"| {p['program']} | {p.get('layers')} | {p.get('status')} | | | | | | |")
+      continue
+    st = p["per_step"]
+    bound = p.get("kv_read_lower_bound_ms_h200")
+    lines.append(
+        f"| {p['program']} | {p.get('layers')} | {st['least']['kernels']}, {st['most']['kernels']} | "
+        f"{st['least']['host_launches']}, {st['most']['host_launches']} | {st['least']['host_syncs']}, "
+        f"{st['most']['host_syncs']} | {st['conditionals']}, {st['whiles']} ({st['control_flow_in_command_buffers']}) | "
+        f"{p['memory']['temp_size_in_bytes'] / 2**20:.1f} MiB | {p.get('compile_s')} | "
+        f"{f'{bound} ms' if bound else '-'} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  import json
+  import sys
+  with open(sys.argv[1] if len(sys.argv) > 1 else "results/gpu_compile_report.json") as f:
+    print(markdown_summary(json.load(f)))
