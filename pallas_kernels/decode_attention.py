@@ -108,8 +108,9 @@ def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads:
 
   ``blocks_per_tile`` defaults to a 128-key tile (the 2-byte rows of
   :data:`pallas_kernels.tiling.DECODE_TABLE`; the kernel passes its own row's choice): a power
-  of two number of blocks, no more than the table needs but at least 16 keys. Splits are added until about 512 programs are in flight (enough for a large GPU),
-  never more than there are tiles.
+  of two number of blocks, no more than the table needs but at least 16 keys. Splits are added
+  until about 512 programs are in flight (enough for a large GPU), never more than there are
+  tiles.
   """
   if blocks_per_tile is None:
     blocks_per_tile = tiling.tile_blocks(128, block_size, max_blocks)

@@ -47,8 +47,9 @@ class AttentionTile:
 
   Attributes:
     keys_per_tile: keys in one K (and one V) tile, a power of two >= 16.
-    rows_per_tile: query rows per program (prefill: ``t * G + g`` rows; decode: the GQA group
-      padded to a power of two, at most this many are needed, the rest is padding).
+    rows_per_tile: query rows per program. Prefill: ``t * G + g`` rows, at most this many per
+      program. Decode: the largest checked GQA group padded to a power of two (one program holds
+      a whole group; larger groups are refused).
     num_warps, num_stages: Triton launch parameters.
   """
 
@@ -76,12 +77,18 @@ def _row(keys, rows, warps=4, stages=2):
   return AttentionTile(keys_per_tile=keys, rows_per_tile=rows, num_warps=warps, num_stages=stages)
 
 
-# Decode: one query token per sequence, the GQA group padded to >= 16 rows (a group of up to 16
-# query heads per KV head needs no more rows than Triton's minimum). 128 keys per tile for
-# 2-byte types at every head_dim and float32 up to 128; float32 at head_dim 256 needs half
-# (128 keys asked 286,720 B of shared memory). Four warps, two stages: today's clean bf16 tile.
+# Decode: one query token per sequence, the GQA group padded to a power of two >= 16 rows; a
+# row's ``rows_per_tile`` is the largest padded group checked: 32 query heads per KV head for
+# 2-byte types up to head_dim 128, 16 elsewhere (32-row tiles spilled: 164 B in bf16 at head_dim
+# 256, 20 B in float32 at 256, 12 B in float32 at head_dim 32 with 128-token blocks on sm_80).
+# 128 keys per tile for 2-byte types at every head_dim and float32 up to 128; float32 at
+# head_dim 256 needs half (128 keys asked 286,720 B of shared memory). Four warps, two stages:
+# today's clean bf16 tile.
 DECODE_TABLE: dict[tuple[str, int], AttentionTile] = {
-    **{(dt, d): _row(128, 16) for dt in ("bfloat16", "float16", "float32") for d in HEAD_DIMS},
+    **{(dt, d): _row(128, 32) for dt in ("bfloat16", "float16") for d in HEAD_DIMS},
+    **{("float32", d): _row(128, 16) for d in HEAD_DIMS},
+    ("bfloat16", 256): _row(128, 16),
+    ("float16", 256): _row(128, 16),
     ("float32", 256): _row(64, 16),
 }
 
@@ -117,19 +124,26 @@ def table_row(kernel: str, dtype, head_dim: int) -> AttentionTile:
   return table[key]
 
 
-def check_attention_fits(kernel: str, dtype, head_dim: int, block_size: int) -> AttentionTile:
+def check_attention_fits(kernel: str, dtype, head_dim: int, block_size: int, group: int = 1) -> AttentionTile:
   """Raises ``ValueError`` when no checked tile serves this configuration; returns the row.
 
   A tile holds whole blocks, so a block holding more keys than the row's tile would need a
-  tile beyond what was checked against the shared-memory limit."""
+  tile beyond what was checked against the shared-memory limit; a decode program holds a whole
+  GQA group (``group = num_q_heads // num_kv_heads``), so a group padded past the row's rows
+  would need more registers than were checked."""
   row = table_row(kernel, dtype, head_dim)
+  limits = (f"shared memory limit {SMEM_LIMITS['sm_80']:,} B on sm_80, {SMEM_LIMITS['sm_90']:,} B "
+            f"on sm_90, {MAX_REGISTERS_PER_THREAD} registers per thread; pallas_kernels/tiling.py")
   if block_size > row.keys_per_tile:
     raise ValueError(
         f"{kernel} attention: block_size={block_size} exceeds the {row.keys_per_tile}-key tile "
-        f"that fits for {_dtype_name(dtype)} head_dim={head_dim} (shared memory limit "
-        f"{SMEM_LIMITS['sm_80']:,} B on sm_80, {SMEM_LIMITS['sm_90']:,} B on sm_90; "
-        "pallas_kernels/tiling.py); use block_size <= "
+        f"that fits for {_dtype_name(dtype)} head_dim={head_dim} ({limits}); use block_size <= "
         f"{row.keys_per_tile} or impl='reference'")
+  if kernel == "decode" and max(MIN_DOT, next_power_of_two(group)) > row.rows_per_tile:
+    raise ValueError(
+        f"decode attention: a GQA group of {group} query heads per KV head exceeds the "
+        f"{row.rows_per_tile} rows checked for {_dtype_name(dtype)} head_dim={head_dim} ({limits}); "
+        "use impl='reference'")
   return row
 
 

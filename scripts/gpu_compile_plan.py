@@ -97,8 +97,9 @@ KERNELS = ("decode", "prefill", "write_kv", "copy_blocks")
 def kernel_specs(quick: bool) -> list[dict]:
   """Every kernel configuration the gate lowers, each with its ``purpose``: the sm_90 matrix,
   the smaller sm_80 matrix, the tiling table's rows (at their largest accepted block, a whole
-  tile, and at block size 16, GQA 8: the most rows per program, on both targets) and the
-  refusals the table promises (twice the largest block)."""
+  tile, and at block size 16; decode at its largest accepted GQA group, prefill at GQA 8; on
+  both targets) and the refusals the table promises (twice the largest block; for decode also
+  twice the largest group)."""
   from pallas_kernels import tiling
   sizes = ("large",) if quick else ("small", "large")
   specs = [dict(target="sm_90", kernel=k, dtype=dt, head_dim=d, block_size=bs, group=g, size=s, purpose="matrix")
@@ -107,12 +108,18 @@ def kernel_specs(quick: bool) -> list[dict]:
                  purpose="sm_80")
             for k, dt, d in itertools.product(KERNELS, DTYPES, HEAD_DIMS)]
   for kernel, dt, d, row in tiling.all_rows():
+    # Decode: the largest accepted GQA group (a whole group per program); prefill folds any
+    # group into its rows.
+    g = row.rows_per_tile if kernel == "decode" else 8
     for target in ("sm_90", "sm_80"):
       for bs in sorted({row.keys_per_tile, 16}):
-        specs.append(dict(target=target, kernel=kernel, dtype=dt, head_dim=d, block_size=bs, group=8,
+        specs.append(dict(target=target, kernel=kernel, dtype=dt, head_dim=d, block_size=bs, group=g,
                           size="large", purpose="table_row"))
     specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=2 * row.keys_per_tile,
                       group=8, size="small", purpose="table_refusal"))
+    if kernel == "decode":
+      specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=16, group=2 * g,
+                        size="small", purpose="table_refusal"))
   return specs
 
 

@@ -48,7 +48,7 @@ def test_clean_bf16_tiles_are_unchanged():
   """Today's bf16 head_dim 64/128 tiles compiled without spills at 168/184 registers: keep them
   (the largest that fits; a smaller one would only cost speed)."""
   for d in (64, 128):
-    assert tiling.table_row("decode", jnp.bfloat16, d) == tiling.AttentionTile(128, 16, 4, 2)
+    assert tiling.table_row("decode", jnp.bfloat16, d) == tiling.AttentionTile(128, 32, 4, 2)
     assert tiling.table_row("prefill", jnp.bfloat16, d) == tiling.AttentionTile(64, 64, 4, 2)
   t = tiling.decode_tiling(jnp.bfloat16, 128, 16, 4, 256)
   assert (t.blocks_per_tile, t.num_warps, t.num_stages) == (8, 4, 2)
@@ -82,6 +82,19 @@ def test_block_larger_than_the_checked_tile_is_refused():
     pk.paged_prefill_attention(*_prefill_args(jnp.float32, 256, 2 * prow.keys_per_tile), impl="pallas")
 
 
+def test_group_larger_than_the_checked_rows_is_refused():
+  """A decode program holds a whole GQA group: 32 query heads per KV head spilled at head_dim
+  256, so such a group is refused there and accepted at head_dim 128."""
+  with pytest.raises(ValueError, match=r"GQA group of 32 query heads.*16 rows"):
+    pk.paged_decode_attention(*_decode_args(jnp.bfloat16, 256, 16, heads=1, q_heads=32), impl="pallas")
+  jax.eval_shape(lambda q, p, t, n: pk.paged_decode_attention(q, p, 0, t, n, impl="pallas"),
+                 *[a for i, a in enumerate(_decode_args(jnp.bfloat16, 128, 16, heads=1, q_heads=32)) if i != 2])
+  with pytest.raises(ValueError, match=r"GQA group of 64"):
+    pk.paged_decode_attention(*_decode_args(jnp.bfloat16, 128, 16, heads=1, q_heads=64), impl="interpret")
+  # Prefill folds any group into its rows.
+  tiling.check_attention_fits("prefill", jnp.bfloat16, 256, 16, group=64)
+
+
 def test_reference_and_cpu_auto_are_not_limited_by_the_table():
   """The XLA reference has no tiles: it serves what the Pallas kernels refuse (and "auto" on a
   CPU resolves to it)."""
@@ -94,4 +107,5 @@ def test_reference_and_cpu_auto_are_not_limited_by_the_table():
 
 def test_largest_accepted_block_is_accepted():
   for kernel, dt, d, row in tiling.all_rows():
-    assert tiling.check_attention_fits(kernel, dt, d, row.keys_per_tile) == row
+    group = row.rows_per_tile if kernel == "decode" else 64
+    assert tiling.check_attention_fits(kernel, dt, d, row.keys_per_tile, group) == row
