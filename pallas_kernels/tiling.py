@@ -51,12 +51,15 @@ class AttentionTile:
       program. Decode: the largest checked GQA group padded to a power of two (one program holds
       a whole group; larger groups are refused).
     num_warps, num_stages: Triton launch parameters.
+    min_block_size: the smallest block size checked (a tile of many tiny blocks is a wider
+      gather; one configuration spilled there).
   """
 
   keys_per_tile: int
   rows_per_tile: int
   num_warps: int = 4
   num_stages: int = 2
+  min_block_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +76,9 @@ def _dtype_name(dtype) -> str:
   return jnp.dtype(dtype).name
 
 
-def _row(keys, rows, warps=4, stages=2):
-  return AttentionTile(keys_per_tile=keys, rows_per_tile=rows, num_warps=warps, num_stages=stages)
+def _row(keys, rows, warps=4, stages=2, min_block=1):
+  return AttentionTile(keys_per_tile=keys, rows_per_tile=rows, num_warps=warps, num_stages=stages,
+                       min_block_size=min_block)
 
 
 # Decode: one query token per sequence, the GQA group padded to a power of two >= 16 rows; a
@@ -82,14 +86,15 @@ def _row(keys, rows, warps=4, stages=2):
 # 2-byte types up to head_dim 128, 16 elsewhere (32-row tiles spilled: 164 B in bf16 at head_dim
 # 256, 20 B in float32 at 256, 12 B in float32 at head_dim 32 with 128-token blocks on sm_80).
 # 128 keys per tile for 2-byte types at every head_dim and float32 up to 128; float32 at
-# head_dim 256 needs half (128 keys asked 286,720 B of shared memory). Four warps, two stages:
-# today's clean bf16 tile.
+# head_dim 256 needs half (128 keys asked 286,720 B of shared memory), and blocks of at least 2
+# tokens (64 one-token blocks per tile spilled 48 B). Four warps, two stages: today's clean bf16
+# tile.
 DECODE_TABLE: dict[tuple[str, int], AttentionTile] = {
     **{(dt, d): _row(128, 32) for dt in ("bfloat16", "float16") for d in HEAD_DIMS},
     **{("float32", d): _row(128, 16) for d in HEAD_DIMS},
     ("bfloat16", 256): _row(128, 16),
     ("float16", 256): _row(128, 16),
-    ("float32", 256): _row(64, 16),
+    ("float32", 256): _row(64, 16, min_block=2),
 }
 
 # Prefill: query heads folded into rows, up to 64 rows x 64 keys per program. 2-byte types at
@@ -139,6 +144,10 @@ def check_attention_fits(kernel: str, dtype, head_dim: int, block_size: int, gro
         f"{kernel} attention: block_size={block_size} exceeds the {row.keys_per_tile}-key tile "
         f"that fits for {_dtype_name(dtype)} head_dim={head_dim} ({limits}); use block_size <= "
         f"{row.keys_per_tile} or impl='reference'")
+  if block_size < row.min_block_size:
+    raise ValueError(
+        f"{kernel} attention: block_size={block_size} is below {row.min_block_size}, the smallest "
+        f"checked for {_dtype_name(dtype)} head_dim={head_dim} ({limits}); use impl='reference'")
   if kernel == "decode" and max(MIN_DOT, next_power_of_two(group)) > row.rows_per_tile:
     raise ValueError(
         f"decode attention: a GQA group of {group} query heads per KV head exceeds the "

@@ -97,7 +97,7 @@ KERNELS = ("decode", "prefill", "write_kv", "copy_blocks")
 def kernel_specs(quick: bool) -> list[dict]:
   """Every kernel configuration the gate lowers, each with its ``purpose``: the sm_90 matrix,
   the smaller sm_80 matrix, the tiling table's rows (at their largest accepted block, a whole
-  tile, and at block size 16; decode at its largest accepted GQA group, prefill at GQA 8; on
+  tile, at its smallest accepted block and at block size 16; decode at its largest accepted GQA group, prefill at GQA 8; on
   both targets) and the refusals the table promises (twice the largest block; for decode also
   twice the largest group)."""
   from pallas_kernels import tiling
@@ -112,7 +112,7 @@ def kernel_specs(quick: bool) -> list[dict]:
     # group into its rows.
     g = row.rows_per_tile if kernel == "decode" else 8
     for target in ("sm_90", "sm_80"):
-      for bs in sorted({row.keys_per_tile, 16}):
+      for bs in sorted({row.min_block_size, 16, row.keys_per_tile}):
         specs.append(dict(target=target, kernel=kernel, dtype=dt, head_dim=d, block_size=bs, group=g,
                           size="large", purpose="table_row"))
     specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=2 * row.keys_per_tile,
@@ -120,6 +120,9 @@ def kernel_specs(quick: bool) -> list[dict]:
     if kernel == "decode":
       specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=16, group=2 * g,
                         size="small", purpose="table_refusal"))
+    if row.min_block_size > 1:
+      specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=row.min_block_size // 2,
+                        group=8, size="small", purpose="table_refusal"))
   return specs
 
 

@@ -95,6 +95,14 @@ def test_group_larger_than_the_checked_rows_is_refused():
   tiling.check_attention_fits("prefill", jnp.bfloat16, 256, 16, group=64)
 
 
+def test_block_smaller_than_the_checked_ones_is_refused():
+  row = tiling.table_row("decode", jnp.float32, 256)
+  assert row.min_block_size == 2
+  with pytest.raises(ValueError, match=r"block_size=1 is below 2"):
+    pk.paged_decode_attention(*_decode_args(jnp.float32, 256, 1), impl="pallas")
+  tiling.check_attention_fits("decode", jnp.bfloat16, 128, 1, group=4)  # checked down to 1
+
+
 def test_reference_and_cpu_auto_are_not_limited_by_the_table():
   """The XLA reference has no tiles: it serves what the Pallas kernels refuse (and "auto" on a
   CPU resolves to it)."""
@@ -109,3 +117,4 @@ def test_largest_accepted_block_is_accepted():
   for kernel, dt, d, row in tiling.all_rows():
     group = row.rows_per_tile if kernel == "decode" else 64
     assert tiling.check_attention_fits(kernel, dt, d, row.keys_per_tile, group) == row
+    assert tiling.check_attention_fits(kernel, dt, d, row.min_block_size, group) == row
