@@ -147,7 +147,8 @@ def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, sca
   _, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
   max_blocks = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
-  tile = tiling.decode_tiling(q.dtype, head_dim, block_size, group, max_blocks)
+  tile = tiling.decode_tiling(q.dtype, head_dim, block_size, group, max_blocks,
+                              tiling.Knobs.of(soft_cap, alibi_slopes))
   rows = tile.rows_per_tile
   num_warps = tile.num_warps if num_warps is None else num_warps
   num_stages = tile.num_stages if num_stages is None else num_stages

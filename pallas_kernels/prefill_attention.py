@@ -90,7 +90,8 @@ def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_len
   max_blocks = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
   total_rows = num_tokens * group
-  tile = tiling.prefill_tiling(q.dtype, head_dim, block_size, group, num_tokens, max_blocks)
+  tile = tiling.prefill_tiling(q.dtype, head_dim, block_size, group, num_tokens, max_blocks,
+                               tiling.Knobs.of(soft_cap, alibi_slopes))
   rows_per_tile = tile.rows_per_tile if rows_per_tile is None else rows_per_tile
   blocks_per_tile = tile.blocks_per_tile if blocks_per_tile is None else blocks_per_tile
   num_warps = tile.num_warps if num_warps is None else num_warps

@@ -63,6 +63,30 @@ class AttentionTile:
 
 
 @dataclasses.dataclass(frozen=True)
+class Knobs:
+  """The attention knobs as the tiling sees them: whether the kernel carries them, not their
+  values (a soft cap's value is a constant in the same code; ALiBi slopes are an input). Both add
+  per-score work and live values to the score path, so a tile checked without them may not fit
+  with them (:data:`KNOB_TABLES`)."""
+
+  soft_cap: bool = False
+  alibi: bool = False
+
+  @classmethod
+  def of(cls, soft_cap=None, alibi_slopes=None) -> "Knobs":
+    """From a kernel call's arguments (``soft_cap`` a float or None, ``alibi_slopes`` an array or
+    None)."""
+    return cls(soft_cap=soft_cap is not None, alibi=alibi_slopes is not None)
+
+  def describe(self) -> str:
+    on = [n for n, v in (("soft_cap", self.soft_cap), ("alibi_slopes", self.alibi)) if v]
+    return " with " + " and ".join(on) if on else ""
+
+
+NO_KNOBS = Knobs()
+
+
+@dataclasses.dataclass(frozen=True)
 class Tiling:
   """What a kernel launch uses (all static Python ints)."""
 
@@ -114,11 +138,19 @@ PREFILL_TABLE: dict[tuple[str, int], AttentionTile] = {
 
 TABLES = {"decode": DECODE_TABLE, "prefill": PREFILL_TABLE}
 
+# Rows that differ when a knob is on, keyed (kernel, dtype, head_dim, Knobs); a configuration
+# without an entry here uses its no-knob row (the gate compiles every knob on every row at
+# head_dim 64/128/256 and fails on a spill, so a missing entry is a checked one).
+KNOB_TABLES: dict[tuple[str, str, int, Knobs], AttentionTile] = {}
 
-def table_row(kernel: str, dtype, head_dim: int) -> AttentionTile:
-  """The row for ``kernel`` ("decode" or "prefill"); ``ValueError`` naming the limit if none."""
+
+def table_row(kernel: str, dtype, head_dim: int, knobs: Knobs = NO_KNOBS) -> AttentionTile:
+  """The row for ``kernel`` ("decode" or "prefill") with ``knobs``; ``ValueError`` naming the
+  limit if none."""
   table = TABLES[kernel]
   key = (_dtype_name(dtype), int(head_dim))
+  if (kernel, *key, knobs) in KNOB_TABLES:
+    return KNOB_TABLES[(kernel, *key, knobs)]
   if key not in table:
     raise ValueError(
         f"{kernel} attention: no Pallas tiling for dtype {key[0]} with head_dim={head_dim}; the "
@@ -129,29 +161,31 @@ def table_row(kernel: str, dtype, head_dim: int) -> AttentionTile:
   return table[key]
 
 
-def check_attention_fits(kernel: str, dtype, head_dim: int, block_size: int, group: int = 1) -> AttentionTile:
+def check_attention_fits(kernel: str, dtype, head_dim: int, block_size: int, group: int = 1,
+                         knobs: Knobs = NO_KNOBS) -> AttentionTile:
   """Raises ``ValueError`` when no checked tile serves this configuration; returns the row.
 
   A tile holds whole blocks, so a block holding more keys than the row's tile would need a
   tile beyond what was checked against the shared-memory limit; a decode program holds a whole
   GQA group (``group = num_q_heads // num_kv_heads``), so a group padded past the row's rows
   would need more registers than were checked."""
-  row = table_row(kernel, dtype, head_dim)
+  row = table_row(kernel, dtype, head_dim, knobs)
+  what = f"{_dtype_name(dtype)} head_dim={head_dim}{knobs.describe()}"
   limits = (f"shared memory limit {SMEM_LIMITS['sm_80']:,} B on sm_80, {SMEM_LIMITS['sm_90']:,} B "
             f"on sm_90, {MAX_REGISTERS_PER_THREAD} registers per thread; pallas_kernels/tiling.py")
   if block_size > row.keys_per_tile:
     raise ValueError(
         f"{kernel} attention: block_size={block_size} exceeds the {row.keys_per_tile}-key tile "
-        f"that fits for {_dtype_name(dtype)} head_dim={head_dim} ({limits}); use block_size <= "
+        f"that fits for {what} ({limits}); use block_size <= "
         f"{row.keys_per_tile} or impl='reference'")
   if block_size < row.min_block_size:
     raise ValueError(
         f"{kernel} attention: block_size={block_size} is below {row.min_block_size}, the smallest "
-        f"checked for {_dtype_name(dtype)} head_dim={head_dim} ({limits}); use impl='reference'")
+        f"checked for {what} ({limits}); use impl='reference'")
   if kernel == "decode" and max(MIN_DOT, next_power_of_two(group)) > row.rows_per_tile:
     raise ValueError(
         f"decode attention: a GQA group of {group} query heads per KV head exceeds the "
-        f"{row.rows_per_tile} rows checked for {_dtype_name(dtype)} head_dim={head_dim} ({limits}); "
+        f"{row.rows_per_tile} rows checked for {what} ({limits}); "
         "use impl='reference'")
   return row
 
@@ -164,18 +198,19 @@ def tile_blocks(keys_per_tile: int, block_size: int, max_blocks: int) -> int:
   return max(bpt, MIN_DOT // block_size)
 
 
-def decode_tiling(dtype, head_dim: int, block_size: int, group: int, max_blocks: int) -> Tiling:
+def decode_tiling(dtype, head_dim: int, block_size: int, group: int, max_blocks: int,
+                  knobs: Knobs = NO_KNOBS) -> Tiling:
   """Tile of the decode kernel for one configuration (``group = num_q_heads // num_kv_heads``)."""
-  row = table_row("decode", dtype, head_dim)
+  row = table_row("decode", dtype, head_dim, knobs)
   rows = max(MIN_DOT, next_power_of_two(group))
   return Tiling(blocks_per_tile=tile_blocks(row.keys_per_tile, block_size, max_blocks),
                 rows_per_tile=rows, num_warps=row.num_warps, num_stages=row.num_stages)
 
 
 def prefill_tiling(dtype, head_dim: int, block_size: int, group: int, num_tokens: int,
-                   max_blocks: int) -> Tiling:
+                   max_blocks: int, knobs: Knobs = NO_KNOBS) -> Tiling:
   """Tile of the prefill kernel: ``num_tokens * group`` query rows, at most the row's tile."""
-  row = table_row("prefill", dtype, head_dim)
+  row = table_row("prefill", dtype, head_dim, knobs)
   rows = min(row.rows_per_tile, max(MIN_DOT, next_power_of_two(num_tokens * group)))
   return Tiling(blocks_per_tile=tile_blocks(row.keys_per_tile, block_size, max_blocks),
                 rows_per_tile=rows, num_warps=row.num_warps, num_stages=row.num_stages)

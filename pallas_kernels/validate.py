@@ -116,15 +116,17 @@ def _check_pallas_shapes(impl: str, head_dim: int):
         "use impl='reference'")
 
 
-def _check_tiling(kernel: str, impl: str, dtype, head_dim: int, block_size: int, group: int):
+def _check_tiling(kernel: str, impl: str, dtype, head_dim: int, block_size: int, group: int,
+                  knobs: tiling.Knobs = tiling.NO_KNOBS):
   """Refuses an attention configuration no checked tile serves (see
-  :mod:`pallas_kernels.tiling`): on the Pallas paths, and for ``impl="auto"`` where it would
-  resolve to Pallas (a GPU backend, a power-of-two head_dim >= 16)."""
+  :mod:`pallas_kernels.tiling`; the knobs may select a smaller row): on the Pallas paths, and
+  for ``impl="auto"`` where it would resolve to Pallas (a GPU backend, a power-of-two head_dim
+  >= 16)."""
   pallas = impl in ("pallas", "interpret") or (
       impl == "auto" and jax.default_backend() == "gpu" and is_power_of_two(head_dim)
       and head_dim >= 16)
   if pallas:
-    tiling.check_attention_fits(kernel, dtype, head_dim, block_size, group)
+    tiling.check_attention_fits(kernel, dtype, head_dim, block_size, group, knobs)
 
 
 def _check_query(q: Any, ndim: int, pages: Any, num_kv_heads: int, head_dim: int, layout: str):
@@ -155,9 +157,11 @@ def check_decode(q, pages, layer, block_tables, lengths, scale, impl, soft_cap=N
     raise ValueError(f"block_tables must have at least one column, got shape {bt_shape}")
   _check_int32("lengths", lengths, shape=(b,))
   _check_pallas_shapes(impl, head_dim)
-  _check_tiling("decode", impl, pages.dtype, head_dim, block_size, num_q_heads // num_kv_heads)
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
-  return layer, check_scale(scale, head_dim), impl, check_soft_cap(soft_cap)
+  soft_cap = check_soft_cap(soft_cap)
+  _check_tiling("decode", impl, pages.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
+                tiling.Knobs.of(soft_cap, alibi_slopes))
+  return layer, check_scale(scale, head_dim), impl, soft_cap
 
 
 def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap=None,
@@ -177,9 +181,11 @@ def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl, s
   _check_int32("q_start", q_start, shape=(b,))
   _check_int32("q_lens", q_lens, shape=(b,))
   _check_pallas_shapes(impl, head_dim)
-  _check_tiling("prefill", impl, pages.dtype, head_dim, block_size, num_q_heads // num_kv_heads)
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
-  return layer, check_scale(scale, head_dim), impl, check_soft_cap(soft_cap)
+  soft_cap = check_soft_cap(soft_cap)
+  _check_tiling("prefill", impl, pages.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
+                tiling.Knobs.of(soft_cap, alibi_slopes))
+  return layer, check_scale(scale, head_dim), impl, soft_cap
 
 
 def check_write_kv(pages, layer, k, v, slots, impl):

@@ -118,3 +118,36 @@ def test_largest_accepted_block_is_accepted():
     group = row.rows_per_tile if kernel == "decode" else 64
     assert tiling.check_attention_fits(kernel, dt, d, row.keys_per_tile, group) == row
     assert tiling.check_attention_fits(kernel, dt, d, row.min_block_size, group) == row
+
+
+def test_knob_facts_of_a_call():
+  assert tiling.Knobs.of() == tiling.NO_KNOBS
+  assert tiling.Knobs.of(soft_cap=30.0) == tiling.Knobs(soft_cap=True)
+  assert tiling.Knobs.of(alibi_slopes=jnp.ones(4)) == tiling.Knobs(alibi=True)
+  assert tiling.Knobs(True, True).describe() == " with soft_cap and alibi_slopes"
+  assert tiling.NO_KNOBS.describe() == ""
+
+
+def test_a_knob_row_is_used_and_enforced_only_with_that_knob(monkeypatch):
+  """A row in KNOB_TABLES replaces the no-knob row for calls with exactly those knobs: the tile
+  choice follows it and the input checks refuse what it does not serve, naming the knob."""
+  base = tiling.table_row("decode", jnp.bfloat16, 128)
+  small = tiling.AttentionTile(keys_per_tile=32, rows_per_tile=16, num_warps=8)
+  cap = tiling.Knobs(soft_cap=True)
+  monkeypatch.setitem(tiling.KNOB_TABLES, ("decode", "bfloat16", 128, cap), small)
+  assert tiling.table_row("decode", jnp.bfloat16, 128, cap) == small
+  assert tiling.table_row("decode", jnp.bfloat16, 128) == base
+  assert tiling.table_row("decode", jnp.bfloat16, 128, tiling.Knobs(soft_cap=True, alibi=True)) == base
+  t = tiling.decode_tiling(jnp.bfloat16, 128, 16, 4, 256, cap)
+  assert (t.blocks_per_tile, t.num_warps) == (2, 8)
+  assert tiling.decode_tiling(jnp.bfloat16, 128, 16, 4, 256).blocks_per_tile == 8
+  args = _decode_args(jnp.bfloat16, 128, 64)
+  with pytest.raises(ValueError, match=r"block_size=64 exceeds the 32-key tile .*bfloat16 head_dim=128 with soft_cap"):
+    pk.paged_decode_attention(*args, impl="pallas", soft_cap=30.0)
+  with pytest.raises(ValueError, match=r"GQA group of 32 .*16 rows .* with soft_cap"):
+    pk.paged_decode_attention(*_decode_args(jnp.bfloat16, 128, 16, heads=1, q_heads=32), impl="pallas",
+                              soft_cap=30.0)
+  # Without the knob the same configurations are served by the 128 x 32 row.
+  jax.eval_shape(lambda q, p, b, n: pk.paged_decode_attention(q, p, 0, b, n, impl="pallas"),
+                 *[a for i, a in enumerate(args) if i != 2])
+  assert tiling.check_attention_fits("decode", jnp.bfloat16, 128, 64, 32, tiling.Knobs(alibi=True)) == base
