@@ -21,6 +21,10 @@ What is compiled:
   query heads; GQA 1/4/8 for decode, whose group is padded to 16 rows either way).
 * the tiling table (``pallas_kernels/tiling.py``): every row at its largest accepted block
   size, for sm_90 and sm_80, and the check that the next block size is refused.
+* the attention knobs (``soft_cap``, ``alibi_slopes``, both): decode and prefill on every tiling
+  row at head_dim 64/128/256, at the row's smallest block, block size 16 and its largest block
+  (decode at its largest group), for sm_90 and sm_80, each with the row the knob selects, and that
+  row's refusals.
 * sm_80 (A100): dtype x head_dim for every kernel at block size 16, GQA 4, large size.
 * whole programs at Llama 3.1 8B shapes in bfloat16 for sm_90: ``engine.generate``'s loop,
   ``beam_search``'s loop, the serving step without and with a prefill chunk, the serving
@@ -66,7 +70,7 @@ if ROOT not in sys.path:
 
 from scripts import gpu_report  # noqa: E402
 from scripts.gpu_compile_plan import (  # noqa: E402
-    H200_BANDWIDTH, PROGRAMS, SIZES, KV_HEADS, TARGETS, judge, kernel_groups, target_config, triton_key)
+    H200_BANDWIDTH, KNOBS, PROGRAMS, SIZES, KV_HEADS, TARGETS, judge, kernel_groups, target_config, triton_key)
 
 # ------------------------------------------------------------------------------ worker side
 _TOPOLOGIES: dict = {}
@@ -217,11 +221,17 @@ def _kernel_program(spec: dict):
   if kernel in ("decode", "prefill"):
     pages = _sds((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d), dt, sh)
     bt, vec = _sds((batch, max_blocks), i32, sh), _sds((batch,), i32, sh)
+    # The attention knobs of a "knob_row" spec: a static cap, ALiBi slopes as one more input.
+    knob = KNOBS.get(spec.get("knob"), {})
+    cap = knob.get("soft_cap")
+    slopes = (_sds((KV_HEADS * g,), jnp.float32, sh),) if knob.get("alibi") else ()
     if kernel == "decode":
-      return (lambda q, p, t, n: pk.paged_decode_attention(q, p, 1, t, n, impl="pallas"),
-              (_sds((batch, KV_HEADS * g, d), dt, sh), pages, bt, vec), ())
-    return (lambda q, p, t, a, n: pk.paged_prefill_attention(q, p, 1, t, a, n, impl="pallas"),
-            (_sds((batch, tokens, KV_HEADS * g, d), dt, sh), pages, bt, vec, vec), ())
+      return (lambda q, p, t, n, *a: pk.paged_decode_attention(
+                  q, p, 1, t, n, impl="pallas", soft_cap=cap, alibi_slopes=a[0] if a else None),
+              (_sds((batch, KV_HEADS * g, d), dt, sh), pages, bt, vec) + slopes, ())
+    return (lambda q, p, t, s0, n, *a: pk.paged_prefill_attention(
+                q, p, 1, t, s0, n, impl="pallas", soft_cap=cap, alibi_slopes=a[0] if a else None),
+            (_sds((batch, tokens, KV_HEADS * g, d), dt, sh), pages, bt, vec, vec) + slopes, ())
   if kernel == "write_kv":
     pages = _sds((2, 2, KV_HEADS, 4096, bs, d), dt, sh)
     kv = _sds((rows, KV_HEADS, d), dt, sh)
@@ -266,6 +276,8 @@ def run_kernel_group(specs: list[dict], keep_dir: str | None, use_cache: bool = 
       continue
     name = "-".join(str(spec[k]) for k in ("target", "kernel", "dtype", "head_dim", "block_size",
                                            "group", "size"))
+    if spec.get("knob"):
+      name += "-" + spec["knob"]
     ckey = _cache_key(text, spec["target"])
     hit = _cached(ckey)
     if hit is not None:

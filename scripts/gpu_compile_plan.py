@@ -123,7 +123,54 @@ def kernel_specs(quick: bool) -> list[dict]:
     if row.min_block_size > 1:
       specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=row.min_block_size // 2,
                         group=8, size="small", purpose="table_refusal"))
+  specs += knob_specs()
   return specs
+
+
+# The attention knobs (issue 18) add code to the score path: soft-capping a tanh per score,
+# ALiBi one more kernel input and a multiply-add per score. Both can add registers to tiles that
+# already sit at the 255-register limit, so the gate compiles them on the tiling table's rows.
+# What can change the compiled kernel: the knob (the cap's value is a constant folded into the
+# same code; the slopes are an input), dtype, head_dim, the row's tile (its smallest accepted
+# block, the widest gather; block size 16; its largest block, a whole tile), the decode group
+# (the row's largest, which sets the rows per program), the target. Not the batch or context
+# (the grid), so one (large) size; not head_dim 16/32 (the smallest accumulators, far below the
+# register limit). The refusals of the knob's row are checked too (the input checks must see
+# the knobs), which costs no compilation.
+KNOBS = {"soft_cap": dict(soft_cap=50.0), "alibi": dict(alibi=True),
+         "soft_cap+alibi": dict(soft_cap=50.0, alibi=True)}
+KNOB_HEAD_DIMS = (64, 128, 256)
+
+
+def knob_specs() -> list[dict]:
+  """Decode and prefill with each knob set on the table rows at ``KNOB_HEAD_DIMS``, both targets."""
+  from pallas_kernels import tiling
+  specs = []
+  for kernel, dt, d, row in tiling.all_rows():
+    if d not in KNOB_HEAD_DIMS:
+      continue
+    for knob in KNOBS:
+      # The row for this knob (tiles may shrink when a knob is on).
+      row_k = tiling.table_row(kernel, dt, d, knobs=knob_facts(knob))
+      g = row_k.rows_per_tile if kernel == "decode" else 8
+      for target in ("sm_90", "sm_80"):
+        for bs in sorted({row_k.min_block_size, 16, row_k.keys_per_tile}):
+          specs.append(dict(target=target, kernel=kernel, dtype=dt, head_dim=d, block_size=bs, group=g,
+                            size="large", purpose="knob_row", knob=knob))
+      refuse = [2 * row_k.keys_per_tile] + ([row_k.min_block_size // 2] if row_k.min_block_size > 1 else [])
+      specs += [dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=bs, group=8, size="small",
+                     purpose="table_refusal", knob=knob) for bs in refuse]
+      if kernel == "decode":
+        specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=16, group=2 * g,
+                          size="small", purpose="table_refusal", knob=knob))
+  return specs
+
+
+def knob_facts(knob: str | None) -> "tiling.Knobs":
+  """The tiling table's view of a knob name (``KNOBS`` key or None)."""
+  from pallas_kernels import tiling
+  kw = KNOBS.get(knob, {}) if knob else {}
+  return tiling.Knobs(soft_cap=kw.get("soft_cap") is not None, alibi=bool(kw.get("alibi")))
 
 
 def kernel_groups(quick: bool) -> list[list[dict]]:

@@ -339,8 +339,48 @@ def markdown_summary(report: dict, kernels=("decode", "prefill"), targets=("sm_9
   return "\n".join(lines)
 
 
+def knob_summary(report: dict) -> str:
+  """The README's knob table: per (kernel, dtype, head_dim, knob), the most registers and spill
+  bytes of the attention kernel over every knob configuration compiled (both targets, every
+  block size), beside the same row without knobs (``table_row`` configurations), so a knob
+  that brings a row to the register limit shows."""
+  by_name = {r.get("name"): r for r in report.get("kernels", []) if r.get("name")}
+  worst: dict[tuple, list] = {}
+  for r in report.get("kernels", []):
+    s = r["spec"]
+    if s["purpose"] not in ("knob_row", "table_row") or s["kernel"] not in ("decode", "prefill"):
+      continue
+    src = by_name.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
+    k = (src.get("kernels") or {}).get(_KERNEL_NAMES[s["kernel"]], {})
+    key = (s["kernel"], s["dtype"], s["head_dim"], s.get("knob") or "none")
+    w = worst.setdefault(key, [0, 0, 0, set()])
+    w[0] = max(w[0], k.get("registers") or 0)
+    w[1] = max(w[1], sum((src.get("spills") or {}).values()))
+    w[2] += 1
+    if src.get("status") != "compiled":
+      w[3].add(src.get("status"))
+  knobs = sorted({k[3] for k in worst if k[3] != "none"})
+  lines = ["| kernel | dtype | head_dim | registers, no knob | " + " | ".join(
+               f"registers, {n}" for n in knobs) + " | spills (B) | configurations |",
+           "|---|---|---|---|" + "---|" * len(knobs) + "---|---|"]
+  order = {"bfloat16": 0, "float16": 1, "float32": 2}
+  rows = sorted({k[:3] for k in worst if k[3] != "none"},
+                key=lambda k: (k[0] != "decode", order[k[1]], k[2]))
+  for kernel, dt, d in rows:
+    cells = [worst.get((kernel, dt, d, n)) for n in ["none"] + knobs]
+    regs = [f"{c[0]}" + (f" ({', '.join(sorted(c[3]))})" if c[3] else "") if c else "-" for c in cells]
+    spill = max(c[1] for c in cells if c)
+    count = sum(c[2] for c in cells[1:] if c)
+    lines.append(f"| {kernel} | {dt} | {d} | " + " | ".join(regs) + f" | {spill} | {count} |")
+  return "\n".join(lines)
+
+
 if __name__ == "__main__":
   import json
   import sys
   with open(sys.argv[1] if len(sys.argv) > 1 else "results/gpu_compile_report.json") as f:
-    print(markdown_summary(json.load(f)))
+    rep = json.load(f)
+  print(markdown_summary(rep))
+  if any(r["spec"].get("purpose") == "knob_row" for r in rep.get("kernels", [])):
+    print()
+    print(knob_summary(rep))

@@ -152,3 +152,53 @@ def test_gate_matrix_covers_the_issue_axes_and_every_table_row():
   for kernel, dt, d, _ in tiling.all_rows():
     assert {(kernel, dt, d, t) for t in ("sm_90", "sm_80")} <= rows
   json.dumps(groups)  # picklable / plain data for the worker processes
+
+
+def test_gate_compiles_every_knob_on_the_table_rows():
+  """Issue 18: soft_cap, ALiBi and both, decode and prefill, every dtype at head_dim 64/128/256,
+  both targets, at block size 16, the row's largest and smallest block (decode at the row's
+  largest GQA group), each with the row that knob selects, and that row's refusals."""
+  from pallas_kernels import tiling
+  every = gpu_compile_plan.kernel_specs(quick=False)
+  specs = [s for s in every if s["purpose"] == "knob_row"]
+  got = {(s["kernel"], s["dtype"], s["head_dim"], s["target"], s["knob"], s["block_size"], s["group"])
+         for s in specs}
+  assert len(got) == len(specs)  # no configuration twice
+  for kernel, dt, d, _ in tiling.all_rows():
+    if d not in (64, 128, 256):
+      assert not any((s["kernel"], s["dtype"], s["head_dim"]) == (kernel, dt, d) for s in specs)
+      continue
+    for knob in ("soft_cap", "alibi", "soft_cap+alibi"):
+      row = tiling.table_row(kernel, dt, d, gpu_compile_plan.knob_facts(knob))
+      g = row.rows_per_tile if kernel == "decode" else 8
+      for target in ("sm_90", "sm_80"):
+        for bs in (16, row.keys_per_tile, row.min_block_size):
+          assert (kernel, dt, d, target, knob, bs, g) in got
+      # The refusals of the knob's row (twice its block; for decode twice its group).
+      refusals = {(s["block_size"], s["group"]) for s in every
+                  if s["purpose"] == "table_refusal" and s.get("knob") == knob
+                  and (s["kernel"], s["dtype"], s["head_dim"]) == (kernel, dt, d)}
+      assert (2 * row.keys_per_tile, 8) in refusals
+      assert kernel != "decode" or (16, 2 * g) in refusals
+  assert gpu_compile_plan.knob_facts("soft_cap+alibi") == tiling.Knobs(soft_cap=True, alibi=True)
+  assert gpu_compile_plan.knob_facts(None) == tiling.NO_KNOBS
+
+
+def test_knob_summary_takes_the_worst_configuration_per_knob():
+  def res(name, knob, regs, spill=0, purpose="knob_row", bs=16, status="compiled", same=None):
+    spec = {"kernel": "decode", "dtype": "float32", "head_dim": 256, "target": "sm_90", "block_size": bs,
+            "purpose": purpose}
+    if knob:
+      spec["knob"] = knob
+    r = {"spec": spec, "name": name, "status": status}
+    if same:
+      r["same_as"] = same
+    else:
+      r.update(kernels={"paged_decode_attention": {"registers": regs}}, spills={"k": spill} if spill else {})
+    return r
+  rep = {"kernels": [res("a", None, 200, purpose="table_row"), res("b", "alibi", 240),
+                     res("c", "alibi", 255, spill=24, bs=64), res("d", "alibi", 0, same="c", bs=32),
+                     res("e", "soft_cap", 250)]}
+  table = gpu_report.knob_summary(rep).splitlines()
+  assert table[0].startswith("| kernel | dtype | head_dim | registers, no knob | registers, alibi | registers, soft_cap")
+  assert table[2] == "| decode | float32 | 256 | 200 | 255 | 250 | 24 | 4 |"
