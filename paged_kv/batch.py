@@ -112,16 +112,26 @@ def width_buckets(max_blocks_per_seq: int) -> list[int]:
 
 
 def by_width(needed: jax.Array, max_blocks_per_seq: int, fn, *operands):
-    """Calls ``fn(width, *operands)`` with the smallest bucket ``width >= needed``.
+    """Calls ``fn(width, *operands)`` with the smallest bucket ``width >= needed`` on a CPU, with
+    the full width elsewhere (chosen when the program is lowered, per platform).
 
     Operations that touch every held block (fork, select, free) would otherwise pay for all
-    ``max_blocks_per_seq`` columns of each row even when sequences are short; ``lax.switch`` over
-    a few static widths makes their cost follow the longest sequence in the batch instead.
+    ``max_blocks_per_seq`` columns of each row even when sequences are short; on XLA:CPU a
+    ``lax.switch`` over a few static widths makes their cost follow the longest sequence in the
+    batch instead. On a GPU the full ``[B, max_blocks_per_seq]`` width is one cheap elementwise
+    pass, while the switch is a ``conditional`` whose branch index the host reads back (a
+    device-to-host sync per call, measured by ``scripts/gpu_compile.py``): there the full width
+    is taken directly. Every width ``>= needed`` gives the same result.
 
     Args:
       needed: int32 scalar, the most table columns any row of the batch uses.
     """
     widths = width_buckets(max_blocks_per_seq)
-    index = jnp.sum(needed > jnp.asarray(widths[:-1], jnp.int32)) if len(widths) > 1 else 0
-    branches = [functools.partial(fn, w) for w in widths]
-    return lax.switch(index, branches, *operands)
+    if len(widths) == 1:
+        return fn(widths[0], *operands)
+
+    def bucketed(*ops):
+        index = jnp.sum(needed > jnp.asarray(widths[:-1], jnp.int32))
+        return lax.switch(index, [functools.partial(fn, w) for w in widths], *ops)
+
+    return lax.platform_dependent(*operands, cpu=bucketed, default=functools.partial(fn, max_blocks_per_seq))

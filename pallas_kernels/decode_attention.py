@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tiling
 from pallas_kernels.reference import sanitize_block_tables, score_knobs
 
 # A finite "minus infinity": exp(MASK - m) is 0, and MASK - MASK is 0, never NaN.
@@ -55,11 +56,8 @@ def online_softmax_step(carry, s, v, mask):
 
 
 # Smallest M, N and K of a Triton dot.
-MIN_DOT = 16
-
-
-def next_power_of_two(n: int) -> int:
-  return 1 << max(0, (int(n) - 1).bit_length())
+MIN_DOT = tiling.MIN_DOT
+next_power_of_two = tiling.next_power_of_two
 
 
 def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
@@ -113,15 +111,14 @@ def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads:
                      blocks_per_tile: int | None = None, num_splits: int | None = None):
   """Static tiling: (blocks_per_tile, tiles_per_split, num_splits).
 
-  A tile holds about 128 keys (a power of two number of blocks, no more than the table needs
-  but at least 16 keys); splits are added until about 512 programs are in flight (enough for a large GPU),
-  never more than there are tiles.
+  ``blocks_per_tile`` defaults to a 128-key tile (the 2-byte rows of
+  :data:`pallas_kernels.tiling.DECODE_TABLE`; the kernel passes its own row's choice): a power
+  of two number of blocks, no more than the table needs but at least 16 keys. Splits are added
+  until about 512 programs are in flight (enough for a large GPU), never more than there are
+  tiles.
   """
   if blocks_per_tile is None:
-    blocks_per_tile = min(max(1, 128 // block_size), next_power_of_two(max_blocks))
-    # Triton's dot needs every dimension >= 16: at least 16 keys per tile (the table is
-    # padded with null-block entries, which are masked).
-    blocks_per_tile = max(blocks_per_tile, MIN_DOT // block_size)
+    blocks_per_tile = tiling.tile_blocks(128, block_size, max_blocks)
   if blocks_per_tile < 1 or blocks_per_tile & (blocks_per_tile - 1):
     raise ValueError(f"blocks_per_tile={blocks_per_tile} must be a power of two")
   num_tiles = pl.cdiv(max_blocks, blocks_per_tile)
@@ -139,17 +136,25 @@ def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads:
                      "num_warps", "num_stages", "soft_cap"))
 def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, scale,
                                   interpret=False, blocks_per_tile=None, num_splits=None,
-                                  num_warps=4, num_stages=2, soft_cap=None, alibi_slopes=None):
+                                  num_warps=None, num_stages=None, soft_cap=None, alibi_slopes=None):
   """Pallas paged decode attention; arguments as :func:`pallas_kernels.paged_decode_attention`.
-  ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given."""
+
+  ``blocks_per_tile``, ``num_warps``, ``num_stages``: None takes the tiling table's choice
+  (:func:`pallas_kernels.tiling.decode_tiling`); explicit values override it (tests, the gate).
+  ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given.
+  """
   batch, num_q_heads, head_dim = q.shape
   _, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
   max_blocks = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
-  rows = max(MIN_DOT, next_power_of_two(group))
-
-  bpt, tps, splits = choose_partition(max_blocks, block_size, batch, num_kv_heads,
-                                      blocks_per_tile, num_splits)
+  tile = tiling.decode_tiling(q.dtype, head_dim, block_size, group, max_blocks,
+                              tiling.Knobs.of(soft_cap, alibi_slopes))
+  rows = tile.rows_per_tile
+  num_warps = tile.num_warps if num_warps is None else num_warps
+  num_stages = tile.num_stages if num_stages is None else num_stages
+  bpt, tps, splits = choose_partition(
+      max_blocks, block_size, batch, num_kv_heads,
+      tile.blocks_per_tile if blocks_per_tile is None else blocks_per_tile, num_splits)
   padded_blocks = bpt * tps * splits
   bt = sanitize_block_tables(block_tables, num_blocks)
   bt = jnp.pad(bt, ((0, 0), (0, padded_blocks - max_blocks)))

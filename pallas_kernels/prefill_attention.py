@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode_attention import (
-    MIN_DOT, next_power_of_two, online_softmax_init, online_softmax_step)
+from pallas_kernels import tiling
+from pallas_kernels.decode_attention import online_softmax_init, online_softmax_step
 from pallas_kernels.reference import sanitize_block_tables, score_knobs
 
 
@@ -78,19 +78,24 @@ def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sca
                      "num_warps", "num_stages", "soft_cap"))
 def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_lens, *, scale,
                                    interpret=False, rows_per_tile=None, blocks_per_tile=None,
-                                   num_warps=4, num_stages=2, soft_cap=None, alibi_slopes=None):
+                                   num_warps=None, num_stages=None, soft_cap=None, alibi_slopes=None):
   """Pallas paged prefill attention; arguments as :func:`pallas_kernels.paged_prefill_attention`.
-  ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given."""
+
+  Tile parameters left None take the tiling table's choice
+  (:func:`pallas_kernels.tiling.prefill_tiling`); explicit values override it.
+  ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given.
+  """
   batch, num_tokens, num_q_heads, head_dim = q.shape
   _, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
   max_blocks = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
   total_rows = num_tokens * group
-  if rows_per_tile is None:
-    rows_per_tile = min(64, max(MIN_DOT, next_power_of_two(total_rows)))
-  if blocks_per_tile is None:
-    blocks_per_tile = min(max(1, 64 // block_size), next_power_of_two(max_blocks))
-    blocks_per_tile = max(blocks_per_tile, MIN_DOT // block_size)  # Triton dot: >= 16 keys
+  tile = tiling.prefill_tiling(q.dtype, head_dim, block_size, group, num_tokens, max_blocks,
+                               tiling.Knobs.of(soft_cap, alibi_slopes))
+  rows_per_tile = tile.rows_per_tile if rows_per_tile is None else rows_per_tile
+  blocks_per_tile = tile.blocks_per_tile if blocks_per_tile is None else blocks_per_tile
+  num_warps = tile.num_warps if num_warps is None else num_warps
+  num_stages = tile.num_stages if num_stages is None else num_stages
   for name, val in (("rows_per_tile", rows_per_tile), ("blocks_per_tile", blocks_per_tile)):
     if val < 1 or val & (val - 1):
       raise ValueError(f"{name}={val} must be a power of two")

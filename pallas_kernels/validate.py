@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import tiling
 from pallas_kernels.reference import NULL_BLOCK
 
 IMPLS = ("auto", "pallas", "interpret", "reference")
@@ -132,6 +133,19 @@ def _check_pallas_shapes(impl: str, head_dim: int):
         "use impl='reference'")
 
 
+def _check_tiling(kernel: str, impl: str, dtype, head_dim: int, block_size: int, group: int,
+                  knobs: tiling.Knobs = tiling.NO_KNOBS):
+  """Refuses an attention configuration no checked tile serves (see
+  :mod:`pallas_kernels.tiling`; the knobs may select a smaller row): on the Pallas paths, and
+  for ``impl="auto"`` where it would resolve to Pallas (a GPU backend, a power-of-two head_dim
+  >= 16)."""
+  pallas = impl in ("pallas", "interpret") or (
+      impl == "auto" and jax.default_backend() == "gpu" and is_power_of_two(head_dim)
+      and head_dim >= 16)
+  if pallas:
+    tiling.check_attention_fits(kernel, dtype, head_dim, block_size, group, knobs)
+
+
 def _check_query(q: Any, ndim: int, pages: Any, num_kv_heads: int, head_dim: int, layout: str):
   shape = tuple(np.shape(q))
   if len(shape) != ndim:
@@ -152,7 +166,7 @@ def check_decode(q, pages, layer, block_tables, lengths, scale, impl, soft_cap=N
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers, traced_ok=True)
-  b, _, _ = _check_query(q, 3, pages, num_kv_heads, head_dim, "[batch, num_q_heads, head_dim]")
+  b, num_q_heads, _ = _check_query(q, 3, pages, num_kv_heads, head_dim, "[batch, num_q_heads, head_dim]")
   bt_shape = _check_int32("block_tables", block_tables, ndim=2)
   if bt_shape[0] != b:
     raise ValueError(f"block_tables batch {bt_shape[0]} does not match q batch {b}")
@@ -161,7 +175,10 @@ def check_decode(q, pages, layer, block_tables, lengths, scale, impl, soft_cap=N
   _check_int32("lengths", lengths, shape=(b,))
   _check_pallas_shapes(impl, head_dim)
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
-  return layer, check_scale(scale, head_dim), impl, check_soft_cap(soft_cap)
+  soft_cap = check_soft_cap(soft_cap)
+  _check_tiling("decode", impl, pages.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
+                tiling.Knobs.of(soft_cap, alibi_slopes))
+  return layer, check_scale(scale, head_dim), impl, soft_cap
 
 
 def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap=None,
@@ -169,7 +186,7 @@ def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl, s
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers, traced_ok=True)
-  b, t, _, _ = _check_query(q, 4, pages, num_kv_heads, head_dim,
+  b, t, num_q_heads, _ = _check_query(q, 4, pages, num_kv_heads, head_dim,
                             "[batch, num_tokens, num_q_heads, head_dim]")
   if t < 1:
     raise ValueError(f"q must have at least one token per sequence, got shape {tuple(np.shape(q))}")
@@ -182,7 +199,10 @@ def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl, s
   _check_int32("q_lens", q_lens, shape=(b,))
   _check_pallas_shapes(impl, head_dim)
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
-  return layer, check_scale(scale, head_dim), impl, check_soft_cap(soft_cap)
+  soft_cap = check_soft_cap(soft_cap)
+  _check_tiling("prefill", impl, pages.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
+                tiling.Knobs.of(soft_cap, alibi_slopes))
+  return layer, check_scale(scale, head_dim), impl, soft_cap
 
 
 def check_write_kv(pages, layer, k, v, slots, impl):

@@ -214,6 +214,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="fewer configurations")
   parser.add_argument("--out", default=None, help="JSON path (default results/bench_kernels_<backend>.json)")
+  parser.add_argument("--decode", nargs="*", default=None, metavar="BATCH:CONTEXT",
+                      help="GPU: only these decode configurations (e.g. 64:4096, the issue-15 goal)")
   args = parser.parse_args()
   backend = jax.default_backend()
   on_gpu = backend == "gpu"
@@ -229,6 +231,8 @@ def main():
     contexts = [512, 2048, 8192, 32768] if not args.quick else [512, 8192]
     configs = [(b, c, False) for b in batches for c in contexts if b * c <= (1 << 22)]
     configs += [(b, 8192, True) for b in (8, 64)]
+    if args.decode:
+      configs = [(int(b), int(c), False) for b, c in (x.split(":") for x in args.decode)]
     shape = dict(hq=32, hkv=8, d=128, bs=16, dtype=jnp.bfloat16)
     result["decode_shape"] = dict(shape, dtype="bfloat16")
     print(HEADER)

@@ -1,0 +1,179 @@
+"""On a machine with a GPU: every Pallas kernel against its jnp reference, then the engine at a
+Llama 3.1 8B-shaped random bfloat16 model (``engine.generate`` and a ``ServingEngine`` run).
+
+Part of ``scripts/gpu_check.sh`` (which also runs ``bench_kernels.py``); see there. Writes
+``results/gpu_kernels_check.json`` and ``results/gpu_engine.json``.
+
+    python scripts/gpu_check.py kernels [--out results/gpu_kernels_check.json]
+    python scripts/gpu_check.py engine  [--out results/gpu_engine.json] [--layers 32]
+
+``kernels``: decode and prefill for dtype x head_dim (64, 128, 256) x block size (8, 16, 32) x
+GQA (1, 4, 8) on lengths 1, mid-block, several blocks and 0 in one batch; write_kv and
+copy_blocks exactly (they move bits). The attention tolerance is the arithmetic bound of
+``tests/tolerances.py`` (the same as the interpret-mode tests). Exit status 1 on any mismatch.
+
+``engine``: random weights (normal(0.02), no checkpoint), Llama 3.1 8B shapes in bfloat16 (16 GB
+of weights), block size 16. ``generate``: 64 prompts of 512 tokens, 128 new tokens each, greedy,
+after one compiling call; a ``ServingEngine`` run of 64 requests arriving over the first steps.
+Tokens/s, time per decode step, and for comparison the K/V-read lower bound of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+from pallas_kernels import testing as kt  # noqa: E402
+from tests import tolerances as tol  # noqa: E402
+
+# Roundings to the storage dtype (as in tests/test_kernels_decode.py): the kernel rounds the
+# softmax weights before P V and the output, the reference only the output.
+OURS, REFERENCE = 2, 1
+
+
+def _meta() -> dict:
+  return dict(backend=jax.default_backend(), device=str(jax.devices()[0]), jax=jax.__version__,
+              python=platform.python_version())
+
+
+def check_kernels(impl: str = "pallas", smoke: bool = False) -> dict:
+  rows, failures = [], 0
+  dtypes = (jnp.bfloat16, jnp.float16, jnp.float32)
+  grid = list(itertools.product(dtypes, (64, 128, 256), (8, 16, 32), (1, 4, 8)))
+  if smoke:  # a CPU smoke run of the script itself (interpret mode): two configurations
+    grid = [(jnp.bfloat16, 64, 16, 4), (jnp.float32, 64, 8, 1)]
+  for dtype, d, bs, g in grid:
+    rng = np.random.default_rng(d + bs + g)
+    lengths = [1, bs + 3, 6 * bs - 5, 0, 300]
+    case = kt.make_paged_case(rng, lengths, block_size=bs, head_dim=d, num_kv_heads=2, dtype=dtype)
+    ln = jnp.asarray(case.lengths)
+    q = kt.random_queries(rng, (len(lengths), 2 * g, d), dtype)
+    row = dict(dtype=jnp.dtype(dtype).name, head_dim=d, block_size=bs, group=g)
+    got = pk.paged_decode_attention(q, case.pages, 1, case.block_tables, ln, impl=impl)
+    want = pk.paged_decode_attention(q, case.pages, 1, case.block_tables, ln, impl="reference")
+    atol = tol.paged_attention_atol(q, case.pages, 1, d ** -0.5, max(lengths), roundings=OURS + REFERENCE)
+    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+    row["decode"] = dict(max_abs_err=err, atol=atol, ok=err <= atol)
+    # Prefill: a 40-token chunk at the end of each sequence (padding rows where shorter).
+    t = 40
+    starts = np.maximum(case.lengths - t, 0).astype(np.int32)
+    qlens = (case.lengths - starts).astype(np.int32)
+    qp = kt.random_queries(rng, (len(lengths), t, 2 * g, d), dtype)
+    args = (qp, case.pages, 1, case.block_tables, jnp.asarray(starts), jnp.asarray(qlens))
+    gotp = pk.paged_prefill_attention(*args, impl=impl)
+    wantp = pk.paged_prefill_attention(*args, impl="reference")
+    atolp = tol.paged_attention_atol(qp, case.pages, 1, d ** -0.5, max(lengths), roundings=OURS + REFERENCE)
+    errp = float(jnp.max(jnp.abs(gotp.astype(jnp.float32) - wantp.astype(jnp.float32))))
+    row["prefill"] = dict(max_abs_err=errp, atol=atolp, ok=errp <= atolp)
+    if g == 1:  # write_kv / copy_blocks never see query heads
+      nb = case.pages.shape[3]
+      slots = jnp.asarray(rng.choice(nb * bs, size=7, replace=False).astype(np.int32))
+      k = kt.random_queries(rng, (7, 2, d), dtype)
+      v = kt.random_queries(rng, (7, 2, d), dtype)
+      w1 = pk.write_kv(case.pages, 0, k, v, slots, impl=impl)
+      w2 = pk.write_kv(case.pages, 0, k, v, slots, impl="reference")
+      src = jnp.asarray([1, 2, 0], jnp.int32)
+      dst = jnp.asarray([nb - 1, nb - 2, 0], jnp.int32)
+      c1 = pk.copy_blocks(case.pages, src, dst, impl=impl)
+      c2 = pk.copy_blocks(case.pages, src, dst, impl="reference")
+      row["write_kv_equal"] = bool(jnp.array_equal(w1, w2))
+      row["copy_blocks_equal"] = bool(jnp.array_equal(c1, c2))
+    ok = row["decode"]["ok"] and row["prefill"]["ok"] and row.get("write_kv_equal", True) and row.get(
+        "copy_blocks_equal", True)
+    failures += not ok
+    rows.append(row)
+    print(f"{row['dtype']:>8} d={d:3d} bs={bs:2d} G={g}: decode {err:.2e}/{atol:.2e} prefill {errp:.2e}/"
+          f"{atolp:.2e} {'ok' if ok else 'MISMATCH'}", flush=True)
+  return dict(_meta(), cases=rows, failures=failures)
+
+
+def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict:
+  from models import init_model, llama31_8b, page_spec, allocate_pages
+  from paged_kv import ManagerConfig, engine
+  from paged_kv.engine.sampling import SamplingParams
+  from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
+
+  cfg = llama31_8b("bfloat16")
+  if layers != cfg.num_layers:
+    cfg = cfg.replace(num_layers=layers)
+  if smoke:  # CPU smoke run: the same code on a tiny model
+    from models import tiny
+    cfg = tiny("float32")
+  t0 = time.perf_counter()
+  model = init_model(cfg, seed=0)
+  out = dict(_meta(), layers=layers, init_s=round(time.perf_counter() - t0, 1))
+  batch, prompt, new, bs = (4, 24, 4, 16) if smoke else (64, 512, 128, 16)
+  per_seq = -(-(prompt + new) // bs) + 1
+  mgr = ManagerConfig(num_blocks=batch * per_seq + 1, block_size=bs, max_seqs=batch,
+                      max_blocks_per_seq=per_seq, prefix_caching=True)
+  pages = allocate_pages(page_spec(cfg, mgr.num_blocks, bs))
+  rng = np.random.default_rng(0)
+  params = SamplingParams(max_new_tokens=new)
+
+  def call(pages, seed):
+    toks = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, prompt)), jnp.int32)
+    lens = jnp.full((batch,), prompt, jnp.int32)
+    t = time.perf_counter()
+    res, pages, _ = engine.generate(model, pages, toks, lens, jax.random.key(0), params, manager=mgr,
+                                    impl=impl)
+    jax.block_until_ready(res.tokens)
+    return pages, time.perf_counter() - t, res
+
+  pages, t_first, _ = call(pages, 1)
+  pages, t, res = call(pages, 2)
+  n = int(jnp.sum(res.lengths))
+  out["generate"] = dict(batch=batch, prompt=prompt, new=new, first_call_s=round(t_first, 2), s=round(t, 3),
+                         tokens=n, tok_s=round(n / t, 1))
+  print("generate:", out["generate"], flush=True)
+  del pages
+
+  scfg = ServingConfig(manager=mgr, chunk_size=256, max_prefill_rows=min(8, batch), impl=impl, record_tables=False)
+  eng = ServingEngine(model, scfg)
+  reqs = [Request(tuple(int(x) for x in rng.integers(0, cfg.vocab_size, prompt)),
+                  SamplingParams(max_new_tokens=new), arrival=i // 8) for i in range(batch)]
+  t = time.perf_counter()
+  done = list(eng.run(reqs))
+  wall = time.perf_counter() - t
+  st = eng.stats()
+  out["serving"] = dict(requests=len(done), ok=sum(o.ok for o in done), wall_s=round(wall, 2), steps=eng.step_count,
+                        tokens_per_s=round(st.tokens_per_s, 1), mean_step_ms=round(1e3 * wall / max(eng.step_count, 1), 2))
+  print("serving:", out["serving"], flush=True)
+  kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * batch * (prompt + new // 2)
+  out["kv_bytes_per_decode_step_mid_generation"] = kv
+  out["kv_read_lower_bound_ms_h200"] = round(1e3 * kv / 4.8e12, 3)
+  return out
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("what", choices=("kernels", "engine"))
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--layers", type=int, default=32)
+  ap.add_argument("--impl", default="pallas", help="pallas (GPU); interpret / reference for a CPU smoke run")
+  ap.add_argument("--smoke", action="store_true", help="tiny sizes: check the script itself on a CPU")
+  a = ap.parse_args()
+  if jax.default_backend() != "gpu":
+    print(f"warning: backend is {jax.default_backend()}, not gpu", file=sys.stderr)
+  res = check_kernels(a.impl, a.smoke) if a.what == "kernels" else check_engine(a.layers, a.impl, a.smoke)
+  out = Path(a.out or ROOT / "results" / ("gpu_kernels_check.json" if a.what == "kernels" else "gpu_engine.json"))
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+  print(f"wrote {out}")
+  return 1 if res.get("failures") else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,581 @@
+"""GPU compile gate: compiles every Pallas kernel configuration and the engine's jitted programs
+for NVIDIA GPUs on a machine without one, and fails on any compile error or register spill.
+
+How: deviceless ahead-of-time compilation. ``JAX_PLATFORMS=cpu`` keeps JAX from starting the
+CUDA backend (there is no driver), the CUDA plugin still provides a compile-only topology built
+from a ``GpuTargetConfig`` text proto (``TARGETS`` below: compute capability, shared memory,
+registers, SMs, bandwidth), and ``jax.jit(f).lower(<ShapeDtypeStructs on that topology>)
+.compile()`` runs XLA:GPU's real pipeline: Triton IR -> LLVM -> PTX -> ``ptxas``. What is read
+back (``scripts/gpu_report.py``): ptxas's register and spill report from XLA's log
+(``TF_CPP_VMODULE=subprocess_compilation=2``), the launches from the thunk sequence
+(``--xla_dump_to``), the MMA instructions from the PTX, ``compiled.memory_analysis()``.
+
+What is compiled:
+
+* kernels, sm_90 (H100/H200): decode, prefill, write_kv, copy_blocks x dtype (bf16, fp16, fp32)
+  x head_dim (64, 128, 256) x block size (8, 16, 32) x GQA group (1, 4, 8) x a small and a large
+  batch/context. Every configuration is lowered; configurations whose Triton kernel is the
+  same (identical Triton IR and launch parameters, only the grid differs) are compiled once: the
+  report lists which configurations each compilation stands for. That drops, provably, the
+  axes that do not change a kernel's code (GQA for write_kv/copy_blocks, whose programs never see
+  query heads; GQA 1/4/8 for decode, whose group is padded to 16 rows either way).
+* the tiling table (``pallas_kernels/tiling.py``): every row at its largest accepted block
+  size, for sm_90 and sm_80, and the check that the next block size is refused.
+* the attention knobs (``soft_cap``, ``alibi_slopes``, both): decode and prefill on every tiling
+  row at head_dim 64/128/256, at the row's smallest block, block size 16 and its largest block
+  (decode at its largest group), for sm_90 and sm_80, each with the row the knob selects, and that
+  row's refusals.
+* sm_80 (A100): dtype x head_dim for every kernel at block size 16, GQA 4, large size.
+* whole programs at Llama 3.1 8B shapes in bfloat16 for sm_90: ``engine.generate``'s loop,
+  ``beam_search``'s loop, the serving step without and with a prefill chunk, the serving
+  engine's ``admit`` and ``free`` programs and the block manager's ``append``, and the serving
+  step of one tensor-parallel slice (tp=2 on a two-GPU topology).
+
+Usage (inside the CUDA environment ``scripts/gpu_gate.sh`` builds; the test environment stays
+CPU-only)::
+
+    python scripts/gpu_compile.py [--workers 2] [--out results/gpu_compile_report.json]
+        [--only kernels|programs] [--quick] [--keep-dumps DIR]
+
+Exit status 0 when everything the input checks accept compiled without spills and every refusal
+the table promises happened; 1 otherwise (the failures are printed and in the report).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before jax is imported (here and in the spawned workers, which import this module).
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=2"
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import re  # noqa: E402
+import concurrent.futures  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from scripts import gpu_report  # noqa: E402
+from scripts.gpu_compile_plan import (  # noqa: E402
+    H200_BANDWIDTH, KNOBS, PROGRAMS, SIZES, KV_HEADS, TARGETS, judge, kernel_groups, target_config, triton_key)
+
+# ------------------------------------------------------------------------------ worker side
+_TOPOLOGIES: dict = {}
+
+
+def _topology(target: str, devices: int = 1):
+  """(topology, mesh of all its devices on axis "x") for a target, built once per process."""
+  key = (target, devices)
+  if key not in _TOPOLOGIES:
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{devices}",
+                                        target_config=target_config(target))
+    if topo.devices[0].client.runtime_type != "compile_only_runtime":
+      raise RuntimeError(f"expected a compile-only client, got {topo.devices[0].client.runtime_type}")
+    mesh = topologies.make_mesh(topo, (devices,), ("x",))
+    _TOPOLOGIES[key] = (topo, mesh)
+  return _TOPOLOGIES[key]
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str):
+  """Sends file descriptor 2 (XLA's C++ log, with ptxas's report) to ``path``."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with open(path, "wb") as f:
+    os.dup2(f.fileno(), 2)
+  try:
+    yield
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
+
+
+CACHE_DIR = os.environ.get("PAGED_KV_GATE_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "paged-kv", "gpu-gate-results")
+_USE_CACHE = True
+
+
+def _cache_key(lowered_text: str, target: str) -> str:
+  """What decides a compilation's outcome: the lowered program (StableHLO with the Triton
+  kernels' IR), the target description, and the compiler (JAX, jaxlib, the CUDA plugin). The
+  checkout's folder is replaced by a placeholder first: it appears in the IR's source locations
+  only (debug information, not code), and without this a fresh clone in another folder, as CI
+  makes, would recompile everything."""
+  import jax
+  import jaxlib
+  try:
+    from importlib.metadata import version
+    plugin = version("jax-cuda12-plugin")
+  except Exception:  # noqa: BLE001
+    plugin = "?"
+  h = hashlib.sha256()
+  program = lowered_text.replace(ROOT, "<repo>")
+  for part in (jax.__version__, jaxlib.__version__, plugin, target_config(target), program):
+    h.update(part.encode())
+    h.update(b"\0")
+  return h.hexdigest()
+
+
+def _cached(key: str) -> dict | None:
+  path = os.path.join(CACHE_DIR, key[:2], key + ".json")
+  if not _USE_CACHE or not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def _store(key: str, res: dict) -> None:
+  """Keeps a passing result (compiled, no spill) for the next run; failures are always redone."""
+  if res.get("status") != "compiled" or res.get("spills"):
+    return
+  path = os.path.join(CACHE_DIR, key[:2], key + ".json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(res, f, default=str)
+  os.replace(tmp, path)
+
+
+def _set_cache(use: bool) -> None:
+  global _USE_CACHE
+  _USE_CACHE = use
+
+
+def _compile(lowered, work_dir: str, keep: bool) -> dict:
+  """Compiles a lowered program for its topology; returns the measured figures or the error."""
+  dump = os.path.join(work_dir, "dump")
+  log_path = os.path.join(work_dir, "xla.log")
+  t0 = time.perf_counter()
+  err = compiled = None
+  with _stderr_to(log_path):
+    try:
+      compiled = lowered.compile({"xla_dump_to": dump})
+    except Exception as e:  # noqa: BLE001 - any compile failure is a gate failure, reported
+      err = e
+  res: dict = {"compile_s": round(time.perf_counter() - t0, 2)}
+  log = open(log_path, errors="replace").read()
+  res["deviceless"] = "Performing a deviceless compilation" in log
+  ptxas = gpu_report.parse_ptxas(log)
+  if err is not None:
+    res.update(status="compile_failed", error=f"{type(err).__name__}: {err}"[:1500])
+  else:
+    thunks = gpu_report.parse_thunks(gpu_report.read_thunk_files(dump))
+    ptx = gpu_report.ptx_entries(dump)
+    mem = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    kernels = {}
+    for t, _, _ in gpu_report.walk(thunks):
+      if t["kind"] != "kCustomKernel" or "name" not in t:
+        continue
+      kernels.setdefault(t["name"], {**ptxas.get(t["name"], {}), **ptx.get(t["name"], {}),
+                                     "grid": t.get("grid"), "threads": t.get("threads"),
+                                     "shared_memory_bytes": t.get("shared_memory_bytes")})
+    res.update(status="compiled", kernels=kernels, thunk_summary=gpu_report.thunk_summary(thunks),
+               hlo_control_flow=gpu_report.hlo_control_flow(hlo),
+               memory={k: getattr(mem, k) for k in (
+                   "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                   "temp_size_in_bytes")} if mem is not None else None)
+    res["_thunks"] = thunks
+  res["spills"] = gpu_report.spills(ptxas)
+  res["max_registers"] = max((r["registers"] or 0 for r in ptxas.values()), default=0)
+  if not keep:
+    shutil.rmtree(work_dir, ignore_errors=True)
+  return res
+
+
+def _sds(shape, dtype, sharding):
+  import jax
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _kernel_program(spec: dict):
+  """(function, abstract args) of one kernel configuration on the spec's target."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+  import pallas_kernels as pk
+
+  _, mesh = _topology(spec["target"])
+  sh = NamedSharding(mesh, PartitionSpec())
+  dt = jnp.dtype(spec["dtype"])
+  d, bs, g = spec["head_dim"], spec["block_size"], spec["group"]
+  batch, context, tokens, rows = SIZES[spec["size"]]
+  if spec["kernel"] == "prefill":
+    batch = min(batch, 4)
+  max_blocks = -(-context // bs)
+  i32 = jnp.int32
+  kernel = spec["kernel"]
+  if kernel in ("decode", "prefill"):
+    pages = _sds((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d), dt, sh)
+    bt, vec = _sds((batch, max_blocks), i32, sh), _sds((batch,), i32, sh)
+    # The attention knobs of a "knob_row" spec: a static cap, ALiBi slopes as one more input.
+    knob = KNOBS.get(spec.get("knob"), {})
+    cap = knob.get("soft_cap")
+    slopes = (_sds((KV_HEADS * g,), jnp.float32, sh),) if knob.get("alibi") else ()
+    if kernel == "decode":
+      return (lambda q, p, t, n, *a: pk.paged_decode_attention(
+                  q, p, 1, t, n, impl="pallas", soft_cap=cap, alibi_slopes=a[0] if a else None),
+              (_sds((batch, KV_HEADS * g, d), dt, sh), pages, bt, vec) + slopes, ())
+    return (lambda q, p, t, s0, n, *a: pk.paged_prefill_attention(
+                q, p, 1, t, s0, n, impl="pallas", soft_cap=cap, alibi_slopes=a[0] if a else None),
+            (_sds((batch, tokens, KV_HEADS * g, d), dt, sh), pages, bt, vec, vec) + slopes, ())
+  if kernel == "write_kv":
+    pages = _sds((2, 2, KV_HEADS, 4096, bs, d), dt, sh)
+    kv = _sds((rows, KV_HEADS, d), dt, sh)
+    return (lambda p, k, v, s: pk.write_kv(p, 1, k, v, s, impl="pallas"),
+            (pages, kv, kv, _sds((rows,), i32, sh)), (0,))
+  if kernel == "copy_blocks":
+    pages = _sds((32, 2, KV_HEADS, 4096, bs, d), dt, sh)
+    lst = _sds((rows,), i32, sh)
+    return (lambda p, s, t: pk.copy_blocks(p, s, t, impl="pallas"), (pages, lst, lst), (0,))
+  raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def run_kernel_group(specs: list[dict], keep_dir: str | None, use_cache: bool = True) -> list[dict]:
+  """Worker task: lowers every spec of a group, compiles each distinct Triton kernel once.
+
+  A spec the input checks refuse (``ValueError``) is recorded as refused, never compiled."""
+  import jax
+  _set_cache(use_cache)
+  out, compiled_by_key = [], {}
+  for spec in specs:
+    res = {"spec": spec}
+    t0 = time.perf_counter()
+    try:
+      fn, args, donate = _kernel_program(spec)
+      lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower()
+    except ValueError as e:
+      res.update(status="refused", error=str(e)[:800])
+      out.append(res)
+      continue
+    except Exception as e:  # noqa: BLE001
+      res.update(status="lowering_failed", error=f"{type(e).__name__}: {e}"[:1500],
+                 trace=traceback.format_exc()[-1500:])
+      out.append(res)
+      continue
+    res["lower_s"] = round(time.perf_counter() - t0, 2)
+    text = lowered.as_text()
+    key = triton_key(text)
+    res["triton_key"] = key
+    if key in compiled_by_key:
+      res.update(status="same_kernel_as", same_as=compiled_by_key[key])
+      out.append(res)
+      continue
+    name = "-".join(str(spec[k]) for k in ("target", "kernel", "dtype", "head_dim", "block_size",
+                                           "group", "size"))
+    if spec.get("knob"):
+      name += "-" + spec["knob"]
+    ckey = _cache_key(text, spec["target"])
+    hit = _cached(ckey)
+    if hit is not None:
+      res.update(hit, cached=True)
+    else:
+      work = os.path.join(keep_dir, name) if keep_dir else tempfile.mkdtemp(prefix="gpu_gate_")
+      os.makedirs(work, exist_ok=True)
+      res.update(_compile(lowered, work, keep=bool(keep_dir)))
+      res.pop("_thunks", None)
+      _store(ckey, {k: v for k, v in res.items() if k in _RESULT_KEYS})
+    compiled_by_key[key] = name
+    res["name"] = name
+    out.append(res)
+  return out
+
+
+# ------------------------------------------------------------------------------ whole programs
+LLAMA_BATCH = 64  # serving rows / sequences per decode step
+LLAMA_CONTEXT = 4096
+
+
+def _llama_programs(target: str, variant: str, layers: int = 32):
+  """Name -> (jitted fn, abstract args, static kwargs, kind) at Llama 3.1 8B shapes, bf16, with
+  ``layers`` decoder layers (32 is the real depth)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from models import abstract_model, llama31_8b, page_spec
+  from models import sharding as msharding
+  from paged_kv.allocate import append
+  from paged_kv.config import ManagerConfig
+  from paged_kv.reclaim import free
+  from paged_kv.share import fork, select
+  import importlib
+  # The package re-exports functions named like these modules: import the modules themselves.
+  eb = importlib.import_module("paged_kv.engine.beam_search")
+  eg = importlib.import_module("paged_kv.engine.generate")
+  es = importlib.import_module("paged_kv.engine.serving")
+  from paged_kv.engine.sampling import BeamParams, SamplingParams
+  from paged_kv.state import init_state
+
+  tp = 2 if variant == "tp2" else 1
+  _, mesh1 = _topology(target, tp)
+  cfg = llama31_8b("bfloat16").replace(num_layers=layers)
+  bs = 16
+  blocks_per_seq = LLAMA_CONTEXT // bs
+  mgr = ManagerConfig(num_blocks=LLAMA_BATCH * blocks_per_seq + 1, block_size=bs, max_seqs=LLAMA_BATCH,
+                      max_blocks_per_seq=blocks_per_seq, prefix_caching=True)
+  model = abstract_model(cfg)
+  graphdef, weights = nnx.split(model)
+  spec = page_spec(cfg, mgr.num_blocks, bs)
+  rep = NamedSharding(mesh1, P())
+
+  def on(tree, sharding=rep):
+    return jax.tree.map(lambda x: _sds(x.shape, x.dtype, sharding), tree)
+
+  state = on(jax.eval_shape(lambda: init_state(mgr)))
+  if tp == 1:
+    w = on(weights)
+    pages = _sds(spec.shape, jnp.bfloat16, rep)
+    mesh = None
+  else:
+    mesh = jax.sharding.Mesh(mesh1.devices, ("tp",))
+    specs = msharding.weight_specs(weights, cfg, tp)
+    w = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, NamedSharding(mesh, s)), weights, specs)
+    pages = _sds(spec.shape, jnp.bfloat16, NamedSharding(mesh, msharding.PAGE_SPEC))
+    rep = NamedSharding(mesh, P())
+    state = on(jax.eval_shape(lambda: init_state(mgr)), rep)
+  i32 = jnp.int32
+  r = mgr.max_seqs
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  key = _sds(key.shape, key.dtype, rep)
+  progs = {}
+
+  def step_inputs(p_rows, chunk):
+    v = lambda dt=i32: _sds((r,), dt, rep)  # noqa: E731
+    return es.StepInputs(
+        free_ids=v(), sel_dst=v(), sel_parent=v(), pf_rows=_sds((p_rows,), i32, rep),
+        pf_tokens=_sds((p_rows, chunk), i32, rep), pf_start=_sds((p_rows,), i32, rep),
+        pf_lens=_sds((p_rows,), i32, rep), dec_tokens=v(), dec_live=v(jnp.bool_), fork_src=v(),
+        fork_dst=v(), logit_src=v(), temperature=v(jnp.float32), top_k=v(), top_p=v(jnp.float32),
+        seed=v(), sample_idx=v(), token_idx=v())
+
+  scfg = es.ServingConfig(manager=mgr, chunk_size=512, max_prefill_rows=4, top_candidates=8, impl="pallas",
+                          record_tables=False)
+  if variant == "tp2":
+    shape = es._StepShape(scfg, 0, mesh)
+    progs["serving_step_decode_tp2"] = (es._step_jit, (graphdef, w, pages, state, key, step_inputs(1, 512)),
+                                        dict(shape=shape), "decode")
+    return progs, mgr, cfg
+  progs["serving_step_decode"] = (es._step_jit, (graphdef, w, pages, state, key, step_inputs(1, 512)),
+                                  dict(shape=es._StepShape(scfg, 0, None)), "decode")
+  progs["serving_step_prefill"] = (es._step_jit, (graphdef, w, pages, state, key, step_inputs(4, 512)),
+                                   dict(shape=es._StepShape(scfg, 4, None)), "decode+prefill")
+  prompts, plen = _sds((16, 1024), i32, rep), _sds((16,), i32, rep)
+  progs["generate_loop"] = (eg.generate_jit, (graphdef, w, pages, state, prompts, plen, plen, key),
+                            dict(manager=mgr, params=SamplingParams(max_new_tokens=256, temperature=0.8, top_p=0.9,
+                                                                    n=4),
+                                 impl="pallas", chunk_size=512, context=LLAMA_CONTEXT), "decode")
+  bprompts, bplen = _sds((16, 1024), i32, rep), _sds((16,), i32, rep)
+  progs["beam_search_loop"] = (eb.beam_search_jit, (graphdef, w, pages, state, bprompts, bplen),
+                               dict(manager=mgr, params=BeamParams(beam_width=4, max_new_tokens=256), impl="pallas",
+                                    chunk_size=512, context=LLAMA_CONTEXT), "decode")
+  adm = 4
+  progs["admit"] = (es._admit_jit, (mgr, state, _sds((r,), i32, rep), _sds((adm,), i32, rep),
+                                    _sds((adm,), i32, rep), _sds((adm, LLAMA_CONTEXT), i32, rep),
+                                    _sds((adm,), jnp.uint32, rep)), {}, "manager")
+  progs["append"] = (jax.jit(lambda s, ids, toks: append(mgr, s, ids, toks), donate_argnums=0),
+                     (state, _sds((r,), i32, rep), _sds((r,), i32, rep)), {}, "manager")
+  progs["free"] = (es._free_jit, (mgr, state, _sds((r,), i32, rep)), {}, "manager")
+
+  def manager_share(state, free_ids, sel_dst, sel_parent, ids, toks, fork_src, fork_dst):
+    # The block-manager calls of one serving step, in its order (free, select, append, fork):
+    # the manager's share of a decode step, without the model.
+    state, _ = free(mgr, state, free_ids)
+    state, _ = select(mgr, state, sel_dst, sel_parent)
+    state, res = append(mgr, state, ids, toks)
+    state, _ = fork(mgr, state, fork_src, fork_dst)
+    return state, res
+
+  v = _sds((r,), i32, rep)
+  progs["serving_manager_share"] = (jax.jit(manager_share, donate_argnums=0), (state, v, v, v, v, v, v, v), {},
+                                    "manager")
+  return progs, mgr, cfg
+
+
+def kv_bytes_per_decode_step(cfg, batch: int, context: int) -> int:
+  """K and V bytes a decode step must read at least: every layer's K and V of every cached
+  position of every sequence (bf16)."""
+  return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * batch * context
+
+
+_RESULT_KEYS = ("compile_s", "deviceless", "status", "error", "kernels", "thunk_summary", "hlo_control_flow",
+                "memory", "spills", "max_registers", "per_step", "triton_kernels", "distinct_kernels")
+
+
+def run_program(target: str, variant: str, name: str, keep_dir: str | None, use_cache: bool = True,
+                layers: int = 32) -> dict:
+  """Worker task: lower and compile one whole program; figures per step."""
+  _set_cache(use_cache)
+  t0 = time.perf_counter()
+  res: dict = {"program": name, "target": target, "layers": layers}
+  try:
+    progs, mgr, cfg = _llama_programs(target, variant, layers)
+    fn, args, static, kind = progs[name]
+    lowered = fn.trace(*args, **static).lower()
+  except Exception as e:  # noqa: BLE001
+    res.update(status="lowering_failed", error=f"{type(e).__name__}: {e}"[:1500],
+               trace=traceback.format_exc()[-2000:])
+    return res
+  res["lower_s"] = round(time.perf_counter() - t0, 2)
+  ckey = _cache_key(lowered.as_text(), target)
+  hit = _cached(ckey)
+  if hit is not None:
+    res.update(hit, cached=True)
+  else:
+    work = os.path.join(keep_dir, name) if keep_dir else tempfile.mkdtemp(prefix="gpu_gate_")
+    os.makedirs(work, exist_ok=True)
+    res.update(_compile(lowered, work, keep=bool(keep_dir)))
+    thunks = res.pop("_thunks", None) or []
+    step, scope = gpu_report.step_thunks(thunks)
+    res["per_step"] = dict(gpu_report.thunk_summary(step), scope=scope)
+    # Keep the report small: of a whole program's kernels, the project's Triton kernels only.
+    ks = res.pop("kernels", {}) or {}
+    mine: dict[str, dict] = {}
+    for k, v in sorted(ks.items()):
+      base = re.sub(r"__\d+$", "", k)  # one kernel per layer: paged_decode_attention__7, ...
+      if base.startswith(("paged_", "write_kv", "copy_blocks")):
+        mine.setdefault(base, dict(v, instances=0))["instances"] += 1
+    res["triton_kernels"] = mine
+    res["distinct_kernels"] = len(ks)
+    _store(ckey, {k: v for k, v in res.items() if k in _RESULT_KEYS})
+  res["kind"] = kind
+  if kind.startswith("decode"):
+    kv = kv_bytes_per_decode_step(cfg, LLAMA_BATCH, LLAMA_CONTEXT)
+    res["kv_bytes_per_decode_step_at_full_context"] = kv
+    res["kv_read_lower_bound_ms_h200"] = round(1e3 * gpu_report.kv_read_lower_bound(kv, H200_BANDWIDTH), 3)
+  return res
+
+
+DEFAULT_LAYERS = 32  # the real depth: compiling 4 layers instead saved little (README)
+DEPTH_PROBE = 2
+
+
+def depth_extrapolation(program_results: list[dict]) -> dict | None:
+  """Per-layer cost of the serving decode step from two depths, and the step at 32 layers.
+
+  Every layer is the same code (the model's layer loop traces one ``DecoderLayer`` per index; the
+  index only moves the kernels' offset into the pages), so per-step kernel counts are affine in
+  the depth: ``count(L) = fixed + L * per_layer``."""
+  steps = {r["layers"]: r for r in program_results
+           if r["program"] == "serving_step_decode" and r.get("status") == "compiled"}
+  if len(steps) < 2:
+    return None
+  lo, hi = sorted(steps)[:2]
+  out = {"depths": [lo, hi]}
+  for path in ("least", "most"):
+    for key in ("kernels", "host_launches", "host_syncs"):
+      a, b = steps[lo]["per_step"][path][key], steps[hi]["per_step"][path][key]
+      per = (b - a) / (hi - lo)
+      out[f"{path}_{key}"] = {"per_layer": per, "fixed": a - lo * per, "at_32_layers": a + (32 - lo) * per}
+  return out
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--workers", type=int, default=2)
+  ap.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_compile_report.json"))
+  ap.add_argument("--only", choices=("kernels", "programs"), default=None)
+  ap.add_argument("--quick", action="store_true", help="large size only (a smoke run)")
+  ap.add_argument("--keep-dumps", default=None, help="keep XLA dumps and logs under this folder")
+  ap.add_argument("--programs", nargs="*", default=None, help="only these whole programs")
+  ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
+                  help="decoder layers of the whole programs (Llama 3.1 8B has 32; see README)")
+  ap.add_argument("--no-cache", action="store_true",
+                  help=f"compile everything again (passing results are kept in {CACHE_DIR}, keyed by "
+                       "the lowered program, the target and the compiler versions)")
+  a = ap.parse_args(argv)
+  t_start = time.perf_counter()
+
+  groups = [] if a.only == "programs" else kernel_groups(a.quick)
+  progs = [] if a.only == "kernels" else [
+      (*p, a.layers) for p in PROGRAMS if a.programs is None or p[2] in a.programs]
+  if progs and a.layers < 32 and a.layers != DEPTH_PROBE and any(p[2] == "serving_step_decode" for p in progs):
+    # At a reduced depth, a second depth of the decode step gives the per-layer cost (the layers
+    # are one code traced once per layer index), so the figures extrapolate to 32 layers.
+    progs.append(("sm_90", "tp1", "serving_step_decode", DEPTH_PROBE))
+  ctx = multiprocessing.get_context("spawn")
+  kernel_results, program_results = [], []
+  with concurrent.futures.ProcessPoolExecutor(max_workers=a.workers, mp_context=ctx) as pool:
+    # Whole programs first (the longest tasks), then the kernel groups.
+    pfut = [pool.submit(run_program, t, v, n, a.keep_dumps, not a.no_cache, L)
+            for t, v, n, L in progs]
+    kfut = [pool.submit(run_kernel_group, g, a.keep_dumps, not a.no_cache) for g in groups]
+    done = 0
+    for f in concurrent.futures.as_completed(pfut + kfut):
+      done += 1
+      if f in pfut:
+        r = f.result()
+        program_results.append(r)
+        print(f"[{time.perf_counter() - t_start:6.1f}s] program {r['program']} ({r['layers']} layers): {r['status']} "
+              f"compile {r.get('compile_s')}s", flush=True)
+      else:
+        kernel_results.extend(f.result())
+        if done % 20 == 0:
+          print(f"[{time.perf_counter() - t_start:6.1f}s] {done}/{len(pfut) + len(kfut)} tasks", flush=True)
+
+  failures = []
+  for r in kernel_results:
+    why = judge(r)
+    r["gate"] = "pass" if why is None else "FAIL: " + why
+    if why:
+      failures.append((r.get("name") or json.dumps(r["spec"]), why))
+  for r in program_results:
+    why = judge(r)
+    r["gate"] = "pass" if why is None else "FAIL: " + why
+    if why:
+      failures.append((r["program"], why))
+  kernel_results.sort(key=lambda r: json.dumps(r["spec"], sort_keys=True))
+  program_results.sort(key=lambda r: (r["program"], r["layers"]))
+  depth = depth_extrapolation(program_results)
+  import jax
+  report = {
+      "jax": jax.__version__,
+      "targets": {k: {x: v[x] for x in ("name", "major", "smem_optin", "sms", "bandwidth")}
+                  for k, v in TARGETS.items()},
+      "wall_s": round(time.perf_counter() - t_start, 1),
+      "workers": a.workers,
+      "quick": a.quick,
+      "load_average_at_end": os.getloadavg()[0],
+      "counts": {
+          "configurations": len(kernel_results),
+          "compiled": sum(r["status"] == "compiled" for r in kernel_results),
+          "same_kernel_as_another": sum(r["status"] == "same_kernel_as" for r in kernel_results),
+          "refused": sum(r["status"] == "refused" for r in kernel_results),
+          "programs": len(program_results),
+          "failures": len(failures),
+      },
+      "failures": [{"what": w, "why": y} for w, y in failures],
+      "kernels": kernel_results,
+      "programs": program_results,
+      "decode_step_per_layer": depth,
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+  with open(a.out, "w") as f:
+    json.dump(report, f, indent=1, default=str)
+  print(f"{report['counts']}; wall {report['wall_s']} s; report {a.out}")
+  for w, y in failures:
+    print(f"FAIL {w}: {y}")
+  print("GPU COMPILE GATE:", "PASSED" if not failures else f"FAILED ({len(failures)})")
+  return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,210 @@
+"""The GPU compile gate's plan and verdicts (``scripts/gpu_compile.py`` runs it): the target GPUs,
+the kernel configurations to compile, how identical kernels are recognised, and what fails.
+
+Plain Python (no JAX import at module level), so ``tests/test_gpu_report.py`` checks it on any
+machine; the tiling table is read from :mod:`pallas_kernels.tiling`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+
+# ------------------------------------------------------------------------------ targets
+_TARGET = """gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: {smem_optin}
+  shared_memory_per_core: {smem_core}
+  threads_per_core_limit: 2048
+  core_count: {sms}
+  fpus_per_core: {fpus}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth}
+  l2_cache_size: {l2}
+  clock_rate_ghz: {clock}
+  device_memory_size: {memory}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  cuda_compute_capability {{
+    major: {major}
+    minor: 0
+  }}
+}}
+platform_name: "CUDA"
+dnn_version_info {{
+  major: 9
+  minor: 8
+}}
+runtime_version {{
+  major: 12
+  minor: 9
+}}
+device_description_str: "{name}"
+"""
+
+# Public figures: H200 (sm_90, 132 SMs, 141 GB HBM3e at 4.8 TB/s, 227 KiB opt-in shared memory
+# per block) and A100 80 GB (sm_80, 108 SMs, 2.0 TB/s, 163 KiB opt-in).
+TARGETS = {
+    "sm_90": dict(name="NVIDIA H200", major=9, smem_optin=232_448, smem_core=233_472, sms=132,
+                  fpus=128, bandwidth=4_800_000_000_000, l2=52_428_800, clock=1.98,
+                  memory=151_397_597_184),
+    "sm_80": dict(name="NVIDIA A100-SXM4-80GB", major=8, smem_optin=166_912, smem_core=167_936,
+                  sms=108, fpus=64, bandwidth=2_039_000_000_000, l2=41_943_040, clock=1.41,
+                  memory=85_899_345_920),
+}
+H200_BANDWIDTH = TARGETS["sm_90"]["bandwidth"]
+
+
+def target_config(target: str) -> str:
+  return _TARGET.format(**TARGETS[target])
+
+
+_GRID_ATTR = re.compile(r"grid_[xyz] = \d+ : i32,?\s*")
+
+
+def triton_key(lowered_text: str) -> str:
+  """Hash of every Triton call's kernel (IR, name, warps, stages) without its grid: two
+  programs with the same key run the same compiled kernels, only on different grids."""
+  calls = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\([^)]*\)\s*\{[^\n]*?mhlo\.backend_config = "
+                     r"(\{[^\n]*?\})\s*[,}]", lowered_text)
+  h = hashlib.sha256()
+  for c in calls:
+    h.update(_GRID_ATTR.sub("", c).encode())
+  return h.hexdigest()[:16]
+
+
+SIZES = {
+    # name: (batch, context tokens, prefill tokens, write/copy rows)
+    "small": (1, 256, 16, 1),
+    "large": (64, 4096, 2048, 256),
+}
+KV_HEADS = 8
+
+
+# ------------------------------------------------------------------------------ the matrix
+DTYPES = ("bfloat16", "float16", "float32")
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+GROUPS = (1, 4, 8)
+KERNELS = ("decode", "prefill", "write_kv", "copy_blocks")
+
+
+def kernel_specs(quick: bool) -> list[dict]:
+  """Every kernel configuration the gate lowers, each with its ``purpose``: the sm_90 matrix,
+  the smaller sm_80 matrix, the tiling table's rows (at their largest accepted block, a whole
+  tile, at its smallest accepted block and at block size 16; decode at its largest accepted GQA group, prefill at GQA 8; on
+  both targets) and the refusals the table promises (twice the largest block; for decode also
+  twice the largest group)."""
+  from pallas_kernels import tiling
+  sizes = ("large",) if quick else ("small", "large")
+  specs = [dict(target="sm_90", kernel=k, dtype=dt, head_dim=d, block_size=bs, group=g, size=s, purpose="matrix")
+           for k, dt, d, bs, g, s in itertools.product(KERNELS, DTYPES, HEAD_DIMS, BLOCK_SIZES, GROUPS, sizes)]
+  specs += [dict(target="sm_80", kernel=k, dtype=dt, head_dim=d, block_size=16, group=8, size="large",
+                 purpose="sm_80")
+            for k, dt, d in itertools.product(KERNELS, DTYPES, HEAD_DIMS)]
+  for kernel, dt, d, row in tiling.all_rows():
+    # Decode: the largest accepted GQA group (a whole group per program); prefill folds any
+    # group into its rows.
+    g = row.rows_per_tile if kernel == "decode" else 8
+    for target in ("sm_90", "sm_80"):
+      for bs in sorted({row.min_block_size, 16, row.keys_per_tile}):
+        specs.append(dict(target=target, kernel=kernel, dtype=dt, head_dim=d, block_size=bs, group=g,
+                          size="large", purpose="table_row"))
+    specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=2 * row.keys_per_tile,
+                      group=8, size="small", purpose="table_refusal"))
+    if kernel == "decode":
+      specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=16, group=2 * g,
+                        size="small", purpose="table_refusal"))
+    if row.min_block_size > 1:
+      specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=row.min_block_size // 2,
+                        group=8, size="small", purpose="table_refusal"))
+  specs += knob_specs()
+  return specs
+
+
+# The attention knobs (issue 18) add code to the score path: soft-capping a tanh per score,
+# ALiBi one more kernel input and a multiply-add per score. Both can add registers to tiles that
+# already sit at the 255-register limit, so the gate compiles them on the tiling table's rows.
+# What can change the compiled kernel: the knob (the cap's value is a constant folded into the
+# same code; the slopes are an input), dtype, head_dim, the row's tile (its smallest accepted
+# block, the widest gather; block size 16; its largest block, a whole tile), the decode group
+# (the row's largest, which sets the rows per program), the target. Not the batch or context
+# (the grid), so one (large) size; not head_dim 16/32 (the smallest accumulators, far below the
+# register limit). The refusals of the knob's row are checked too (the input checks must see
+# the knobs), which costs no compilation.
+KNOBS = {"soft_cap": dict(soft_cap=50.0), "alibi": dict(alibi=True),
+         "soft_cap+alibi": dict(soft_cap=50.0, alibi=True)}
+KNOB_HEAD_DIMS = (64, 128, 256)
+
+
+def knob_specs() -> list[dict]:
+  """Decode and prefill with each knob set on the table rows at ``KNOB_HEAD_DIMS``, both targets."""
+  from pallas_kernels import tiling
+  specs = []
+  for kernel, dt, d, row in tiling.all_rows():
+    if d not in KNOB_HEAD_DIMS:
+      continue
+    for knob in KNOBS:
+      # The row for this knob (tiles may shrink when a knob is on).
+      row_k = tiling.table_row(kernel, dt, d, knobs=knob_facts(knob))
+      g = row_k.rows_per_tile if kernel == "decode" else 8
+      for target in ("sm_90", "sm_80"):
+        for bs in sorted({row_k.min_block_size, 16, row_k.keys_per_tile}):
+          specs.append(dict(target=target, kernel=kernel, dtype=dt, head_dim=d, block_size=bs, group=g,
+                            size="large", purpose="knob_row", knob=knob))
+      refuse = [2 * row_k.keys_per_tile] + ([row_k.min_block_size // 2] if row_k.min_block_size > 1 else [])
+      specs += [dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=bs, group=8, size="small",
+                     purpose="table_refusal", knob=knob) for bs in refuse]
+      if kernel == "decode":
+        specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=16, group=2 * g,
+                          size="small", purpose="table_refusal", knob=knob))
+  return specs
+
+
+def knob_facts(knob: str | None) -> "tiling.Knobs":
+  """The tiling table's view of a knob name (``KNOBS`` key or None)."""
+  from pallas_kernels import tiling
+  kw = KNOBS.get(knob, {}) if knob else {}
+  return tiling.Knobs(soft_cap=kw.get("soft_cap") is not None, alibi=bool(kw.get("alibi")))
+
+
+def kernel_groups(quick: bool) -> list[list[dict]]:
+  """Work units for the workers: the configurations of one (target, kernel, dtype, head_dim,
+  block size), so configurations that may share a kernel (other GQA groups, sizes, purposes)
+  meet in one worker, which compiles each distinct kernel once. Largest groups first."""
+  groups: dict[tuple, list[dict]] = {}
+  for s in kernel_specs(quick):
+    groups.setdefault((s["target"], s["kernel"], s["dtype"], s["head_dim"], s["block_size"]), []).append(s)
+  order = {"prefill": 0, "decode": 1, "copy_blocks": 2, "write_kv": 3}
+  return sorted(groups.values(), key=lambda g: (order[g[0]["kernel"]], -len(g)))
+
+
+PROGRAMS = [("sm_90", "tp1", n) for n in ("serving_step_decode", "serving_step_prefill", "generate_loop",
+                                          "beam_search_loop", "admit", "append", "free",
+                                          "serving_manager_share")] + [
+    ("sm_90", "tp2", "serving_step_decode_tp2")]
+
+
+def judge(res: dict) -> str | None:
+  """Why a result fails the gate, or None."""
+  spec = res.get("spec", {})
+  purpose = spec.get("purpose")
+  status = res.get("status")
+  if purpose == "table_refusal":
+    return None if status == "refused" else f"expected a ValueError refusal, got {status}"
+  if status in ("same_kernel_as",):
+    return None
+  if status == "refused":
+    return f"refused by the input checks: {res.get('error')}"
+  if status != "compiled":
+    return f"{status}: {res.get('error', '')[:300]}"
+  if res.get("spills"):
+    return f"register spills {res['spills']}"
+  if not res.get("deviceless"):
+    return "XLA did not report a deviceless compilation"
+  return None

@@ -1,0 +1,386 @@
+"""Reading what XLA:GPU leaves behind after a (deviceless) compilation: the ``ptxas -v`` report
+in its log, the thunk sequence it dumps, the PTX, and the optimized HLO.
+
+Pure text processing (no JAX import), so ``tests/test_gpu_report.py`` checks it on any machine.
+``scripts/gpu_compile.py`` is the gate that produces the text.
+
+Formats read (XLA 0.10.2 / ptxas 12.9):
+
+* ptxas, one report per kernel, logged by XLA's subprocess compilation at verbosity 2::
+
+    ptxas info    : Compiling entry function 'paged_decode_attention' for 'sm_90a'
+    ptxas info    : Function properties for paged_decode_attention
+        0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+    ptxas info    : Used 168 registers, used 1 barriers, 448 bytes cmem[0]
+
+* thunk sequence (``*.thunk_sequence.txt`` under ``--xla_dump_to``): one line per thunk, kind
+  first (``kKernel``, ``kCustomKernel`` for Triton, ``kGemm``, ``kCopy``, ``kConditional``,
+  ``kWhile``, ``kCommandBuffer``, ...), nested sequences (a while's body, a conditional's
+  branches, a command buffer's commands) indented below their parent.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?")
+
+
+def parse_ptxas(log: str) -> dict[str, dict]:
+  """Kernel name -> ptxas figures (registers, spill store/load bytes, stack frame, arch).
+
+  Each report starts at "Compiling entry function"; its figures are read up to the next report,
+  so a kernel whose report lacks a line gets ``None`` there, never another kernel's number. When
+  ptxas ran more than once for a kernel name (several modules), the worst figures are kept."""
+  out: dict[str, dict] = {}
+  starts = list(_ENTRY.finditer(log))
+  for i, m in enumerate(starts):
+    end = starts[i + 1].start() if i + 1 < len(starts) else len(log)
+    seg = log[m.end():end]
+    props, used = _PROPS.search(seg), _USED.search(seg)
+    rec = {
+        "arch": m.group(2),
+        "registers": int(used.group(1)) if used else None,
+        "barriers": int(used.group(2)) if used and used.group(2) else None,
+        "stack_frame_bytes": int(props.group(1)) if props else None,
+        "spill_store_bytes": int(props.group(2)) if props else None,
+        "spill_load_bytes": int(props.group(3)) if props else None,
+    }
+    old = out.get(m.group(1))
+    if old is not None:
+      rec = {k: (max(v, old[k]) if isinstance(v, int) and isinstance(old[k], int) else v or old[k])
+             for k, v in rec.items()}
+    out[m.group(1)] = rec
+  return out
+
+
+def spills(report: dict[str, dict]) -> dict[str, int]:
+  """Kernel -> spilled bytes (stores + loads), only the kernels that spill."""
+  out = {}
+  for name, r in report.items():
+    total = (r.get("spill_store_bytes") or 0) + (r.get("spill_load_bytes") or 0)
+    if total:
+      out[name] = total
+  return out
+
+
+# ------------------------------------------------------------------------------ thunk sequence
+_THUNK_LINE = re.compile(r"^(\s*)(\d+):\s+(k[A-Z]\w*)\s*(?:\[[^\]]*\])?\s*(.*)$")
+_LABEL_LINE = re.compile(r"^\s*([a-z_]+\d*):\s*$")
+_GRID = re.compile(r"grid:\s*\[([^\]]*)\]")
+_THREADS = re.compile(r"threads:\s*\[([^\]]*)\]")
+_SMEM = re.compile(r"shared_memory:\s*(\d+)")
+# Thunks that launch work on the GPU (kernels, library calls, collectives); copies and memsets are
+# counted apart.
+LAUNCH_KINDS = frozenset((
+    "kKernel", "kCustomKernel", "kGemm", "kCublasLtMatmul", "kCuDnn", "kCustomCall", "kFft",
+    "kConvolution", "kTriangularSolve", "kNcclAllReduceStart", "kNcclAllGatherStart",
+    "kNcclReduceScatterStart", "kNcclAllToAllStart", "kNcclCollectivePermuteStart",
+    "kNcclAllReduce", "kNcclAllGather", "kNcclReduceScatter", "kAllReduceStart", "kAllGatherStart",
+    "kReduceScatterStart", "kAllToAllStart", "kCollectivePermuteStart", "kAllReduce", "kAllGather",
+    "kReduceScatter"))
+COPY_KINDS = frozenset(("kCopy", "kMemset32BitValue", "kMemzero"))
+CONTROL_KINDS = frozenset(("kConditional", "kWhile"))
+
+
+def _dims(text: str) -> list[int]:
+  return [int(x) for x in re.findall(r"\d+", text)]
+
+
+def parse_thunks(text: str) -> list[dict]:
+  """Thunk sequence text -> the top-level thunks, as a tree.
+
+  Each thunk: ``{kind, name, grid, threads, shared_memory_bytes, children, sections}``.
+  ``children``: the commands of a ``kCommandBuffer`` (or any other nesting without labels);
+  ``sections``: for a ``kConditional`` its branches (``false_branch``, ``true_branch``,
+  ``branch_N``), for a ``kWhile`` its ``condition`` and ``body``, each a list of thunks. Nesting is
+  read from the indentation; a section label applies to the thunks after it (XLA prints some
+  labels without indentation, so a label's own indent is not trusted)."""
+  roots: list[dict] = []
+  stack: list[tuple[int, dict]] = []
+  last_while = None
+  for line in text.splitlines():
+    m = _THUNK_LINE.match(line)
+    lm = None if m else _LABEL_LINE.match(line)
+    if lm:
+      # A label opens a section of the innermost open conditional/while left of it. XLA prints
+      # a while's "condition:" at column 0: that one belongs to the last while read.
+      ind = len(line) - len(line.lstrip())
+      owner = None
+      if ind == 0 and lm.group(1) == "condition":
+        owner = last_while
+      else:
+        for i, node in reversed(stack):
+          if i < ind and node["kind"] in CONTROL_KINDS:
+            owner = node
+            break
+      if owner is not None:
+        owner["_section"] = lm.group(1)
+      continue
+    if not m:
+      continue
+    indent, kind, rest = len(m.group(1).expandtabs()), m.group(3), m.group(4)
+    node: dict = {"kind": kind, "children": [], "sections": {}}
+    name = rest.split()[0] if rest.split() else ""
+    if name and not name.endswith(":"):
+      node["name"] = name
+    for key, rx, conv in (("grid", _GRID, _dims), ("threads", _THREADS, _dims),
+                          ("shared_memory_bytes", _SMEM, int)):
+      mm = rx.search(rest)
+      if mm:
+        node[key] = conv(mm.group(1))
+    while stack and stack[-1][0] >= indent:
+      stack.pop()
+    if not stack:
+      roots.append(node)
+    else:
+      parent = stack[-1][1]
+      if parent["kind"] in CONTROL_KINDS:
+        parent["sections"].setdefault(parent.get("_section", "body"), []).append(node)
+      else:
+        parent["children"].append(node)
+    stack.append((indent, node))
+    if kind == "kWhile":
+      last_while = node
+  for t, _, _ in walk(roots):
+    t.pop("_section", None)
+  return roots
+
+
+def walk(thunks: list[dict], in_graph: bool = False, in_control: bool = False):
+  """Every thunk of a tree with two flags: inside a command buffer (CUDA graph), inside a
+  branch or loop."""
+  for t in thunks:
+    yield t, in_graph, in_control
+    yield from walk(t["children"], in_graph or t["kind"] == "kCommandBuffer", in_control)
+    for sec in t["sections"].values():
+      yield from walk(sec, in_graph or t["kind"] == "kCommandBuffer", True)
+
+
+def _cost(thunks: list[dict], pick, in_graph: bool = False) -> dict:
+  """Kernels run, host launch operations and host syncs of one pass over ``thunks``, with
+  ``pick`` choosing each conditional's branch and each while's trip count (0 or 1)."""
+  c = {"kernels": 0, "copies": 0, "host_launches": 0, "host_syncs": 0}
+
+  def add(d):
+    for k in c:
+      c[k] += d[k]
+
+  for t in thunks:
+    kind = t["kind"]
+    if kind in LAUNCH_KINDS:
+      c["kernels"] += 1
+      c["host_launches"] += 0 if in_graph else 1
+    elif kind in COPY_KINDS:
+      c["copies"] += 1
+      c["host_launches"] += 0 if in_graph else 1
+    elif kind == "kCommandBuffer":
+      c["host_launches"] += 0 if in_graph else 1  # one graph launch
+      add(_cost(t["children"], pick, True))
+    elif kind == "kConditional":
+      # The predicate is read on the host unless the conditional is a graph node.
+      c["host_syncs"] += 0 if in_graph else 1
+      branches = [_cost(sec, pick, in_graph) for sec in t["sections"].values()] or [_cost([], pick)]
+      add(pick(branches))
+    elif kind == "kWhile":
+      cond = _cost(t["sections"].get("condition", []), pick, in_graph)
+      body = _cost(t["sections"].get("body", []), pick, in_graph)
+      trips = pick([{"trips": 0}, {"trips": 1}])["trips"]
+      for _ in range(trips + 1):  # the condition runs once more than the body
+        add(cond)
+        c["host_syncs"] += 0 if in_graph else 1
+      for _ in range(trips):
+        add(body)
+    else:
+      add(_cost(t["children"], pick, in_graph))
+  return c
+
+
+def _least(options):
+  return min(options, key=lambda d: (d.get("trips", 0), d.get("host_syncs", 0), d.get("kernels", 0)))
+
+
+def _most(options):
+  return max(options, key=lambda d: (d.get("trips", 0), d.get("host_syncs", 0), d.get("kernels", 0)))
+
+
+def thunk_summary(thunks: list[dict]) -> dict:
+  """Figures of one pass over a thunk tree.
+
+  ``least``: every conditional takes its cheapest branch and every while runs zero trips (the
+  common path of the block manager: its loops probe past a window or skip stale queue entries,
+  which usually does not happen); ``most``: the costliest branch and one trip each. Counts:
+  kernels run (command-buffer commands included), copies, host launch operations (a command
+  buffer is one graph launch) and host syncs (each conditional predicate and each while
+  condition evaluation outside a command buffer is a device-to-host read)."""
+  control = [(t, g) for t, g, _ in walk(thunks) if t["kind"] in CONTROL_KINDS]
+  return {
+      "least": _cost(thunks, _least),
+      "most": _cost(thunks, _most),
+      "conditionals": sum(t["kind"] == "kConditional" for t, _ in control),
+      "whiles": sum(t["kind"] == "kWhile" for t, _ in control),
+      "control_flow_in_command_buffers": sum(g for _, g in control),
+      "command_buffers": sum(t["kind"] == "kCommandBuffer" for t, _, _ in walk(thunks)),
+      "triton_kernels": sorted({t.get("name", "") for t, _, _ in walk(thunks)
+                                if t["kind"] == "kCustomKernel" and t.get("name", "").startswith(
+                                    ("paged_", "write_kv", "copy_blocks"))}),
+  }
+
+
+def step_thunks(thunks: list[dict]) -> tuple[list[dict], str]:
+  """The thunks of one decode step. In a program whose step runs in a loop (the on-device
+  generate and beam-search loops) that is the body of the while whose body launches the decode
+  attention kernel; otherwise the whole program is one step."""
+  best = None
+  for t, _, _ in walk(thunks):
+    if t["kind"] != "kWhile":
+      continue
+    body = t["sections"].get("body", [])
+    if any(u.get("name") == "paged_decode_attention" for u, _, _ in walk(body)):
+      best = body  # the innermost such loop wins (walk is pre-order)
+  if best is not None:
+    return best, "body of the decode loop"
+  return thunks, "whole program"
+
+
+def read_thunk_files(dump_dir: str) -> str:
+  """Text of the final thunk sequence of a dump (after XLA's thunk passes, which form the
+  command buffers); the largest module's when several were written."""
+  for pattern in ("*thunk_sequence_after_thunk_passes.txt", "*thunk_sequence.txt"):
+    paths = sorted(glob.glob(os.path.join(dump_dir, pattern)), key=os.path.getsize)
+    if paths:
+      return open(paths[-1], errors="replace").read()
+  return ""
+
+
+# ------------------------------------------------------------------------------ PTX and HLO
+def mma_kind(ptx: str) -> str | None:
+  """The matrix instruction family a PTX kernel uses: "wgmma" (Hopper warpgroup MMA),
+  "mma.sync" (Ampere-style warp MMA), or None (no tensor-core MMA)."""
+  if re.search(r"\bwgmma\.mma_async", ptx):
+    return "wgmma"
+  if re.search(r"\bmma\.sync", ptx):
+    return "mma.sync"
+  return None
+
+
+def ptx_entries(dump_dir: str) -> dict[str, dict]:
+  """Kernel entry name -> {target, mma} for every PTX file of a dump."""
+  out = {}
+  for path in glob.glob(os.path.join(dump_dir, "**", "*.ptx"), recursive=True):
+    text = open(path, errors="replace").read()
+    target = re.search(r"^\.target\s+(\w+)", text, re.M)
+    for m in re.finditer(r"\.entry\s+(\w+)", text):
+      out[m.group(1)] = {"ptx_target": target.group(1) if target else None, "mma": mma_kind(text)}
+  return out
+
+
+def hlo_control_flow(hlo: str) -> dict:
+  """Counts of ``while`` and ``conditional`` instructions in an optimized HLO module."""
+  return {"while": len(re.findall(r"=\s*\S.*?\bwhile\(", hlo)),
+          "conditional": len(re.findall(r"=\s*\S.*?\bconditional\(", hlo))}
+
+
+def kv_read_lower_bound(kv_bytes: int, bandwidth_bytes_per_s: float) -> float:
+  """Seconds to read ``kv_bytes`` of K/V at full memory bandwidth: a step cannot be faster."""
+  return kv_bytes / bandwidth_bytes_per_s
+
+
+
+# ------------------------------------------------------------------------------ README tables
+_KERNEL_NAMES = {"decode": "paged_decode_attention", "prefill": "paged_prefill_attention",
+                 "write_kv": "write_kv", "copy_blocks": "copy_blocks"}
+
+
+def markdown_summary(report: dict, kernels=("decode", "prefill"), targets=("sm_90",)) -> str:
+  """The README's tables from a gate report: one line per (kernel, dtype, head_dim) at block
+  size 16, GQA 4 (8 for sm_80), large size (the same kernel stands for GQA 1/4/8 in decode), and
+  one line per whole program."""
+  by_key = {}
+  for r in report.get("kernels", []):
+    by_key.setdefault(r.get("name"), r)
+  lines = ["| target | kernel | dtype | head_dim | registers | spills (B) | shared memory (B) | grid | threads | MMA |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  order = {"bfloat16": 0, "float16": 1, "float32": 2}
+  chosen = sorted((r for r in report.get("kernels", []) if r["spec"]["kernel"] in kernels
+                   and r["spec"]["target"] in targets and (
+                       (r["spec"]["purpose"] == "matrix" and r["spec"]["block_size"] == 16 and r["spec"]["group"] == 4
+                        and r["spec"]["size"] == "large") or r["spec"]["purpose"] == "sm_80")),
+                  key=lambda r: (r["spec"]["target"], kernels.index(r["spec"]["kernel"]), order[r["spec"]["dtype"]],
+                                 r["spec"]["head_dim"]))
+  for r in chosen:
+    s = r["spec"]
+    src = by_key.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
+    k = (src.get("kernels") or {}).get(_KERNEL_NAMES[s["kernel"]], {})
+    spill = sum((src.get("spills") or {}).values())
+    lines.append(f"| {s['target']} | {s['kernel']} | {s['dtype']} | {s['head_dim']} | {k.get('registers')} | "
+                 f"{spill} | {k.get('shared_memory_bytes'):,} | {k.get('grid')} | {k.get('threads')} | "
+                 f"{k.get('mma') or '-'} |" if k else f"| {s['target']} | {s['kernel']} | {s['dtype']} | "
+                 f"{s['head_dim']} | {src.get('status')} | | | | | |")
+  lines += ["", "| program | layers | kernels / step (least, most) | host launches / step | host syncs / step (least, most) "
+            "| conditionals, whiles (in CUDA graphs) | temp memory | compile s | K/V read bound (H200) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+  for p in report.get("programs", []):
+    if p.get("status") != "compiled":
+      lines.append(f"| {p['program']} | {p.get('layers')} | {p.get('status')} | | | | | | |")
+      continue
+    st = p["per_step"]
+    bound = p.get("kv_read_lower_bound_ms_h200")
+    lines.append(
+        f"| {p['program']} | {p.get('layers')} | {st['least']['kernels']}, {st['most']['kernels']} | "
+        f"{st['least']['host_launches']}, {st['most']['host_launches']} | {st['least']['host_syncs']}, "
+        f"{st['most']['host_syncs']} | {st['conditionals']}, {st['whiles']} ({st['control_flow_in_command_buffers']}) | "
+        f"{p['memory']['temp_size_in_bytes'] / 2**20:.1f} MiB | {p.get('compile_s')} | "
+        f"{f'{bound} ms' if bound else '-'} |")
+  return "\n".join(lines)
+
+
+def knob_summary(report: dict) -> str:
+  """The README's knob table: per (kernel, dtype, head_dim, knob), the most registers and spill
+  bytes of the attention kernel over every knob configuration compiled (both targets, every
+  block size), beside the same row without knobs (``table_row`` configurations), so a knob
+  that brings a row to the register limit shows."""
+  by_name = {r.get("name"): r for r in report.get("kernels", []) if r.get("name")}
+  worst: dict[tuple, list] = {}
+  for r in report.get("kernels", []):
+    s = r["spec"]
+    if s["purpose"] not in ("knob_row", "table_row") or s["kernel"] not in ("decode", "prefill"):
+      continue
+    src = by_name.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
+    k = (src.get("kernels") or {}).get(_KERNEL_NAMES[s["kernel"]], {})
+    key = (s["kernel"], s["dtype"], s["head_dim"], s.get("knob") or "none")
+    w = worst.setdefault(key, [0, 0, 0, set()])
+    w[0] = max(w[0], k.get("registers") or 0)
+    w[1] = max(w[1], sum((src.get("spills") or {}).values()))
+    w[2] += 1
+    if src.get("status") != "compiled":
+      w[3].add(src.get("status"))
+  knobs = sorted({k[3] for k in worst if k[3] != "none"})
+  lines = ["| kernel | dtype | head_dim | registers, no knob | " + " | ".join(
+               f"registers, {n}" for n in knobs) + " | spills (B) | configurations |",
+           "|---|---|---|---|" + "---|" * len(knobs) + "---|---|"]
+  order = {"bfloat16": 0, "float16": 1, "float32": 2}
+  rows = sorted({k[:3] for k in worst if k[3] != "none"},
+                key=lambda k: (k[0] != "decode", order[k[1]], k[2]))
+  for kernel, dt, d in rows:
+    cells = [worst.get((kernel, dt, d, n)) for n in ["none"] + knobs]
+    regs = [f"{c[0]}" + (f" ({', '.join(sorted(c[3]))})" if c[3] else "") if c else "-" for c in cells]
+    spill = max(c[1] for c in cells if c)
+    count = sum(c[2] for c in cells[1:] if c)
+    lines.append(f"| {kernel} | {dt} | {d} | " + " | ".join(regs) + f" | {spill} | {count} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  import json
+  import sys
+  with open(sys.argv[1] if len(sys.argv) > 1 else "results/gpu_compile_report.json") as f:
+    rep = json.load(f)
+  print(markdown_summary(rep))
+  if any(r["spec"].get("purpose") == "knob_row" for r in rep.get("kernels", [])):
+    print()
+    print(knob_summary(rep))

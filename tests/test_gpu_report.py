@@ -1,0 +1,204 @@
+"""The GPU compile gate's readers (``scripts/gpu_report.py``) on text in the formats XLA 0.10.2 and
+ptxas 12.9 write (shortened from real dumps of ``scripts/gpu_compile.py``). No CUDA needed."""
+
+import json
+
+from scripts import gpu_compile_plan, gpu_report
+
+PTXAS_LOG = """\
+I1201 07:52:28.137985    5071 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'loop_clamp_fusion' for 'sm_90a'
+ptxas info    : Function properties for loop_clamp_fusion
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 10 registers, used 0 barriers
+ptxas info    : Compile time = 2.025 ms
+
+I1201 07:52:28.141158    5070 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'paged_prefill_attention' for 'sm_90a'
+ptxas info    : Function properties for paged_prefill_attention
+    64 bytes stack frame, 60 bytes spill stores, 64 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 448 bytes cmem[0]
+ptxas info    : Compiling entry function 'write_kv' for 'sm_80'
+ptxas info    : Used 26 registers
+"""
+
+
+def test_ptxas_report_per_kernel():
+  r = gpu_report.parse_ptxas(PTXAS_LOG)
+  assert r["loop_clamp_fusion"] == {"arch": "sm_90a", "registers": 10, "barriers": 0, "stack_frame_bytes": 0,
+                                    "spill_store_bytes": 0, "spill_load_bytes": 0}
+  assert r["paged_prefill_attention"]["registers"] == 255
+  assert r["paged_prefill_attention"]["spill_store_bytes"] == 60
+  assert r["paged_prefill_attention"]["spill_load_bytes"] == 64
+  # A report without a properties line: its figures are unknown, not borrowed from a neighbour.
+  assert r["write_kv"]["registers"] == 26 and r["write_kv"]["spill_store_bytes"] is None
+  assert gpu_report.spills(r) == {"paged_prefill_attention": 124}
+
+
+def test_ptxas_keeps_the_worst_of_repeated_reports():
+  log = PTXAS_LOG + PTXAS_LOG.replace("Used 10 registers", "Used 12 registers").replace(
+      "0 bytes stack frame, 0 bytes spill stores", "0 bytes stack frame, 8 bytes spill stores", 1)
+  r = gpu_report.parse_ptxas(log)
+  assert r["loop_clamp_fusion"]["registers"] == 12
+  assert r["loop_clamp_fusion"]["spill_store_bytes"] == 8
+
+
+THUNKS = """\
+000: kCommandBuffer [source       | next=041 (1)] 
+    001: kCustomKernel [source       | sink         ] wrapped_iota grid: [1, 1, 1] threads: [64, 1, 1]  shared_memory: 0 bytes
+    002: kCopy         [source       | next=003 (1) ] kCopy
+041: kConditional   [prev=000 (1) | next=000 (1)]   
+  false_branch:
+    024: kCopy  [source       | next=027 (3)] kCopy
+    027: kWhile [prev=026 (1) | sink        ]       
+condition:
+        028: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      body:
+        000: kCommandBuffer [source | sink] 
+            030: kCustomKernel [source       | next=031 (1)] loop_and_fusion_1 grid: [1, 1, 1] threads: [64, 1, 1]  shared_memory: 0 bytes
+            031: kCustomKernel [prev=030 (1) | next=032 (1)] input_reduce_fusion_20 grid: [64, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
+    050: kCustomKernel [prev=027 (1) | sink] after_the_loop grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
+  true_branch:
+    038: kCopy [source | sink] kCopy
+004: kCustomKernel [prev=003 (1) | next=005 (1)] paged_decode_attention grid: [64, 8, 1] threads: [128, 1, 1]  shared_memory: 73728 bytes
+"""
+
+
+def test_thunk_tree_sections_and_launch_figures():
+  roots = gpu_report.parse_thunks(THUNKS)
+  assert [t["kind"] for t in roots] == ["kCommandBuffer", "kConditional", "kCustomKernel"]
+  cond = roots[1]
+  assert set(cond["sections"]) == {"false_branch", "true_branch"}
+  loop = cond["sections"]["false_branch"][1]
+  assert loop["kind"] == "kWhile"
+  assert [t.get("name") for t in loop["sections"]["condition"]] == ["loop_and_fusion"]
+  assert loop["sections"]["body"][0]["kind"] == "kCommandBuffer"
+  # The kernel after the while (back at the branch's indentation) stays in the false branch.
+  assert cond["sections"]["false_branch"][2]["name"] == "after_the_loop"
+  dec = roots[2]
+  assert dec["grid"] == [64, 8, 1] and dec["threads"] == [128, 1, 1] and dec["shared_memory_bytes"] == 73728
+
+  s = gpu_report.thunk_summary(roots)
+  # Least: the graph (1 kernel, 1 copy), the conditional's true branch (1 copy), the decode kernel.
+  assert s["least"] == {"kernels": 2, "copies": 2, "host_launches": 3, "host_syncs": 1}
+  # Most: false branch with one loop trip: copy, condition twice (2 syncs), body graph, one kernel.
+  assert s["most"]["host_syncs"] == 3
+  assert s["most"]["kernels"] == 1 + 2 + 2 + 1 + 1
+  assert s["conditionals"] == 1 and s["whiles"] == 1 and s["control_flow_in_command_buffers"] == 0
+  assert s["triton_kernels"] == ["paged_decode_attention"]
+
+
+def test_step_of_a_loop_program_is_the_decode_loop_body():
+  text = """\
+001: kCustomKernel [source | sink] prefill_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+002: kWhile [prev=001 (1) | sink]
+condition:
+    003: kCustomKernel [source | sink] cond_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    004: kCustomKernel [source | sink] paged_decode_attention grid: [64, 8, 1] threads: [128, 1, 1]  shared_memory: 73728 bytes
+    005: kGemm [source | sink] kGemm
+"""
+  step, scope = gpu_report.step_thunks(gpu_report.parse_thunks(text))
+  assert scope == "body of the decode loop"
+  assert [t["kind"] for t in step] == ["kCustomKernel", "kGemm"]
+  step, scope = gpu_report.step_thunks(gpu_report.parse_thunks(text.replace("paged_decode_attention", "x")))
+  assert scope == "whole program" and len(step) == 2
+
+
+def test_mma_kind_and_kv_bound():
+  assert gpu_report.mma_kind("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == "wgmma"
+  assert gpu_report.mma_kind("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == "mma.sync"
+  assert gpu_report.mma_kind("ld.global.b32") is None
+  # 1 GB at 4.8 TB/s: 0.208 ms.
+  assert abs(gpu_report.kv_read_lower_bound(10**9, 4.8e12) - 1 / 4800) < 1e-12
+
+
+def test_hlo_control_flow_counts():
+  hlo = ("%w = (s32[], f32[4]) while((s32[], f32[4]) %t), condition=%c, body=%b\n"
+         "%k = f32[4] conditional(pred[] %p, f32[4] %a, f32[4] %a), true_computation=%x\n"
+         "%n = f32[4] add(f32[4] %a, f32[4] %a)\n")
+  assert gpu_report.hlo_control_flow(hlo) == {"while": 1, "conditional": 1}
+
+
+def test_gate_plan_judges_results():
+  ok = {"status": "compiled", "spills": {}, "deviceless": True, "spec": {"purpose": "matrix"}}
+  assert gpu_compile_plan.judge(ok) is None
+  assert "spill" in gpu_compile_plan.judge(dict(ok, spills={"paged_prefill_attention": 8}))
+  assert "refused" in gpu_compile_plan.judge({"status": "refused", "error": "x", "spec": {"purpose": "matrix"}})
+  assert gpu_compile_plan.judge({"status": "refused", "spec": {"purpose": "table_refusal"}}) is None
+  assert "expected" in gpu_compile_plan.judge(dict(ok, spec={"purpose": "table_refusal"}))
+  assert "compile_failed" in gpu_compile_plan.judge(
+      {"status": "compile_failed", "error": "RESOURCE_EXHAUSTED", "spec": {"purpose": "matrix"}})
+
+
+def test_triton_key_ignores_only_the_grid():
+  call = ('%0 = stablehlo.custom_call @__gpu$xla.gpu.triton(%a) {backend_config = "", mhlo.backend_config = '
+          '{debug = false, grid_x = {x} : i32, grid_y = 8 : i32, grid_z = 1 : i32, ir = "{ir}", name = "k", '
+          'num_stages = 2 : i32, num_warps = 4 : i32}}, operand_layouts = []\n')
+  a = gpu_compile_plan.triton_key(call.replace("{x}", "4").replace("{ir}", "IR1"))
+  b = gpu_compile_plan.triton_key(call.replace("{x}", "64").replace("{ir}", "IR1"))
+  c = gpu_compile_plan.triton_key(call.replace("{x}", "4").replace("{ir}", "IR2"))
+  assert a == b != c
+
+
+def test_gate_matrix_covers_the_issue_axes_and_every_table_row():
+  groups = gpu_compile_plan.kernel_groups(quick=False)
+  specs = [s for g in groups for s in g]
+  matrix = {(s["kernel"], s["dtype"], s["head_dim"], s["block_size"], s["group"], s["size"])
+            for s in specs if s["purpose"] == "matrix"}
+  assert len(matrix) == 4 * 3 * 3 * 3 * 3 * 2
+  from pallas_kernels import tiling
+  rows = {(s["kernel"], s["dtype"], s["head_dim"], s["target"]) for s in specs if s["purpose"] == "table_row"}
+  for kernel, dt, d, _ in tiling.all_rows():
+    assert {(kernel, dt, d, t) for t in ("sm_90", "sm_80")} <= rows
+  json.dumps(groups)  # picklable / plain data for the worker processes
+
+
+def test_gate_compiles_every_knob_on_the_table_rows():
+  """Issue 18: soft_cap, ALiBi and both, decode and prefill, every dtype at head_dim 64/128/256,
+  both targets, at block size 16, the row's largest and smallest block (decode at the row's
+  largest GQA group), each with the row that knob selects, and that row's refusals."""
+  from pallas_kernels import tiling
+  every = gpu_compile_plan.kernel_specs(quick=False)
+  specs = [s for s in every if s["purpose"] == "knob_row"]
+  got = {(s["kernel"], s["dtype"], s["head_dim"], s["target"], s["knob"], s["block_size"], s["group"])
+         for s in specs}
+  assert len(got) == len(specs)  # no configuration twice
+  for kernel, dt, d, _ in tiling.all_rows():
+    if d not in (64, 128, 256):
+      assert not any((s["kernel"], s["dtype"], s["head_dim"]) == (kernel, dt, d) for s in specs)
+      continue
+    for knob in ("soft_cap", "alibi", "soft_cap+alibi"):
+      row = tiling.table_row(kernel, dt, d, gpu_compile_plan.knob_facts(knob))
+      g = row.rows_per_tile if kernel == "decode" else 8
+      for target in ("sm_90", "sm_80"):
+        for bs in (16, row.keys_per_tile, row.min_block_size):
+          assert (kernel, dt, d, target, knob, bs, g) in got
+      # The refusals of the knob's row (twice its block; for decode twice its group).
+      refusals = {(s["block_size"], s["group"]) for s in every
+                  if s["purpose"] == "table_refusal" and s.get("knob") == knob
+                  and (s["kernel"], s["dtype"], s["head_dim"]) == (kernel, dt, d)}
+      assert (2 * row.keys_per_tile, 8) in refusals
+      assert kernel != "decode" or (16, 2 * g) in refusals
+  assert gpu_compile_plan.knob_facts("soft_cap+alibi") == tiling.Knobs(soft_cap=True, alibi=True)
+  assert gpu_compile_plan.knob_facts(None) == tiling.NO_KNOBS
+
+
+def test_knob_summary_takes_the_worst_configuration_per_knob():
+  def res(name, knob, regs, spill=0, purpose="knob_row", bs=16, status="compiled", same=None):
+    spec = {"kernel": "decode", "dtype": "float32", "head_dim": 256, "target": "sm_90", "block_size": bs,
+            "purpose": purpose}
+    if knob:
+      spec["knob"] = knob
+    r = {"spec": spec, "name": name, "status": status}
+    if same:
+      r["same_as"] = same
+    else:
+      r.update(kernels={"paged_decode_attention": {"registers": regs}}, spills={"k": spill} if spill else {})
+    return r
+  rep = {"kernels": [res("a", None, 200, purpose="table_row"), res("b", "alibi", 240),
+                     res("c", "alibi", 255, spill=24, bs=64), res("d", "alibi", 0, same="c", bs=32),
+                     res("e", "soft_cap", 250)]}
+  table = gpu_report.knob_summary(rep).splitlines()
+  assert table[0].startswith("| kernel | dtype | head_dim | registers, no knob | registers, alibi | registers, soft_cap")
+  assert table[2] == "| decode | float32 | 256 | 200 | 255 | 250 | 24 | 4 |"
