@@ -131,6 +131,39 @@ def _cache_key(lowered_text: str, target: str) -> str:
   return h.hexdigest()
 
 
+
+def _digest_program(res: dict) -> None:
+  """A whole program's fresh compile result, in place: its per-step thunk figures, and of its
+  kernels the project's Triton kernels only (keeps the report small)."""
+  thunks = res.pop("_thunks", None) or []
+  step, scope = gpu_report.step_thunks(thunks)
+  res["per_step"] = dict(gpu_report.thunk_summary(step), scope=scope)
+  ks = res.pop("kernels", {}) or {}
+  mine: dict[str, dict] = {}
+  for k, v in sorted(ks.items()):
+    base = re.sub(r"__\d+$", "", k)  # one kernel per layer: paged_decode_attention__7, ...
+    if base.startswith(("paged_", "write_kv", "copy_blocks")):
+      mine.setdefault(base, dict(v, instances=0))["instances"] += 1
+  res["triton_kernels"] = mine
+  res["distinct_kernels"] = len(ks)
+
+
+def _compile_or_cached(lowered, text: str, target: str, name: str, keep_dir: str | None,
+                       digest) -> dict:
+  """The stored result of compiling ``lowered`` (whose text is ``text``) for ``target``, marked
+  ``cached``; else a fresh compile in a scratch folder (or ``keep_dir/name``), passed through
+  ``digest`` (in place) and stored."""
+  ckey = _cache_key(text, target)
+  hit = _cached(ckey)
+  if hit is not None:
+    return dict(hit, cached=True)
+  work = os.path.join(keep_dir, name) if keep_dir else tempfile.mkdtemp(prefix="gpu_gate_")
+  os.makedirs(work, exist_ok=True)
+  res = _compile(lowered, work, keep=bool(keep_dir))
+  digest(res)
+  _store(ckey, {k: v for k, v in res.items() if k in _RESULT_KEYS})
+  return res
+
 def _cached(key: str) -> dict | None:
   path = os.path.join(CACHE_DIR, key[:2], key + ".json")
   if not _USE_CACHE or not os.path.exists(path):
@@ -282,16 +315,8 @@ def run_kernel_group(specs: list[dict], keep_dir: str | None, use_cache: bool = 
                                            "group", "size"))
     if spec.get("knob"):
       name += "-" + spec["knob"]
-    ckey = _cache_key(text, spec["target"])
-    hit = _cached(ckey)
-    if hit is not None:
-      res.update(hit, cached=True)
-    else:
-      work = os.path.join(keep_dir, name) if keep_dir else tempfile.mkdtemp(prefix="gpu_gate_")
-      os.makedirs(work, exist_ok=True)
-      res.update(_compile(lowered, work, keep=bool(keep_dir)))
-      res.pop("_thunks", None)
-      _store(ckey, {k: v for k, v in res.items() if k in _RESULT_KEYS})
+    res.update(_compile_or_cached(lowered, text, spec["target"], name, keep_dir,
+                                  digest=lambda r: r.pop("_thunks", None)))
     compiled_by_key[key] = name
     res["name"] = name
     out.append(res)
@@ -435,27 +460,8 @@ def run_program(target: str, variant: str, name: str, keep_dir: str | None, use_
                trace=traceback.format_exc()[-2000:])
     return res
   res["lower_s"] = round(time.perf_counter() - t0, 2)
-  ckey = _cache_key(lowered.as_text(), target)
-  hit = _cached(ckey)
-  if hit is not None:
-    res.update(hit, cached=True)
-  else:
-    work = os.path.join(keep_dir, name) if keep_dir else tempfile.mkdtemp(prefix="gpu_gate_")
-    os.makedirs(work, exist_ok=True)
-    res.update(_compile(lowered, work, keep=bool(keep_dir)))
-    thunks = res.pop("_thunks", None) or []
-    step, scope = gpu_report.step_thunks(thunks)
-    res["per_step"] = dict(gpu_report.thunk_summary(step), scope=scope)
-    # Keep the report small: of a whole program's kernels, the project's Triton kernels only.
-    ks = res.pop("kernels", {}) or {}
-    mine: dict[str, dict] = {}
-    for k, v in sorted(ks.items()):
-      base = re.sub(r"__\d+$", "", k)  # one kernel per layer: paged_decode_attention__7, ...
-      if base.startswith(("paged_", "write_kv", "copy_blocks")):
-        mine.setdefault(base, dict(v, instances=0))["instances"] += 1
-    res["triton_kernels"] = mine
-    res["distinct_kernels"] = len(ks)
-    _store(ckey, {k: v for k, v in res.items() if k in _RESULT_KEYS})
+  res.update(_compile_or_cached(lowered, lowered.as_text(), target, name, keep_dir,
+                                digest=_digest_program))
   res["kind"] = kind
   if kind.startswith("decode"):
     kv = kv_bytes_per_decode_step(cfg, LLAMA_BATCH, LLAMA_CONTEXT)

@@ -19,16 +19,16 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 from flax import nnx
 
-from models import (LlamaConfig, allocate_pages, greedy_generate_paged, load_hf_checkpoint, make_paged_batch,
-                    page_spec, paged_prefill_step, save_hf_checkpoint)
+from models import (LlamaConfig, allocate_pages, greedy_generate_paged, load_hf_checkpoint, page_spec,
+                    save_hf_checkpoint)
 from tests import tolerances as tol
+from tests.model_helpers import paged_prefill_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "families_worker.py"
@@ -150,17 +150,8 @@ def test_prompt_logits_match(checkpoints, case):
     toks = _prompts()
     with torch.no_grad():
         ref = hf(torch.tensor(toks, dtype=torch.long)).logits.numpy()
-    graphdef, state = nnx.split(model)
-    b, t = toks.shape
-    pages = allocate_pages(page_spec(model.config, 1 + 2 * 4, BLOCK))
-    tables = jnp.asarray([[8, 3, 5, 1], [2, 7, 4, 6]], jnp.int32)
-    chunks = []
-    for start in range(0, t, BLOCK):
-        batch = make_paged_batch(tables, [start] * b, [BLOCK] * b, BLOCK, BLOCK)
-        logits, pages = paged_prefill_step(graphdef, state, pages, batch, jnp.asarray(toks[:, start:start + BLOCK]),
-                                           impl="reference")
-        chunks.append(np.asarray(logits))
-    err = float(np.abs(np.concatenate(chunks, 1) - ref).max() / np.abs(ref).max())
+    t = toks.shape[1]
+    err = float(np.abs(paged_prefill_logits(model, toks, BLOCK) - ref).max() / np.abs(ref).max())
     rtol = tol.model_atol(model.config, t, 1.0, score_mag=tol.score_bound(model))
     print(f"{case}: relative error {err:.2e}, bound {rtol:.2e}")
     assert err <= rtol

@@ -13,11 +13,12 @@ import torch
 import transformers
 
 from models import (allocate_pages, contiguous_step, greedy_generate_contiguous,
-                    greedy_generate_paged, init_contiguous_cache, load_hf_checkpoint, make_paged_batch,
-                    page_spec, paged_prefill_step, save_hf_checkpoint)
+                    greedy_generate_paged, init_contiguous_cache, load_hf_checkpoint, page_spec,
+                    save_hf_checkpoint)
 from flax import nnx
 
 from tests import tolerances as tol
+from tests.model_helpers import paged_prefill_logits
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -82,15 +83,7 @@ def test_prompt_logits_match(pair):
                               jnp.full(b, t, jnp.int32))
     err_contig = _rel_err(np.asarray(ours), ref)
     # Paged path, the prompt in 3 prefill chunks of 8 tokens.
-    pages = allocate_pages(page_spec(model.config, 1 + 2 * 4, BLOCK))
-    tables = jnp.asarray([[8, 3, 5, 1], [2, 7, 4, 6]], jnp.int32)
-    chunks = []
-    for start in range(0, t, BLOCK):
-        batch = make_paged_batch(tables, [start] * b, [BLOCK] * b, BLOCK, BLOCK)
-        logits, pages = paged_prefill_step(graphdef, state, pages, batch, jnp.asarray(toks[:, start:start + BLOCK]),
-                                           impl="reference")
-        chunks.append(np.asarray(logits))
-    err_paged = _rel_err(np.concatenate(chunks, 1), ref)
+    err_paged = _rel_err(paged_prefill_logits(model, toks, BLOCK), ref)
     # Two float32 computations of the same function (tests/tolerances.py): float32 eps times the
     # reduction lengths along the model, relative to the logits' scale.
     rtol = tol.model_atol(model.config, t, 1.0, score_mag=tol.score_bound(model))
