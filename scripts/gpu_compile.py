@@ -347,6 +347,7 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   eb = importlib.import_module("paged_kv.engine.beam_search")
   eg = importlib.import_module("paged_kv.engine.generate")
   es = importlib.import_module("paged_kv.engine.serving")
+  ss = importlib.import_module("paged_kv.engine.serving_step")
   from paged_kv.engine.sampling import BeamParams, SamplingParams
   from paged_kv.state import init_state
 
@@ -385,7 +386,7 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
 
   def step_inputs(p_rows, chunk):
     v = lambda dt=i32: _sds((r,), dt, rep)  # noqa: E731
-    return es.StepInputs(
+    return ss.StepInputs(
         free_ids=v(), sel_dst=v(), sel_parent=v(), pf_rows=_sds((p_rows,), i32, rep),
         pf_tokens=_sds((p_rows, chunk), i32, rep), pf_start=_sds((p_rows,), i32, rep),
         pf_lens=_sds((p_rows,), i32, rep), dec_tokens=v(), dec_live=v(jnp.bool_), fork_src=v(),
@@ -395,14 +396,14 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   scfg = es.ServingConfig(manager=mgr, chunk_size=512, max_prefill_rows=4, top_candidates=8, impl="pallas",
                           record_tables=False)
   if variant == "tp2":
-    shape = es._StepShape(scfg, 0, mesh)
-    progs["serving_step_decode_tp2"] = (es._step_jit, (graphdef, w, pages, state, key, step_inputs(1, 512)),
+    shape = ss.StepShape(scfg, 0, mesh)
+    progs["serving_step_decode_tp2"] = (ss.step_jit, (graphdef, w, pages, state, key, step_inputs(1, 512)),
                                         dict(shape=shape), "decode")
     return progs, mgr, cfg
-  progs["serving_step_decode"] = (es._step_jit, (graphdef, w, pages, state, key, step_inputs(1, 512)),
-                                  dict(shape=es._StepShape(scfg, 0, None)), "decode")
-  progs["serving_step_prefill"] = (es._step_jit, (graphdef, w, pages, state, key, step_inputs(4, 512)),
-                                   dict(shape=es._StepShape(scfg, 4, None)), "decode+prefill")
+  progs["serving_step_decode"] = (ss.step_jit, (graphdef, w, pages, state, key, step_inputs(1, 512)),
+                                  dict(shape=ss.StepShape(scfg, 0, None)), "decode")
+  progs["serving_step_prefill"] = (ss.step_jit, (graphdef, w, pages, state, key, step_inputs(4, 512)),
+                                   dict(shape=ss.StepShape(scfg, 4, None)), "decode+prefill")
   prompts, plen = _sds((16, 1024), i32, rep), _sds((16,), i32, rep)
   progs["generate_loop"] = (eg.generate_jit, (graphdef, w, pages, state, prompts, plen, plen, key),
                             dict(manager=mgr, params=SamplingParams(max_new_tokens=256, temperature=0.8, top_p=0.9,
@@ -413,12 +414,13 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
                                dict(manager=mgr, params=BeamParams(beam_width=4, max_new_tokens=256), impl="pallas",
                                     chunk_size=512, context=LLAMA_CONTEXT), "decode")
   adm = 4
-  progs["admit"] = (es._admit_jit, (mgr, state, _sds((r,), i32, rep), _sds((adm,), i32, rep),
+  progs["admit"] = (ss.admit_jit, (mgr, state, _sds((r,), i32, rep), _sds((adm,), i32, rep),
                                     _sds((adm,), i32, rep), _sds((adm, LLAMA_CONTEXT), i32, rep),
                                     _sds((adm,), jnp.uint32, rep)), {}, "manager")
   progs["append"] = (jax.jit(lambda s, ids, toks: append(mgr, s, ids, toks), donate_argnums=0),
                      (state, _sds((r,), i32, rep), _sds((r,), i32, rep)), {}, "manager")
-  progs["free"] = (es._free_jit, (mgr, state, _sds((r,), i32, rep)), {}, "manager")
+  progs["free"] = (jax.jit(lambda s, ids: free(mgr, s, ids), donate_argnums=0),
+                   (state, _sds((r,), i32, rep)), {}, "manager")
 
   def manager_share(state, free_ids, sel_dst, sel_parent, ids, toks, fork_src, fork_dst):
     # The block-manager calls of one serving step, in its order (free, select, append, fork):
