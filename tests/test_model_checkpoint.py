@@ -180,34 +180,34 @@ def test_weights_of_another_config(ckpt, model, tmp_path, monkeypatch):
         load_hf_checkpoint(other)
 
 
-def test_tensor_the_config_does_not_use(ckpt, monkeypatch):
-    """A bias in a Llama whose config says attention_bias false would be silently dropped."""
+def _refused_after_edit(ckpt, monkeypatch, name, value, match):
+    """Store ``value`` as tensor ``name`` of the checkpoint; loading must fail with ``match``
+    before any weight is placed."""
     tensors = load_file(ckpt / "model.safetensors")
-    tensors["model.layers.1.self_attn.k_proj.bias"] = np.zeros((32,), np.float32)
+    tensors[name] = value(tensors) if callable(value) else value
     save_file(tensors, ckpt / "model.safetensors")
     _no_compile(monkeypatch)
-    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.self_attn.k_proj.bias' in 'model.safetensors' "
-                                              r"is not a weight of this config \(model_type='llama', qkv_bias=False"):
+    with pytest.raises(CheckpointError, match=match):
         load_hf_checkpoint(ckpt)
+
+
+def test_tensor_the_config_does_not_use(ckpt, monkeypatch):
+    """A bias in a Llama whose config says attention_bias false would be silently dropped."""
+    _refused_after_edit(ckpt, monkeypatch, "model.layers.1.self_attn.k_proj.bias", np.zeros((32,), np.float32),
+                        r"tensor 'model.layers.1.self_attn.k_proj.bias' in 'model.safetensors' "
+                        r"is not a weight of this config \(model_type='llama', qkv_bias=False")
 
 
 def test_wrong_dtype_named(ckpt, monkeypatch):
-    tensors = load_file(ckpt / "model.safetensors")
-    tensors["model.layers.0.mlp.gate_proj.weight"] = tensors["model.layers.0.mlp.gate_proj.weight"].astype(np.float16)
-    save_file(tensors, ckpt / "model.safetensors")
-    _no_compile(monkeypatch)
-    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.gate_proj.weight' in 'model.safetensors' has "
-                                              r"dtype F16; config.json declares 'float32' \(F32\)"):
-        load_hf_checkpoint(ckpt)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    _refused_after_edit(ckpt, monkeypatch, name, lambda t: t[name].astype(np.float16),
+                        r"'model.layers.0.mlp.gate_proj.weight' in 'model.safetensors' has "
+                        r"dtype F16; config.json declares 'float32' \(F32\)")
 
 
 def test_integer_tensor_refused(ckpt, monkeypatch):
-    tensors = load_file(ckpt / "model.safetensors")
-    tensors["model.norm.weight"] = np.ones((64,), np.int8)
-    save_file(tensors, ckpt / "model.safetensors")
-    _no_compile(monkeypatch)
-    with pytest.raises(CheckpointError, match=r"'model.norm.weight' in 'model.safetensors' has dtype I8"):
-        load_hf_checkpoint(ckpt)
+    _refused_after_edit(ckpt, monkeypatch, "model.norm.weight", np.ones((64,), np.int8),
+                        r"'model.norm.weight' in 'model.safetensors' has dtype I8")
 
 
 def test_unknown_dtype_in_header(ckpt, monkeypatch):
