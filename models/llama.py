@@ -101,18 +101,22 @@ class Attention(nnx.Module):
         self.qkv_bias, self.has_o_bias, self.qk_norm = config.qkv_bias, config.o_bias, config.qk_norm
 
     def __call__(self, x, positions, inv_freq, layer, cache, attend: AttendFn):
-        q = jnp.einsum("btd,dhe->bthe", x, self.q_proj[...])
-        k = jnp.einsum("btd,dke->btke", x, self.k_proj[...])
-        v = jnp.einsum("btd,dke->btke", x, self.v_proj[...])
-        if self.qkv_bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        # Named scopes only label the HLO (scripts/profile_decode.py attributes time by them).
+        with jax.named_scope("qkv_proj"):
+            q = jnp.einsum("btd,dhe->bthe", x, self.q_proj[...])
+            k = jnp.einsum("btd,dke->btke", x, self.k_proj[...])
+            v = jnp.einsum("btd,dke->btke", x, self.v_proj[...])
+            if self.qkv_bias:
+                q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+        with jax.named_scope("rope"):
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
         out, cache = attend(layer, q, k, v, cache)
-        out = jnp.einsum("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...])
-        return (out + self.o_bias[...] if self.has_o_bias else out), cache
+        with jax.named_scope("o_proj"):
+            out = jnp.einsum("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...])
+            return (out + self.o_bias[...] if self.has_o_bias else out), cache
 
 
 class MLP(nnx.Module):
@@ -129,6 +133,7 @@ class MLP(nnx.Module):
             self.down_bias = nnx.Param(_normal(rngs, (d,), dt, std))
         self.mlp_bias = config.mlp_bias
 
+    @jax.named_scope("mlp")
     def __call__(self, x):
         gate = jnp.einsum("btd,df->btf", x, self.gate[...])
         up = jnp.einsum("btd,df->btf", x, self.up[...])
@@ -262,7 +267,8 @@ class Llama(nnx.Module):
     def logits(self, hidden: Array) -> Array:
         """hidden[..., d] -> float32 logits[..., V] (matmul in the config dtype)."""
         head = self.embed[...] if self.config.tie_word_embeddings else self.lm_head[...]
-        return jnp.einsum("...d,vd->...v", hidden, head).astype(jnp.float32)
+        with jax.named_scope("lm_head"):
+            return jnp.einsum("...d,vd->...v", hidden, head).astype(jnp.float32)
 
 
 def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:

@@ -123,12 +123,14 @@ def _emit(loop: _SampleLoop, logits, key, rows, release, manager: ManagerConfig,
     """Sample token ``loop.step`` for the live rows, record it, finish rows at EOS or budget, and
     free finished rows (and ``release`` rows) at once, not at the end of the call."""
     s, live = loop.step, loop.live
-    tok, logp = sample_tokens(logits, jax.random.fold_in(key, s), params)
+    with jax.named_scope("sampling"):
+        tok, logp = sample_tokens(logits, jax.random.fold_in(key, s), params)
     lengths = loop.lengths + live.astype(jnp.int32)
     eos = live & is_eos(tok, params.eos_token_ids)
     out_of_budget = live & ~eos & (lengths >= loop.budget)
     done = eos | out_of_budget
-    state, _ = free(manager, loop.state, jnp.where(done | release, rows, -1))
+    with jax.named_scope("manager_free"):
+        state, _ = free(manager, loop.state, jnp.where(done | release, rows, -1))
     return loop.replace(
         state=state, cur=jnp.where(live, tok, 0), live=live & ~done, lengths=lengths,
         tokens=loop.tokens.at[:, s].set(jnp.where(live, tok, -1)),
@@ -173,6 +175,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     no_release = jnp.zeros((r,), bool)
     loop = _emit(loop, jnp.repeat(logits, n, axis=0), key, rows, no_release, manager, params)
 
+    @jax.named_scope("decode_step")
     def body(loop: _SampleLoop):
         s = loop.step + 1
         state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur, loop.live,

@@ -77,8 +77,10 @@ def decode(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerSt
     per device: each holds every block for its own KV heads.
     """
     ids = jnp.where(live, seq_ids, -1)
-    state, res = append(config, state, ids, tokens.astype(jnp.int32) if config.prefix_caching else None)
-    pages = copy_blocks(pages, res.copy_src, res.copy_dst, impl=impl, mesh=mesh)
+    with jax.named_scope("manager_append"):
+        state, res = append(config, state, ids, tokens.astype(jnp.int32) if config.prefix_caching else None)
+    with jax.named_scope("block_copy"):
+        pages = copy_blocks(pages, res.copy_src, res.copy_dst, impl=impl, mesh=mesh)
     ok = res.status == Status.OK
     sid = jnp.clip(seq_ids, 0, config.max_seqs - 1)
     n = jnp.where(ok, state.num_tokens[sid], 0)

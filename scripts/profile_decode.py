@@ -1,0 +1,236 @@
+"""Where the time of one on-device decode step goes, on XLA:CPU, from a profiler trace.
+
+Runs `paged_kv.engine.generate` (greedy, no EOS) on the benchmark model of
+`scripts/bench_generate.py`, once to compile and warm up and once under `jax.profiler`. XLA:CPU's
+thunk executor records one trace event per executed HLO instruction; each event's exclusive time
+(its duration less that of the events nested in it) is attributed to a part of the step through
+the instruction's `op_name` metadata in the optimized HLO, dumped by XLA for this run. The parts
+follow the named scopes the code sets (`qkv_proj`, `o_proj`, `mlp`, `lm_head`, `manager_append`,
+`block_copy`, `sampling`, ...) and the jitted kernel references (`paged_decode_attention_reference`,
+`write_kv_reference`). Only instructions inside the decode loop's body (`decode_step`) count, so
+the prefill and the loop's set-up are left out; time per step = part total / decode steps.
+
+    python scripts/profile_decode.py                       # batch 32, prompt 128, 256 new tokens
+    python scripts/profile_decode.py --batch 32 --prompt 512 --out results/profile_decode_p512.json
+
+Writes JSON (default results/profile_decode.json) and prints the table. Load average is recorded
+before and after; a profile from a busy machine is marked `"contended": true`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DUMP = tempfile.mkdtemp(prefix="paged_kv_hlo_")
+# Must be set before jax initialises its backend: the optimized HLO of the generate program.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*generate.*")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import paged_kv as pk  # noqa: E402
+from models import LlamaConfig, allocate_pages, init_model, page_spec  # noqa: E402
+from paged_kv import engine  # noqa: E402
+
+# The model of scripts/bench_generate.py (HF_CONFIG there).
+CONFIG = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
+                     num_kv_heads=2, max_position_embeddings=4096, rope_theta=10_000.0)
+
+# (part, substrings of op_name, first match wins). Order matters: the attention reference's
+# einsums are dots too, so the kernels are matched before the projections.
+PARTS = [
+    ("layer weight slices (scan over layers)", ("dynamic_index_in_dim",)),
+    ("attention (paged, XLA reference)", ("paged_decode_attention", "_paged_attention")),
+    ("kv write", ("write_kv",)),
+    ("block copy (copy-on-write)", ("block_copy", "copy_blocks")),
+    ("manager append", ("manager_append",)),
+    ("manager free", ("manager_free",)),
+    ("sampling", ("sampling",)),
+    ("qkv projections", ("qkv_proj",)),
+    ("rope", ("rope",)),
+    ("o projection", ("o_proj",)),
+    ("mlp", ("mlp",)),
+    ("lm head", ("lm_head",)),
+]
+OTHER = "other (norms, embedding, residuals, loop bookkeeping)"
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?(?:metadata=\{([^}]*)\})?\s*$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def op_names(dump_dir: str) -> dict[str, str]:
+    """HLO instruction name -> op_name metadata, from the optimized module(s) XLA dumped."""
+    names: dict[str, str] = {}
+    files = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")) if "generate" in f]
+    for f in files:
+        for line in open(f):
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            meta = _OP_NAME.search(line)
+            names[m.group(1)] = meta.group(1) if meta else ""
+    return names
+
+
+def fused_op_names(dump_dir: str) -> dict[str, str]:
+    """fusion/call instruction name -> op_name of the ROOT of the computation it calls (for an
+    instruction that carries no metadata of its own)."""
+    root_name: dict[str, str] = {}
+    calls: dict[str, str] = {}
+    files = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")) if "generate" in f]
+    comp = None
+    for f in files:
+        for line in open(f):
+            head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+            if head and "=" not in line.split("{")[0]:
+                comp = head.group(1)
+                continue
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            meta = _OP_NAME.search(line)
+            if comp and line.lstrip().startswith("ROOT") and meta:
+                root_name[comp] = meta.group(1)
+            c = re.search(r"calls=%?([\w.\-]+)", line)
+            if c:
+                calls[m.group(1)] = c.group(1)
+    return {instr: root_name.get(comp, "") for instr, comp in calls.items()}
+
+
+def exclusive_times(trace_file: str) -> list[tuple[str, float]]:
+    """(hlo_op, exclusive µs) for every thunk event of the generate module in the trace."""
+    data = json.load(gzip.open(trace_file))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") == "X" and "hlo_op" in args and "generate" in args.get("hlo_module", ""):
+            by_thread[(e.get("pid"), e.get("tid"))].append((float(e["ts"]), float(e["dur"]), args["hlo_op"]))
+    out = []
+    for evs in by_thread.values():
+        evs.sort(key=lambda x: (x[0], -x[1]))
+        stack: list[list] = []  # [end, op, child_total, dur]
+        for ts, dur, op in evs:
+            while stack and ts >= stack[-1][0] - 1e-3:
+                end, sop, child, sdur = stack.pop()
+                out.append((sop, sdur - child))
+            if stack:
+                stack[-1][2] += dur
+            stack.append([ts + dur, op, 0.0, dur])
+        while stack:
+            end, sop, child, sdur = stack.pop()
+            out.append((sop, sdur - child))
+    return out
+
+
+def classify(op_name: str) -> str:
+    for part, keys in PARTS:
+        if any(k in op_name for k in keys):
+            return part
+    return OTHER
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "profile_decode.json"))
+    args = ap.parse_args()
+
+    load_before = load_average()
+    model = init_model(CONFIG, seed=0, init_std=0.2)
+    b, bs = args.batch, args.block_size
+    per_seq = -(-(args.prompt + args.new) // bs)
+    mgr = pk.ManagerConfig(num_blocks=1 + b * per_seq + b, block_size=bs, max_seqs=b, max_blocks_per_seq=per_seq)
+    params = engine.SamplingParams(max_new_tokens=args.new)
+    box = {"pages": allocate_pages(page_spec(CONFIG, mgr.num_blocks, bs)), "state": pk.init_state(mgr)}
+    lens = np.full(b, args.prompt, np.int32)
+
+    def run(seed):
+        toks = np.random.RandomState(seed).randint(0, CONFIG.vocab_size, (b, args.prompt)).astype(np.int32)
+        out, box["pages"], box["state"] = engine.generate(model, box["pages"], toks, lens, jax.random.key(0), params,
+                                                          manager=mgr, state=box["state"])
+        return np.asarray(out.tokens)
+
+    print("compiling and warming up ...", flush=True)
+    run(0)
+    t0 = time.perf_counter()
+    run(1)
+    untraced_s = time.perf_counter() - t0
+    trace_dir = tempfile.mkdtemp(prefix="paged_kv_trace_")
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    t0 = time.perf_counter()
+    run(2)
+    traced_s = time.perf_counter() - t0
+    jax.profiler.stop_trace()
+    load_after = load_average()
+
+    trace = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+    names = op_names(DUMP)
+    fused = fused_op_names(DUMP)
+    shutil.rmtree(DUMP, ignore_errors=True)
+    totals: dict[str, float] = collections.defaultdict(float)
+    top: dict[tuple[str, str], float] = collections.defaultdict(float)
+    in_loop_us = 0.0
+    steps = args.new - 1  # decode steps: token 0 comes from the prefill's logits
+    for op, us in exclusive_times(trace):
+        meta = names.get(op) or fused.get(op, "")
+        if "decode_step" not in meta:
+            continue
+        part = classify(meta)
+        totals[part] += us
+        top[(part, op)] += us
+        in_loop_us += us
+    per_step = {p: totals[p] / steps / 1e3 for p in [p for p, _ in PARTS] + [OTHER] if totals[p] > 0}
+    step_ms = in_loop_us / steps / 1e3
+    rows = [{"part": p, "ms_per_step": round(ms, 4), "share": round(ms / step_ms, 4)} for p, ms in
+            sorted(per_step.items(), key=lambda kv: -kv[1])]
+    heavy = sorted(top.items(), key=lambda kv: -kv[1])[:15]
+    print(f"\nbatch {b}, prompt {args.prompt}, {args.new} new tokens: {step_ms:.3f} ms per decode step in the "
+          f"loop body ({steps} steps); whole call {traced_s:.2f} s traced, {untraced_s:.2f} s untraced")
+    print(f"{'part':<56} {'ms/step':>8} {'share':>6}")
+    for r in rows:
+        print(f"{r['part']:<56} {r['ms_per_step']:>8.3f} {100 * r['share']:>5.1f}%")
+    cpus = os.cpu_count() or 1
+    result = {
+        "meta": {"batch": b, "prompt": args.prompt, "new_tokens": args.new, "block_size": bs, "decode_steps": steps,
+                 "model": {"vocab_size": CONFIG.vocab_size, "hidden_size": CONFIG.hidden_size,
+                           "intermediate_size": CONFIG.intermediate_size, "num_layers": CONFIG.num_layers,
+                           "num_heads": CONFIG.num_heads, "num_kv_heads": CONFIG.num_kv_heads, "dtype": "float32"},
+                 "jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": cpus,
+                 "load_average_before": load_before, "load_average_after": load_after,
+                 "contended": max(load_before, load_after) > 0.5 * cpus,
+                 "command": " ".join(["python", "scripts/profile_decode.py", *sys.argv[1:]])},
+        "decode_step_ms": round(step_ms, 4), "call_s_traced": traced_s, "call_s_untraced": untraced_s,
+        "parts": rows,
+        "heaviest_instructions": [{"part": p, "hlo_op": op, "ms_per_step": round(us / steps / 1e3, 4)}
+                                  for (p, op), us in heavy],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    print(f"wrote {args.out} (load {load_before:.2f} -> {load_after:.2f})")
+
+
+if __name__ == "__main__":
+    main()
