@@ -10,8 +10,13 @@ results/ab_decode_<change>.json).
 Changes (variant A is the code before the change, kept here only as the baseline):
   attention_gathers  A: one gather of K and V rows per chunk, then sliced into K and V (before
                      this change); B: the library's reference (separate K and V gathers).
-  layer_weights      A: the scan over layers slices each layer's weights inside the decode loop
-                     (`Llama.__call__` with `hoist_layer_weights` off); B: the library's default.
+  prefill_query_tiles A: every prefill query of a chunk walks the keys up to the chunk's end;
+                     B: the library's reference, in tiles of 64 queries (each to its own end).
+  prefill_chunk      A: prefill in chunks of 256 positions; B: chunks of 64 (each chunk's queries
+                     walk the keys up to the chunk's end, so smaller chunks waste less of the causal
+                     triangle).
+  unrolled_layers    A: the library's scan over layers (each step slices every layer's weights
+                     out of the stacked arrays: a copy on XLA:CPU); B: the layers unrolled.
 """
 
 from __future__ import annotations
@@ -97,14 +102,29 @@ def _patch(obj, name, value):
     setattr(obj, name, old)
 
 
-def _layer_weights_in_loop():
-  import models.llama as ml
-  return _patch(ml, "HOIST_LAYER_WEIGHTS", False)
+@contextlib.contextmanager
+def _unrolled_layers():
+  """The layers unrolled over static weight slices (the path `Llama.__call__` takes when the
+  attend callback asks for a static layer id), which XLA hoists out of the decode loop."""
+  import models.paged as mp
+  make = mp._make_attend
+
+  def make_static(*a, **k):
+    attend = make(*a, **k)
+    attend.static_layer = True
+    return attend
+
+  with _patch(mp, "_make_attend", make_static):
+    yield
 
 
+# change -> ((patch A, static overrides A), (patch B, static overrides B))
 CHANGES = {
-    "attention_gathers": (lambda: _patch(reference, "_paged_attention", _attention_one_gather), contextlib.nullcontext),
-    "layer_weights": (_layer_weights_in_loop, contextlib.nullcontext),
+    "attention_gathers": ((lambda: _patch(reference, "_paged_attention", _attention_one_gather), {}),
+                          (contextlib.nullcontext, {})),
+    "unrolled_layers": ((contextlib.nullcontext, {}), (_unrolled_layers, {})),
+    "prefill_query_tiles": ((lambda: _patch(reference, "PREFILL_QUERY_TILE", 1 << 30), {}), (contextlib.nullcontext, {})),
+    "prefill_chunk": ((contextlib.nullcontext, {"chunk_size": 256}), (contextlib.nullcontext, {"chunk_size": 64})),
 }
 
 
@@ -138,13 +158,15 @@ def main():
     return allocate_pages(page_spec(CONFIG, mgr.num_blocks, bs)), pk.init_state(mgr)
 
   compiled, boxes, tokens = {}, {}, {}
-  for name, ctx in zip("AB", CHANGES[args.change]):
+  variant_static = {}
+  for name, (ctx, overrides) in zip("AB", CHANGES[args.change]):
+    variant_static[name] = {**static, **overrides}
     with ctx():
       jax.clear_caches()
       pages, state = fresh()
       t0 = time.perf_counter()
       compiled[name] = generate_jit.lower(graphdef, weights, pages, state, jnp.asarray(toks0), jnp.asarray(lens),
-                                             budgets, jax.random.key(0), **static).compile()
+                                             budgets, jax.random.key(0), **variant_static[name]).compile()
       print(f"variant {name} compiled in {time.perf_counter() - t0:.1f} s", flush=True)
     boxes[name] = fresh()
 

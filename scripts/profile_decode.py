@@ -13,7 +13,10 @@ the prefill and the loop's set-up are left out; time per step = part total / dec
     python scripts/profile_decode.py                       # batch 32, prompt 128, 256 new tokens
     python scripts/profile_decode.py --batch 32 --prompt 512 --out results/profile_decode_p512.json
 
-Writes JSON (default results/profile_decode.json) and prints the table. Load average is recorded
+Writes JSON (default results/profile_decode.json) and prints the table; `--update-readme`
+rewrites the README's profile table from it. Times are thread-milliseconds (XLA:CPU runs
+independent instructions on both cores at once), so the parts add up to more than the wall time
+of a step; read them as shares. Load average is recorded
 before and after; a profile from a busy machine is marked `"contended": true`.
 """
 
@@ -54,7 +57,8 @@ CONFIG = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, nu
 # einsums are dots too, so the kernels are matched before the projections.
 PARTS = [
     ("layer weight slices (scan over layers)", ("dynamic_index_in_dim",)),
-    ("attention (paged, XLA reference)", ("paged_decode_attention", "_paged_attention")),
+    ("attention (paged, XLA reference)", ("paged_decode_attention", "paged_prefill_attention",
+                                          "_paged_attention")),
     ("kv write", ("write_kv",)),
     ("block copy (copy-on-write)", ("block_copy", "copy_blocks")),
     ("manager append", ("manager_append",)),
@@ -148,6 +152,31 @@ def classify(op_name: str) -> str:
     return OTHER
 
 
+BEGIN, END = "<!-- profile_decode:begin -->", "<!-- profile_decode:end -->"
+
+
+def render_table(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"Batch {m['batch']}, prompt {m['prompt']}, {m['new_tokens']} new tokens (`{m['command']}`, load "
+             f"{m['load_average_before']:.2f} -> {m['load_average_after']:.2f}). Thread-milliseconds: XLA:CPU runs "
+             f"independent instructions on both cores at once, so they add up to more than the wall time.",
+             "", "| part of a decode step | thread-ms per step | share |", "|---|---:|---:|"]
+    lines += [f"| {r['part']} | {r['ms_per_step']:.3f} | {100 * r['share']:.1f} % |" for r in result["parts"]]
+    lines += ["", f"| part of the prefill ({m['batch']} x {m['prompt']} tokens) | thread-ms | share |", "|---|---:|---:|"]
+    lines += [f"| {r['part']} | {r['ms']:.1f} | {100 * r['share']:.1f} % |" for r in result["prefill_parts"]]
+    return "\n".join(lines)
+
+
+def update_readme(result: dict) -> None:
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} block to replace")
+    block = f"{BEGIN}\n{render_table(result)}\n{END}"
+    readme.write_text(re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S))
+    print(f"updated the profile table in {readme}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
@@ -155,7 +184,12 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "profile_decode.json"))
+    ap.add_argument("--update-readme", action="store_true", help="rewrite README.md's profile table from the result")
+    ap.add_argument("--render-readme", action="store_true", help="only rewrite README.md's table from --out")
     args = ap.parse_args()
+    if args.render_readme:
+        update_readme(json.loads(Path(args.out).read_text()))
+        return
 
     load_before = load_average()
     model = init_model(CONFIG, seed=0, init_std=0.2)
@@ -192,9 +226,13 @@ def main():
     totals: dict[str, float] = collections.defaultdict(float)
     top: dict[tuple[str, str], float] = collections.defaultdict(float)
     in_loop_us = 0.0
+    prefill: dict[str, float] = collections.defaultdict(float)
     steps = args.new - 1  # decode steps: token 0 comes from the prefill's logits
     for op, us in exclusive_times(trace):
         meta = names.get(op) or fused.get(op, "")
+        if "/prefill/" in meta:
+            prefill[classify(meta)] += us
+            continue
         if "decode_step" not in meta:
             continue
         part = classify(meta)
@@ -211,6 +249,12 @@ def main():
     print(f"{'part':<56} {'ms/step':>8} {'share':>6}")
     for r in rows:
         print(f"{r['part']:<56} {r['ms_per_step']:>8.3f} {100 * r['share']:>5.1f}%")
+    prefill_ms = sum(prefill.values()) / 1e3
+    prefill_rows = [{"part": p, "ms": round(us / 1e3, 3), "share": round(us / 1e3 / prefill_ms, 4)}
+                    for p, us in sorted(prefill.items(), key=lambda kv: -kv[1])]
+    print(f"\nprefill of {b} x {args.prompt} tokens: {prefill_ms:.1f} ms")
+    for r in prefill_rows:
+        print(f"{r['part']:<56} {r['ms']:>8.1f} {100 * r['share']:>5.1f}%")
     cpus = os.cpu_count() or 1
     result = {
         "meta": {"batch": b, "prompt": args.prompt, "new_tokens": args.new, "block_size": bs, "decode_steps": steps,
@@ -222,7 +266,7 @@ def main():
                  "contended": max(load_before, load_after) > 0.5 * cpus,
                  "command": " ".join(["python", "scripts/profile_decode.py", *sys.argv[1:]])},
         "decode_step_ms": round(step_ms, 4), "call_s_traced": traced_s, "call_s_untraced": untraced_s,
-        "parts": rows,
+        "parts": rows, "prefill_ms": round(prefill_ms, 2), "prefill_parts": prefill_rows,
         "heaviest_instructions": [{"part": p, "hlo_op": op, "ms_per_step": round(us / steps / 1e3, 4)}
                                   for (p, op), us in heavy],
     }
@@ -230,6 +274,8 @@ def main():
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     shutil.rmtree(trace_dir, ignore_errors=True)
     print(f"wrote {args.out} (load {load_before:.2f} -> {load_after:.2f})")
+    if args.update_readme:
+        update_readme(result)
 
 
 if __name__ == "__main__":

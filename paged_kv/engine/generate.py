@@ -156,8 +156,9 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     bad = bad_prompts(prompt_tokens, lens, model.vocab_size)
     bad_rows = jnp.repeat(bad, n)
     # Each prompt is admitted and prefilled once, into its first sample's row; the others fork it.
-    state, pages, logits, status = prefill(model, pages, manager, state, jnp.where(bad, -1, rows[::n]),
-                                           prompt_tokens, lens, chunk_size=chunk_size, impl=impl, mesh=mesh)
+    with jax.named_scope("prefill"):
+        state, pages, logits, status = prefill(model, pages, manager, state, jnp.where(bad, -1, rows[::n]),
+                                               prompt_tokens, lens, chunk_size=chunk_size, impl=impl, mesh=mesh)
     admitted = jnp.repeat(status == Status.OK, n)
     if n > 1:
         is_child = rows % n != 0
