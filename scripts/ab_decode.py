@@ -10,6 +10,8 @@ results/ab_decode_<change>.json).
 Changes (variant A is the code before the change, kept here only as the baseline):
   attention_gathers  A: one gather of K and V rows per chunk, then sliced into K and V (before
                      this change); B: the library's reference (separate K and V gathers).
+  decode_mul_reduce  A: decode attention's two products as einsums over the gathered K and V
+                     (before this change); B: the library's reference (multiply-reduces).
   prefill_query_tiles A: every prefill query of a chunk walks the keys up to the chunk's end;
                      B: the library's reference, in tiles of 64 queries (each to its own end).
   prefill_chunk      A: prefill in chunks of 256 positions; B: chunks of 64 (each chunk's queries
@@ -92,6 +94,52 @@ def _attention_one_gather(q, pages, layer, block_tables, last_pos, valid, scale,
   return out.transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
 
 
+def _attention_separate_gathers(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap=None, slopes=None):
+  """The reference's blockwise attention after `attention_gathers` and before
+  `decode_mul_reduce`: separate K and V gathers, both products as einsums."""
+  assert soft_cap is None and slopes is None
+  b, t, hq, d = q.shape
+  _, _, hkv, num_blocks, block_size, _ = pages.shape
+  g = hq // hkv
+  chunk = max(1, 128 // block_size)
+  bt = reference.sanitize_block_tables(block_tables, num_blocks)
+  num_chunks = -(-bt.shape[1] // chunk)
+  bt = jnp.pad(bt, ((0, 0), (0, num_chunks * chunk - bt.shape[1])))
+  keys = chunk * block_size
+  rows = pages.reshape(-1, block_size * d)
+  heads = jnp.arange(hkv, dtype=jnp.int32)[:, None]
+  k_plane, v_plane = ((layer * 2 + 0) * hkv + heads) * num_blocks, ((layer * 2 + 1) * hkv + heads) * num_blocks
+  qk = q.reshape(b, t, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * g, d)
+  hi = jax.lax.Precision.HIGHEST
+
+  def step(c, carry):
+    o, m, l = carry
+    ids = jax.lax.dynamic_slice_in_dim(bt, c * chunk, chunk, axis=1).reshape(1, -1)
+    k = rows.at[k_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
+    s = jnp.einsum("kbrd,kbsd->kbrs", qk, k, preferred_element_type=jnp.float32,
+                   precision=hi).reshape(hkv, b, t, g, keys) * scale
+    pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
+    mask = ((pos[None, None, :] <= last_pos[:, :, None]) & valid[:, :, None])[None, :, :, None, :]
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+    v = rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
+    pv = jnp.einsum("kbrs,kbsd->kbrd", p.reshape(hkv, b, t * g, keys), v.astype(jnp.float32),
+                    preferred_element_type=jnp.float32, precision=hi).reshape(hkv, b, t, g, d)
+    return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
+
+  o = jnp.zeros((hkv, b, t, g, d), jnp.float32)
+  m = jnp.full((hkv, b, t, g), -jnp.inf, jnp.float32)
+  l = jnp.zeros((hkv, b, t, g), jnp.float32)
+  needed = jnp.max(jnp.where(valid, last_pos + 1, 0))
+  n = jnp.clip((needed + keys - 1) // keys, 0, num_chunks)
+  o, m, l = jax.lax.fori_loop(0, n, step, (o, m, l))
+  out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+  return out.transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
+
+
 @contextlib.contextmanager
 def _patch(obj, name, value):
   old = getattr(obj, name)
@@ -123,6 +171,8 @@ CHANGES = {
     "attention_gathers": ((lambda: _patch(reference, "_paged_attention", _attention_one_gather), {}),
                           (contextlib.nullcontext, {})),
     "unrolled_layers": ((contextlib.nullcontext, {}), (_unrolled_layers, {})),
+    "decode_mul_reduce": ((lambda: _patch(reference, "_paged_attention", _attention_separate_gathers), {}),
+                          (contextlib.nullcontext, {})),
     "prefill_query_tiles": ((lambda: _patch(reference, "PREFILL_QUERY_TILE", 1 << 30), {}), (contextlib.nullcontext, {})),
     "prefill_chunk": ((contextlib.nullcontext, {"chunk_size": 256}), (contextlib.nullcontext, {"chunk_size": 64})),
 }
