@@ -13,6 +13,14 @@ Only the public API is used, so the same script measures another checkout of the
 
 Results are merged into `--out` (default results/compile_time.json) under the label, with the
 load average at start and end (the machine is shared: compare runs made back to back).
+
+`--target sm_90` (or sm_80) compiles the same step for an NVIDIA GPU without one, with the Pallas
+kernels (`impl="pallas"`): deviceless, on the compile-only topology of the GPU compile gate
+(`scripts/gpu_compile_plan.py`'s target description), so it runs in the gate's CUDA environment
+(`~/.cache/paged-kv/gpu-env-<hash>`, built by `scripts/gpu_gate.sh`) and runs no step:
+
+    PYTHONPATH=$PWD ~/.cache/paged-kv/gpu-env-<hash>/bin/python scripts/compile_time.py \
+        --label sm_90_after --target sm_90 --step-layers
 """
 
 from __future__ import annotations
@@ -26,6 +34,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+def _target_from_argv(argv) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--target" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--target="):
+            return a.split("=", 1)[1]
+    return None
+
+
+TARGET = _target_from_argv(sys.argv[1:])
+if TARGET not in (None, "cpu"):
+    # Before jax is imported: no CUDA backend is started (there is no driver); the CUDA plugin
+    # still gives a compile-only topology for the target.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 
 import jax
 import jax.numpy as jnp
@@ -59,18 +84,36 @@ def inputs(cfg: LlamaConfig):
     return pages, meta, tokens
 
 
-def compile_seconds(num_layers: int) -> dict:
+def gpu_sharding(target: str):
+    """A replicated sharding on the one device of a compile-only CUDA topology for `target`."""
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from scripts.gpu_compile_plan import target_config
+    topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=target_config(target))
+    if topo.devices[0].client.runtime_type != "compile_only_runtime":
+        raise RuntimeError(f"expected a compile-only client, got {topo.devices[0].client.runtime_type}")
+    return NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), PartitionSpec())
+
+
+def compile_seconds(num_layers: int, target: str | None = None) -> dict:
     jax.clear_caches()
     cfg = config(num_layers)
     graphdef, state = nnx.split(abstract_model(cfg))
     pages, meta, tokens = inputs(cfg)
-    pages = jax.ShapeDtypeStruct(pages.shape, pages.dtype)
+    impl = "reference"
+    if target in (None, "cpu"):
+        pages = jax.ShapeDtypeStruct(pages.shape, pages.dtype)
+    else:  # every argument abstract, on the GPU topology
+        impl, sharding = "pallas", gpu_sharding(target)
+        pages, meta, tokens, state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), (pages, meta, tokens, state))
     t0 = time.perf_counter()
-    lowered = paged_decode_step.lower(graphdef, state, pages, meta, tokens, impl="reference")
+    lowered = paged_decode_step.lower(graphdef, state, pages, meta, tokens, impl=impl)
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()
-    return {"layers": num_layers, "lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
+    return {"layers": num_layers, "impl": impl, "lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
 
 
 def step_ms(num_layers: int, repeats: int) -> dict:
@@ -104,6 +147,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, nargs="*", default=[4, 16, 32, 80])
     ap.add_argument("--step-layers", type=int, nargs="*", default=[4, 16])
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--target", default=None, choices=("cpu", "sm_90", "sm_80"),
+                    help="compile for this GPU target without a GPU (Pallas kernels; the gate's CUDA environment)")
     ap.add_argument("--commit", help="commit of the measured source when it is no git checkout (an archive)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "compile_time.json"))
     args = ap.parse_args(argv)
@@ -111,7 +156,7 @@ def main(argv=None) -> None:
     load_start = load()
     compiles = []
     for n in args.layers:
-        compiles.append(compile_seconds(n))
+        compiles.append(compile_seconds(n, args.target))
         print(f"{n:3d} layers: lower {compiles[-1]['lower_s']:.2f} s, compile {compiles[-1]['compile_s']:.2f} s",
               flush=True)
     steps = []
@@ -125,7 +170,8 @@ def main(argv=None) -> None:
     except OSError:
         commit = None
     commit = args.commit or commit
-    entry = {"source": str(src), "commit": commit, "jax": jax.__version__, "backend": jax.default_backend(),
+    entry = {"source": str(src), "commit": commit, "jax": jax.__version__,
+             "backend": jax.default_backend() if args.target in (None, "cpu") else f"cuda {args.target} (deviceless)",
              "cpu_count": os.cpu_count(), "machine": platform.machine(), "batch": BATCH, "context": CONTEXT,
              "block_size": BLOCK, "load_avg_start": load_start, "load_avg_end": load(), "compile": compiles,
              "step": steps}

@@ -80,10 +80,10 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def op_names(dump_dir: str) -> dict[str, str]:
+def op_names(dump_dir: str, module: str = "generate") -> dict[str, str]:
     """HLO instruction name -> op_name metadata, from the optimized module(s) XLA dumped."""
     names: dict[str, str] = {}
-    files = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")) if "generate" in f]
+    files = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")) if module in f]
     for f in files:
         for line in open(f):
             m = _INSTR.match(line)
@@ -94,12 +94,12 @@ def op_names(dump_dir: str) -> dict[str, str]:
     return names
 
 
-def fused_op_names(dump_dir: str) -> dict[str, str]:
+def fused_op_names(dump_dir: str, module: str = "generate") -> dict[str, str]:
     """fusion/call instruction name -> op_name of the ROOT of the computation it calls (for an
     instruction that carries no metadata of its own)."""
     root_name: dict[str, str] = {}
     calls: dict[str, str] = {}
-    files = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")) if "generate" in f]
+    files = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")) if module in f]
     comp = None
     for f in files:
         for line in open(f):

@@ -197,9 +197,21 @@ def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     desc = jnp.where(desc < kth, -jnp.inf, desc)  # still sorted
     probs = jax.nn.softmax(desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
-    keep = (before < top_p[:, None]) | (jnp.arange(v) == 0)  # the best token always (even top_p <= 0)
+    # The best token always (even top_p <= 0); a row with top_p >= 1 keeps every token, as
+    # ``filter_logits`` does by skipping the filter (a cumulative sum rounded up to 1 must not
+    # drop its least likely tokens, nor make a row's result depend on whether it runs).
+    keep = (before < top_p[:, None]) | (top_p >= 1.0)[:, None] | (jnp.arange(v) == 0)
     threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(x < threshold, -jnp.inf, x)
+
+
+def _skip_on_cpu_unless(pred: jax.Array, fn, otherwise, operand):
+    """``fn(operand)``; on a CPU, ``otherwise(operand)`` instead when ``pred`` is False. Both give
+    the same result whenever ``pred`` is False, so this only saves work: a CPU runs the ``cond``
+    for free, while on a GPU its predicate would be a device-to-host read each step, so there the
+    work always runs (chosen when the program is lowered, as in ``paged_kv.batch.by_width``)."""
+    return jax.lax.platform_dependent(
+        operand, cpu=lambda x: jax.lax.cond(pred, fn, otherwise, x), default=fn)
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -208,11 +220,22 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
     (0: greedy), top_k int32 [R], top_p float32 [R] -> (int32 tokens [R], float32 log-probabilities
     [R] of the chosen tokens under the model's raw distribution, as ``sample_tokens``).
 
-    Each row draws with its own key, so a row's token does not depend on the other rows."""
+    Each row draws with its own key, so a row's token does not depend on the other rows. On a CPU
+    a step whose rows are all greedy skips the draw, and one whose rows use neither top-k nor
+    top-p skips the sort (the results are the same either way)."""
     logits = logits.astype(jnp.float32)
-    x = filter_rows(logits, temperature, top_k, top_p)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, x)
-    tokens = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def scaled(x):
+        return x / jnp.where(temperature <= 0, 1.0, temperature)[:, None]
+
+    def draw(x):
+        filtered = _skip_on_cpu_unless(jnp.any((top_k > 0) | (top_p < 1.0)),
+                                       lambda y: filter_rows(y, temperature, top_k, top_p), scaled, x)
+        drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, filtered)
+        return jnp.where(temperature <= 0, greedy, drawn).astype(jnp.int32)
+
+    tokens = _skip_on_cpu_unless(jnp.any(temperature > 0), draw, lambda x: greedy, logits)
     return tokens, _logprob_of(logits, tokens)
 
 

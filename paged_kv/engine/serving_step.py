@@ -129,8 +129,11 @@ def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepIn
     model = nnx.merge(graphdef, weights)
     r = mgr.max_seqs
     rows = jnp.arange(r, dtype=jnp.int32)
-    state = _unless_padding(inp.free_ids, lambda s: free(mgr, s, inp.free_ids)[0], state)
-    state = _unless_padding(inp.sel_dst, lambda s: select(mgr, s, inp.sel_dst, inp.sel_parent)[0], state)
+    # Named scopes only label the HLO (scripts/profile_decode.py attributes time by them).
+    with jax.named_scope("manager_free"):
+        state = _unless_padding(inp.free_ids, lambda s: free(mgr, s, inp.free_ids)[0], state)
+    with jax.named_scope("manager_select"):
+        state = _unless_padding(inp.sel_dst, lambda s: select(mgr, s, inp.sel_dst, inp.sel_parent)[0], state)
     pf_logits = None
     vocab = model.vocab_size
     bad_tokens = jnp.sum(~in_vocab(inp.dec_tokens, vocab) & inp.dec_live, dtype=jnp.int32)
@@ -142,18 +145,21 @@ def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepIn
         fed = jnp.arange(cfg.chunk_size, dtype=jnp.int32)[None, :] < q_lens[:, None]
         bad_tokens += jnp.sum(~in_vocab(inp.pf_tokens, vocab) & fed, dtype=jnp.int32)
         batch = make_paged_batch(tables, inp.pf_start, q_lens, cfg.chunk_size, mgr.block_size)
-        pf_logits, pages = paged_forward(model, pages, batch, inp.pf_tokens, impl=cfg.impl, last_only=True,
-                                         mesh=shape.mesh)
+        with jax.named_scope("prefill_chunk"):
+            pf_logits, pages = paged_forward(model, pages, batch, inp.pf_tokens, impl=cfg.impl, last_only=True,
+                                             mesh=shape.mesh)
     state, pages, logits, status, copies = decode(model, pages, mgr, state, rows, inp.dec_tokens, inp.dec_live,
                                                   impl=cfg.impl, mesh=shape.mesh)
     if pf_logits is not None:
         logits = logits.at[jnp.where(inp.pf_rows >= 0, inp.pf_rows, r)].set(pf_logits, mode="drop")
-    state = _unless_padding(inp.fork_dst, lambda s: fork(mgr, s, inp.fork_src, inp.fork_dst)[0], state)
-    logits = logits[jnp.clip(inp.logit_src, 0, r - 1)]
-    keys = jax.vmap(lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, s), i), t))(
-        inp.seed, inp.sample_idx, inp.token_idx)
-    tokens, logp = sample_rows(logits, keys, inp.temperature, inp.top_k, inp.top_p)
-    top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), cfg.top_candidates)
+    with jax.named_scope("manager_fork"):
+        state = _unless_padding(inp.fork_dst, lambda s: fork(mgr, s, inp.fork_src, inp.fork_dst)[0], state)
+    with jax.named_scope("sampling"):
+        logits = logits[jnp.clip(inp.logit_src, 0, r - 1)]
+        keys = jax.vmap(lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, s), i), t))(
+            inp.seed, inp.sample_idx, inp.token_idx)
+        tokens, logp = sample_rows(logits, keys, inp.temperature, inp.top_k, inp.top_p)
+        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), cfg.top_candidates)
     if cfg.record_tables:
         tables = state.block_tables
         out_tables, out_n, out_refs = tables, state.num_tokens, state.ref_count[tables]
