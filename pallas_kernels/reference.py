@@ -141,37 +141,15 @@ def paged_decode_attention_reference(q, pages, layer, block_tables, lengths, *, 
   return out[:, 0]
 
 
-PREFILL_QUERY_TILE = 64
-"""Queries per tile of :func:`paged_prefill_attention_reference`: each tile walks the keys only
-up to its own last position, so a chunk of ``T`` queries does about ``(T + tile) / 2T`` of the
-work of walking them all to the chunk's end (the causal triangle's masked half). On a CPU this
-made a 32 x 512-token prefill in chunks of 256 about 5 % faster (``scripts/ab_decode.py
---change prefill_query_tiles``)."""
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
 def paged_prefill_attention_reference(q, pages, layer, block_tables, q_start, q_lens, *, scale,
                                       soft_cap=None, alibi_slopes=None):
-  """q [B, T, Hq, D] -> [B, T, Hq, D]; query t attends to positions [0, q_start + t].
-
-  The T queries go through :func:`_paged_attention` in tiles of ``PREFILL_QUERY_TILE`` under a
-  ``lax.map`` (T padded up to a whole number of tiles with invalid queries, which give zeros)."""
-  b, t, hq, d = q.shape
-  tpos = jnp.arange(t, dtype=jnp.int32)
+  """q [B, T, Hq, D] -> [B, T, Hq, D]; query t attends to positions [0, q_start + t]."""
+  tpos = jnp.arange(q.shape[1], dtype=jnp.int32)
   last_pos = jnp.maximum(q_start, 0)[:, None] + tpos[None, :]  # negative starts clamp to 0
   valid = tpos[None, :] < q_lens[:, None]
-  tile = PREFILL_QUERY_TILE
-  if t <= tile:
-    return _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap,
-                            alibi_slopes)
-  n = -(-t // tile)
-  pad = n * tile - t
-  tiles = (jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, tile, hq, d).swapaxes(0, 1),
-           jnp.pad(last_pos, ((0, 0), (0, pad))).reshape(b, n, tile).swapaxes(0, 1),
-           jnp.pad(valid, ((0, 0), (0, pad))).reshape(b, n, tile).swapaxes(0, 1))
-  out = jax.lax.map(lambda x: _paged_attention(x[0], pages, layer, block_tables, x[1], x[2], scale,
-                                               soft_cap, alibi_slopes), tiles)
-  return out.swapaxes(0, 1).reshape(b, n * tile, hq, d)[:, :t]
+  return _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap,
+                          alibi_slopes)
 
 
 @jax.jit

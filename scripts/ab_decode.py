@@ -12,8 +12,6 @@ Changes (variant A is the code before the change, kept here only as the baseline
                      this change); B: the library's reference (separate K and V gathers).
   decode_mul_reduce  A: decode attention's two products as einsums over the gathered K and V
                      (before this change); B: the library's reference (multiply-reduces).
-  prefill_query_tiles A: every prefill query of a chunk walks the keys up to the chunk's end;
-                     B: the library's reference, in tiles of 64 queries (each to its own end).
   prefill_chunk      A: prefill in chunks of 256 positions; B: chunks of 64 (each chunk's queries
                      walk the keys up to the chunk's end, so smaller chunks waste less of the causal
                      triangle).
@@ -173,7 +171,6 @@ CHANGES = {
     "unrolled_layers": ((contextlib.nullcontext, {}), (_unrolled_layers, {})),
     "decode_mul_reduce": ((lambda: _patch(reference, "_paged_attention", _attention_separate_gathers), {}),
                           (contextlib.nullcontext, {})),
-    "prefill_query_tiles": ((lambda: _patch(reference, "PREFILL_QUERY_TILE", 1 << 30), {}), (contextlib.nullcontext, {})),
     "prefill_chunk": ((contextlib.nullcontext, {"chunk_size": 256}), (contextlib.nullcontext, {"chunk_size": 64})),
 }
 
