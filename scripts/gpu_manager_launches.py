@@ -8,6 +8,9 @@ sm_90, 32 layers), run on the code before and after the change::
     bash scripts/gpu_gate.sh --only programs --workers 1 \\
         --programs serving_manager_share append admit free serving_step_decode \\
         --out results/gpu_compile_manager_after.json
+    bash scripts/gpu_gate.sh --only programs --workers 1 \
+        --programs generate_loop beam_search_loop serving_step_prefill serving_step_decode_tp2 \
+        --out results/gpu_compile_engine_after.json
     python scripts/gpu_manager_launches.py     # writes results/gpu_manager_launches.json
 
 The "before" report is ``results/gpu_compile_report_after_scan.json``, the same gate's CI run on
@@ -27,7 +30,8 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROGRAMS = ("serving_manager_share", "append", "admit", "free", "serving_step_decode")
+PROGRAMS = ("serving_manager_share", "append", "admit", "free", "serving_step_decode", "serving_step_prefill",
+            "serving_step_decode_tp2", "generate_loop", "beam_search_loop")
 GOAL = {"host_launches": 20, "host_syncs": 1}
 
 
@@ -48,20 +52,24 @@ def figures(report: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before", default=os.path.join(ROOT, "results", "gpu_compile_report_after_scan.json"))
-    ap.add_argument("--after", default=os.path.join(ROOT, "results", "gpu_compile_manager_after.json"))
+    ap.add_argument("--after", nargs="+", default=[os.path.join(ROOT, "results", "gpu_compile_manager_after.json"),
+                                                   os.path.join(ROOT, "results", "gpu_compile_engine_after.json")])
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_manager_launches.json"))
     a = ap.parse_args(argv)
     with open(a.before) as f:
         before = json.load(f)
-    with open(a.after) as f:
-        after = json.load(f)
-    b, c = figures(before), figures(after)
+    c = {}
+    for path in a.after:
+        with open(path) as f:
+            after = json.load(f)
+        c.update(figures(after))
+    b = figures(before)
     share = c.get("serving_manager_share")
     report = {
         "what": "per-step thunks of the manager's GPU programs, deviceless XLA:GPU sm_90, same gate before/after",
         "jax": after.get("jax"),
         "before_report": os.path.relpath(a.before, ROOT),
-        "after_report": os.path.relpath(a.after, ROOT),
+        "after_reports": [os.path.relpath(p, ROOT) for p in a.after],
         "goal_common_path": GOAL,
         "goal_met": None if share is None else {
             k: share["least"][k] <= v for k, v in GOAL.items()},
