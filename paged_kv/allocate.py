@@ -8,14 +8,17 @@ first come, first served (once a row does not fit, no later row of the call take
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from paged_kv import block_hash, free_queue, inputs, prefix_cache
+from paged_kv import block_hash, free_queue, hash_table, inputs, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served
 from paged_kv.config import NULL_BLOCK, ManagerConfig
-from paged_kv.scan import prefix_sum
+from paged_kv.scan import per_platform, prefix_sum
 from paged_kv.state import NO_PARENT, BlockManagerState
 from paged_kv.status import Status
 
@@ -110,47 +113,81 @@ def append(
     # A keeper must not write in place while a co-writer that failed to get its copy still reads
     # the block.
     keeper_starved = keeps & jnp.any(same & (starved & copies)[None, :], axis=1)
-    rc = state.ref_count
 
     status = jnp.where(starved | keeper_starved, Status.NO_FREE_BLOCKS, status)
     ok = status == Status.OK
     takes = ok & (need > 0)
     copies = copies & ok
 
-    queue, taken = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b)
-    fresh = jnp.where(takes, taken[prefix_sum(takes) - 1], NULL_BLOCK)
-    block = jnp.where(takes, fresh, last_block)
-    slots = jnp.where(ok, block * bs + offset, NULL_BLOCK * bs)
+    def finish(straight, state):
+        # ``straight``: the GPU's common path, valid when ``_needs_loops`` is False: the first
+        # window of the free queue, no skipped evictions, a registration without rebuild check or
+        # probe loop. Same result as the other form then.
+        if straight:
+            queue, taken, _ = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b, loop=False)
+        else:
+            queue, taken = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b)
+        fresh = jnp.where(takes, taken[prefix_sum(takes) - 1], NULL_BLOCK)
+        block = jnp.where(takes, fresh, last_block)
+        slots = jnp.where(ok, block * bs + offset, NULL_BLOCK * bs)
 
-    ref_count = rc.at[jnp.where(copies, last_block, n_blocks)].add(-1, mode="drop")
-    ref_count = ref_count.at[jnp.where(takes, fresh, n_blocks)].set(1, mode="drop")
+        ref_count = state.ref_count.at[jnp.where(copies, last_block, n_blocks)].add(-1, mode="drop")
+        ref_count = ref_count.at[jnp.where(takes, fresh, n_blocks)].set(1, mode="drop")
+        if config.prefix_caching:
+            state = _cache_appended(config, state, sid, ok, takes, copies, fresh, last_block, block,
+                                    col, offset, taken, token_ids, straight)
+        row = jnp.where(takes, sid, config.max_seqs)
+        state = state.replace(
+            queue=queue,
+            ref_count=ref_count,
+            block_tables=state.block_tables.at[row, col].set(fresh, mode="drop"),
+            num_tokens=state.num_tokens.at[jnp.where(ok, sid, config.max_seqs)].add(1, mode="drop"),
+        )
+        result = AppendResult(
+            status=status,
+            slots=slots,
+            copy_src=jnp.where(copies, last_block, NULL_BLOCK),
+            copy_dst=jnp.where(copies, fresh, NULL_BLOCK),
+            num_copies=jnp.sum(copies, dtype=jnp.int32),
+        )
+        return state, result
+
+    def one_check(state):
+        slow = _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids)
+        return lax.cond(slow, functools.partial(finish, False), functools.partial(finish, True), state)
+
+    return per_platform(state, cpu=functools.partial(finish, False), default=one_check)
+
+
+def _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids):
+    """bool scalar: whether this ``append`` needs any of its rare paths: stale entries among the
+    first ``count`` of the free queue (``take_front``'s loop), a rebuild of the hash table, or an
+    insertion probing past its window. Reads only (O(B) gathers and an O(B^2) comparison), so on
+    a GPU one ``cond`` on it picks the form with those paths or the straight-line one: one host
+    sync per call instead of one per skip or loop."""
+    b = sid.shape[0]
+    _, _, slow = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b, loop=False)
     if config.prefix_caching:
-        state = _cache_appended(config, state, sid, ok, takes, copies, fresh, last_block, block,
-                                col, offset, taken, token_ids)
-    row = jnp.where(takes, sid, config.max_seqs)
-    state = state.replace(
-        queue=queue,
-        ref_count=ref_count,
-        block_tables=state.block_tables.at[row, col].set(fresh, mode="drop"),
-        num_tokens=state.num_tokens.at[jnp.where(ok, sid, config.max_seqs)].add(1, mode="drop"),
-    )
-    result = AppendResult(
-        status=status,
-        slots=slots,
-        copy_src=jnp.where(copies, last_block, NULL_BLOCK),
-        copy_dst=jnp.where(copies, fresh, NULL_BLOCK),
-        num_copies=jnp.sum(copies, dtype=jnp.int32),
-    )
-    return state, result
+        bs = config.block_size
+        fills = ok & (offset == bs - 1)
+        table = state.cache.table
+        slow |= hash_table.needs_rebuild(table, jnp.sum(fills, dtype=jnp.int32))
+        # A block this token fills holds what its last block held (itself, or the block a
+        # copy-on-write copies) plus the new token, at offset bs - 1; evicting taken blocks
+        # tombstones entries, which does not change where the claims land.
+        contents = state.cache.tokens[last_block].at[:, bs - 1].set(token_ids.astype(jnp.int32))
+        chain = block_hash.extend(state.seq_chain[sid], block_hash.block_contents(contents))
+        slow |= hash_table.claims_past_window(table, block_hash.key_of(chain), fills)
+    return slow
 
 
 def _cache_appended(config, state, sid, ok, takes, copies, fresh, last_block, block, col, offset,
-                    taken, token_ids):
+                    taken, token_ids, straight=False):
     """Prefix-cache side of ``append``: evict taken blocks, store the tokens (copy-on-write copies
     them too), and cache blocks that this token fills."""
     n, bs = config.num_blocks, config.block_size
     b = sid.shape[0]
-    cache = prefix_cache.evict(state.cache, taken, jnp.arange(b) < jnp.sum(takes))
+    cache = prefix_cache.evict(state.cache, taken, jnp.arange(b) < jnp.sum(takes), skip=not straight)
     tokens = cache.tokens.at[jnp.where(copies, fresh, n)].set(cache.tokens[last_block], mode="drop")
     tokens = tokens.at[jnp.where(ok, block, n), offset].set(token_ids.astype(jnp.int32), mode="drop")
     fills = ok & (offset == bs - 1)
@@ -162,7 +199,7 @@ def _cache_appended(config, state, sid, ok, takes, copies, fresh, last_block, bl
         (col > 0)[:, None], prefix_cache.class_of(cache, parent), jnp.array([NO_PARENT, 0], jnp.int32)
     )
     cache = prefix_cache.register(
-        cache.replace(tokens=tokens), block, chain, state.seq_salt[sid], parent_class, fills
+        cache.replace(tokens=tokens), block, chain, state.seq_salt[sid], parent_class, fills, straight=straight
     )
     seq_chain = state.seq_chain.at[jnp.where(fills, sid, config.max_seqs)].set(chain, mode="drop")
     return state.replace(cache=cache, seq_chain=seq_chain)

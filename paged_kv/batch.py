@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paged_kv.config import ManagerConfig
-from paged_kv.scan import prefix_sum
+from paged_kv.scan import per_platform, prefix_sum
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
 
@@ -134,4 +134,4 @@ def by_width(needed: jax.Array, max_blocks_per_seq: int, fn, *operands):
         index = jnp.sum(needed > jnp.asarray(widths[:-1], jnp.int32))
         return lax.switch(index, [functools.partial(fn, w) for w in widths], *ops)
 
-    return lax.platform_dependent(*operands, cpu=bucketed, default=functools.partial(fn, max_blocks_per_seq))
+    return per_platform(*operands, cpu=bucketed, default=functools.partial(fn, max_blocks_per_seq))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paged_kv.config import NULL_BLOCK
-from paged_kv.scan import prefix_sum, while_needed
+from paged_kv.scan import per_platform, prefix_sum, while_needed
 from paged_kv.state import FreeQueue
 
 
@@ -21,7 +21,7 @@ def _live(q: FreeQueue, positions: jax.Array, in_use: jax.Array) -> tuple[jax.Ar
     return ids, in_use & (q.slot[ids] == positions)
 
 
-def take_front(q: FreeQueue, count: jax.Array, max_take: int) -> tuple[FreeQueue, jax.Array]:
+def take_front(q: FreeQueue, count: jax.Array, max_take: int, *, loop: bool = True):
     """Removes the ``count`` front (least recently freed) blocks.
 
     Args:
@@ -29,6 +29,11 @@ def take_front(q: FreeQueue, count: jax.Array, max_take: int) -> tuple[FreeQueue
       count: int32 scalar, how many blocks to take; the caller guarantees ``count <= q.num_free``
         and ``count <= max_take``.
       max_take: static bound on ``count``; the window scanned per iteration.
+
+      loop: static; False scans the first window only and also returns a bool scalar, True
+        when that was not enough (stale entries among the first ``count``): then the queue and
+        blocks returned are incomplete and the caller must take the looping form instead (the
+        straight-line form of ``allocate.append`` on a GPU).
 
     Returns:
       The new queue and int32 ``[max_take]``: the taken blocks in queue order, then
@@ -64,7 +69,10 @@ def take_front(q: FreeQueue, count: jax.Array, max_take: int) -> tuple[FreeQueue
     # One window suffices unless stale entries (blocks a prefix-cache hit pulled out of the
     # middle) sit among the first ``count``; only then does the loop run at all.
     carry = scan_window((q, jnp.int32(0), out0))
-    q, _, out = while_needed(lambda c: (c[1] < count) & (c[0].size > 0), scan_window, carry)
+    more = lambda c: (c[1] < count) & (c[0].size > 0)  # noqa: E731
+    if not loop:
+        return carry[0], carry[2], more(carry)
+    q, _, out = while_needed(more, scan_window, carry)
     return q, out
 
 
@@ -93,7 +101,10 @@ def push_back(q: FreeQueue, ids: jax.Array, mask: jax.Array) -> FreeQueue:
       mask: bool ``[E]``.
     """
     count = jnp.sum(mask, dtype=jnp.int32)
-    q = _make_room(q, count)
+    return _push_back(_make_room(q, count), ids, mask, count)
+
+
+def _push_back(q: FreeQueue, ids: jax.Array, mask: jax.Array, count: jax.Array) -> FreeQueue:
     cap = q.ring.shape[0]
     rank = prefix_sum(mask) - 1
     positions = (q.head + q.size + rank) % cap
@@ -103,7 +114,10 @@ def push_back(q: FreeQueue, ids: jax.Array, mask: jax.Array) -> FreeQueue:
 def push_front(q: FreeQueue, ids: jax.Array, mask: jax.Array) -> FreeQueue:
     """Puts ``ids[mask]`` at the front, in array order (the first becomes the new front)."""
     count = jnp.sum(mask, dtype=jnp.int32)
-    q = _make_room(q, count)
+    return _push_front(_make_room(q, count), ids, mask, count)
+
+
+def _push_front(q: FreeQueue, ids: jax.Array, mask: jax.Array, count: jax.Array) -> FreeQueue:
     cap = q.ring.shape[0]
     rank = prefix_sum(mask) - 1
     head = (q.head - count) % cap
@@ -111,6 +125,32 @@ def push_front(q: FreeQueue, ids: jax.Array, mask: jax.Array) -> FreeQueue:
     return _write(q, ids, mask, positions).replace(
         head=head, size=q.size + count, num_free=q.num_free + count
     )
+
+
+def push_unchecked(q: FreeQueue, ids: jax.Array, back: jax.Array, front: jax.Array | None) -> FreeQueue:
+    """``push_back_then_front`` (``push_back`` alone when ``front`` is None) for a caller that knows
+    the ring has room for both: no compaction check."""
+    q = _push_back(q, ids, back, jnp.sum(back, dtype=jnp.int32))
+    if front is None:
+        return q
+    return _push_front(q, ids, front, jnp.sum(front, dtype=jnp.int32))
+
+
+def push_back_then_front(q: FreeQueue, ids: jax.Array, back: jax.Array, front: jax.Array) -> FreeQueue:
+    """``push_front(push_back(q, ids, back), ids, front)``, with one room check instead of two
+    on a GPU: either push compacts iff ``size + both counts > capacity`` (the first iff
+    ``size + count_back`` is; if it does not, the second sees ``size + count_back``), so one
+    ``cond`` picks the checked pair or the two pushes with no check. Same result everywhere."""
+
+    def checked(q):
+        return push_front(push_back(q, ids, back), ids, front)
+
+    def one_check(q):
+        cb, cf = jnp.sum(back, dtype=jnp.int32), jnp.sum(front, dtype=jnp.int32)
+        unchecked = lambda q: _push_front(_push_back(q, ids, back, cb), ids, front, cf)  # noqa: E731
+        return lax.cond(q.size + cb + cf > q.ring.shape[0], checked, unchecked, q)
+
+    return per_platform(q, cpu=checked, default=one_check)
 
 
 def _write(q: FreeQueue, ids: jax.Array, mask: jax.Array, positions: jax.Array) -> FreeQueue:

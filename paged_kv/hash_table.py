@@ -182,7 +182,7 @@ def _claim_window(table: HashTable, home: jax.Array, keys: jax.Array) -> tuple[j
 
 def claim(
     table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array, *, order: jax.Array | None = None,
-    find_twins: bool = True,
+    find_twins: bool = True, probe: bool = True,
 ) -> tuple[HashTable, jax.Array, jax.Array, jax.Array]:
     """Inserts every masked entry, whether or not its key is present.
 
@@ -192,6 +192,8 @@ def claim(
 
     Args:
       keys: uint32 ``[K, 2]``; vals: int32 ``[K]`` (block ids); mask: bool ``[K]``.
+      probe: static; False leaves out the loop that probes past the window, for a caller that
+        knows (``claims_past_window``) that no entry needs it.
 
     Returns:
       - the table;
@@ -251,10 +253,29 @@ def claim(
     # The rest (a lost claim, or no EMPTY slot inside the window) walk again from home, one slot
     # per iteration, in lockstep (so equal keys keep their order); rare, so the loop usually runs
     # zero iterations.
-    init = (jnp.int32(0), pending, slots, twin, older, table)
-    _, _, slots, twin, older, table = while_needed(lambda c: any_true(c[1]) & (c[0] < size), body, init)
+    if probe:
+        init = (jnp.int32(0), pending, slots, twin, older, table)
+        _, _, slots, twin, older, table = while_needed(lambda c: any_true(c[1]) & (c[0] < size), body, init)
     inserted = jnp.sum(slots >= 0, dtype=jnp.int32)
     return table.replace(counts=table.counts.at[0].add(inserted)), slots, twin, jnp.where(mask, older, -1)
+
+
+def claims_past_window(table: HashTable, keys: jax.Array, mask: jax.Array) -> jax.Array:
+    """bool scalar: whether ``claim(table, keys, _, mask)`` (batch order) would probe past its
+    first window, i.e. some masked entry finds no EMPTY slot in its window or loses the slot to
+    an earlier entry. Reads only: the contention is an O(K^2) comparison of the entries' slots
+    instead of ``claim``'s scatter into the table. Tombstoning live entries (``remove``) does not
+    change the answer, as it makes no slot EMPTY or not EMPTY."""
+    size = table.entries.shape[0]
+    k = keys.shape[0]
+    home = _home(keys, size)
+    first, _ = _claim_window(table, home, keys)
+    w = _window_size(k)
+    empty = mask & (first < w)
+    pos = (home + jnp.minimum(first, w - 1)) & (size - 1)
+    earlier = jnp.arange(k)[None, :] < jnp.arange(k)[:, None]
+    beaten = jnp.any(earlier & empty[None, :] & (pos[None, :] == pos[:, None]), axis=1)
+    return any_true(mask & ~(empty & ~beaten))
 
 
 def needs_rebuild(table: HashTable, count: jax.Array) -> jax.Array:

@@ -44,10 +44,12 @@ def uncache(
     return cache, jnp.sum(drop, dtype=jnp.int32)
 
 
-def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array) -> PrefixCache:
+def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array, *, skip: bool = True) -> PrefixCache:
     """Blocks just taken from the free queue are about to get new contents: each one's
     generation moves on (so a cached child that named it as parent no longer links to it, even if
-    it was never cached itself), and cached ones lose their hashes."""
+    it was never cached itself), and cached ones lose their hashes. ``skip`` (static): leave out
+    the hash-dropping scatters, behind a ``cond``, when no taken block is cached; False runs them
+    masked (the same result; no ``cond``, for a GPU)."""
     n = cache.meta.shape[0]
     cache = cache.replace(
         meta=cache.meta.at[jnp.where(mask, taken, n), GENERATION].add(1, mode="drop")
@@ -57,6 +59,8 @@ def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array) -> PrefixCache:
         cache, dropped = uncache(cache, taken, mask, bump=False)
         return cache.replace(stats=add_stats(cache.stats, evictions=dropped))
 
+    if not skip:
+        return drop(cache)
     # Skipped (one gather) when no taken block is cached, the usual case while the pool has room.
     return lax.cond(any_true(mask & (cache.meta[taken, SLOT] >= 0)), drop, lambda cache: cache, cache)
 
@@ -87,6 +91,7 @@ def register(
     count: jax.Array | None = None,
     may_join: jax.Array | None = None,
     distinct_keys: bool = False,
+    straight: bool = False,
 ) -> PrefixCache:
     """Caches full blocks under the key of their chain state, duplicates included.
 
@@ -108,10 +113,17 @@ def register(
         computed, even when cached elsewhere) is checked.
       distinct_keys: the caller knows no two entries share a key (one request's blocks), so no
         entry can follow a twin of this call (static; skips looking for them).
+      straight: static; the caller knows that the table needs no rebuild (``needs_rebuild``) and
+        that no entry probes past the window (``hash_table.claims_past_window``): then the
+        insertion is straight-line code, with no ``cond`` or loop (nothing is skipped either
+        when ``count`` is 0: every scatter is masked), for a GPU.
     """
     count = jnp.sum(mask, dtype=jnp.int32) if count is None else count
     if may_join is None:
         may_join = jnp.arange(blocks.shape[0], dtype=jnp.int32)
+    if straight:
+        return _register(cache, blocks, chains, salts, parent_class, mask, count, may_join,
+                         find_twins=not distinct_keys, straight=True)
     return lax.cond(
         count > 0, functools.partial(_register, find_twins=not distinct_keys), lambda cache, *_: cache,
         cache, blocks, chains, salts, parent_class, mask, count, may_join,
@@ -129,18 +141,21 @@ def _rebuild_table(cache: PrefixCache) -> PrefixCache:
     return cache.replace(table=table, meta=cache.meta.at[:, SLOT].set(slots))
 
 
-def _register(cache, blocks, chains, salts, parent_class, mask, count, may_join, *, find_twins=True):
+def _register(cache, blocks, chains, salts, parent_class, mask, count, may_join, *, find_twins=True,
+              straight=False):
     n = cache.meta.shape[0]
     keys = block_hash.key_of(chains)
-    # The rebuild lives here rather than in ``hash_table.insert`` so that the common branch
-    # passes ``meta`` through untouched (a column written back would cost O(pool) per call).
-    crowded = hash_table.needs_rebuild(cache.table, count)
-    cache = lax.cond(crowded, _rebuild_table, lambda cache: cache, cache)
+    if not straight:
+        # The rebuild lives here rather than in ``hash_table.insert`` so that the common branch
+        # passes ``meta`` through untouched (a column written back would cost O(pool) per call).
+        crowded = hash_table.needs_rebuild(cache.table, count)
+        cache = lax.cond(crowded, _rebuild_table, lambda cache: cache, cache)
     meta, tokens = cache.meta, cache.tokens
     # The insertion, which also finds, for each entry, the oldest block cached under its key
     # before this call and its first twin (an earlier entry of this call with the same key).
     jb = blocks[may_join]
-    table, slots, twin, older = hash_table.claim(cache.table, keys, blocks, mask, find_twins=find_twins)
+    table, slots, twin, older = hash_table.claim(cache.table, keys, blocks, mask, find_twins=find_twins,
+                                                 probe=not straight)
     older = older[may_join]
     k = blocks.shape[0]
     facts = meta[jnp.concatenate([blocks, jnp.maximum(older, 0)])]  # one gather from meta

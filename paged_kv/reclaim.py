@@ -23,6 +23,7 @@ def release(
     blocks: jax.Array,
     valid: jax.Array,
     cache_slot: jax.Array | None = None,
+    room_known: bool = False,
 ) -> tuple[jax.Array, FreeQueue]:
     """Drops one reference per valid entry; blocks reaching zero join the free queue.
 
@@ -39,6 +40,8 @@ def release(
       valid: bool ``[E]``.
       cache_slot: int32 ``[num_blocks]`` hash-table slot per block (-1: not cached), or None
         when prefix caching is off (everything goes to the back).
+      room_known: static; the caller knows the ring has room for every block released (no
+        compaction can be due), so the pushes skip their room check (``free_then_select``).
     """
     n = ref_count.shape[0]
     e = blocks.shape[0]
@@ -52,10 +55,13 @@ def release(
     last = zero & (marked[blocks] == stamp)
     rc = marked.at[zero_idx].set(0, mode="drop")
     if cache_slot is None:
+        if room_known:
+            return rc, free_queue.push_unchecked(queue, blocks, last, None)
         return rc, free_queue.push_back(queue, blocks, last)
     cached = cache_slot[blocks] >= 0
-    queue = free_queue.push_back(queue, blocks, last & cached)
-    return rc, free_queue.push_front(queue, blocks, last & ~cached)
+    if room_known:
+        return rc, free_queue.push_unchecked(queue, blocks, last & cached, last & ~cached)
+    return rc, free_queue.push_back_then_front(queue, blocks, last & cached, last & ~cached)
 
 
 def cache_slots(config: ManagerConfig, state: BlockManagerState) -> jax.Array | None:
@@ -64,12 +70,14 @@ def cache_slots(config: ManagerConfig, state: BlockManagerState) -> jax.Array | 
 
 
 def free(
-    config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array
+    config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, *, room_known: bool = False
 ) -> tuple[BlockManagerState, jax.Array]:
     """Ends sequences: releases their blocks tail first and clears their rows.
 
     Args:
       seq_ids: int32 ``[B]`` sequences to free (< 0: padding).
+
+      room_known: static, see ``release`` (for ``share.free_then_select``).
 
     Returns:
       The new state and status int32 ``[B]`` (BAD_SEQUENCE for a row that is not running).
@@ -83,7 +91,7 @@ def free(
 
     def drop(width, ref_count, queue):
         blocks, valid = tail_first(rows[:, :width], held, ok)
-        return release(ref_count, queue, blocks, valid, slots)
+        return release(ref_count, queue, blocks, valid, slots, room_known)
 
     ref_count, queue = by_width(
         jnp.max(held), config.max_blocks_per_seq, drop, state.ref_count, state.queue
@@ -98,3 +106,13 @@ def free(
         active=state.active.at[target].set(False, mode="drop"),
     )
     return state, status
+
+
+def release_bound(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array) -> jax.Array:
+    """int32 scalar: an upper bound on the blocks that dropping the rows ``seq_ids`` (int32
+    ``[B]``; out-of-range ids count nothing, repeated ones count again) can return to the free
+    queue: the blocks those running rows hold."""
+    ids = seq_ids.astype(jnp.int32)
+    sid = jnp.clip(ids, 0, config.max_seqs - 1)
+    named = (ids >= 0) & (ids < config.max_seqs) & state.active[sid]
+    return jnp.sum(jnp.where(named, blocks_held(config, state.num_tokens[sid]), 0), dtype=jnp.int32)

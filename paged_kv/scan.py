@@ -11,6 +11,8 @@ every other kernel that reads or writes a pool-sized array (see ``scripts/bench_
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -56,3 +58,30 @@ def while_needed(cond_fun, body_fun, init):
     iterate, a ``cond`` that skips it well under one.
     """
     return lax.cond(cond_fun(init), lambda c: lax.while_loop(cond_fun, body_fun, c), lambda c: c, init)
+
+
+_STRAIGHT_LINE_ON_CPU = False
+
+
+def per_platform(*operands, cpu, default):
+    """``lax.platform_dependent(*operands, cpu=cpu, default=default)``: the form tuned for
+    XLA:CPU (skips and loops that only run when needed) on a CPU, the straight-line form for a GPU
+    elsewhere, chosen when the program is lowered. On XLA:GPU every ``cond`` predicate and
+    ``while`` condition is read back on the host (a device-to-host sync; XLA 0.10.2 puts none of
+    them into CUDA graphs), while a masked kernel costs nothing next to it. Under
+    ``straight_line_on_cpu()`` (tests) the ``default`` form is traced on every platform."""
+    if _STRAIGHT_LINE_ON_CPU:
+        return default(*operands)
+    return lax.platform_dependent(*operands, cpu=cpu, default=default)
+
+
+@contextlib.contextmanager
+def straight_line_on_cpu():
+    """Trace the GPU forms of ``per_platform`` on a CPU too, so that tests can compare them with
+    the CPU forms (bit for bit). Read at trace time: jit a fresh function inside the block."""
+    global _STRAIGHT_LINE_ON_CPU
+    old, _STRAIGHT_LINE_ON_CPU = _STRAIGHT_LINE_ON_CPU, True
+    try:
+        yield
+    finally:
+        _STRAIGHT_LINE_ON_CPU = old

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from paged_kv import inputs
 from paged_kv.batch import blocks_held, by_width, first_occurrence, start_rows, tail_first
 from paged_kv.config import ManagerConfig
-from paged_kv.reclaim import cache_slots, release
+from paged_kv.reclaim import cache_slots, free, release, release_bound
+from paged_kv.scan import per_platform
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
 
@@ -24,6 +26,7 @@ def _take_tables(
     src_ids: jax.Array,
     *,
     dst_must_be_free: bool,
+    room_known: bool = False,
 ) -> tuple[BlockManagerState, jax.Array]:
     s, n = config.max_seqs, config.num_blocks
     dst_ids = dst_ids.astype(jnp.int32)
@@ -52,8 +55,12 @@ def _take_tables(
         j = jnp.arange(width, dtype=jnp.int32)[None, :]
         gained = j < src_held[:, None]
         ref_count = ref_count.at[jnp.where(gained, src_rows[:, :width], n)].add(1, mode="drop")
+        if dst_must_be_free:
+            # fork: a destination is never running, so nothing is dropped (a release of no
+            # entries would leave the counts and the queue as they are).
+            return ref_count, queue
         blocks, valid = tail_first(dst_rows[:, :width], dst_held, dropping)
-        return release(ref_count, queue, blocks, valid, slots)
+        return release(ref_count, queue, blocks, valid, slots, room_known)
 
     needed = jnp.maximum(jnp.max(src_held), jnp.max(dst_held))
     ref_count, queue = by_width(needed, config.max_blocks_per_seq, recount, state.ref_count, state.queue)
@@ -84,7 +91,8 @@ def fork(
 
 
 def select(
-    config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Array, parent_ids: jax.Array
+    config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Array, parent_ids: jax.Array, *,
+    room_known: bool = False,
 ) -> tuple[BlockManagerState, jax.Array]:
     """Beam-search reselection: row ``dst_ids[i]`` takes the table of ``parent_ids[i]``.
 
@@ -103,4 +111,37 @@ def select(
     """
     dst_ids, b = inputs.batch_ids("select", "dst_ids", dst_ids)
     parent_ids = inputs.int_array("select", "parent_ids", parent_ids, ndim=1, batch=b)
-    return _take_tables(config, state, dst_ids, parent_ids, dst_must_be_free=False)
+    return _take_tables(config, state, dst_ids, parent_ids, dst_must_be_free=False, room_known=room_known)
+
+
+def free_then_select(
+    config: ManagerConfig, state: BlockManagerState, free_ids: jax.Array, dst_ids: jax.Array,
+    parent_ids: jax.Array,
+) -> tuple[BlockManagerState, jax.Array, jax.Array]:
+    """``free(free_ids)`` then ``select(dst_ids, parent_ids)``, as a serving step runs them; the
+    same state and statuses.
+
+    On a GPU, one ``cond`` for both instead of one room check each: the blocks the two can
+    return to the free queue are at most those the named running rows hold (``release_bound``,
+    read from the state before either), so when the ring has room for that many, neither can
+    need a compaction and both push unchecked; otherwise both run as usual.
+
+    Returns:
+      The new state, the status of ``free`` and the status of ``select`` (int32 ``[B]`` each).
+    """
+
+    def separate(state, room_known=False):
+        state, freed = free(config, state, free_ids, room_known=room_known)
+        if room_known:
+            # Keeps XLA:GPU from fusing the two releases' reductions into one multi-output
+            # kernel, which spilled registers (1,560 B; the gate fails on any spill).
+            state = lax.optimization_barrier(state)
+        state, selected = select(config, state, dst_ids, parent_ids, room_known=room_known)
+        return state, freed, selected
+
+    def one_check(state):
+        bound = release_bound(config, state, free_ids) + release_bound(config, state, dst_ids)
+        crowded = state.queue.size + bound > state.queue.ring.shape[0]
+        return lax.cond(crowded, separate, lambda s: separate(s, room_known=True), state)
+
+    return per_platform(state, cpu=separate, default=one_check)

@@ -33,7 +33,8 @@ from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
 from paged_kv.engine.steps import decode
 from paged_kv.reclaim import free
-from paged_kv.share import fork, select
+from paged_kv.scan import per_platform
+from paged_kv.share import fork, free_then_select, select
 from paged_kv.state import BlockManagerState
 
 
@@ -120,7 +121,7 @@ def _unless_padding(ids: jax.Array, op, state: BlockManagerState) -> BlockManage
     the op's few small gathers (the GPU compile gate counts a step's conditionals)."""
     def skip_if_padding(state):
         return jax.lax.cond(jnp.any(ids >= 0), op, lambda s: s, state)
-    return jax.lax.platform_dependent(state, cpu=skip_if_padding, default=op)
+    return per_platform(state, cpu=skip_if_padding, default=op)
 
 
 def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, *, shape: StepShape):
@@ -129,11 +130,15 @@ def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepIn
     model = nnx.merge(graphdef, weights)
     r = mgr.max_seqs
     rows = jnp.arange(r, dtype=jnp.int32)
-    # Named scopes only label the HLO (scripts/profile_decode.py attributes time by them).
-    with jax.named_scope("manager_free"):
+    def free_and_select(state):
         state = _unless_padding(inp.free_ids, lambda s: free(mgr, s, inp.free_ids)[0], state)
-    with jax.named_scope("manager_select"):
-        state = _unless_padding(inp.sel_dst, lambda s: select(mgr, s, inp.sel_dst, inp.sel_parent)[0], state)
+        return _unless_padding(inp.sel_dst, lambda s: select(mgr, s, inp.sel_dst, inp.sel_parent)[0], state)
+
+    # On a GPU, one room check of the free queue for both (``share.free_then_select``). Named
+    # scopes only label the HLO (scripts/profile_decode.py attributes time by them).
+    with jax.named_scope("manager_free_select"):
+        state = per_platform(state, cpu=free_and_select,
+                             default=lambda s: free_then_select(mgr, s, inp.free_ids, inp.sel_dst, inp.sel_parent)[0])
     pf_logits = None
     vocab = model.vocab_size
     bad_tokens = jnp.sum(~in_vocab(inp.dec_tokens, vocab) & inp.dec_live, dtype=jnp.int32)
