@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -48,9 +49,11 @@ CONFIG = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, nu
                      num_kv_heads=2, max_position_embeddings=4096, rope_theta=10_000.0)
 
 
-def _attention_one_gather(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap=None, slopes=None):
-  """The reference's blockwise attention before the change: both planes in one gather, then
-  sliced (no knobs: the benchmark uses none)."""
+def _attention_before(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap=None, slopes=None, *,
+                      one_gather: bool):
+  """The reference's blockwise attention before the CPU changes (no knobs: the benchmark uses
+  none), both products as einsums: `one_gather` gathers K and V in one gather and slices it
+  (before `attention_gathers`), else K and V separately (after it, before `decode_mul_reduce`)."""
   assert soft_cap is None and slopes is None
   b, t, hq, d = q.shape
   _, _, hkv, num_blocks, block_size, _ = pages.shape
@@ -61,59 +64,19 @@ def _attention_one_gather(q, pages, layer, block_tables, last_pos, valid, scale,
   bt = jnp.pad(bt, ((0, 0), (0, num_chunks * chunk - bt.shape[1])))
   keys = chunk * block_size
   rows = pages.reshape(-1, block_size * d)
-  plane = (layer * 2 * hkv + jnp.arange(2 * hkv, dtype=jnp.int32)[:, None]) * num_blocks
-  qk = q.reshape(b, t, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * g, d)
-  hi = jax.lax.Precision.HIGHEST
-
-  def step(c, carry):
-    o, m, l = carry
-    ids = jax.lax.dynamic_slice_in_dim(bt, c * chunk, chunk, axis=1)
-    kv = rows.at[plane + ids.reshape(1, -1)].get(mode="promise_in_bounds").reshape(2, hkv, b, keys, d)
-    s = jnp.einsum("kbrd,kbsd->kbrs", qk, kv[0], preferred_element_type=jnp.float32,
-                   precision=hi).reshape(hkv, b, t, g, keys) * scale
-    pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
-    mask = ((pos[None, None, :] <= last_pos[:, :, None]) & valid[:, :, None])[None, :, :, None, :]
-    s = jnp.where(mask, s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-    pv = jnp.einsum("kbrs,kbsd->kbrd", p.reshape(hkv, b, t * g, keys), kv[1].astype(jnp.float32),
-                    preferred_element_type=jnp.float32, precision=hi).reshape(hkv, b, t, g, d)
-    return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
-
-  o = jnp.zeros((hkv, b, t, g, d), jnp.float32)
-  m = jnp.full((hkv, b, t, g), -jnp.inf, jnp.float32)
-  l = jnp.zeros((hkv, b, t, g), jnp.float32)
-  needed = jnp.max(jnp.where(valid, last_pos + 1, 0))
-  n = jnp.clip((needed + keys - 1) // keys, 0, num_chunks)
-  o, m, l = jax.lax.fori_loop(0, n, step, (o, m, l))
-  out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-  return out.transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
-
-
-def _attention_separate_gathers(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap=None, slopes=None):
-  """The reference's blockwise attention after `attention_gathers` and before
-  `decode_mul_reduce`: separate K and V gathers, both products as einsums."""
-  assert soft_cap is None and slopes is None
-  b, t, hq, d = q.shape
-  _, _, hkv, num_blocks, block_size, _ = pages.shape
-  g = hq // hkv
-  chunk = max(1, 128 // block_size)
-  bt = reference.sanitize_block_tables(block_tables, num_blocks)
-  num_chunks = -(-bt.shape[1] // chunk)
-  bt = jnp.pad(bt, ((0, 0), (0, num_chunks * chunk - bt.shape[1])))
-  keys = chunk * block_size
-  rows = pages.reshape(-1, block_size * d)
-  heads = jnp.arange(hkv, dtype=jnp.int32)[:, None]
-  k_plane, v_plane = ((layer * 2 + 0) * hkv + heads) * num_blocks, ((layer * 2 + 1) * hkv + heads) * num_blocks
+  planes = (layer * 2 * hkv + jnp.arange(2 * hkv, dtype=jnp.int32)[:, None]) * num_blocks  # K heads, then V
   qk = q.reshape(b, t, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * g, d)
   hi = jax.lax.Precision.HIGHEST
 
   def step(c, carry):
     o, m, l = carry
     ids = jax.lax.dynamic_slice_in_dim(bt, c * chunk, chunk, axis=1).reshape(1, -1)
-    k = rows.at[k_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
+    if one_gather:
+      kv = rows.at[planes + ids].get(mode="promise_in_bounds").reshape(2, hkv, b, keys, d)
+      k, v = kv[0], kv[1]
+    else:
+      k = rows.at[planes[:hkv] + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
+      v = rows.at[planes[hkv:] + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
     s = jnp.einsum("kbrd,kbsd->kbrs", qk, k, preferred_element_type=jnp.float32,
                    precision=hi).reshape(hkv, b, t, g, keys) * scale
     pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
@@ -123,7 +86,6 @@ def _attention_separate_gathers(q, pages, layer, block_tables, last_pos, valid, 
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     alpha = jnp.exp(m - m_safe)
     p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-    v = rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
     pv = jnp.einsum("kbrs,kbsd->kbrd", p.reshape(hkv, b, t * g, keys), v.astype(jnp.float32),
                     preferred_element_type=jnp.float32, precision=hi).reshape(hkv, b, t, g, d)
     return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
@@ -166,10 +128,12 @@ def _unrolled_layers():
 
 # change -> ((patch A, static overrides A), (patch B, static overrides B))
 CHANGES = {
-    "attention_gathers": ((lambda: _patch(reference, "_paged_attention", _attention_one_gather), {}),
+    "attention_gathers": ((lambda: _patch(reference, "_paged_attention",
+                                          functools.partial(_attention_before, one_gather=True)), {}),
                           (contextlib.nullcontext, {})),
     "unrolled_layers": ((contextlib.nullcontext, {}), (_unrolled_layers, {})),
-    "decode_mul_reduce": ((lambda: _patch(reference, "_paged_attention", _attention_separate_gathers), {}),
+    "decode_mul_reduce": ((lambda: _patch(reference, "_paged_attention",
+                                          functools.partial(_attention_before, one_gather=False)), {}),
                           (contextlib.nullcontext, {})),
     "prefill_chunk": ((contextlib.nullcontext, {"chunk_size": 256}), (contextlib.nullcontext, {"chunk_size": 64})),
 }

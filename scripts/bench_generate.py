@@ -43,7 +43,6 @@ import json
 import math
 import os
 import platform
-import re
 import resource
 import statistics
 import sys
@@ -61,14 +60,14 @@ import paged_kv as pk  # noqa: E402
 from models import allocate_pages, greedy_generate_contiguous, load_hf_checkpoint, page_spec  # noqa: E402
 from paged_kv import engine  # noqa: E402
 from pallas_kernels import resolve_impl  # noqa: E402
+from scripts.readme_tables import README, markers, replace_block  # noqa: E402
 from tests import tolerances  # noqa: E402
 
 HF_CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10_000.0,
                  initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                  tie_word_embeddings=False)
-README = ROOT / "README.md"
-BEGIN, END = "<!-- bench_generate:begin -->", "<!-- bench_generate:end -->"
+BEGIN, END = markers("bench_generate")
 
 
 # ---------------------------------------------------------------------------- machine load
@@ -249,12 +248,7 @@ def render_table(result: dict) -> str:
 
 
 def update_readme(result: dict, readme: Path = README) -> None:
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme} has no {BEGIN} ... {END} block to replace")
-    block = f"{BEGIN}\n{render_table(result)}\n{END}"
-    readme.write_text(re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S))
-    print(f"updated the table in {readme}")
+    replace_block("bench_generate", render_table(result), readme)
 
 
 def main():

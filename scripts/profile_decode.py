@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import paged_kv as pk  # noqa: E402
 from models import LlamaConfig, allocate_pages, init_model, page_spec  # noqa: E402
 from paged_kv import engine  # noqa: E402
+from scripts.readme_tables import replace_block  # noqa: E402
 
 # The model of scripts/bench_generate.py (HF_CONFIG there).
 CONFIG = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
@@ -152,9 +153,6 @@ def classify(op_name: str) -> str:
     return OTHER
 
 
-BEGIN, END = "<!-- profile_decode:begin -->", "<!-- profile_decode:end -->"
-
-
 def render_table(result: dict) -> str:
     m = result["meta"]
     lines = [f"Batch {m['batch']}, prompt {m['prompt']}, {m['new_tokens']} new tokens (`{m['command']}`, load "
@@ -168,13 +166,7 @@ def render_table(result: dict) -> str:
 
 
 def update_readme(result: dict) -> None:
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme} has no {BEGIN} ... {END} block to replace")
-    block = f"{BEGIN}\n{render_table(result)}\n{END}"
-    readme.write_text(re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S))
-    print(f"updated the profile table in {readme}")
+    replace_block("profile_decode", render_table(result))
 
 
 def main():
