@@ -103,10 +103,10 @@ class WideBoth(BothForms, props.WideTableMachine):
     pass
 
 
-CachingBoth.TestCase.settings = props.settings(props.SETTINGS, max_examples=30)
-PlainBoth.TestCase.settings = props.settings(props.SETTINGS, max_examples=15)
-DuplicatesBoth.TestCase.settings = props.settings(props.SETTINGS, max_examples=20)
-WideBoth.TestCase.settings = props.settings(props.SETTINGS, max_examples=10)
+CachingBoth.TestCase.settings = props.settings(props.SETTINGS, max_examples=12)
+PlainBoth.TestCase.settings = props.settings(props.SETTINGS, max_examples=8)
+DuplicatesBoth.TestCase.settings = props.settings(props.SETTINGS, max_examples=10)
+WideBoth.TestCase.settings = props.settings(props.SETTINGS, max_examples=5)
 TestCachingBothForms = CachingBoth.TestCase
 TestPlainBothForms = PlainBoth.TestCase
 TestDuplicatesBothForms = DuplicatesBoth.TestCase
