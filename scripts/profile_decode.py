@@ -82,27 +82,16 @@ def load_average() -> float:
 
 
 def op_names(dump_dir: str, module: str = "generate") -> dict[str, str]:
-    """HLO instruction name -> op_name metadata, from the optimized module(s) XLA dumped."""
-    names: dict[str, str] = {}
-    files = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")) if module in f]
-    for f in files:
-        for line in open(f):
-            m = _INSTR.match(line)
-            if not m:
-                continue
-            meta = _OP_NAME.search(line)
-            names[m.group(1)] = meta.group(1) if meta else ""
-    return names
-
-
-def fused_op_names(dump_dir: str, module: str = "generate") -> dict[str, str]:
-    """fusion/call instruction name -> op_name of the ROOT of the computation it calls (for an
-    instruction that carries no metadata of its own)."""
+    """HLO instruction name -> its op_name metadata, from the optimized module(s) XLA dumped; an
+    instruction without one (a fusion or call, on XLA:CPU) gets that of the ROOT of the
+    computation it calls. One pass over the files."""
+    own: dict[str, str] = {}
     root_name: dict[str, str] = {}
     calls: dict[str, str] = {}
-    files = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")) if module in f]
     comp = None
-    for f in files:
+    for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
+        if module not in f:
+            continue
         for line in open(f):
             head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
             if head and "=" not in line.split("{")[0]:
@@ -112,12 +101,13 @@ def fused_op_names(dump_dir: str, module: str = "generate") -> dict[str, str]:
             if not m:
                 continue
             meta = _OP_NAME.search(line)
-            if comp and line.lstrip().startswith("ROOT") and meta:
+            own[m.group(1)] = meta.group(1) if meta else ""
+            if comp and meta and line.lstrip().startswith("ROOT"):
                 root_name[comp] = meta.group(1)
             c = re.search(r"calls=%?([\w.\-]+)", line)
             if c:
                 calls[m.group(1)] = c.group(1)
-    return {instr: root_name.get(comp, "") for instr, comp in calls.items()}
+    return {instr: name or root_name.get(calls.get(instr, ""), "") for instr, name in own.items()}
 
 
 def exclusive_times(trace_file: str) -> list[tuple[str, float]]:
@@ -213,7 +203,6 @@ def main():
 
     trace = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
     names = op_names(DUMP)
-    fused = fused_op_names(DUMP)
     shutil.rmtree(DUMP, ignore_errors=True)
     totals: dict[str, float] = collections.defaultdict(float)
     top: dict[tuple[str, str], float] = collections.defaultdict(float)
@@ -221,7 +210,7 @@ def main():
     prefill: dict[str, float] = collections.defaultdict(float)
     steps = args.new - 1  # decode steps: token 0 comes from the prefill's logits
     for op, us in exclusive_times(trace):
-        meta = names.get(op) or fused.get(op, "")
+        meta = names.get(op, "")
         if "/prefill/" in meta:
             prefill[classify(meta)] += us
             continue

@@ -218,7 +218,7 @@ def test_append_paths_agree_through_fills_evictions_and_rebuilds(monkeypatch):
         got = append_gpu(config, state, rows, toks)
         assert_same(got, want)
         state = want[0]
-    assert True in taken and False in taken, taken
+    assert set(taken) == {True, False}, taken  # the cond took both branches
     assert int(state.cache.stats.evictions) > 0
 
 

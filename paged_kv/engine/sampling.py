@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_kv.scan import per_platform
+
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -207,11 +209,9 @@ def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
 
 def _skip_on_cpu_unless(pred: jax.Array, fn, otherwise, operand):
     """``fn(operand)``; on a CPU, ``otherwise(operand)`` instead when ``pred`` is False. Both give
-    the same result whenever ``pred`` is False, so this only saves work: a CPU runs the ``cond``
-    for free, while on a GPU its predicate would be a device-to-host read each step, so there the
-    work always runs (chosen when the program is lowered, as in ``paged_kv.batch.by_width``)."""
-    return jax.lax.platform_dependent(
-        operand, cpu=lambda x: jax.lax.cond(pred, fn, otherwise, x), default=fn)
+    the same result whenever ``pred`` is False, so this only saves work (``scan.per_platform``:
+    a CPU runs the ``cond`` for free, a GPU would read its predicate on the host every step)."""
+    return per_platform(operand, cpu=lambda x: jax.lax.cond(pred, fn, otherwise, x), default=fn)
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
