@@ -9,12 +9,15 @@ from __future__ import annotations
 
 
 import flax.struct
+import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from paged_kv.config import NULL_BLOCK, ManagerConfig
-from paged_kv.hash_table import HashTable, empty_table
+from paged_kv.hash_table import EMPTY as HASH_EMPTY
+from paged_kv.hash_table import VAL as HASH_VAL
+from paged_kv.hash_table import HashTable
 from paged_kv.packed import with_packed_scalars
 
 
@@ -184,32 +187,43 @@ class BlockManagerState:
 
 
 def init_cache(config: ManagerConfig) -> PrefixCache:
+    """An empty prefix cache (built on the host, see ``init_state``)."""
     n = config.num_blocks if config.prefix_caching else 1
     size = config.hash_table_size if config.prefix_caching else 1
-    meta = jnp.zeros((n, META_COLUMNS), jnp.int32).at[:, SLOT].set(-1)
-    meta = meta.at[:, jnp.array([CLASS, PARENT_CLASS])].set(UNLINKED)
-    return PrefixCache(
-        tokens=jnp.zeros((n, config.block_size), jnp.int32),
+    meta = np.zeros((n, META_COLUMNS), np.int32)
+    meta[:, SLOT] = -1
+    meta[:, [CLASS, PARENT_CLASS]] = UNLINKED
+    entries = np.zeros((size, 3), np.int32)
+    entries[:, HASH_VAL] = HASH_EMPTY
+    cache = PrefixCache(
+        tokens=np.zeros((n, config.block_size), np.int32),
         meta=meta,
-        table=empty_table(size),
-        stats=CacheStats(counts=jnp.zeros((len(STAT_NAMES),), jnp.int32)),
+        table=HashTable(entries=entries, counts=np.zeros((2,), np.int32)),
+        stats=CacheStats(counts=np.zeros((len(STAT_NAMES),), np.int32)),
     )
+    return jax.tree.map(jnp.asarray, cache)
 
 
 def init_state(config: ManagerConfig) -> BlockManagerState:
-    """A pool with every block free, in id order (block 1 at the front), and no sequences."""
+    """A pool with every block free, in id order (block 1 at the front), and no sequences.
+
+    Built with numpy and moved to the device in one transfer per array: as eager ``jnp`` ops it
+    ran about twenty tiny programs, each compiled (or loaded from the compilation cache) on first
+    use, which cost a warm start of the main job about 0.3 s."""
     n, cap = config.num_blocks, config.queue_capacity
-    ids = jnp.arange(n, dtype=jnp.int32)
-    ring = jnp.zeros((cap,), jnp.int32).at[: n - 1].set(ids[1:])
-    slot = jnp.where(ids == NULL_BLOCK, -1, ids - 1).astype(jnp.int32)
-    queue = FreeQueue(ring=ring, slot=slot, counts=jnp.array([0, n - 1, n - 1], jnp.int32))
-    return BlockManagerState(
-        ref_count=jnp.zeros((n,), jnp.int32),
-        block_tables=jnp.full((config.max_seqs, config.max_blocks_per_seq), NULL_BLOCK, jnp.int32),
-        num_tokens=jnp.zeros((config.max_seqs,), jnp.int32),
-        active=jnp.zeros((config.max_seqs,), bool),
+    ids = np.arange(n, dtype=np.int32)
+    ring = np.zeros((cap,), np.int32)
+    ring[: n - 1] = ids[1:]
+    slot = np.where(ids == NULL_BLOCK, -1, ids - 1).astype(np.int32)
+    queue = FreeQueue(ring=ring, slot=slot, counts=np.array([0, n - 1, n - 1], np.int32))
+    state = BlockManagerState(
+        ref_count=np.zeros((n,), np.int32),
+        block_tables=np.full((config.max_seqs, config.max_blocks_per_seq), NULL_BLOCK, np.int32),
+        num_tokens=np.zeros((config.max_seqs,), np.int32),
+        active=np.zeros((config.max_seqs,), bool),
         queue=queue,
-        seq_chain=jnp.zeros((config.max_seqs, 2), jnp.uint32),
-        seq_salt=jnp.zeros((config.max_seqs,), jnp.uint32),
-        cache=init_cache(config),
+        seq_chain=np.zeros((config.max_seqs, 2), np.uint32),
+        seq_salt=np.zeros((config.max_seqs,), np.uint32),
+        cache=None,
     )
+    return jax.tree.map(jnp.asarray, state).replace(cache=init_cache(config))

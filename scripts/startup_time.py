@@ -1,9 +1,17 @@
 """Wall time of the main job (``python -m paged_kv``, default workload) in fresh processes: once
-with an empty persistent compilation cache (cold), then twice with the cache it filled (warm),
-and once with the cache turned off. Imports, compiling and serving included; each run also
+with an empty persistent compilation cache (cold), then with the cache it filled (warm, a few
+times), and once with the cache turned off. Imports, compiling and serving included; each run also
 records the main job's per-program compile table (``report.json``'s ``compile.programs``).
 
-    python scripts/startup_time.py          # writes results/startup_time.json (about 2 minutes)
+    python scripts/startup_time.py                          # writes results/startup_time.json
+    python scripts/startup_time.py --baseline /tmp/before   # the same runs of another checkout,
+                                                            # interleaved with these ones
+
+With ``--baseline DIR`` (a checkout of the code to compare with, e.g. ``git worktree add
+/tmp/before HEAD~3``) every run is made twice in a row, once per tree, so that both see the same
+machine; the medians of the warm runs and a ratio are reported. The machine's load (1-minute
+average) is recorded around each run: the main job's own compile uses about 1.7 cores, so a
+quiet machine reads about 2 after a run.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,15 +29,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_main(cache: Path | None, out: Path) -> dict:
+def run_main(tree: Path, cache: Path | None, out: Path) -> dict:
     args = [sys.executable, "-m", "paged_kv", "--no-progress", "--out-dir", str(out)]
     args += ["--no-compile-cache"] if cache is None else ["--compile-cache", str(cache)]
+    env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(tree)}
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
+    r = subprocess.run(args, cwd=tree, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if r.returncode:
-        raise SystemExit(f"main job failed ({r.returncode}):\n{r.stderr[-2000:]}")
+        raise SystemExit(f"main job in {tree} failed ({r.returncode}):\n{r.stderr[-2000:]}")
     report = json.loads((out / "report.json").read_text())
     return {"wall_s": round(wall, 2), "compile_s": report["throughput"]["compile_s"],
             "serving_s": report["throughput"].get("serving_s"),
@@ -40,19 +50,36 @@ def run_main(cache: Path | None, out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "startup_time.json")
+    ap.add_argument("--baseline", type=Path, help="another checkout, run interleaved with this one")
+    ap.add_argument("--warm", type=int, default=3, help="warm runs (default 3)")
+    ap.add_argument("--label", default="", help="what this tree is (e.g. a commit)")
     args = ap.parse_args()
+    trees = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+    names = ["cold"] + [f"warm_{i}" for i in range(1, args.warm + 1)] + ["no_cache"]
+    runs: dict = {t: {} for t in trees}
     with tempfile.TemporaryDirectory(prefix="paged-kv-startup-") as tmp:
         tmp = Path(tmp)
-        cache = tmp / "cache"
-        runs = {}
-        for name, c in [("cold", cache), ("warm", cache), ("warm_again", cache), ("no_cache", None)]:
-            runs[name] = run_main(c, tmp / name)
-            print(f"{name:10s} {runs[name]['wall_s']:6.1f} s wall (compile {runs[name]['compile_s']})  "
-                  f"load {runs[name]['load_avg_1min_before']:.2f}", flush=True)
-        entries = len(list(cache.iterdir()))
-    result = {"runs": runs, "cache_entries": entries, "cpus": os.cpu_count(),
+        for name in names:
+            for t, tree in trees.items():
+                cache = None if name == "no_cache" else tmp / f"cache-{t}"
+                r = runs[t][name] = run_main(tree, cache, tmp / f"{t}-{name}")
+                print(f"{t:8s} {name:8s} {r['wall_s']:6.1f} s wall (compile {r['compile_s']}, serving "
+                      f"{r['serving_s']})  load {r['load_avg_1min_before']:.2f}", flush=True)
+        entries = {t: len(list((tmp / f"cache-{t}").iterdir())) for t in trees}
+    summary = {}
+    for t in trees:
+        warm = [runs[t][n]["wall_s"] for n in names if n.startswith("warm")]
+        summary[t] = {"cold_s": runs[t]["cold"]["wall_s"], "warm_median_s": statistics.median(warm),
+                      "no_cache_s": runs[t]["no_cache"]["wall_s"]}
+    if args.baseline:
+        summary["ratio_this_to_baseline"] = {k: round(summary["this"][k] / summary["baseline"][k], 3)
+                                             for k in summary["this"]}
+    result = {"label": args.label, "trees": {t: str(p) for t, p in trees.items()}, "summary": summary,
+              "runs": runs, "cache_entries": entries, "cpus": os.cpu_count(),
               "command": "python " + " ".join(sys.argv), "goal": "cold <= 15 s, warm <= 6 s (issue 17)"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -266,7 +266,7 @@ def test_ctrl_c_while_compiling(tmp_path):
     rc, _, out, err, took = _interrupt_at("compile", "--requests", "2", "--max-new-tokens", "4", "--no-progress",
                                           "--out-dir", str(tmp_path), delay=2.0)
     _assert_interrupted(rc, err, took)
-    assert "compiling step variant 1/2" in out and "done at step" not in err
+    assert "compiling step variant 1/1" in out and "done at step" not in err  # one variant on a CPU
 
 
 def test_ctrl_c_while_the_report_renders(tmp_path):
@@ -285,7 +285,7 @@ def test_compilation_cache_is_filled_once_and_reused(tmp_path):
     first = _run(*args, "--out-dir", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr
     entries = sorted(p.name for p in cache.iterdir())
-    assert len(entries) >= 3  # the admission, the step variants, ...
+    assert len(entries) >= 2  # the step, the admission, ...
     second = _run(*args, "--out-dir", str(tmp_path / "b"))
     assert second.returncode == 0, second.stderr
     assert sorted(p.name for p in cache.iterdir()) == entries

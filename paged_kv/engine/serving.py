@@ -157,15 +157,23 @@ class ServingEngine(Scheduler):
         (Frees with no model step left, at the end of a run, run the decode-only variant.)"""
         cfg, mgr = self.config, self.manager
         p, c, r = cfg.max_prefill_rows, cfg.chunk_size, mgr.max_seqs
-        return [
-            ("step variant 1/2 (decode)",
-             f"every step without a prefill chunk: free, select, append + paged decode forward of R={r} rows, "
-             "copy-on-write, fork, per-row sampling",
-             lambda: self.device.lower_step(0)),
-            (f"step variant 2/2 (prefill chunk [{p}, {c}] + decode)",
-             f"steps that also prefill one chunk of a cohort: the paged prefill forward of P={p} prompts x "
-             f"C={c} positions before the decode forward",
-             lambda: self.device.lower_step(p)),
+        decode = (f"free, select, append + paged decode forward of R={r} rows, copy-on-write, fork, "
+                  "per-row sampling")
+        chunk = f"the paged prefill forward of P={p} prompts x C={c} positions"
+        variants = self.device.variants()
+        k = len(variants)
+        if k == 1:  # on a CPU: the chunk's forward is skipped when a step has none
+            steps = [(f"step variant 1/1 (prefill chunk [{p}, {c}] + decode)",
+                      f"every step: {decode}; {chunk} before the decode forward, skipped (a cond) on steps "
+                      "without a chunk",
+                      lambda: self.device.lower_step(p))]
+        else:
+            steps = [(f"step variant 1/{k} (decode)", f"every step without a prefill chunk: {decode}",
+                      lambda: self.device.lower_step(0)),
+                     (f"step variant 2/{k} (prefill chunk [{p}, {c}] + decode)",
+                      f"steps that also prefill one chunk of a cohort: {chunk} before the decode forward",
+                      lambda: self.device.lower_step(p))]
+        return steps + [
             ("admit",
              f"each admission: frees, prefix-cache lookup and block allocation for up to {p} prompts of "
              f"{self._admit_width} tokens (fixed shape: one compile)",

@@ -33,7 +33,7 @@ from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
 from paged_kv.engine.steps import decode
 from paged_kv.reclaim import free
-from paged_kv.scan import per_platform
+from paged_kv.scan import forms_for, per_platform, program_platform
 from paged_kv.share import fork, free_then_select, select
 from paged_kv.state import BlockManagerState
 
@@ -45,6 +45,12 @@ class StepShape:
     config: ServingConfig
     prefill_rows: int  # P: 0 when no prefill chunk runs this step
     mesh: object = None  # a jax.sharding.Mesh with a "tp" axis, or None (one device)
+    # The chunk's forward runs under a ``cond`` that skips it when every prefill row is padding
+    # (set where one variant serves every step: ``single_step_variant``).
+    skip_empty_chunk: bool = False
+    # The platform the step runs on when this process can only lower it there: then only that
+    # platform's form of each ``scan.per_platform`` is traced (None: both; ``scan.forms_for``).
+    forms: str | None = None
 
 
 @struct.dataclass
@@ -125,6 +131,11 @@ def _unless_padding(ids: jax.Array, op, state: BlockManagerState) -> BlockManage
 
 
 def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, *, shape: StepShape):
+    with forms_for(shape.forms):
+        return _step(graphdef, weights, pages, state, key, inp, shape)
+
+
+def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, shape: StepShape):
     cfg = shape.config
     mgr = cfg.manager
     model = nnx.merge(graphdef, weights)
@@ -150,9 +161,25 @@ def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepIn
         fed = jnp.arange(cfg.chunk_size, dtype=jnp.int32)[None, :] < q_lens[:, None]
         bad_tokens += jnp.sum(~in_vocab(inp.pf_tokens, vocab) & fed, dtype=jnp.int32)
         batch = make_paged_batch(tables, inp.pf_start, q_lens, cfg.chunk_size, mgr.block_size)
+
+        def prefill(pages):
+            logits, pages = paged_forward(model, pages, batch, inp.pf_tokens, impl=cfg.impl, last_only=True,
+                                          mesh=shape.mesh)
+            return logits.astype(jnp.float32), pages
+
+        def skipped(pages):
+            return jnp.zeros((pr.shape[0], vocab), jnp.float32), pages
+
         with jax.named_scope("prefill_chunk"):
-            pf_logits, pages = paged_forward(model, pages, batch, inp.pf_tokens, impl=cfg.impl, last_only=True,
-                                             mesh=shape.mesh)
+            if shape.skip_empty_chunk:
+                # One variant serves every step (``single_step_variant``): a step without a chunk
+                # (every ``pf_rows`` -1) skips the forward. The pages pass through the cond in
+                # place (tests/test_serving_variants.py checks the step for page-sized copies).
+                # Chosen by a static flag, not ``per_platform``, which would trace the forward
+                # twice (once per form) and cost a warm start about a second.
+                pf_logits, pages = jax.lax.cond(jnp.any(valid), prefill, skipped, pages)
+            else:
+                pf_logits, pages = prefill(pages)
     state, pages, logits, status, copies = decode(model, pages, mgr, state, rows, inp.dec_tokens, inp.dec_live,
                                                   impl=cfg.impl, mesh=shape.mesh)
     if pf_logits is not None:
@@ -180,13 +207,15 @@ def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepIn
 step_jit = jax.jit(step_fn, static_argnames=("graphdef", "shape"), donate_argnames=("pages", "state"))
 
 
-def admit_fn(manager: ManagerConfig, state, free_ids, seq_ids, lens, tokens, salts):
-    state, _ = free(manager, state, free_ids)
-    state, res = admit(manager, state, seq_ids, lens, tokens if manager.prefix_caching else None, salts)
-    return state, res, state.queue.num_free
+def admit_fn(manager: ManagerConfig, state, free_ids, seq_ids, lens, tokens, salts, *, forms: str | None = None):
+    """``forms``: as ``StepShape.forms``."""
+    with forms_for(forms):
+        state, _ = free(manager, state, free_ids)
+        state, res = admit(manager, state, seq_ids, lens, tokens if manager.prefix_caching else None, salts)
+        return state, res, state.queue.num_free
 
 
-admit_jit = jax.jit(admit_fn, static_argnums=0, donate_argnums=1)
+admit_jit = jax.jit(admit_fn, static_argnums=0, static_argnames=("forms",), donate_argnums=1)
 
 def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pending: dict, cohort, chunk: int,
                  running) -> tuple[StepInputs, tuple | None]:
@@ -257,6 +286,16 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
     return inp, pf
 
 
+def single_step_variant(pages: jax.Array) -> bool:
+    """Whether one step program serves every step (pages on CPU devices).
+
+    XLA:CPU runs only the taken branch of a ``cond``, so skipping the prefill forward of a step
+    without a chunk costs nothing, and the second variant would only add its compile (about half
+    the main job's cold start). XLA:GPU reads a ``cond``'s predicate on the host (a sync per
+    step), so there the decode-only steps keep a program without the prefill."""
+    return all(d.platform == "cpu" for d in pages.devices())
+
+
 class DeviceStep:
     """The device arrays of a serving engine and the three programs that update them.
 
@@ -269,18 +308,34 @@ class DeviceStep:
     def __init__(self, config: ServingConfig, graphdef, weights, pages, state: BlockManagerState, key, mesh=None):
         self.config, self.graphdef, self.weights, self.pages, self.state, self.key, self.mesh = (
             config, graphdef, weights, pages, state, key, mesh)
-        self._shapes = {p: StepShape(config, p, mesh) for p in (0, config.max_prefill_rows)}
+        p = config.max_prefill_rows
+        self.single_variant = single_step_variant(pages)
+        # On a CPU one program serves every step: a step without a chunk runs the prefill variant
+        # with every prefill row padding, and its forward is skipped (``step_fn``).
+        one, self.forms = self.single_variant, program_platform(pages)
+        self._shapes = {q: StepShape(config, p if one else q, mesh, skip_empty_chunk=one, forms=self.forms)
+                        for q in (0, p)}
+        # The padding chunk such a step feeds (built once: the host does not rebuild it per step).
+        self._no_chunk = dict(pf_rows=np.full((p,), -1, np.int32), pf_tokens=np.zeros((p, config.chunk_size), np.int32),
+                              pf_start=np.zeros((p,), np.int32), pf_lens=np.zeros((p,), np.int32))
+
+    def variants(self) -> tuple[int, ...]:
+        """The step variants a run compiles, by prefill rows P: ``(P,)`` on a CPU, else ``(0, P)``."""
+        p = self.config.max_prefill_rows
+        return (p,) if self.single_variant else (0, p)
 
     def admit(self, free_ids, ids, lens, toks, salts):
         """Frees ``free_ids`` [R], then admits ``ids`` [A] (``lens`` [A], ``toks`` [A, W],
         ``salts`` uint32 [A]). Returns host ``(status [A], cached_tokens [A], shared_tokens [A],
         num_free)``."""
         args = _requests.replicate_inputs(self.mesh, free_ids, ids, lens, toks, salts)
-        self.state, res, num_free = admit_jit(self.config.manager, self.state, *args)
+        self.state, res, num_free = admit_jit(self.config.manager, self.state, *args, forms=self.forms)
         return jax.device_get((res.status, res.cached_tokens, res.shared_tokens, num_free))
 
     def step(self, inp: StepInputs, prefill_rows: int) -> StepOutputs:
         """One step (``prefill_rows`` is P: 0 or ``max_prefill_rows``); returns host outputs."""
+        if self.single_variant and not prefill_rows:
+            inp = inp.replace(**self._no_chunk)
         if self.mesh is not None:
             (inp,) = _requests.replicate_inputs(self.mesh, inp)
         self.pages, self.state, out = step_jit(self.graphdef, self.weights, self.pages, self.state, self.key,
@@ -292,10 +347,8 @@ class DeviceStep:
         """The step variant with ``prefill_rows`` (0 or P) lowered on example inputs of its exact
         shapes and placement; ``.compile()`` fills the cache the ``step`` calls hit."""
         inp, _ = build_inputs(self.config, np.full((self.config.manager.max_seqs,), -1, np.int32), (), {}, (), 0, ())
-        if prefill_rows:
-            p, c = prefill_rows, self.config.chunk_size
-            inp = inp.replace(pf_rows=np.full((p,), -1, np.int32), pf_tokens=np.zeros((p, c), np.int32),
-                              pf_start=np.zeros((p,), np.int32), pf_lens=np.zeros((p,), np.int32))
+        if self._shapes[prefill_rows].prefill_rows:
+            inp = inp.replace(**self._no_chunk)
         if self.mesh is not None:
             (inp,) = _requests.replicate_inputs(self.mesh, inp)
         return step_jit.lower(self.graphdef, self.weights, self.pages, self.state, self.key, inp,
@@ -307,7 +360,7 @@ class DeviceStep:
         args = _requests.replicate_inputs(self.mesh, np.full((r,), -1, np.int32), np.full((a,), -1, np.int32),
                                           np.zeros((a,), np.int32), np.zeros((a, width), np.int32),
                                           np.zeros((a,), np.uint32))
-        return admit_jit.lower(self.config.manager, self.state, *args)
+        return admit_jit.lower(self.config.manager, self.state, *args, forms=self.forms)
 
     def free(self, free_ids) -> int:
         """Frees ``free_ids`` [R] (-1 pads); returns the free block count.
