@@ -61,6 +61,8 @@ class StepInputs:
       logit_src: int32 [R] the row whose logits each row samples from (a forked sample: its source).
       temperature, top_p: float32 [R]; top_k int32 [R] per-row sampling parameters (0: greedy / all).
       seed, sample_idx, token_idx: int32 [R] the parts of each row's sampling key.
+      beam: bool [R] rows of beam families (the only rows whose top candidates the host reads),
+        or None: the top candidates of every row are computed.
     """
 
     free_ids: jax.Array
@@ -81,6 +83,7 @@ class StepInputs:
     seed: jax.Array
     sample_idx: jax.Array
     token_idx: jax.Array
+    beam: jax.Array | None = None
 
 
 @struct.dataclass
@@ -161,23 +164,144 @@ def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepIn
         state = _unless_padding(inp.fork_dst, lambda s: fork(mgr, s, inp.fork_src, inp.fork_dst)[0], state)
     with jax.named_scope("sampling"):
         logits = logits[jnp.clip(inp.logit_src, 0, r - 1)]
-        keys = jax.vmap(lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, s), i), t))(
-            inp.seed, inp.sample_idx, inp.token_idx)
-        tokens, logp = sample_rows(logits, keys, inp.temperature, inp.top_k, inp.top_p)
-        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), cfg.top_candidates)
+        def row_keys():
+            return jax.vmap(lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, s), i), t))(
+                inp.seed, inp.sample_idx, inp.token_idx)
+        # The keys as a function: ``sample_rows`` derives them only where a row draws (on a CPU,
+        # a greedy step skips the draw and with it the three fold-ins' loops, ~200 instructions).
+        tokens, logp = sample_rows(logits, row_keys, inp.temperature, inp.top_k, inp.top_p)
+        def top(x):
+            lp, ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), cfg.top_candidates)
+            return lp, ids.astype(jnp.int32)
+
+        def no_top(x):  # no beam row this step: nobody reads the top candidates
+            return (jnp.zeros((r, cfg.top_candidates), jnp.float32), jnp.zeros((r, cfg.top_candidates), jnp.int32))
+
+        if inp.beam is None:
+            top_lp, top_ids = top(logits)
+        else:  # on a CPU, skip the log-softmax and top-k of [R, V] when no row is a beam
+            top_lp, top_ids = per_platform(logits, cpu=lambda x: jax.lax.cond(jnp.any(inp.beam), top, no_top, x),
+                                           default=top)
     if cfg.record_tables:
         tables = state.block_tables
         out_tables, out_n, out_refs = tables, state.num_tokens, state.ref_count[tables]
     else:
         out_tables = out_refs = jnp.zeros((0, 0), jnp.int32)
         out_n = jnp.zeros((0,), jnp.int32)
-    out = StepOutputs(tokens=tokens, logprobs=logp, top_logprobs=top_lp, top_ids=top_ids.astype(jnp.int32),
+    out = StepOutputs(tokens=tokens, logprobs=logp, top_logprobs=top_lp, top_ids=top_ids,
                       status=status, num_free=state.queue.num_free, copies=copies, tables=out_tables,
                       num_tokens=out_n, refs=out_refs, bad_tokens=bad_tokens)
     return pages, state, out
 
 
 step_jit = jax.jit(step_fn, static_argnames=("graphdef", "shape"), donate_argnames=("pages", "state"))
+"""The step on ``StepInputs`` / ``StepOutputs`` pytrees (18 input and 11 output arrays)."""
+
+# -- the step as the engine calls it: a few packed arrays in, one out -------------------------
+# A jitted call takes a few microseconds per argument array (a host-to-device transfer each) and
+# ``device_get`` as much per result array; over 18 inputs and 11 outputs that was ~0.3 ms of a
+# ~2.5 ms step at R = 32. So ``DeviceStep`` sends the [R] fields as one int32 array and the
+# prefill chunk as another, and reads the outputs back as one int32 vector. Float fields travel
+# as their bits (``view`` / ``bitcast_convert_type``), so nothing is rounded.
+
+ROW_FIELDS = ("free_ids", "sel_dst", "sel_parent", "dec_tokens", "dec_live", "fork_src", "fork_dst", "logit_src",
+              "temperature", "top_k", "top_p", "seed", "sample_idx", "token_idx", "beam")
+"""The ``StepInputs`` fields of shape [R], in the order of the packed rows array's first axis."""
+
+
+def pack_inputs(inp: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    """Host ``StepInputs`` -> (int32 [len(ROW_FIELDS), R], int32 [P, C + 3]: each prefill row's
+    tokens, then its row, start and length)."""
+    rows = np.stack([np.asarray(getattr(inp, f)).view(np.int32) if getattr(inp, f).dtype == np.float32
+                     else np.asarray(getattr(inp, f), np.int32) for f in ROW_FIELDS])
+    pf = np.concatenate([np.asarray(inp.pf_tokens, np.int32),
+                         np.stack([inp.pf_rows, inp.pf_start, inp.pf_lens], axis=1).astype(np.int32)], axis=1)
+    return rows, pf
+
+
+def unpack_inputs(rows: jax.Array, pf: jax.Array) -> StepInputs:
+    """The traced inverse of ``pack_inputs``."""
+    f = dict(zip(ROW_FIELDS, rows))
+    for name in ("temperature", "top_p"):
+        f[name] = jax.lax.bitcast_convert_type(f[name], jnp.float32)
+    f["dec_live"], f["beam"] = f["dec_live"] != 0, f["beam"] != 0
+    c = pf.shape[1] - 3
+    return StepInputs(pf_tokens=pf[:, :c], pf_rows=pf[:, c], pf_start=pf[:, c + 1], pf_lens=pf[:, c + 2], **f)
+
+
+def output_layout(config: ServingConfig) -> list[tuple[str, tuple[int, ...], type]]:
+    """(field, shape, dtype) of each ``StepOutputs`` field, in the order of the packed vector."""
+    r, k, m = config.manager.max_seqs, config.top_candidates, config.manager.max_blocks_per_seq
+    rec = config.record_tables
+    i32, f32 = np.int32, np.float32
+    return [("tokens", (r,), i32), ("logprobs", (r,), f32), ("top_logprobs", (r, k), f32), ("top_ids", (r, k), i32),
+            ("status", (r,), i32), ("num_free", (), i32), ("copies", (), i32),
+            ("tables", (r, m) if rec else (0, 0), i32), ("num_tokens", (r,) if rec else (0,), i32),
+            ("refs", (r, m) if rec else (0, 0), i32), ("bad_tokens", (), i32)]
+
+
+def pack_outputs(config: ServingConfig, out: StepOutputs) -> jax.Array:
+    """``StepOutputs`` -> one int32 vector (``output_layout``'s order; floats as their bits)."""
+    parts = []
+    for name, shape, dtype in output_layout(config):
+        x = getattr(out, name)
+        assert x.shape == shape and x.dtype == dtype, (name, x.shape, x.dtype, shape, dtype)  # at trace time
+        parts.append((jax.lax.bitcast_convert_type(x, jnp.int32) if dtype == np.float32 else x).reshape(-1))
+    return jnp.concatenate(parts)
+
+
+def unpack_outputs(config: ServingConfig, flat: np.ndarray) -> StepOutputs:
+    """Host inverse of ``pack_outputs`` (numpy views into ``flat``; scalars as numpy 0-d arrays)."""
+    fields, at = {}, 0
+    for name, shape, dtype in output_layout(config):
+        n = int(np.prod(shape))
+        fields[name] = flat[at:at + n].view(dtype).reshape(shape)
+        at += n
+    return StepOutputs(**fields)
+
+
+class Interned:
+    """A static jit argument that is hashed and compared in full once, when interned.
+
+    jit hashes its static arguments on every call and, on a cache hit, compares them with the
+    cached key: for an NNX ``GraphDef`` (and the weights' tree structure) that is tens of
+    microseconds of Python per step. ``intern`` returns one canonical holder per distinct value,
+    so a step's lookup costs a stored hash and an identity check, and engines over equal models
+    still share one compiled step."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, Interned) and self.value == other.value)
+
+
+_INTERNED: dict = {}
+
+
+def intern(value) -> Interned:
+    """The canonical ``Interned`` holder of ``value`` (hashable)."""
+    return _INTERNED.setdefault(value, Interned(value))
+
+
+def packed_step_fn(model: Interned, weight_leaves, pages, state: BlockManagerState, key, rows, pf, *,
+                   shape: StepShape):
+    """``step_fn`` on ``pack_inputs``' arrays, returning ``(pages, state, pack_outputs(...))``.
+    ``model`` holds ``(graphdef, treedef of the weights)`` and ``weight_leaves`` the weights' arrays
+    (a tuple flattens in C++; an ``nnx.State`` in Python, every call)."""
+    graphdef, weights_def = model.value
+    weights = jax.tree.unflatten(weights_def, weight_leaves)
+    pages, state, out = step_fn(graphdef, weights, pages, state, key, unpack_inputs(rows, pf), shape=shape)
+    return pages, state, pack_outputs(shape.config, out)
+
+
+packed_step_jit = jax.jit(packed_step_fn, static_argnames=("model", "shape"), donate_argnames=("pages", "state"))
+"""What ``DeviceStep`` calls: the step on packed inputs and outputs."""
 
 
 def admit_fn(manager: ManagerConfig, state, free_ids, seq_ids, lens, tokens, salts):
@@ -238,8 +362,10 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
               np.stack(toks_ + [np.zeros((size,), np.int32)] * pad),
               np.array(start_ + [0] * pad, np.int32), np.array(lens_ + [0] * pad, np.int32), ends)
     # Per-row sampling parameters and key parts.
+    beam = np.zeros((r,), bool)
     for fam in running:
         if fam.req.is_beam:
+            beam[fam.rows] = True
             continue
         prm = fam.req.params
         for idx, s in enumerate(fam.samples):
@@ -253,7 +379,7 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
                      pf_tokens=pf_arrays[1], pf_start=pf_arrays[2], pf_lens=pf_arrays[3], dec_tokens=dec_tokens,
                      dec_live=dec_live, fork_src=fork_src, fork_dst=fork_dst, logit_src=logit_src,
                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, sample_idx=sample_idx,
-                     token_idx=token_idx)
+                     token_idx=token_idx, beam=beam)
     return inp, pf
 
 
@@ -270,6 +396,8 @@ class DeviceStep:
         self.config, self.graphdef, self.weights, self.pages, self.state, self.key, self.mesh = (
             config, graphdef, weights, pages, state, key, mesh)
         self._shapes = {p: StepShape(config, p, mesh) for p in (0, config.max_prefill_rows)}
+        leaves, weights_def = jax.tree.flatten(weights)
+        self._model, self._weight_leaves = intern((graphdef, weights_def)), tuple(leaves)
 
     def admit(self, free_ids, ids, lens, toks, salts):
         """Frees ``free_ids`` [R], then admits ``ids`` [A] (``lens`` [A], ``toks`` [A, W],
@@ -281,11 +409,10 @@ class DeviceStep:
 
     def step(self, inp: StepInputs, prefill_rows: int) -> StepOutputs:
         """One step (``prefill_rows`` is P: 0 or ``max_prefill_rows``); returns host outputs."""
-        if self.mesh is not None:
-            (inp,) = _requests.replicate_inputs(self.mesh, inp)
-        self.pages, self.state, out = step_jit(self.graphdef, self.weights, self.pages, self.state, self.key,
-                                               inp, shape=self._shapes[prefill_rows])
-        return jax.device_get(out)
+        args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
+        self.pages, self.state, flat = packed_step_jit(self._model, self._weight_leaves, self.pages, self.state,
+                                                       self.key, *args, shape=self._shapes[prefill_rows])
+        return unpack_outputs(self.config, np.asarray(jax.device_get(flat)))
 
     # -- ahead-of-time compilation (``ServingEngine.compile``) -------------------------------
     def lower_step(self, prefill_rows: int):
@@ -296,10 +423,9 @@ class DeviceStep:
             p, c = prefill_rows, self.config.chunk_size
             inp = inp.replace(pf_rows=np.full((p,), -1, np.int32), pf_tokens=np.zeros((p, c), np.int32),
                               pf_start=np.zeros((p,), np.int32), pf_lens=np.zeros((p,), np.int32))
-        if self.mesh is not None:
-            (inp,) = _requests.replicate_inputs(self.mesh, inp)
-        return step_jit.lower(self.graphdef, self.weights, self.pages, self.state, self.key, inp,
-                              shape=self._shapes[prefill_rows])
+        args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
+        return packed_step_jit.lower(self._model, self._weight_leaves, self.pages, self.state, self.key, *args,
+                                     shape=self._shapes[prefill_rows])
 
     def lower_admit(self, width: int):
         """The ``admit`` program for ``max_prefill_rows`` prompts of ``width`` tokens, lowered."""
@@ -323,4 +449,6 @@ class DeviceStep:
         return jax.device_get(self.state.cache.stats)
 
 
-__all__ = ["DeviceStep", "StepInputs", "StepOutputs", "StepShape", "admit_jit", "build_inputs", "step_fn", "step_jit"]
+__all__ = ["DeviceStep", "Interned", "ROW_FIELDS", "StepInputs", "StepOutputs", "StepShape", "admit_jit", "build_inputs",
+           "intern", "output_layout", "pack_inputs", "pack_outputs", "packed_step_fn", "packed_step_jit", "step_fn", "step_jit",
+           "unpack_inputs", "unpack_outputs"]
