@@ -18,6 +18,8 @@ scheduler a fake device with the same four methods and no model.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -250,14 +252,22 @@ def pack_outputs(config: ServingConfig, out: StepOutputs) -> jax.Array:
     return jnp.concatenate(parts)
 
 
+@functools.lru_cache(maxsize=64)
+def _output_slices(config: ServingConfig) -> tuple:
+    """(field, start, stop, shape, dtype) per field of the packed vector (computed once per config:
+    the host unpacks one every step)."""
+    out, at = [], 0
+    for name, shape, dtype in output_layout(config):
+        n = math.prod(shape)
+        out.append((name, at, at + n, shape, dtype))
+        at += n
+    return tuple(out)
+
+
 def unpack_outputs(config: ServingConfig, flat: np.ndarray) -> StepOutputs:
     """Host inverse of ``pack_outputs`` (numpy views into ``flat``; scalars as numpy 0-d arrays)."""
-    fields, at = {}, 0
-    for name, shape, dtype in output_layout(config):
-        n = int(np.prod(shape))
-        fields[name] = flat[at:at + n].view(dtype).reshape(shape)
-        at += n
-    return StepOutputs(**fields)
+    return StepOutputs(**{name: flat[lo:hi].view(dtype).reshape(shape)
+                          for name, lo, hi, shape, dtype in _output_slices(config)})
 
 
 class Interned:
