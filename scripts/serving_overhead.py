@@ -48,7 +48,8 @@ def timed_serving(model, r: int, repeats: int) -> dict:
     try:  # after the split the step lives in serving_step and the inputs are built by a function
         from paged_kv.engine import scheduler as sched_mod
         from paged_kv.engine import serving_step as step_mod
-        jit_owner, jit_name = step_mod, "step_jit"
+        jit_owner = step_mod  # the engine calls the packed step where there is one
+        jit_name = "packed_step_jit" if hasattr(step_mod, "packed_step_jit") else "step_jit"
     except ImportError:
         sched_mod, jit_owner, jit_name = None, serving, "_step_jit"
     blocks = r * -(-(PROMPT + NEW) // 16) + 1

@@ -216,7 +216,8 @@ def _skip_on_cpu_unless(pred: jax.Array, fn, otherwise, operand):
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
                 top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-row sampling: float32 logits [R, V], keys [R] (typed PRNG keys), temperature float32 [R]
+    """Per-row sampling: float32 logits [R, V], keys [R] (typed PRNG keys, or a function of no
+    arguments returning them: then they are derived only where a row draws), temperature float32 [R]
     (0: greedy), top_k int32 [R], top_p float32 [R] -> (int32 tokens [R], float32 log-probabilities
     [R] of the chosen tokens under the model's raw distribution, as ``sample_tokens``).
 
@@ -232,7 +233,8 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
     def draw(x):
         filtered = _skip_on_cpu_unless(jnp.any((top_k > 0) | (top_p < 1.0)),
                                        lambda y: filter_rows(y, temperature, top_k, top_p), scaled, x)
-        drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, filtered)
+        row_keys = keys() if callable(keys) else keys
+        drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(row_keys, filtered)
         return jnp.where(temperature <= 0, greedy, drawn).astype(jnp.int32)
 
     tokens = _skip_on_cpu_unless(jnp.any(temperature > 0), draw, lambda x: greedy, logits)

@@ -1,28 +1,26 @@
-"""The serving engine's device side: one jitted step of static shapes (two variants), the
-``admit`` program, and ``DeviceStep``, which holds the device arrays and calls them.
+"""The serving engine's device side: the jitted step of static shapes, the ``admit`` program,
+and ``DeviceStep``, which holds the device arrays and calls them.
 
-The step (one ``jax.jit``; shapes fixed by ``R = max_seqs``, ``P`` (0 when no prefill chunk runs,
-else ``max_prefill_rows``: two compiled variants) and ``C = chunk_size``): ``free`` finished or
-preempted rows -> ``select`` (beam reselection) -> paged prefill forward of one cohort chunk
-``[P, C]`` -> ``append`` one token per decoding row, ``copy_blocks`` for copy-on-write, paged
-decode forward ``[R]`` -> ``fork`` the samples of prompts whose prefill ended -> per-row sampling
-(greedy / temperature / top-k / top-p, each row with its own parameters and key) and the top
-candidates for beams. Padding rows use sequence id -1. The host reads back a few ``[R]`` arrays
-per step (``StepOutputs``), in one ``device_get``.
+The step (one ``jax.jit``; shapes fixed by ``R = max_seqs``, ``P`` (``max_prefill_rows``, or 0
+for the decode-only variant a GPU compiles; a CPU serves every step with the P variant) and
+``C = chunk_size``): ``free`` finished or preempted rows -> ``select`` (beam reselection) -> paged
+prefill forward of one cohort chunk ``[P, C]`` -> ``append`` one token per decoding row,
+``copy_blocks`` for copy-on-write, paged decode forward ``[R]`` -> ``fork`` the samples of prompts
+whose prefill ended -> per-row sampling (greedy / temperature / top-k / top-p, each row with its
+own parameters and key) and the top candidates for beams. Padding rows use sequence id -1. The
+inputs travel as two packed arrays and the outputs come back as one (``engine.step_io``).
 
 ``DeviceStep`` is what the host scheduler (``engine.scheduler``) talks to: ``admit``, ``step``,
 ``free`` and ``cache_stats`` take and return host (numpy) values, so a test can hand the
 scheduler a fake device with the same four methods and no model.
 """
-
 from __future__ import annotations
 
 import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from models.llama import in_vocab
 from models.paged import make_paged_batch, paged_forward
@@ -31,6 +29,8 @@ from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.engine import requests as _requests
 from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
+from paged_kv.engine.step_io import (Interned, StepInputs, StepOutputs, intern, pack_inputs, pack_outputs,
+                                     unpack_inputs, unpack_outputs)
 from paged_kv.engine.steps import decode
 from paged_kv.reclaim import free
 from paged_kv.scan import forms_for, per_platform, program_platform
@@ -51,69 +51,6 @@ class StepShape:
     # The platform the step runs on when this process can only lower it there: then only that
     # platform's form of each ``scan.per_platform`` is traced (None: both; ``scan.forms_for``).
     forms: str | None = None
-
-
-@struct.dataclass
-class StepInputs:
-    """One step's inputs (R = ``max_seqs`` rows, P prefill rows, C = ``chunk_size``); -1 pads ids.
-
-    Attributes:
-      free_ids: int32 [R] rows to free first (finished or preempted).
-      sel_dst, sel_parent: int32 [R] beam reselection: row ``sel_dst[i]`` takes ``sel_parent[i]``'s table.
-      pf_rows: int32 [P] rows of the cohort chunk; pf_tokens int32 [P, C] their tokens at
-        positions ``pf_start .. pf_start + pf_lens - 1``; pf_start, pf_lens int32 [P].
-      dec_tokens: int32 [R] token each decoding row feeds; dec_live bool [R].
-      fork_src, fork_dst: int32 [R] samples forked after the forward (prefill just ended).
-      logit_src: int32 [R] the row whose logits each row samples from (a forked sample: its source).
-      temperature, top_p: float32 [R]; top_k int32 [R] per-row sampling parameters (0: greedy / all).
-      seed, sample_idx, token_idx: int32 [R] the parts of each row's sampling key.
-    """
-
-    free_ids: jax.Array
-    sel_dst: jax.Array
-    sel_parent: jax.Array
-    pf_rows: jax.Array
-    pf_tokens: jax.Array
-    pf_start: jax.Array
-    pf_lens: jax.Array
-    dec_tokens: jax.Array
-    dec_live: jax.Array
-    fork_src: jax.Array
-    fork_dst: jax.Array
-    logit_src: jax.Array
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    seed: jax.Array
-    sample_idx: jax.Array
-    token_idx: jax.Array
-
-
-@struct.dataclass
-class StepOutputs:
-    """Attributes:
-    tokens: int32 [R] sampled token per row; logprobs float32 [R] its log-probability.
-    top_logprobs: float32 [R, K]; top_ids int32 [R, K]: each row's K best continuations (beams).
-    status: int32 [R] ``append`` status (PADDING for rows that did not decode).
-    num_free: int32 free blocks after the step; copies: int32 copy-on-write copies made.
-    bad_tokens: int32 tokens fed this step (prefill or decode) outside the vocabulary: 0 unless
-      the host checks were bypassed; the model looked them up as a safe id (no NaN K/V), and
-      ``EngineStats.bad_tokens`` counts them.
-    tables: int32 [R, M] block tables, num_tokens int32 [R], refs int32 [R, M] reference count of
-      each table entry (only with ``record_tables``; else [0]-sized).
-    """
-
-    tokens: jax.Array
-    logprobs: jax.Array
-    top_logprobs: jax.Array
-    top_ids: jax.Array
-    status: jax.Array
-    num_free: jax.Array
-    copies: jax.Array
-    tables: jax.Array
-    num_tokens: jax.Array
-    refs: jax.Array
-    bad_tokens: jax.Array
 
 
 def _unless_padding(ids: jax.Array, op, state: BlockManagerState) -> BlockManagerState:
@@ -188,23 +125,53 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
         state = _unless_padding(inp.fork_dst, lambda s: fork(mgr, s, inp.fork_src, inp.fork_dst)[0], state)
     with jax.named_scope("sampling"):
         logits = logits[jnp.clip(inp.logit_src, 0, r - 1)]
-        keys = jax.vmap(lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, s), i), t))(
-            inp.seed, inp.sample_idx, inp.token_idx)
-        tokens, logp = sample_rows(logits, keys, inp.temperature, inp.top_k, inp.top_p)
-        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), cfg.top_candidates)
+        def row_keys():
+            return jax.vmap(lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, s), i), t))(
+                inp.seed, inp.sample_idx, inp.token_idx)
+        # The keys as a function: ``sample_rows`` derives them only where a row draws (on a CPU,
+        # a greedy step skips the draw and with it the three fold-ins' loops, ~200 instructions).
+        tokens, logp = sample_rows(logits, row_keys, inp.temperature, inp.top_k, inp.top_p)
+        def top(x):
+            lp, ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), cfg.top_candidates)
+            return lp, ids.astype(jnp.int32)
+
+        def no_top(x):  # no beam row this step: nobody reads the top candidates
+            return (jnp.zeros((r, cfg.top_candidates), jnp.float32), jnp.zeros((r, cfg.top_candidates), jnp.int32))
+
+        if inp.beam is None:
+            top_lp, top_ids = top(logits)
+        else:  # on a CPU, skip the log-softmax and top-k of [R, V] when no row is a beam
+            top_lp, top_ids = per_platform(logits, cpu=lambda x: jax.lax.cond(jnp.any(inp.beam), top, no_top, x),
+                                           default=top)
     if cfg.record_tables:
         tables = state.block_tables
         out_tables, out_n, out_refs = tables, state.num_tokens, state.ref_count[tables]
     else:
         out_tables = out_refs = jnp.zeros((0, 0), jnp.int32)
         out_n = jnp.zeros((0,), jnp.int32)
-    out = StepOutputs(tokens=tokens, logprobs=logp, top_logprobs=top_lp, top_ids=top_ids.astype(jnp.int32),
+    out = StepOutputs(tokens=tokens, logprobs=logp, top_logprobs=top_lp, top_ids=top_ids,
                       status=status, num_free=state.queue.num_free, copies=copies, tables=out_tables,
                       num_tokens=out_n, refs=out_refs, bad_tokens=bad_tokens)
     return pages, state, out
 
 
 step_jit = jax.jit(step_fn, static_argnames=("graphdef", "shape"), donate_argnames=("pages", "state"))
+"""The step on ``StepInputs`` / ``StepOutputs`` pytrees (18 input and 11 output arrays)."""
+
+
+def packed_step_fn(model: Interned, weight_leaves, pages, state: BlockManagerState, key, rows, pf, *,
+                   shape: StepShape):
+    """``step_fn`` on ``pack_inputs``' arrays, returning ``(pages, state, pack_outputs(...))``.
+    ``model`` holds ``(graphdef, treedef of the weights)`` and ``weight_leaves`` the weights' arrays
+    (a tuple flattens in C++; an ``nnx.State`` in Python, every call)."""
+    graphdef, weights_def = model.value
+    weights = jax.tree.unflatten(weights_def, weight_leaves)
+    pages, state, out = step_fn(graphdef, weights, pages, state, key, unpack_inputs(rows, pf), shape=shape)
+    return pages, state, pack_outputs(shape.config, out)
+
+
+packed_step_jit = jax.jit(packed_step_fn, static_argnames=("model", "shape"), donate_argnames=("pages", "state"))
+"""What ``DeviceStep`` calls: the step on packed inputs and outputs."""
 
 
 def admit_fn(manager: ManagerConfig, state, free_ids, seq_ids, lens, tokens, salts, *, forms: str | None = None):
@@ -267,8 +234,10 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
               np.stack(toks_ + [np.zeros((size,), np.int32)] * pad),
               np.array(start_ + [0] * pad, np.int32), np.array(lens_ + [0] * pad, np.int32), ends)
     # Per-row sampling parameters and key parts.
+    beam = np.zeros((r,), bool)
     for fam in running:
         if fam.req.is_beam:
+            beam[fam.rows] = True
             continue
         prm = fam.req.params
         for idx, s in enumerate(fam.samples):
@@ -282,7 +251,7 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
                      pf_tokens=pf_arrays[1], pf_start=pf_arrays[2], pf_lens=pf_arrays[3], dec_tokens=dec_tokens,
                      dec_live=dec_live, fork_src=fork_src, fork_dst=fork_dst, logit_src=logit_src,
                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, sample_idx=sample_idx,
-                     token_idx=token_idx)
+                     token_idx=token_idx, beam=beam)
     return inp, pf
 
 
@@ -318,6 +287,8 @@ class DeviceStep:
         # The padding chunk such a step feeds (built once: the host does not rebuild it per step).
         self._no_chunk = dict(pf_rows=np.full((p,), -1, np.int32), pf_tokens=np.zeros((p, config.chunk_size), np.int32),
                               pf_start=np.zeros((p,), np.int32), pf_lens=np.zeros((p,), np.int32))
+        leaves, weights_def = jax.tree.flatten(weights)
+        self._model, self._weight_leaves = intern((graphdef, weights_def)), tuple(leaves)
 
     def variants(self) -> tuple[int, ...]:
         """The step variants a run compiles, by prefill rows P: ``(P,)`` on a CPU, else ``(0, P)``."""
@@ -336,11 +307,10 @@ class DeviceStep:
         """One step (``prefill_rows`` is P: 0 or ``max_prefill_rows``); returns host outputs."""
         if self.single_variant and not prefill_rows:
             inp = inp.replace(**self._no_chunk)
-        if self.mesh is not None:
-            (inp,) = _requests.replicate_inputs(self.mesh, inp)
-        self.pages, self.state, out = step_jit(self.graphdef, self.weights, self.pages, self.state, self.key,
-                                               inp, shape=self._shapes[prefill_rows])
-        return jax.device_get(out)
+        args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
+        self.pages, self.state, flat = packed_step_jit(self._model, self._weight_leaves, self.pages, self.state,
+                                                       self.key, *args, shape=self._shapes[prefill_rows])
+        return unpack_outputs(self.config, np.asarray(jax.device_get(flat)))
 
     # -- ahead-of-time compilation (``ServingEngine.compile``) -------------------------------
     def lower_step(self, prefill_rows: int):
@@ -349,10 +319,9 @@ class DeviceStep:
         inp, _ = build_inputs(self.config, np.full((self.config.manager.max_seqs,), -1, np.int32), (), {}, (), 0, ())
         if self._shapes[prefill_rows].prefill_rows:
             inp = inp.replace(**self._no_chunk)
-        if self.mesh is not None:
-            (inp,) = _requests.replicate_inputs(self.mesh, inp)
-        return step_jit.lower(self.graphdef, self.weights, self.pages, self.state, self.key, inp,
-                              shape=self._shapes[prefill_rows])
+        args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
+        return packed_step_jit.lower(self._model, self._weight_leaves, self.pages, self.state, self.key, *args,
+                                     shape=self._shapes[prefill_rows])
 
     def lower_admit(self, width: int):
         """The ``admit`` program for ``max_prefill_rows`` prompts of ``width`` tokens, lowered."""
@@ -376,4 +345,5 @@ class DeviceStep:
         return jax.device_get(self.state.cache.stats)
 
 
-__all__ = ["DeviceStep", "StepInputs", "StepOutputs", "StepShape", "admit_jit", "build_inputs", "step_fn", "step_jit"]
+__all__ = ["DeviceStep", "StepInputs", "StepOutputs", "StepShape", "admit_jit", "build_inputs", "packed_step_fn",
+           "packed_step_jit", "single_step_variant", "step_fn", "step_jit"]

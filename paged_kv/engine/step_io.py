@@ -1,0 +1,186 @@
+"""What the serving step takes and returns (``StepInputs``, ``StepOutputs``) and how they travel
+between host and device: packed into a few int32 arrays, since a jitted call pays per argument
+and ``device_get`` per result array (``pack_inputs`` / ``unpack_inputs``, ``pack_outputs`` /
+``unpack_outputs``), plus ``intern`` for the step's static model argument."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from paged_kv.engine.serving_types import ServingConfig
+
+
+@struct.dataclass
+class StepInputs:
+    """One step's inputs (R = ``max_seqs`` rows, P prefill rows, C = ``chunk_size``); -1 pads ids.
+
+    Attributes:
+      free_ids: int32 [R] rows to free first (finished or preempted).
+      sel_dst, sel_parent: int32 [R] beam reselection: row ``sel_dst[i]`` takes ``sel_parent[i]``'s table.
+      pf_rows: int32 [P] rows of the cohort chunk; pf_tokens int32 [P, C] their tokens at
+        positions ``pf_start .. pf_start + pf_lens - 1``; pf_start, pf_lens int32 [P].
+      dec_tokens: int32 [R] token each decoding row feeds; dec_live bool [R].
+      fork_src, fork_dst: int32 [R] samples forked after the forward (prefill just ended).
+      logit_src: int32 [R] the row whose logits each row samples from (a forked sample: its source).
+      temperature, top_p: float32 [R]; top_k int32 [R] per-row sampling parameters (0: greedy / all).
+      seed, sample_idx, token_idx: int32 [R] the parts of each row's sampling key.
+      beam: bool [R] rows of beam families (the only rows whose top candidates the host reads),
+        or None: the top candidates of every row are computed.
+    """
+
+    free_ids: jax.Array
+    sel_dst: jax.Array
+    sel_parent: jax.Array
+    pf_rows: jax.Array
+    pf_tokens: jax.Array
+    pf_start: jax.Array
+    pf_lens: jax.Array
+    dec_tokens: jax.Array
+    dec_live: jax.Array
+    fork_src: jax.Array
+    fork_dst: jax.Array
+    logit_src: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    sample_idx: jax.Array
+    token_idx: jax.Array
+    beam: jax.Array | None = None
+
+
+@struct.dataclass
+class StepOutputs:
+    """Attributes:
+    tokens: int32 [R] sampled token per row; logprobs float32 [R] its log-probability.
+    top_logprobs: float32 [R, K]; top_ids int32 [R, K]: each row's K best continuations (beams).
+    status: int32 [R] ``append`` status (PADDING for rows that did not decode).
+    num_free: int32 free blocks after the step; copies: int32 copy-on-write copies made.
+    bad_tokens: int32 tokens fed this step (prefill or decode) outside the vocabulary: 0 unless
+      the host checks were bypassed; the model looked them up as a safe id (no NaN K/V), and
+      ``EngineStats.bad_tokens`` counts them.
+    tables: int32 [R, M] block tables, num_tokens int32 [R], refs int32 [R, M] reference count of
+      each table entry (only with ``record_tables``; else [0]-sized).
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_logprobs: jax.Array
+    top_ids: jax.Array
+    status: jax.Array
+    num_free: jax.Array
+    copies: jax.Array
+    tables: jax.Array
+    num_tokens: jax.Array
+    refs: jax.Array
+    bad_tokens: jax.Array
+
+
+# -- the step as the engine calls it: a few packed arrays in, one out -------------------------
+# A jitted call takes a few microseconds per argument array (a host-to-device transfer each) and
+# ``device_get`` as much per result array; over 18 inputs and 11 outputs that was ~0.3 ms of a
+# ~2.5 ms step at R = 32. So ``DeviceStep`` sends the [R] fields as one int32 array and the
+# prefill chunk as another, and reads the outputs back as one int32 vector. Float fields travel
+# as their bits (``view`` / ``bitcast_convert_type``), so nothing is rounded.
+
+ROW_FIELDS = ("free_ids", "sel_dst", "sel_parent", "dec_tokens", "dec_live", "fork_src", "fork_dst", "logit_src",
+              "temperature", "top_k", "top_p", "seed", "sample_idx", "token_idx", "beam")
+"""The ``StepInputs`` fields of shape [R], in the order of the packed rows array's first axis."""
+
+
+def pack_inputs(inp: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    """Host ``StepInputs`` -> (int32 [len(ROW_FIELDS), R], int32 [P, C + 3]: each prefill row's
+    tokens, then its row, start and length)."""
+    rows = np.stack([np.asarray(getattr(inp, f)).view(np.int32) if getattr(inp, f).dtype == np.float32
+                     else np.asarray(getattr(inp, f), np.int32) for f in ROW_FIELDS])
+    pf = np.concatenate([np.asarray(inp.pf_tokens, np.int32),
+                         np.stack([inp.pf_rows, inp.pf_start, inp.pf_lens], axis=1).astype(np.int32)], axis=1)
+    return rows, pf
+
+
+def unpack_inputs(rows: jax.Array, pf: jax.Array) -> StepInputs:
+    """The traced inverse of ``pack_inputs``."""
+    f = dict(zip(ROW_FIELDS, rows))
+    for name in ("temperature", "top_p"):
+        f[name] = jax.lax.bitcast_convert_type(f[name], jnp.float32)
+    f["dec_live"], f["beam"] = f["dec_live"] != 0, f["beam"] != 0
+    c = pf.shape[1] - 3
+    return StepInputs(pf_tokens=pf[:, :c], pf_rows=pf[:, c], pf_start=pf[:, c + 1], pf_lens=pf[:, c + 2], **f)
+
+
+def output_layout(config: ServingConfig) -> list[tuple[str, tuple[int, ...], type]]:
+    """(field, shape, dtype) of each ``StepOutputs`` field, in the order of the packed vector."""
+    r, k, m = config.manager.max_seqs, config.top_candidates, config.manager.max_blocks_per_seq
+    rec = config.record_tables
+    i32, f32 = np.int32, np.float32
+    return [("tokens", (r,), i32), ("logprobs", (r,), f32), ("top_logprobs", (r, k), f32), ("top_ids", (r, k), i32),
+            ("status", (r,), i32), ("num_free", (), i32), ("copies", (), i32),
+            ("tables", (r, m) if rec else (0, 0), i32), ("num_tokens", (r,) if rec else (0,), i32),
+            ("refs", (r, m) if rec else (0, 0), i32), ("bad_tokens", (), i32)]
+
+
+def pack_outputs(config: ServingConfig, out: StepOutputs) -> jax.Array:
+    """``StepOutputs`` -> one int32 vector (``output_layout``'s order; floats as their bits)."""
+    parts = []
+    for name, shape, dtype in output_layout(config):
+        x = getattr(out, name)
+        assert x.shape == shape and x.dtype == dtype, (name, x.shape, x.dtype, shape, dtype)  # at trace time
+        parts.append((jax.lax.bitcast_convert_type(x, jnp.int32) if dtype == np.float32 else x).reshape(-1))
+    return jnp.concatenate(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _output_slices(config: ServingConfig) -> tuple:
+    """(field, start, stop, shape, dtype) per field of the packed vector (computed once per config:
+    the host unpacks one every step)."""
+    out, at = [], 0
+    for name, shape, dtype in output_layout(config):
+        n = math.prod(shape)
+        out.append((name, at, at + n, shape, dtype))
+        at += n
+    return tuple(out)
+
+
+def unpack_outputs(config: ServingConfig, flat: np.ndarray) -> StepOutputs:
+    """Host inverse of ``pack_outputs`` (numpy views into ``flat``; scalars as numpy 0-d arrays)."""
+    return StepOutputs(**{name: flat[lo:hi].view(dtype).reshape(shape)
+                          for name, lo, hi, shape, dtype in _output_slices(config)})
+
+
+class Interned:
+    """A static jit argument that is hashed and compared in full once, when interned.
+
+    jit hashes its static arguments on every call and, on a cache hit, compares them with the
+    cached key: for an NNX ``GraphDef`` (and the weights' tree structure) that is tens of
+    microseconds of Python per step. ``intern`` returns one canonical holder per distinct value,
+    so a step's lookup costs a stored hash and an identity check, and engines over equal models
+    still share one compiled step."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, Interned) and self.value == other.value)
+
+
+_INTERNED: dict = {}
+
+
+def intern(value) -> Interned:
+    """The canonical ``Interned`` holder of ``value`` (hashable)."""
+    return _INTERNED.setdefault(value, Interned(value))
+
+
+__all__ = ["Interned", "ROW_FIELDS", "StepInputs", "StepOutputs", "intern", "output_layout", "pack_inputs",
+           "pack_outputs", "unpack_inputs", "unpack_outputs"]
