@@ -119,10 +119,12 @@ def append(
     takes = ok & (need > 0)
     copies = copies & ok
 
-    def finish(straight, state):
+    def finish(straight, state, ok, takes, copies):
         # ``straight``: the GPU's common path, valid when ``_needs_loops`` is False: the first
         # window of the free queue, no skipped evictions, a registration without rebuild check or
-        # probe loop. Same result as the other form then.
+        # probe loop. Same result as the other form then. Every write below is a scatter at
+        # indices masked by ``ok``, ``takes`` or ``copies``, so with all three False (and
+        # ``takes`` False, ``take_front`` takes nothing) the state comes back as it was.
         if straight:
             queue, taken, _ = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b, loop=False)
         else:
@@ -154,9 +156,32 @@ def append(
 
     def one_check(state):
         slow = _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids)
-        return lax.cond(slow, functools.partial(finish, False), functools.partial(finish, True), state)
+        return straight_or_repair(
+            slow, state, lambda state, keep: finish(True, state, ok & keep, takes & keep, copies & keep),
+            lambda state: finish(False, state, ok, takes, copies))
 
-    return per_platform(state, cpu=functools.partial(finish, False), default=one_check)
+    return per_platform(state, cpu=lambda state: finish(False, state, ok, takes, copies), default=one_check)
+
+
+def straight_or_repair(slow, state, straight, general):
+    """On a GPU: ``general(state)`` if ``slow`` else ``straight(state, True)``, with the
+    straight-line form run unconditionally, outside the ``cond``, and the ``cond``'s common branch
+    passing everything through.
+
+    Why: a ``cond`` whose branches both update pool-sized arrays in place made XLA:GPU copy
+    those arrays (the token array, the hash-table entries, the queue's ``[num_blocks]`` slots:
+    ~2.5 MiB per ``append`` at 16k blocks) on every call, in whichever branch ran. Here the
+    pool-sized scatters of the common path are outside any ``cond``; the ``cond`` is entered only
+    on the rare path, whose form (the CPU form) may copy as it likes.
+
+    ``straight(state, keep)`` (``keep`` a bool scalar) must return ``state`` unchanged, bit for
+    bit, when ``keep`` is False (every write masked off: index arrays are batch-sized, so the
+    mask costs nothing), and ``general(state)`` must return the same pytree structure. Returns
+    ``(state, outputs)``: when ``slow``, those of ``general`` on the untouched state.
+    """
+    out = straight(state, ~slow)
+    _, out = lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros_like(c[0]), general(c[1][0])), (slow, out))
+    return out
 
 
 def _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids):
