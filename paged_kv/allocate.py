@@ -8,7 +8,7 @@ first come, first served (once a row does not fit, no later row of the call take
 
 from __future__ import annotations
 
-import functools
+from typing import Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -18,7 +18,7 @@ from jax import lax
 from paged_kv import block_hash, free_queue, hash_table, inputs, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served
 from paged_kv.config import NULL_BLOCK, ManagerConfig
-from paged_kv.scan import per_platform, prefix_sum
+from paged_kv.scan import per_platform, prefix_sum, straight_or_repair
 from paged_kv.state import NO_PARENT, BlockManagerState
 from paged_kv.status import Status
 
@@ -79,6 +79,32 @@ def append(
         token_ids = inputs.int_array("append", "token_ids", token_ids, ndim=1, batch=b)
     if config.prefix_caching and token_ids is None:
         raise ValueError("append: token_ids (int32 [B]) are required with prefix_caching=True")
+
+    def cpu(state):
+        return plan(config, state, seq_ids, token_ids).run(state)
+
+    def one_check(state):
+        p = plan(config, state, seq_ids, token_ids)
+        return straight_or_repair(p.slow(), state, p.run_straight, p.run)
+
+    return per_platform(state, cpu=cpu, default=one_check)
+
+
+class AppendPlan(NamedTuple):
+    """What ``append`` decided from the state it was planned on: ``run(state)`` applies it in
+    the CPU form (skips and loops where needed), ``run_straight(state, keep)`` in the GPU's
+    straight-line form (valid only when ``slow()`` is False; with ``keep`` False it writes
+    nothing), ``slow()`` (bool scalar) says whether a rare path is needed. Each returns
+    ``(state, AppendResult)``. Only for the state the plan was made on."""
+
+    run: Callable
+    run_straight: Callable
+    slow: Callable
+
+
+def plan(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
+         token_ids: jax.Array | None) -> AppendPlan:
+    """``append``'s checks and decisions (inputs already validated), without any write."""
     bs, m, n_blocks = config.block_size, config.max_blocks_per_seq, config.num_blocks
     b = seq_ids.shape[0]
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
@@ -154,34 +180,15 @@ def append(
         )
         return state, result
 
-    def one_check(state):
-        slow = _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids)
-        return straight_or_repair(
-            slow, state, lambda state, keep: finish(True, state, ok & keep, takes & keep, copies & keep),
-            lambda state: finish(False, state, ok, takes, copies))
+    def masked(keep):
+        # ``keep`` True (Python) is the unmasked form; the CPU form never masks.
+        return (ok, takes, copies) if keep is True else (ok & keep, takes & keep, copies & keep)
 
-    return per_platform(state, cpu=lambda state: finish(False, state, ok, takes, copies), default=one_check)
-
-
-def straight_or_repair(slow, state, straight, general):
-    """On a GPU: ``general(state)`` if ``slow`` else ``straight(state, True)``, with the
-    straight-line form run unconditionally, outside the ``cond``, and the ``cond``'s common branch
-    passing everything through.
-
-    Why: a ``cond`` whose branches both update pool-sized arrays in place made XLA:GPU copy
-    those arrays (the token array, the hash-table entries, the queue's ``[num_blocks]`` slots:
-    ~2.5 MiB per ``append`` at 16k blocks) on every call, in whichever branch ran. Here the
-    pool-sized scatters of the common path are outside any ``cond``; the ``cond`` is entered only
-    on the rare path, whose form (the CPU form) may copy as it likes.
-
-    ``straight(state, keep)`` (``keep`` a bool scalar) must return ``state`` unchanged, bit for
-    bit, when ``keep`` is False (every write masked off: index arrays are batch-sized, so the
-    mask costs nothing), and ``general(state)`` must return the same pytree structure. Returns
-    ``(state, outputs)``: when ``slow``, those of ``general`` on the untouched state.
-    """
-    out = straight(state, ~slow)
-    _, out = lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros_like(c[0]), general(c[1][0])), (slow, out))
-    return out
+    return AppendPlan(
+        run=lambda state: finish(False, state, *masked(True)),
+        run_straight=lambda state, keep: finish(True, state, *masked(keep)),
+        slow=lambda: _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids),
+    )
 
 
 def _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids):
