@@ -13,7 +13,16 @@ sm_90, 32 layers), run on the code before and after the change::
         --out results/gpu_compile_engine_after.json
     python scripts/gpu_manager_launches.py     # writes results/gpu_manager_launches.json
 
-The "before" report is ``results/gpu_compile_report_after_scan.json``, the same gate's CI run on
+Second round (one sync: ``share.free_select_append``, no pool-sized copy), before = main at
+a2171fa, after = branch gpu-sync, the same gate on both checkouts::
+
+    bash scripts/gpu_gate.sh --only programs --workers 1 --programs serving_manager_share append \
+        admit free serving_step_decode serving_step_prefill --out results/gpu_compile_manager_sync_before.json
+    # (the same on the branch, --out results/gpu_compile_manager_sync_after.json)
+    python scripts/gpu_manager_launches.py --before results/gpu_compile_manager_sync_before.json \
+        --after results/gpu_compile_manager_sync_after.json
+
+The first round's "before" report is ``results/gpu_compile_report_after_scan.json``, the same gate's CI run on
 the code before the GPU forms (commit 1fc9faf; the manager is the same at faebdf1, where this
 branch starts, and a rerun of the four manager programs there gave the same figures). Per program and path ("least": every ``cond`` takes its cheapest branch and every
 ``while`` runs no trip, the common path; "most": the costliest branch and one trip): kernels run
