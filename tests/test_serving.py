@@ -93,12 +93,28 @@ def test_gpu_form_of_the_step_runs_the_same(model, pressured, monkeypatch):
     exactly as the CPU forms do: the same tokens, scores and statistics, the same final state."""
     from paged_kv.engine import serving_step as ss
     from paged_kv.scan import straight_line_on_cpu
-    # Fresh jits: the forms are chosen at trace time.
-    monkeypatch.setattr(ss, "step_jit", jax.jit(ss.step_fn, static_argnames=("graphdef", "shape"),
+    # Fresh functions, so fresh traces (the forms are chosen at trace time; a new ``jax.jit`` of
+    # the same function would reuse the CPU form's trace).
+    def step(graphdef, weights, pages, state, key, inp, *, shape):
+        return ss.step_fn(graphdef, weights, pages, state, key, inp, shape=shape)
+
+    def admit(manager, state, free_ids, seq_ids, lens, tokens, salts):
+        return ss.admit_fn(manager, state, free_ids, seq_ids, lens, tokens, salts)
+
+    traced = []
+    inner = ss.share_free_select_append
+
+    def fused(*args):
+        traced.append(True)
+        return inner(*args)
+
+    monkeypatch.setattr(ss, "share_free_select_append", fused)
+    monkeypatch.setattr(ss, "step_jit", jax.jit(step, static_argnames=("graphdef", "shape"),
                                                 donate_argnames=("pages", "state")))
-    monkeypatch.setattr(ss, "admit_jit", jax.jit(ss.admit_fn, static_argnums=0, donate_argnums=1))
+    monkeypatch.setattr(ss, "admit_jit", jax.jit(admit, static_argnums=0, donate_argnums=1))
     with straight_line_on_cpu():
         eng, outs = _run(model, _workload(0))
+    assert traced  # the step was traced in its GPU form
     eng_p, outs_p = pressured
     timing = ("wall_s", "step_s", "compile_s", "compile_ahead_s")
     counts = lambda st: {k: v for k, v in vars(st).items() if k not in timing}  # noqa: E731
