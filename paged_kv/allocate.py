@@ -8,7 +8,7 @@ first come, first served (once a row does not fit, no later row of the call take
 
 from __future__ import annotations
 
-import functools
+from typing import Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -18,7 +18,7 @@ from jax import lax
 from paged_kv import block_hash, free_queue, hash_table, inputs, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served
 from paged_kv.config import NULL_BLOCK, ManagerConfig
-from paged_kv.scan import per_platform, prefix_sum
+from paged_kv.scan import per_platform, prefix_sum, straight_or_repair
 from paged_kv.state import NO_PARENT, BlockManagerState
 from paged_kv.status import Status
 
@@ -79,6 +79,32 @@ def append(
         token_ids = inputs.int_array("append", "token_ids", token_ids, ndim=1, batch=b)
     if config.prefix_caching and token_ids is None:
         raise ValueError("append: token_ids (int32 [B]) are required with prefix_caching=True")
+
+    def cpu(state):
+        return plan(config, state, seq_ids, token_ids).run(state)
+
+    def one_check(state):
+        p = plan(config, state, seq_ids, token_ids)
+        return straight_or_repair(p.slow(), state, p.run_straight, p.run)
+
+    return per_platform(state, cpu=cpu, default=one_check)
+
+
+class AppendPlan(NamedTuple):
+    """What ``append`` decided from the state it was planned on: ``run(state)`` applies it in
+    the CPU form (skips and loops where needed), ``run_straight(state, keep)`` in the GPU's
+    straight-line form (valid only when ``slow()`` is False; with ``keep`` False it writes
+    nothing), ``slow()`` (bool scalar) says whether a rare path is needed. Each returns
+    ``(state, AppendResult)``. Only for the state the plan was made on."""
+
+    run: Callable
+    run_straight: Callable
+    slow: Callable
+
+
+def plan(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
+         token_ids: jax.Array | None) -> AppendPlan:
+    """``append``'s checks and decisions (inputs already validated), without any write."""
     bs, m, n_blocks = config.block_size, config.max_blocks_per_seq, config.num_blocks
     b = seq_ids.shape[0]
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
@@ -119,10 +145,12 @@ def append(
     takes = ok & (need > 0)
     copies = copies & ok
 
-    def finish(straight, state):
+    def finish(straight, state, ok, takes, copies):
         # ``straight``: the GPU's common path, valid when ``_needs_loops`` is False: the first
         # window of the free queue, no skipped evictions, a registration without rebuild check or
-        # probe loop. Same result as the other form then.
+        # probe loop. Same result as the other form then. Every write below is a scatter at
+        # indices masked by ``ok``, ``takes`` or ``copies``, so with all three False (and
+        # ``takes`` False, ``take_front`` takes nothing) the state comes back as it was.
         if straight:
             queue, taken, _ = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b, loop=False)
         else:
@@ -152,11 +180,15 @@ def append(
         )
         return state, result
 
-    def one_check(state):
-        slow = _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids)
-        return lax.cond(slow, functools.partial(finish, False), functools.partial(finish, True), state)
+    def masked(keep):
+        # ``keep`` True (Python) is the unmasked form; the CPU form never masks.
+        return (ok, takes, copies) if keep is True else (ok & keep, takes & keep, copies & keep)
 
-    return per_platform(state, cpu=functools.partial(finish, False), default=one_check)
+    return AppendPlan(
+        run=lambda state: finish(False, state, *masked(True)),
+        run_straight=lambda state, keep: finish(True, state, *masked(keep)),
+        slow=lambda: _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids),
+    )
 
 
 def _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids):

@@ -192,8 +192,9 @@ def claim(
 
     Args:
       keys: uint32 ``[K, 2]``; vals: int32 ``[K]`` (block ids); mask: bool ``[K]``.
-      probe: static; False leaves out the loop that probes past the window, for a caller that
-        knows (``claims_past_window``) that no entry needs it.
+      probe: static; False leaves out the loop that probes past the window and the contention
+        between entries, for a caller that knows (``claims_past_window``) that no entry needs
+        them: then every masked entry takes the first EMPTY slot of its window.
 
     Returns:
       - the table;
@@ -237,7 +238,15 @@ def claim(
     empty = mask & settled
     pos = (home + jnp.minimum(first, w - 1)) & (size - 1)
     none = jnp.full(mask.shape, -1, jnp.int32)
-    table, pending, slots, twin = attempt(table, pos, mask, empty, none, none)
+    if probe:
+        table, pending, slots, twin = attempt(table, pos, mask, empty, none, none)
+    else:
+        # No entry contends for its slot nor lacks one in the window (the caller's promise, see
+        # ``claims_past_window``; or every entry masked off), so each wins the slot it aims at:
+        # one scatter of whole rows. ``attempt``'s marker scatter and the read of it that follows
+        # made XLA:GPU copy the whole table on every call (the read fused into the next scatter).
+        table = table.replace(entries=table.entries.at[jnp.where(empty, pos, size)].set(_rows(keys, vals), mode="drop"))
+        slots, twin = jnp.where(empty, pos, -1), none
 
     def body(carry):
         probe, pending, slots, twin, older, t = carry

@@ -15,7 +15,7 @@ from jax import lax
 
 from paged_kv import block_hash, hash_table
 from paged_kv.config import ManagerConfig
-from paged_kv.scan import any_true
+from paged_kv.scan import any_true, per_platform
 from paged_kv.state import (
     CLASS, CLASS_GENERATION, GENERATION, KEY0, META_COLUMNS, PARENT_CLASS, PARENT_CLASS_GENERATION,
     SALT, SLOT, UNLINKED, BlockManagerState, PrefixCache, add_stats,
@@ -49,7 +49,7 @@ def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array, *, skip: bool =
     generation moves on (so a cached child that named it as parent no longer links to it, even if
     it was never cached itself), and cached ones lose their hashes. ``skip`` (static): leave out
     the hash-dropping scatters, behind a ``cond``, when no taken block is cached; False runs them
-    masked (the same result; no ``cond``, for a GPU)."""
+    masked (the same result; no ``cond``), which is what a GPU runs either way."""
     n = cache.meta.shape[0]
     cache = cache.replace(
         meta=cache.meta.at[jnp.where(mask, taken, n), GENERATION].add(1, mode="drop")
@@ -61,8 +61,15 @@ def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array, *, skip: bool =
 
     if not skip:
         return drop(cache)
-    # Skipped (one gather) when no taken block is cached, the usual case while the pool has room.
-    return lax.cond(any_true(mask & (cache.meta[taken, SLOT] >= 0)), drop, lambda cache: cache, cache)
+
+    def skipping(cache):
+        # Skipped (one gather) when no taken block is cached, the usual case while the pool has
+        # room.
+        return lax.cond(any_true(mask & (cache.meta[taken, SLOT] >= 0)), drop, lambda cache: cache, cache)
+
+    # On a GPU the skip's predicate would be a host sync (``admit``'s, per call), the masked
+    # scatters over the taken blocks cost less.
+    return per_platform(cache, cpu=skipping, default=drop)
 
 
 def class_of(cache: PrefixCache, blocks: jax.Array, rows: jax.Array | None = None) -> jax.Array:

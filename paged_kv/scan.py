@@ -60,6 +60,31 @@ def while_needed(cond_fun, body_fun, init):
     return lax.cond(cond_fun(init), lambda c: lax.while_loop(cond_fun, body_fun, c), lambda c: c, init)
 
 
+def straight_or_repair(slow, state, straight, general):
+    """For a GPU: ``general(state)`` if ``slow`` (bool scalar) else ``straight(state, True)``,
+    with the straight-line form run unconditionally and the rare one in a loop of at most one
+    trip: on the common path one host sync (the loop's condition), as a ``cond`` would cost.
+
+    Why not ``lax.cond(slow, general, straight)``: a ``cond`` whose branches update pool-sized
+    arrays in place made XLA:GPU copy them on every call (``append``: the token array, the
+    hash-table entries and the queue's ``[num_blocks]`` slots, ~2.5 MiB per call at 16k blocks,
+    ~16 MiB at 100k), and so did a ``cond`` with a pass-through branch (it copied its outputs into
+    the donated buffers). A ``while`` carries its state in place, so the common path's
+    pool-sized scatters, outside it, copy nothing; any copy the rare form needs stays in the
+    loop body.
+
+    Args:
+      straight: ``(state, keep) -> (state, outputs)``; with ``keep`` (bool scalar) False it
+        must return ``state`` unchanged, bit for bit (every write masked off: the index arrays
+        are batch-sized, so the mask costs nothing); its outputs are then discarded.
+      general: ``state -> (state, outputs)``, the same structure; it is given the unchanged
+        state.
+    """
+    out = straight(state, ~slow)
+    _, out = lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros_like(c[0]), general(c[1][0])), (slow, out))
+    return out
+
+
 _STRAIGHT_LINE_ON_CPU = False
 _FORMS_FOR: str | None = None  # set by ``forms_for`` while a program of known platform is traced
 

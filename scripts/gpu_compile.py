@@ -341,7 +341,7 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   from paged_kv.allocate import append
   from paged_kv.config import ManagerConfig
   from paged_kv.reclaim import free
-  from paged_kv.share import fork, free_then_select
+  from paged_kv.share import fork, free_select_append
   import importlib
   # The package re-exports functions named like these modules: import the modules themselves.
   eb = importlib.import_module("paged_kv.engine.beam_search")
@@ -425,9 +425,8 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   def manager_share(state, free_ids, sel_dst, sel_parent, ids, toks, fork_src, fork_dst):
     # The block-manager calls of one serving step, in its order (free, select, append, fork):
     # the manager's share of a decode step, without the model. On a GPU the serving step runs
-    # free and select as ``free_then_select`` (one room check for both), as here.
-    state, _, _ = free_then_select(mgr, state, free_ids, sel_dst, sel_parent)
-    state, res = append(mgr, state, ids, toks)
+    # free, select and append as ``free_select_append`` (one check for the three), as here.
+    state, _, _, res, _ = free_select_append(mgr, state, free_ids, sel_dst, sel_parent, ids, toks)
     state, _ = fork(mgr, state, fork_src, fork_dst)
     return state, res
 

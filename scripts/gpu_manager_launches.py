@@ -11,9 +11,19 @@ sm_90, 32 layers), run on the code before and after the change::
     bash scripts/gpu_gate.sh --only programs --workers 1 \
         --programs generate_loop beam_search_loop serving_step_prefill serving_step_decode_tp2 \
         --out results/gpu_compile_engine_after.json
-    python scripts/gpu_manager_launches.py     # writes results/gpu_manager_launches.json
+    python scripts/gpu_manager_launches.py --before results/gpu_compile_report_after_scan.json \
+        --after results/gpu_compile_manager_after.json results/gpu_compile_engine_after.json \
+        --out results/gpu_manager_launches_round1.json
 
-The "before" report is ``results/gpu_compile_report_after_scan.json``, the same gate's CI run on
+Second round (one sync: ``share.free_select_append``, no pool-sized copy), before = main at
+a2171fa, after = branch gpu-sync, the same gate on both checkouts::
+
+    bash scripts/gpu_gate.sh --only programs --workers 1 --programs serving_manager_share append \
+        admit free serving_step_decode serving_step_prefill --out results/gpu_compile_manager_sync_before.json
+    # (the same on the branch, --out results/gpu_compile_manager_sync_after.json)
+    python scripts/gpu_manager_launches.py     # the defaults: writes results/gpu_manager_launches.json
+
+The first round's "before" report is ``results/gpu_compile_report_after_scan.json``, the same gate's CI run on
 the code before the GPU forms (commit 1fc9faf; the manager is the same at faebdf1, where this
 branch starts, and a rerun of the four manager programs there gave the same figures). Per program and path ("least": every ``cond`` takes its cheapest branch and every
 ``while`` runs no trip, the common path; "most": the costliest branch and one trip): kernels run
@@ -51,9 +61,8 @@ def figures(report: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--before", default=os.path.join(ROOT, "results", "gpu_compile_report_after_scan.json"))
-    ap.add_argument("--after", nargs="+", default=[os.path.join(ROOT, "results", "gpu_compile_manager_after.json"),
-                                                   os.path.join(ROOT, "results", "gpu_compile_engine_after.json")])
+    ap.add_argument("--before", default=os.path.join(ROOT, "results", "gpu_compile_manager_sync_before.json"))
+    ap.add_argument("--after", nargs="+", default=[os.path.join(ROOT, "results", "gpu_compile_manager_sync_after.json")])
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_manager_launches.json"))
     a = ap.parse_args(argv)
     with open(a.before) as f:

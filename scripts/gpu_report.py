@@ -104,6 +104,13 @@ def parse_thunks(text: str) -> list[dict]:
   stack: list[tuple[int, dict]] = []
   last_while = None
   for line in text.splitlines():
+    # An empty section prints as "No thunks." with the next label on the same line (a while
+    # whose condition only reads its predicate: "condition:\n    No thunks.  body:").
+    if line.strip().startswith("No thunks."):
+      rest = line.strip()[len("No thunks."):].strip()
+      if not rest:
+        continue
+      line = " " * (len(line) - len(line.lstrip())) + rest
     m = _THUNK_LINE.match(line)
     lm = None if m else _LABEL_LINE.match(line)
     if lm:

@@ -202,3 +202,29 @@ def test_knob_summary_takes_the_worst_configuration_per_knob():
   table = gpu_report.knob_summary(rep).splitlines()
   assert table[0].startswith("| kernel | dtype | head_dim | registers, no knob | registers, alibi | registers, soft_cap")
   assert table[2] == "| decode | float32 | 256 | 200 | 255 | 250 | 24 | 4 |"
+
+
+def test_empty_while_condition_keeps_the_body_apart():
+  # A while whose condition only reads its predicate prints "No thunks." with the body's label on
+  # the same line; the body must not count as the condition (one sync on zero trips, not three).
+  text = """\
+052: kWhile         [prev=000 (1) | next=204 (1)]
+condition:
+    No thunks.  body:
+    000: kCommandBuffer [source       | next=080 (1)]
+        001: kCustomKernel [source | sink] body_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    080: kConditional   [prev=000 (1) | next=000 (1)]
+      false_branch:
+        002: kCustomKernel [source | sink] slow_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      true_branch:
+003: kCustomKernel [source | sink] after grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+"""
+  roots = gpu_report.parse_thunks(text)
+  assert [t["kind"] for t in roots] == ["kWhile", "kCustomKernel"]
+  loop = roots[0]
+  assert loop["sections"].get("condition", []) == []
+  assert [t["kind"] for t in loop["sections"]["body"]] == ["kCommandBuffer", "kConditional"]
+  s = gpu_report.thunk_summary(roots)
+  assert s["least"] == {"kernels": 1, "copies": 0, "host_launches": 1, "host_syncs": 1}
+  # Most: one trip (the condition read twice, the branch once) through the body and slow branch.
+  assert s["most"]["host_syncs"] == 3 and s["most"]["kernels"] == 3

@@ -87,6 +87,46 @@ def test_outputs_independent_of_memory_pressure(model, pressured, alone):
     assert not bool(jnp.any(eng_p.state.active))
 
 
+def test_gpu_form_of_the_step_runs_the_same(model, pressured, monkeypatch):
+    """The serving step and admission traced in their GPU forms (the manager straight-line, with
+    free, select and append as one call before the prefill forward) run the pressured workload
+    exactly as the CPU forms do: the same tokens, scores and statistics, the same final state."""
+    from paged_kv.engine import serving_step as ss
+    from paged_kv.scan import straight_line_on_cpu
+    # Fresh functions, so fresh traces (the forms are chosen at trace time; a new ``jax.jit`` of
+    # the same function would reuse the CPU form's trace).
+    def step(graphdef, weights, pages, state, key, inp, *, shape):
+        return ss.step_fn(graphdef, weights, pages, state, key, inp, shape=shape)
+
+    def admit(manager, state, free_ids, seq_ids, lens, tokens, salts):
+        return ss.admit_fn(manager, state, free_ids, seq_ids, lens, tokens, salts)
+
+    traced = []
+    inner = ss.share_free_select_append
+
+    def fused(*args):
+        traced.append(True)
+        return inner(*args)
+
+    monkeypatch.setattr(ss, "share_free_select_append", fused)
+    monkeypatch.setattr(ss, "step_jit", jax.jit(step, static_argnames=("graphdef", "shape"),
+                                                donate_argnames=("pages", "state")))
+    monkeypatch.setattr(ss, "admit_jit", jax.jit(admit, static_argnums=0, donate_argnums=1))
+    with straight_line_on_cpu():
+        eng, outs = _run(model, _workload(0))
+    assert traced  # the step was traced in its GPU form
+    eng_p, outs_p = pressured
+    timing = ("wall_s", "step_s", "compile_s", "compile_ahead_s")
+    counts = lambda st: {k: v for k, v in vars(st).items() if k not in timing}  # noqa: E731
+    assert counts(eng.stats()) == counts(eng_p.stats())
+    want = {o.request_id: o for o in outs_p}
+    for o in outs:
+        assert o.tokens == want[o.request_id].tokens, o.request_id
+        assert o.scores == want[o.request_id].scores, o.request_id
+    for a, b in zip(jax.tree.leaves(eng.state), jax.tree.leaves(eng_p.state)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_outputs_continue_prompts(alone):
     _, outs = alone
     text = {o.request_id: [TOK.decode(t) for t in o.tokens] for o in outs}

@@ -58,6 +58,8 @@ _OPS = {name: (getattr(props, name), _gpu_jit(fn)) for name, fn in
 
 
 _FREE_THEN_SELECT = _gpu_jit(share.free_then_select)
+_FREE_SELECT_APPEND = _gpu_jit(share.free_select_append)
+_FREE_SELECT_APPEND_CPU = jax.jit(share.free_select_append, static_argnums=0)
 
 
 class BothForms:
@@ -71,6 +73,27 @@ class BothForms:
         fused = _FREE_THEN_SELECT(self.config, self.state, props.pad(frees), props.pad(dsts), props.pad(parents))
         self.free(frees)
         self._select(dsts, parents)
+        assert_same(fused[0], self.state)
+
+    @rule(frees=props.ids, dsts=props.ids, parents=st.lists(props.seq_id, min_size=props.BATCH,
+                                                            max_size=props.BATCH),
+          sids=props.ids, tokens=st.lists(props.token, min_size=props.BATCH, max_size=props.BATCH),
+          rows=props.ids)
+    def free_select_append(self, frees, dsts, parents, sids, tokens, rows):
+        """The serving step's fused call, in its GPU form, against the three calls one by one
+        (each checked against the reference by the machine); its CPU form is the same three."""
+        parents, tokens = parents[: len(dsts)], tokens[: len(sids)]
+        args = (self.config, self.state, props.pad(frees), props.pad(dsts), props.pad(parents), props.pad(sids),
+                props.pad(tokens, 0), props.pad(rows))
+        fused = _FREE_SELECT_APPEND(*args)
+        assert_same(fused, _FREE_SELECT_APPEND_CPU(*args))
+        self.free(frees)
+        self._select(dsts, parents)
+        r = jnp.asarray(props.pad(rows))
+        tables = jnp.where((r >= 0)[:, None], self.state.block_tables[jnp.clip(r, 0, self.config.max_seqs - 1)],
+                           pk.NULL_BLOCK)
+        assert_same(fused[4], tables)
+        self._append(sids, tokens)
         assert_same(fused[0], self.state)
 
     def __init__(self):
@@ -233,3 +256,53 @@ def test_evict_and_register_without_skips_are_identity_when_nothing_to_do():
     salts = jnp.zeros((3,), jnp.uint32)
     assert_same(prefix_cache.register(cache, taken, chains, salts, parent, none, straight=True),
                 prefix_cache.register(cache, taken, chains, salts, parent, none))
+
+
+def test_free_select_append_agrees_through_crowded_rings_and_slow_appends(monkeypatch):
+    """The serving step's fused call over many steps of a tiny pool: beams reselect (releasing
+    blocks, so stale entries and crowded rings come), rows are freed and readmitted, blocks fill
+    and are evicted; the GPU form equals free, select, append one by one, and its one check
+    takes both ways, through each rare path (crowded ring, slow append)."""
+    seen = []
+    inner = share.straight_or_repair
+
+    def recorded(slow, *args):
+        jax.debug.callback(lambda s: seen.append(bool(s)), slow)
+        return inner(slow, *args)
+
+    crowded = []
+    is_crowded = share._crowded
+
+    def recorded_crowded(*args):
+        c = is_crowded(*args)
+        jax.debug.callback(lambda s: crowded.append(bool(s)), c)
+        return c
+
+    monkeypatch.setattr(share, "straight_or_repair", recorded)
+    monkeypatch.setattr(share, "_crowded", recorded_crowded)
+    config = pk.ManagerConfig(num_blocks=14, block_size=2, max_seqs=4, max_blocks_per_seq=6, prefix_caching=True)
+    admit = jax.jit(functools.partial(pk.admit, config))
+    free = jax.jit(functools.partial(pk.free, config))
+    fused_gpu = _gpu_jit(share.free_select_append)
+    fused_cpu = jax.jit(share.free_select_append, static_argnums=0)
+    state = pk.init_state(config)
+    rng = np.random.default_rng(1)
+    rows = jnp.arange(config.max_seqs, dtype=jnp.int32)
+    none = jnp.full((config.max_seqs,), -1, jnp.int32)
+    for step in range(48):
+        if step % 8 == 0:
+            state, _ = free(state, rows)
+            prompts = rng.integers(0, 3, (config.max_seqs, 4)).astype(np.int32)
+            state, _ = admit(state, rows, jnp.asarray(rng.integers(1, 5, config.max_seqs).astype(np.int32)),
+                             jnp.asarray(prompts), jnp.zeros((config.max_seqs,), jnp.uint32))
+        parents = jnp.asarray(rng.integers(0, config.max_seqs, config.max_seqs).astype(np.int32))
+        dst = rows if step % 3 else none
+        frees = jnp.asarray(np.where(rng.random(config.max_seqs) < 0.15, np.arange(config.max_seqs), -1).astype(np.int32))
+        toks = jnp.asarray(rng.integers(0, 3, config.max_seqs).astype(np.int32))
+        args = (config, state, frees, dst, parents, rows, toks, jnp.array([0, 2], jnp.int32))
+        want = fused_cpu(*args)
+        got = fused_gpu(*args)
+        assert_same(got, want)
+        state = want[0]
+    assert set(seen) == {True, False}, seen
+    assert True in crowded and seen.count(True) > crowded.count(True), (seen, crowded)  # both rare paths

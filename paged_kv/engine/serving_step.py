@@ -29,12 +29,14 @@ from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.engine import requests as _requests
 from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
+from paged_kv.allocate import AppendResult, append
 from paged_kv.engine.step_io import (Interned, StepInputs, StepOutputs, intern, pack_inputs, pack_outputs,
                                      unpack_inputs, unpack_outputs)
-from paged_kv.engine.steps import decode
+from paged_kv.engine.steps import decode_appended
 from paged_kv.reclaim import free
 from paged_kv.scan import forms_for, per_platform, program_platform
-from paged_kv.share import fork, free_then_select, select
+from paged_kv.share import fork, select
+from paged_kv.share import free_select_append as share_free_select_append
 from paged_kv.state import BlockManagerState
 
 
@@ -78,26 +80,46 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
     model = nnx.merge(graphdef, weights)
     r = mgr.max_seqs
     rows = jnp.arange(r, dtype=jnp.int32)
+    dec_ids = jnp.where(inp.dec_live, rows, -1)
+    dec_tokens = inp.dec_tokens.astype(jnp.int32) if mgr.prefix_caching else None
+    pf_rows = inp.pf_rows if shape.prefill_rows else jnp.zeros((0,), jnp.int32)
+
+    def tables_of(state):
+        return jnp.where((pf_rows >= 0)[:, None], state.block_tables[jnp.clip(pf_rows, 0, r - 1)], NULL_BLOCK)
+
     def free_and_select(state):
         state = _unless_padding(inp.free_ids, lambda s: free(mgr, s, inp.free_ids)[0], state)
-        return _unless_padding(inp.sel_dst, lambda s: select(mgr, s, inp.sel_dst, inp.sel_parent)[0], state)
+        state = _unless_padding(inp.sel_dst, lambda s: select(mgr, s, inp.sel_dst, inp.sel_parent)[0], state)
+        # The decode rows' append comes after the prefill forward here (``appended`` below); the
+        # result is a placeholder the CPU program never reads.
+        placeholder = AppendResult(status=dec_ids, slots=dec_ids, copy_src=dec_ids, copy_dst=dec_ids,
+                                   num_copies=jnp.int32(0))
+        return state, placeholder, tables_of(state)
 
-    # On a GPU, one room check of the free queue for both (``share.free_then_select``). Named
-    # scopes only label the HLO (scripts/profile_decode.py attributes time by them).
+    def free_select_append(state):
+        # On a GPU the decode rows' append (its bookkeeping only) runs before the prefill
+        # forward, with free and select: one host sync for the three
+        # (``share.free_select_append``). The prefill chunk's tables are still read between
+        # select and append, the forward does not touch the manager's state, and the pages are
+        # written in the same order (prefill, then the copies and the decode forward), so every
+        # state and output is the same as in the CPU order.
+        state, _, _, res, tables = share_free_select_append(mgr, state, inp.free_ids, inp.sel_dst, inp.sel_parent,
+                                                            dec_ids, dec_tokens, pf_rows)
+        return state, res, tables
+
+    # Named scopes only label the HLO (scripts/profile_decode.py attributes time by them).
     with jax.named_scope("manager_free_select"):
-        state = per_platform(state, cpu=free_and_select,
-                             default=lambda s: free_then_select(mgr, s, inp.free_ids, inp.sel_dst, inp.sel_parent)[0])
+        state, res, pf_tables = per_platform(state, cpu=free_and_select, default=free_select_append)
     pf_logits = None
     vocab = model.vocab_size
     bad_tokens = jnp.sum(~in_vocab(inp.dec_tokens, vocab) & inp.dec_live, dtype=jnp.int32)
     if shape.prefill_rows:
         pr = inp.pf_rows
         valid = pr >= 0
-        tables = jnp.where(valid[:, None], state.block_tables[jnp.clip(pr, 0, r - 1)], NULL_BLOCK)
         q_lens = jnp.where(valid, inp.pf_lens, 0)
         fed = jnp.arange(cfg.chunk_size, dtype=jnp.int32)[None, :] < q_lens[:, None]
         bad_tokens += jnp.sum(~in_vocab(inp.pf_tokens, vocab) & fed, dtype=jnp.int32)
-        batch = make_paged_batch(tables, inp.pf_start, q_lens, cfg.chunk_size, mgr.block_size)
+        batch = make_paged_batch(pf_tables, inp.pf_start, q_lens, cfg.chunk_size, mgr.block_size)
 
         def prefill(pages):
             logits, pages = paged_forward(model, pages, batch, inp.pf_tokens, impl=cfg.impl, last_only=True,
@@ -117,8 +139,14 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
                 pf_logits, pages = jax.lax.cond(jnp.any(valid), prefill, skipped, pages)
             else:
                 pf_logits, pages = prefill(pages)
-    state, pages, logits, status, copies = decode(model, pages, mgr, state, rows, inp.dec_tokens, inp.dec_live,
-                                                  impl=cfg.impl, mesh=shape.mesh)
+
+    def appended(state, res):
+        with jax.named_scope("manager_append"):
+            return append(mgr, state, dec_ids, dec_tokens)
+
+    state, res = per_platform(state, res, cpu=appended, default=lambda state, res: (state, res))
+    state, pages, logits, status, copies = decode_appended(model, pages, mgr, state, rows, inp.dec_tokens, res,
+                                                           impl=cfg.impl, mesh=shape.mesh)
     if pf_logits is not None:
         logits = logits.at[jnp.where(inp.pf_rows >= 0, inp.pf_rows, r)].set(pf_logits, mode="drop")
     with jax.named_scope("manager_fork"):

@@ -79,6 +79,14 @@ def decode(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerSt
     ids = jnp.where(live, seq_ids, -1)
     with jax.named_scope("manager_append"):
         state, res = append(config, state, ids, tokens.astype(jnp.int32) if config.prefix_caching else None)
+    return decode_appended(model, pages, config, state, seq_ids, tokens, res, impl=impl, mesh=mesh)
+
+
+def decode_appended(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
+                    tokens: jax.Array, res, *, impl: str, mesh=None):
+    """``decode`` after its ``append``: ``res`` (an ``AppendResult`` of ``[R]`` rows) is what
+    ``append`` of ``seq_ids`` (``-1`` where not live) returned and ``state`` the state after it.
+    The same returns as ``decode``."""
     with jax.named_scope("block_copy"):
         pages = copy_blocks(pages, res.copy_src, res.copy_dst, impl=impl, mesh=mesh)
     ok = res.status == Status.OK
