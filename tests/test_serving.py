@@ -95,11 +95,11 @@ def test_gpu_form_of_the_step_runs_the_same(model, pressured, monkeypatch):
     from paged_kv.scan import straight_line_on_cpu
     # Fresh functions, so fresh traces (the forms are chosen at trace time; a new ``jax.jit`` of
     # the same function would reuse the CPU form's trace).
-    def step(graphdef, weights, pages, state, key, inp, *, shape):
-        return ss.step_fn(graphdef, weights, pages, state, key, inp, shape=shape)
+    def step(model, weight_leaves, pages, state, key, rows, pf, *, shape):
+        return ss.packed_step_fn(model, weight_leaves, pages, state, key, rows, pf, shape=shape)
 
-    def admit(manager, state, free_ids, seq_ids, lens, tokens, salts):
-        return ss.admit_fn(manager, state, free_ids, seq_ids, lens, tokens, salts)
+    def admit(manager, state, free_ids, seq_ids, lens, tokens, salts, *, forms=None):
+        return ss.admit_fn(manager, state, free_ids, seq_ids, lens, tokens, salts, forms=forms)
 
     traced = []
     inner = ss.share_free_select_append
@@ -109,9 +109,10 @@ def test_gpu_form_of_the_step_runs_the_same(model, pressured, monkeypatch):
         return inner(*args)
 
     monkeypatch.setattr(ss, "share_free_select_append", fused)
-    monkeypatch.setattr(ss, "step_jit", jax.jit(step, static_argnames=("graphdef", "shape"),
-                                                donate_argnames=("pages", "state")))
-    monkeypatch.setattr(ss, "admit_jit", jax.jit(admit, static_argnums=0, donate_argnums=1))
+    monkeypatch.setattr(ss, "packed_step_jit", jax.jit(step, static_argnames=("model", "shape"),
+                                                       donate_argnames=("pages", "state")))
+    monkeypatch.setattr(ss, "admit_jit", jax.jit(admit, static_argnums=0, static_argnames=("forms",),
+                                                 donate_argnums=1))
     with straight_line_on_cpu():
         eng, outs = _run(model, _workload(0))
     assert traced  # the step was traced in its GPU form
