@@ -19,9 +19,10 @@ from models.generate import greedy_generate_contiguous, greedy_generate_paged
 from models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
 from models import sharding
 from models.protocol import ModelFacts, PagedModel, model_facts
-from models.llama import Llama, abstract_model, in_vocab, init_model, safe_tokens
+from models.llama import Llama, abstract_model, in_vocab, init_model, is_per_layer, per_layer, safe_tokens, stacked
 from models.paged import (
     KVPageSpec,
+    layout_for_impl,
     PagedBatch,
     allocate_pages,
     compute_slots,
@@ -40,7 +41,8 @@ __all__ = [
     "PagedModel", "model_facts",
     "abstract_model", "allocate_pages", "compute_slots", "contiguous_forward", "contiguous_step",
     "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "in_vocab", "init_contiguous_cache",
-    "init_model", "kv_bytes_per_block", "kv_bytes_per_token", "llama31_8b", "llama32_1b",
+    "init_model", "is_per_layer", "kv_bytes_per_block", "layout_for_impl", "kv_bytes_per_token", "llama31_8b", "llama32_1b",
     "load_hf_checkpoint", "make_paged_batch", "page_spec", "page_spec_for_budget", "paged_decode_step",
-    "paged_forward", "paged_prefill_step", "rope_inv_freq", "safe_tokens", "save_hf_checkpoint", "sharding", "tiny",
+    "paged_forward", "paged_prefill_step", "per_layer", "rope_inv_freq", "safe_tokens", "save_hf_checkpoint", "sharding",
+    "stacked", "tiny",
 ]

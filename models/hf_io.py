@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from models.config import LlamaConfig
 from models.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, check_checkpoint, read_hf_config  # noqa: F401
 from models.hf_format import hf_tensors as _hf_tensors, state_node
-from models.llama import Llama, abstract_model
+from models.llama import Llama, abstract_model, is_per_layer, stacked
 from models.sharding import load_sharded
 
 
@@ -108,9 +108,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None, mes
 
 
 def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
-    """The model's weights as HF-named numpy arrays in HF layout (bfloat16 as ml_dtypes.bfloat16)."""
+    """The model's weights as HF-named numpy arrays in HF layout (bfloat16 as ml_dtypes.bfloat16).
+    A `per_layer` model is restacked first (the HF mapping reads the stacked layout)."""
     config = model.config
-    _, state = nnx.split(model)
+    _, state = nnx.split(stacked(model) if is_per_layer(model) else model)
     out, host = {}, {}
     for name, state_path, hf_shape in _hf_tensors(config):
         node, layer = state_node(state, state_path)

@@ -27,6 +27,11 @@ slice `[i]` is HF's `model.layers.{i}.` tensor:
   layers.input_norm / post_attn_norm [L, d]; final_norm [d]
   lm_head                [V, d]            lm_head.weight (absent when tied)
 
+`per_layer(model)` gives the other layout the forward accepts: `layers` an `nnx.List` of L
+`DecoderLayer`s, one array per weight per layer (`layers.{i}.attn.q_proj` [d, QH, D], ...), run
+unrolled. The engines convert to it, once and outside `jit`, when their kernels are Pallas (see
+`per_layer` for why); loading, saving and the CPU scan use the stacked layout.
+
 Family switches (`LlamaConfig`; each parameter exists only when its switch is on):
   layers.attn.q_bias  [L, QH, D]; k_bias, v_bias [L, KVH, D]  ...self_attn.{q,k,v}_proj.bias  (qkv_bias)
   layers.attn.o_bias  [L, d]                                  ...self_attn.o_proj.bias        (o_bias)
@@ -235,6 +240,12 @@ class Llama(nnx.Module):
         """
         inv_freq = jnp.asarray(rope_inv_freq(self.config))
         x = jnp.take(self.embed[...], safe_tokens(tokens, self.config.vocab_size), axis=0)
+        if is_per_layer(self):
+            # One array per weight per layer (`per_layer`): nothing to slice inside the program.
+            # Layer ids are Python ints, which every `attend` accepts.
+            for i, layer in enumerate(self.layers):
+                x, cache = layer(x, positions, inv_freq, i, cache, attend)
+            return self.final_norm(x), cache
         layer_def, stacked = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -247,7 +258,9 @@ class Llama(nnx.Module):
 
         if getattr(attend, "static_layer", False):
             # The attend callback needs Python ints (the Pallas kernels compile the layer in):
-            # the same layers, unrolled, each on its static slice of the stacked weights.
+            # the same layers, unrolled, each on its static slice of the stacked weights. On a
+            # GPU XLA copies every such slice before its matmuls, each step; the engines avoid
+            # that by running a `per_layer` model instead (the branch above).
             for i in range(self.config.num_layers):
                 weights = jax.tree.map(lambda w: w[i], stacked)
                 (x, cache), _ = body((x, cache), (weights, i))
@@ -258,9 +271,12 @@ class Llama(nnx.Module):
 
     def layer(self, i: int) -> DecoderLayer:
         """Layer `i` (a Python int) as its own `DecoderLayer`: slice `[i]` of every stacked weight
-        (a copy; for inspection, e.g. weight-derived error bounds)."""
+        (a copy; for inspection, e.g. weight-derived error bounds), or the layer itself in the
+        `per_layer` layout."""
         if not 0 <= i < self.config.num_layers:
             raise IndexError(f"layer {i} out of range [0, {self.config.num_layers})")
+        if is_per_layer(self):
+            return self.layers[i]  # already its own module (not a copy)
         layer_def, stacked = nnx.split(self.layers)
         return nnx.merge(layer_def, jax.tree.map(lambda w: w[i], stacked))
 
@@ -278,6 +294,78 @@ def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
     graphdef = splits[0][0]
     stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *(state for _, state in splits))
     return nnx.merge(graphdef, stacked)
+
+
+def is_per_layer(model) -> bool:
+    """True when `model` (a `Llama`) holds its decoder layers one module per layer (`per_layer`),
+    False for the stacked layout `Llama.__init__` builds."""
+    return not isinstance(model.layers, DecoderLayer)
+
+
+def _unstack_leaf(w, n: int) -> list:
+    """`w[L, ...]` (L = n) -> [w[0], ..., w[n - 1]], each `[...]` of w's dtype, as new arrays.
+
+    Done outside any user `jit`, once: one small program per leaf that writes all n slices. A
+    leaf with a `NamedSharding` keeps its spec minus the leading (never sharded) layer axis, so a
+    tensor-parallel model stays placed (`models.sharding.weight_specs` gives the same spec for the
+    per-layer layout). `jax.ShapeDtypeStruct` leaves (abstract models) give abstract slices."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = getattr(w, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+    else:
+        sharding = None
+    if isinstance(w, jax.ShapeDtypeStruct):
+        return [jax.ShapeDtypeStruct(w.shape[1:], w.dtype, sharding=sharding) for _ in range(n)]
+    split = jax.jit(lambda a: tuple(a[i] for i in range(n)),
+                    out_shardings=None if sharding is None else (sharding,) * n)
+    return list(split(jnp.asarray(w)))
+
+
+def per_layer(model):
+    """`model` (a `Llama`, or its `(graphdef, state)` split; returns the same kind) with its
+    stacked decoder layers turned into one `DecoderLayer` per layer: `layers` becomes an
+    `nnx.List` of L modules and parameter `layers.<name>` `[L, ...]` becomes `layers.<i>.<name>`
+    `[...]` (same dtype and values; state paths `("layers", i, "attn", "q_proj")`).
+
+    Why: with the Pallas kernels the forward is unrolled over layers, and XLA:GPU copies every
+    static slice `w[i]` of a stacked weight before its matmul, on every step (the GPU compile
+    gate at 32 layers: the serving decode step's copies per step 158 stacked, 31 per layer;
+    `results/gpu_compile_report_per_layer.json`).
+    Per-layer arrays leave nothing to slice inside the program. The forward of a per-layer model
+    is always unrolled (Python-int layer ids, which any `attend` accepts); the CPU engines keep
+    the stacked model and its scan.
+
+    Memory: the layer weights are copied once (the slices are new arrays); the stacked arrays
+    stay alive while anything references them (`model` itself, when the caller keeps it), so drop
+    the stacked model after converting to avoid holding the decoder weights twice. Call it
+    outside `jit` (it runs its own small programs). A per-layer model is returned as is. The
+    inverse is `stacked`; HF loading and saving use the stacked layout (`save_hf_checkpoint`
+    restacks)."""
+    is_pair = isinstance(model, tuple)
+    if is_per_layer(nnx.merge(*model) if is_pair else model):
+        return model
+    module = nnx.merge(*model) if is_pair else nnx.merge(*nnx.split(model))  # never mutate the caller's
+    layer_def, stacked = nnx.split(module.layers)
+    n = module.config.num_layers
+    leaves, treedef = jax.tree.flatten(stacked)
+    columns = [_unstack_leaf(w, n) for w in leaves]
+    module.layers = nnx.List([nnx.merge(layer_def, jax.tree.unflatten(treedef, [c[i] for c in columns]))
+                              for i in range(n)])
+    return nnx.split(module) if is_pair else module
+
+
+def stacked(model):
+    """Inverse of `per_layer`: `model` (a `Llama` or its split; same kind back) with its layers
+    stacked again (`layers.<name>` `[L, ...]`; a copy of the layer weights). A stacked model is
+    returned as is."""
+    is_pair = isinstance(model, tuple)
+    if not is_per_layer(nnx.merge(*model) if is_pair else model):
+        return model
+    module = nnx.merge(*model) if is_pair else nnx.merge(*nnx.split(model))
+    module.layers = stack_layers(list(module.layers))
+    return nnx.split(module) if is_pair else module
 
 
 def init_model(config: LlamaConfig, seed: int = 0, init_std: float = 0.02) -> Llama:

@@ -120,7 +120,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
             slopes = options.pop("alibi_slopes", None)
             return attend_local(layer, q, k, v, pages, batch, slopes, **options)
 
-        attend.static_layer = pk.resolve_impl(impl, head_dim) != "reference"
+        attend.static_layer = static_layer_impl(impl, head_dim)
         return attend
 
     from models.sharding import AXIS, PAGE_SPEC
@@ -138,8 +138,37 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
                            out_specs=(heads, PAGE_SPEC), check_vma=False)
         return fn(q, k, v, pages, batch, slopes)
 
-    attend.static_layer = pk.resolve_impl(impl, head_dim) != "reference"
+    attend.static_layer = static_layer_impl(impl, head_dim)
     return attend
+
+
+def static_layer_impl(impl: str, head_dim: int | None = None) -> bool:
+    """True when `impl` (as `pallas_kernels.resolve_impl` resolves it: "auto" is "pallas" on a
+    GPU) runs kernels that compile the layer in, so a model's layers run unrolled (the `attend`
+    callback's `static_layer`)."""
+    return pk.resolve_impl(impl, head_dim) != "reference"
+
+
+def layout_for_impl(model, impl: str):
+    """`model` (a `models.protocol.PagedModel` or its `(graphdef, state)` split; same kind back)
+    in the layer layout that suits `impl`: a stacked `models.Llama` becomes `models.llama.per_layer`
+    when the layers run unrolled (`static_layer_impl`: Pallas, on a GPU), so the compiled step has
+    no per-layer slice of a stacked weight to copy; anything else is returned as is (the scan on
+    the reference kernels keeps the stacked weights; other models have their own layout).
+
+    Converting copies the decoder-layer weights once (see `per_layer`): callers that keep the
+    result should drop the stacked model. Weights that are tracers (a call under the caller's own
+    `jit`) are left as they are: slicing them there would be the same slice in the program."""
+    from models.llama import Llama, is_per_layer, per_layer
+
+    module = nnx.merge(*model) if isinstance(model, tuple) else model
+    if not isinstance(module, Llama) or is_per_layer(module):
+        return model
+    if not static_layer_impl(impl, module.config.head_dim):
+        return model
+    if any(isinstance(w, jax.core.Tracer) for w in jax.tree.leaves(nnx.state(module))):
+        return model
+    return per_layer(model)
 
 
 def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str = "auto", mesh=None) -> jax.Array:
@@ -191,7 +220,9 @@ def paged_prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Arra
                        tokens: jax.Array, *, impl: str = "auto", last_only: bool = False, mesh=None):
     """`(graphdef, state, pages, batch, tokens int32[B, T]) -> (logits, pages)`: one prefill chunk
     per sequence, K/V written at `batch.slots`, causal paged attention. `pages` is donated.
-    `mesh`: as in `paged_forward` (static)."""
+    `mesh`: as in `paged_forward` (static). With Pallas kernels pass the split of
+    `layout_for_impl(model, impl)` (once, outside the step): a stacked Llama would copy every
+    layer's weight slices on every step on a GPU."""
     if tokens.ndim != 2:
         raise ValueError(f"prefill tokens must be [B, T], got shape {tokens.shape}")
     return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl, last_only=last_only,
@@ -203,7 +234,8 @@ def paged_decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array
                       tokens: jax.Array, *, impl: str = "auto", mesh=None):
     """`(graphdef, state, pages, batch, tokens int32[B]) -> (logits float32[B, V], pages)`: one token
     per sequence (batch.q_lens 1, or 0 for padding rows). `pages` is donated. `mesh`: as in
-    `paged_forward` (static)."""
+    `paged_forward` (static). With Pallas kernels pass the split of `layout_for_impl(model, impl)`
+    (once, outside the step), as in `paged_prefill_step`."""
     if tokens.ndim != 1:
         raise ValueError(f"decode tokens must be [B], got shape {tokens.shape}")
     return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl, mesh=mesh)

@@ -54,7 +54,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import hf_format
 from models.config import LlamaConfig
-from models.llama import Llama, abstract_model
+from models.llama import Llama, abstract_model, is_per_layer, per_layer
 from models.protocol import check_model, check_partition_specs, model_facts, partition_specs
 
 AXIS = "tp"
@@ -176,11 +176,18 @@ def _stacked_spec(stacked: bool, name: str, shape: tuple[int, ...], tp: int, tie
     return P(None, *weight_spec(name, shape[1:], tp, tied))
 
 
+def _is_stacked_path(keys: list) -> bool:
+    """A stacked decoder-layer weight: under "layers" with no layer index next (`models.llama`'s
+    `per_layer` layout puts an int there, `("layers", i, ...)`, and its weights have no layer axis)."""
+    return keys[0] == "layers" and not (len(keys) > 1 and isinstance(keys[1], int))
+
+
 def weight_specs(weights: nnx.State, config: LlamaConfig, tp: int):
     """PartitionSpecs for an `nnx.State` of a model (same tree structure). Stacked layer weights
-    (under "layers") get an unsharded leading layer axis before the table's spec."""
+    (under "layers") get an unsharded leading layer axis before the table's spec; per-layer ones
+    (`models.llama.per_layer`, under "layers/<i>") get the table's spec as they are."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: _stacked_spec(_path_keys(path)[0] == "layers", _leaf_name(path), tuple(x.shape), tp,
+        lambda path, x: _stacked_spec(_is_stacked_path(_path_keys(path)), _leaf_name(path), tuple(x.shape), tp,
                                       config.tie_word_embeddings), weights)
 
 
@@ -263,7 +270,9 @@ def shard_model(model, mesh: Mesh):
             weights = jax.tree_util.tree_map_with_path(
                 lambda path, x: _expand_kv_leaf(_leaf_name(path), x, r), weights)
             config = config.replace(num_kv_heads=kvh)
-            graphdef, _ = nnx.split(abstract_model(config))
+            abstract = abstract_model(config)
+            # The graph of the placed config in the model's own layer layout.
+            graphdef, _ = nnx.split(per_layer(abstract) if is_per_layer(module) else abstract)
     specs = partition_specs(module, weights, tp)
     weights = jax.tree.map(lambda x, s: put(x, NamedSharding(mesh, s)), weights, specs)
     return (graphdef, weights) if is_pair else nnx.merge(graphdef, weights)

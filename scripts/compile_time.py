@@ -61,7 +61,7 @@ if "PYTHONPATH" not in os.environ:  # measure this checkout unless told otherwis
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models  # noqa: E402
-from models import LlamaConfig, allocate_pages, init_model, make_paged_batch, page_spec, paged_decode_step  # noqa: E402
+from models import LlamaConfig, allocate_pages, init_model, layout_for_impl, make_paged_batch, page_spec, paged_decode_step  # noqa: E402
 from models.llama import abstract_model  # noqa: E402
 
 BATCH, CONTEXT, BLOCK = 8, 256, 16
@@ -99,13 +99,15 @@ def gpu_sharding(target: str):
 def compile_seconds(num_layers: int, target: str | None = None) -> dict:
     jax.clear_caches()
     cfg = config(num_layers)
-    graphdef, state = nnx.split(abstract_model(cfg))
     pages, meta, tokens = inputs(cfg)
-    impl = "reference"
+    impl = "reference" if target in (None, "cpu") else "pallas"
+    # The layer layout the engines give this impl (models.paged.layout_for_impl): stacked for the
+    # scan on the reference kernels, one array per layer for the unrolled Pallas path.
+    graphdef, state = nnx.split(layout_for_impl(abstract_model(cfg), impl))
     if target in (None, "cpu"):
         pages = jax.ShapeDtypeStruct(pages.shape, pages.dtype)
     else:  # every argument abstract, on the GPU topology
-        impl, sharding = "pallas", gpu_sharding(target)
+        sharding = gpu_sharding(target)
         pages, meta, tokens, state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), (pages, meta, tokens, state))
     t0 = time.perf_counter()

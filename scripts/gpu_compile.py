@@ -336,7 +336,7 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from models import abstract_model, llama31_8b, page_spec
+  from models import abstract_model, layout_for_impl, llama31_8b, page_spec
   from models import sharding as msharding
   from paged_kv.allocate import append
   from paged_kv.config import ManagerConfig
@@ -358,7 +358,9 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   blocks_per_seq = LLAMA_CONTEXT // bs
   mgr = ManagerConfig(num_blocks=LLAMA_BATCH * blocks_per_seq + 1, block_size=bs, max_seqs=LLAMA_BATCH,
                       max_blocks_per_seq=blocks_per_seq, prefix_caching=True)
-  model = abstract_model(cfg)
+  # The layout the engines run with the Pallas kernels (``models.paged.layout_for_impl``): one
+  # weight array per layer, so no program slices a stacked weight (which XLA:GPU copies per step).
+  model = layout_for_impl(abstract_model(cfg), "pallas")
   graphdef, weights = nnx.split(model)
   spec = page_spec(cfg, mgr.num_blocks, bs)
   rep = NamedSharding(mesh1, P())

@@ -211,7 +211,9 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
 
     Args:
       model: an NNX module implementing ``models.protocol.PagedModel`` (``models.Llama``, or your
-        own) or its ``(graphdef, state)`` split.
+        own) or its ``(graphdef, state)`` split. When ``impl`` resolves to Pallas, a stacked Llama
+        is converted to ``models.per_layer`` for the call (one copy of the layer weights per call,
+        alive while the call runs); pass ``models.per_layer(model)`` to pay that once.
       pages: the KV pages ``[layers, 2, kv_heads, manager.num_blocks, manager.block_size, head_dim]``
         (donated).
       prompt_tokens: int32 ``[B, L]`` zero-padded prompts (see ``pad_prompts``); ids at positions
@@ -254,6 +256,9 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
                                  top_k=params.top_k)
+    # Pallas kernels: one weight array per layer, converted here once per call (a copy of the
+    # layer weights; pass a `models.per_layer` model to convert once for many calls).
+    graphdef, weights = requests.layer_layout(graphdef, weights, impl)
     state = requests.initial_state(manager, state)
     b = req.num_prompts
     budgets = jnp.full((b,), params.max_new_tokens, jnp.int32) if max_new_tokens is None else \

@@ -180,6 +180,17 @@ def place(model, pages, mesh):
     return graphdef, weights, model_facts((graphdef, weights)), pages, mesh
 
 
+def layer_layout(graphdef, weights, impl: str):
+    """``(graphdef, weights)`` in the layer layout for ``impl`` (``models.paged.layout_for_impl``):
+    a stacked Llama becomes one array per layer when the kernels are Pallas (what "auto" is on a
+    GPU), so the jitted programs hold no slice of a stacked weight (XLA:GPU copies each one on
+    every step). Outside ``jit`` only; copies the decoder-layer weights once, so callers rebind
+    their ``weights`` to the result and keep no reference to the stacked ones. Call after ``impl``
+    is checked (an unknown ``impl`` must raise before anything is copied)."""
+    from models.paged import layout_for_impl
+    return layout_for_impl((graphdef, weights), impl)
+
+
 def replicate_inputs(mesh, *arrays):
     """Arrays (block-manager state, prompts, keys) replicated over ``mesh``, or as given without one.
     Over several processes every process must pass the same values."""

@@ -114,7 +114,9 @@ class ServingEngine(Scheduler):
     def __init__(self, model, config: ServingConfig, *, seed: int = 0, mesh=None):
         """Args:
           model: an NNX module implementing ``models.protocol.PagedModel`` (``models.Llama``, or
-            your own) or its ``(graphdef, state)`` split.
+            your own) or its ``(graphdef, state)`` split. When ``config.impl`` resolves to Pallas
+            a stacked Llama's layer weights are copied once into one array per layer
+            (``models.per_layer``); drop your own reference to ``model`` to free the stacked copy.
           config: the ``ServingConfig``.
           seed: the engine's sampling seed (with each request's seed, it fixes sampled tokens).
           mesh: a ``jax.sharding.Mesh`` with a "tp" axis (``models.sharding.make_mesh``) to run
@@ -134,6 +136,10 @@ class ServingEngine(Scheduler):
             model_config = base_config
         else:
             graphdef, weights, model_config, pages, mesh = _requests.place((graphdef, weights), pages, mesh)
+        # Pallas kernels: one weight array per layer (no slice of a stacked weight in the step,
+        # which XLA:GPU would copy every step). The engine then holds only the per-layer copy;
+        # the stacked arrays live on only while the caller keeps `model`.
+        graphdef, weights = _requests.layer_layout(graphdef, weights, config.impl)
         self.graphdef, self.weights, self.model_config, self.mesh = graphdef, weights, model_config, mesh
         state, self.key = _requests.replicate_inputs(mesh, init_state(mgr), jax.random.key(seed))
         self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size)
