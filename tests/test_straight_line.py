@@ -209,6 +209,13 @@ def _decode_config(num_blocks=12, block_size=2, seqs=4, width=6):
                             max_blocks_per_seq=width)
 
 
+def _record(values: list, flag):
+    """``flag`` (a traced bool) unchanged; its value is appended to ``values`` each time the
+    program runs (which branch a GPU form took)."""
+    jax.debug.callback(lambda v: values.append(bool(v)), flag)
+    return flag
+
+
 def test_append_paths_agree_through_fills_evictions_and_rebuilds(monkeypatch):
     """Decode with one-token appends until the pool turns over several times: blocks fill (so
     they are cached), taken blocks are cached ones (evictions), tombstones pile up (rebuilds),
@@ -217,9 +224,7 @@ def test_append_paths_agree_through_fills_evictions_and_rebuilds(monkeypatch):
     needs_loops = allocate._needs_loops
 
     def recorded(*args):
-        slow = needs_loops(*args)
-        jax.debug.callback(lambda s: taken.append(bool(s)), slow)
-        return slow
+        return _record(taken, needs_loops(*args))
 
     monkeypatch.setattr(allocate, "_needs_loops", recorded)
     config = _decode_config()
@@ -267,16 +272,13 @@ def test_free_select_append_agrees_through_crowded_rings_and_slow_appends(monkey
     inner = share.straight_or_repair
 
     def recorded(slow, *args):
-        jax.debug.callback(lambda s: seen.append(bool(s)), slow)
-        return inner(slow, *args)
+        return inner(_record(seen, slow), *args)
 
     crowded = []
     is_crowded = share._crowded
 
     def recorded_crowded(*args):
-        c = is_crowded(*args)
-        jax.debug.callback(lambda s: crowded.append(bool(s)), c)
-        return c
+        return _record(crowded, is_crowded(*args))
 
     monkeypatch.setattr(share, "straight_or_repair", recorded)
     monkeypatch.setattr(share, "_crowded", recorded_crowded)
