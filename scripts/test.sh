@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --upgrade pip
 python -m pip install -q -e '.[test]'
-python -m pytest -q "$@"
+python -m pytest -q -n 2 --dist loadfile "$@"
