@@ -3,6 +3,14 @@ device time per step, and the serving engine's tokens/s (compile excluded) again
 loop ``engine.generate`` on the same greedy workload with no arrivals (R prompts of 16 tokens, all
 at step 0, 32 new tokens each), at R = 32 and R = 256 rows, on the built-in model.
 
+The serving engine runs chunks of ``C = 16`` positions in ``P = min(32, R)`` rows (``--chunk-size``,
+``--prefill-rows``): the prompts' own length, as ``generate`` clips its chunk to the prompt width.
+With the engine's default ``C = 64, P = 8`` three quarters of every prefill row would be padding
+(``--chunk-size 64 --prefill-rows 8`` measures that). A prompt longer than ``C`` takes several of
+the ``P`` rows of a step (``serving_step.prefill_pieces``), so a small ``C`` costs a long prompt
+no extra steps while rows are free. Serving and generate alternate, one timed run each per round
+(``--repeats`` rounds); the reported ratio is the median of the rounds' ratios.
+
     python scripts/serving_overhead.py                      # writes results/serving_overhead.json
     PYTHONPATH=/tmp/base python scripts/serving_overhead.py --label base --out /tmp/base.json
 
@@ -18,6 +26,8 @@ extracted older tree): it times the step from outside. Per step:
 Compile is excluded: a first engine runs the workload once (it compiles every program, cached by
 jit for any engine of the same shapes), a second engine is timed. ``generate`` is timed on its
 second call. The load average is recorded: numbers from a loaded machine say so.
+
+    python scripts/serving_overhead.py --chunk-size 64 --prefill-rows 8 --out /tmp/c64.json
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ def workload(r: int):
     return [[(7 * i + 3 * j) % 250 + 3 for j in range(PROMPT)] for i in range(r)]
 
 
-def timed_serving(model, r: int, repeats: int) -> dict:
+def timed_serving(model, r: int, repeats: int, chunk: int, rows: int) -> dict:
     import jax
     import paged_kv as pk
     from paged_kv.engine import serving
@@ -54,7 +64,7 @@ def timed_serving(model, r: int, repeats: int) -> dict:
         sched_mod, jit_owner, jit_name = None, serving, "_step_jit"
     blocks = r * -(-(PROMPT + NEW) // 16) + 1
     mgr = pk.ManagerConfig(num_blocks=blocks, block_size=16, max_seqs=r, max_blocks_per_seq=8)
-    cfg = serving.ServingConfig(mgr, chunk_size=64, max_prefill_rows=8)
+    cfg = serving.ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(rows, r))
     reqs = [serving.Request(p, SamplingParams(max_new_tokens=NEW)) for p in workload(r)]
 
     def run(engine):
@@ -159,7 +169,10 @@ def timed_generate(model, r: int, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 256])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="rounds (one timed serving and generate run each)")
+    ap.add_argument("--chunk-size", type=int, default=16,
+                    help="the serving engine's C (default 16: the prompts' length, as generate clips its chunk)")
+    ap.add_argument("--prefill-rows", type=int, default=32, help="the serving engine's P (capped at R)")
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--out", default=str(ROOT / "results" / "serving_overhead.json"))
     args = ap.parse_args()
@@ -172,24 +185,35 @@ def main() -> None:
     rows = {}
     for r in args.rows:
         load = os.getloadavg()
-        s = timed_serving(model, r, args.repeats)
-        g = timed_generate(model, r, args.repeats)
-        same = s.pop("outputs") == g.pop("outputs")
+        # Serving and generate alternate, one timed run each per round, so that both see the same
+        # machine (its speed drifts); the ratio is the median of the rounds' ratios.
+        rounds = []
+        for _ in range(args.repeats):
+            s = timed_serving(model, r, 1, args.chunk_size, args.prefill_rows)
+            g = timed_generate(model, r, 1)
+            rounds.append((s, g, s["tokens_per_s"] / g["tokens_per_s"]))
+        ratios = [x[2] for x in rounds]
+        s, g, _ = sorted(rounds, key=lambda x: x[2])[len(rounds) // 2]  # the median round
+        same = all(x[0].pop("outputs") == x[1].pop("outputs") for x in rounds)
+        s["repeats_tokens_per_s"] = [round(x[0]["tokens_per_s"], 1) for x in rounds]
+        g["repeats_tokens_per_s"] = [round(x[1]["tokens_per_s"], 1) for x in rounds]
         rows[str(r)] = {"serving": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()},
                         "generate": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in g.items()},
-                        "ratio_serving_to_generate": round(s["tokens_per_s"] / g["tokens_per_s"], 3),
+                        "ratio_serving_to_generate": round(statistics.median(ratios), 3),
+                        "ratio_per_round": [round(x, 3) for x in ratios],
                         "same_greedy_tokens": same,
                         "loadavg_before": [round(x, 2) for x in load],
                         "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
         print(f"R={r}: serving {s['tokens_per_s']:.0f} tok/s (step {s['step_ms_median']:.2f} ms median: device "
               f"{s['device_ms_median']:.2f}, host {s['host_ms_median']:.2f}; inputs {s['inputs_ms_mean']:.2f}, "
               f"process {s['process_ms_mean']:.2f} ms mean), generate {g['tokens_per_s']:.0f} tok/s: ratio "
-              f"{rows[str(r)]['ratio_serving_to_generate']:.2f}, same tokens: {same}; load {load[0]:.1f}",
-              flush=True)
+              f"{rows[str(r)]['ratio_serving_to_generate']:.2f} (median of {len(ratios)} rounds, "
+              f"{min(ratios):.2f}-{max(ratios):.2f}), same tokens: {same}; load {load[0]:.1f}", flush=True)
     result = {"label": args.label, "code": str(Path(paged_kv.__file__).resolve().parent.parent),
               "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
               "workload": {"prompt_tokens": PROMPT, "new_tokens": NEW, "greedy": True, "arrivals": "all at step 0",
-                           "chunk_size": 64, "max_prefill_rows": 8, "record_tables": True},
+                           "chunk_size": args.chunk_size, "max_prefill_rows": f"min({args.prefill_rows}, R)",
+                           "record_tables": True},
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

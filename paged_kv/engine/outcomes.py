@@ -47,7 +47,8 @@ class Outcomes:
         if pf is not None:
             st.prefill_steps += 1
             st.prefill_tokens += int(np.sum(pf[3]))
-            for cr, end in zip(list(self._cohort), pf[4]):
+            for cr, start, q, end in zip(pf[5], pf[2].tolist(), pf[3].tolist(), pf[4]):
+                cr.done = start + q
                 if not end:
                     continue
                 if cr.discard:
@@ -58,8 +59,7 @@ class Outcomes:
                 produced.append(cr.row)
                 produced.extend(cr.fork_to)
                 cr.family.prefilling.discard(cr.row)
-            self._chunk += 1
-            if self._chunk >= self._chunk_end:
+            if all(cr.done >= len(cr.tokens) for cr in self._cohort):
                 self._cohort = []
         beam_fams = {}
         tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()

@@ -61,8 +61,6 @@ class Scheduler(Outcomes):
         self._select: list[tuple[int, int]] = []  # (dst, parent) for the next step
         self._to_free: list[int] = []
         self._cohort: list[CohortRow] = []
-        self._chunk = 0
-        self._chunk_end = 0
         self._num_free = mgr.num_blocks - 1
         self._submitted = 0
         self._finished: list[RequestOutput] = []
@@ -169,6 +167,7 @@ class Scheduler(Outcomes):
         status, cached, shared, num_free = self.device.admit(free_ids, ids, lens, toks, salts)
         self._note_compile(("admit", a, width), t0)
         self._num_free = int(num_free)
+        status = status.tolist()  # Python ints: a numpy scalar against an IntEnum costs ~5 us a row
         failed = {fam.seq for i, (fam, *_) in enumerate(plan) if status[i] != Status.OK}
         # Admission is first come, first served: once a prompt fails, every later one fails, but
         # the first rows of a re-admitted family may already be in. Such a family goes back to the
@@ -221,10 +220,6 @@ class Scheduler(Outcomes):
             fam = self._waiting.popleft()
             self._finished.append(self.reject(fam.req, "request does not fit the block pool"))
         self._cohort = cohort
-        if cohort:
-            size = self.config.chunk_size
-            self._chunk = min(c.start for c in cohort) // size
-            self._chunk_end = -(-max(len(c.tokens) for c in cohort) // size)
 
     def _take_frees(self) -> np.ndarray:
         r = self.manager.max_seqs
@@ -247,7 +242,7 @@ class Scheduler(Outcomes):
                 self._num_free = int(self.device.free(self._take_frees()))
             self._refresh_cache_stats()
             return self._drain(t0)
-        inp, pf = build_inputs(cfg, self._take_frees(), self._select, self._pending, self._cohort, self._chunk,
+        inp, pf = build_inputs(cfg, self._take_frees(), self._select, self._pending, self._cohort,
                                self._running.values())
         self._select = []
         prefill_rows = cfg.max_prefill_rows if pf else 0

@@ -148,7 +148,12 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
     state, pages, logits, status, copies = decode_appended(model, pages, mgr, state, rows, inp.dec_tokens, res,
                                                            impl=cfg.impl, mesh=shape.mesh)
     if pf_logits is not None:
-        logits = logits.at[jnp.where(inp.pf_rows >= 0, inp.pf_rows, r)].set(pf_logits, mode="drop")
+        # A row may have several pieces in the chunk (``prefill_pieces``): its logits are its last
+        # piece's (the one with the largest start), the only one that can end the prompt.
+        pr, st = inp.pf_rows, inp.pf_start
+        later = (pr[None, :] == pr[:, None]) & (st[None, :] > st[:, None]) & (pr[None, :] >= 0)
+        last = (pr >= 0) & ~jnp.any(later, axis=1)
+        logits = logits.at[jnp.where(last, pr, r)].set(pf_logits, mode="drop")
     with jax.named_scope("manager_fork"):
         state = _unless_padding(inp.fork_dst, lambda s: fork(mgr, s, inp.fork_src, inp.fork_dst)[0], state)
     with jax.named_scope("sampling"):
@@ -212,17 +217,49 @@ def admit_fn(manager: ManagerConfig, state, free_ids, seq_ids, lens, tokens, sal
 
 admit_jit = jax.jit(admit_fn, static_argnums=0, static_argnames=("forms",), donate_argnums=1)
 
-def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pending: dict, cohort, chunk: int,
+def prefill_pieces(cohort, chunk_size: int, max_pieces: int) -> list:
+    """The prefill pieces of the next step: ``(cohort row, first position, length)`` each, at
+    most ``max_pieces`` (the ``P`` rows of the step's ``[P, C]`` chunk batch).
+
+    A row's prompt is cut at the multiples of ``chunk_size`` (``C``), from its first uncomputed
+    position ``CohortRow.done`` on: the cuts depend on the row's own prompt and cached prefix
+    only, never on its neighbours, so each piece computes the same values whichever step and
+    batch row carry it. The pieces are handed out round-robin over the cohort (one per row that
+    has any left, then a second round, ...), so short prompts finish first and a long prompt
+    takes whatever rows the others leave free: a step's ``P x C`` positions serve several
+    pieces of one prompt when nothing else needs them. Several pieces of one row in one step are
+    consecutive; each layer writes every piece's K/V before any piece attends, and attention is
+    causal by position, so a later piece reads the earlier ones as it would in a later step.
+    """
+    pieces, done = [], {id(cr): cr.done for cr in cohort}
+    while len(pieces) < max_pieces:
+        took = False
+        for cr in cohort:
+            lo, n = done[id(cr)], len(cr.tokens)
+            if lo >= n or len(pieces) == max_pieces:
+                continue
+            q = min((lo // chunk_size + 1) * chunk_size, n) - lo
+            pieces.append((cr, lo, q))
+            done[id(cr)] = lo + q
+            took = True
+        if not took:
+            break
+    return pieces
+
+
+def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pending: dict, cohort,
                  running) -> tuple[StepInputs, tuple | None]:
     """A step's ``StepInputs`` (numpy) from the scheduler's host state.
 
     Args:
       free_ids: int32 [R] rows to free (-1 pads); select_pairs: ``(dst, parent)`` beam reselections.
       pending: row -> token each decoding row feeds.
-      cohort: the ``CohortRow`` s being prefilled (empty: no prefill chunk, P = 0); chunk: its chunk index.
+      cohort: the ``CohortRow`` s being prefilled (``prefill_pieces`` cuts this step's pieces from
+        them; empty or all done: no prefill chunk, P = 0).
       running: the running ``Family`` s (per-row sampling parameters and key parts).
     Returns ``(inputs, pf)``: ``pf`` is None without a chunk, else ``(rows [P], tokens [P, C],
-    start [P], lens [P], ends)`` with ``ends[i]`` true when cohort row ``i``'s prefill ends here.
+    start [P], lens [P], ends, owners)`` over the pieces (padding after them): ``ends[i]`` is true
+    when piece ``i`` ends its row's prompt and ``owners[i]`` is its ``CohortRow``.
     """
     r = config.manager.max_seqs
     i32 = lambda fill=-1: np.full((r,), fill, np.int32)  # noqa: E731
@@ -236,21 +273,20 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
     temperature, top_p = np.zeros((r,), np.float32), np.ones((r,), np.float32)
     top_k, seed, sample_idx, token_idx = i32(0), i32(0), i32(0), i32(0)
     pf = None
-    if cohort:
-        c, size = chunk, config.chunk_size
+    pieces = prefill_pieces(cohort, config.chunk_size, config.max_prefill_rows)
+    if pieces:
+        size = config.chunk_size
         rows_, toks_, start_, lens_, ends = [], [], [], [], []
         nf = 0
-        for cr in cohort:
+        for cr, lo, q in pieces:
             n = len(cr.tokens)
-            lo = max(c * size, cr.start)
-            q = max(0, min((c + 1) * size, n) - lo) if lo < n else 0
             part = np.zeros((size,), np.int32)
             part[:q] = cr.tokens[lo:lo + q]
-            rows_.append(cr.row if q > 0 else -1)
+            rows_.append(cr.row)
             toks_.append(part)
-            start_.append(min(lo, n))
+            start_.append(lo)
             lens_.append(q)
-            end = q > 0 and lo + q == n
+            end = lo + q == n
             ends.append(end)
             if end:
                 for dst in cr.fork_to:
@@ -260,7 +296,8 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
         pad = config.max_prefill_rows - len(rows_)
         pf = (np.array(rows_ + [-1] * pad, np.int32),
               np.stack(toks_ + [np.zeros((size,), np.int32)] * pad),
-              np.array(start_ + [0] * pad, np.int32), np.array(lens_ + [0] * pad, np.int32), ends)
+              np.array(start_ + [0] * pad, np.int32), np.array(lens_ + [0] * pad, np.int32), ends,
+              [cr for cr, _, _ in pieces])
     # Per-row sampling parameters and key parts.
     beam = np.zeros((r,), bool)
     for fam in running:
@@ -338,13 +375,14 @@ class DeviceStep:
         args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
         self.pages, self.state, flat = packed_step_jit(self._model, self._weight_leaves, self.pages, self.state,
                                                        self.key, *args, shape=self._shapes[prefill_rows])
-        return unpack_outputs(self.config, np.asarray(jax.device_get(flat)))
+        # ``np.asarray`` of the one result array: a quarter of ``jax.device_get``'s cost per step.
+        return unpack_outputs(self.config, np.asarray(flat))
 
     # -- ahead-of-time compilation (``ServingEngine.compile``) -------------------------------
     def lower_step(self, prefill_rows: int):
         """The step variant with ``prefill_rows`` (0 or P) lowered on example inputs of its exact
         shapes and placement; ``.compile()`` fills the cache the ``step`` calls hit."""
-        inp, _ = build_inputs(self.config, np.full((self.config.manager.max_seqs,), -1, np.int32), (), {}, (), 0, ())
+        inp, _ = build_inputs(self.config, np.full((self.config.manager.max_seqs,), -1, np.int32), (), {}, (), ())
         if self._shapes[prefill_rows].prefill_rows:
             inp = inp.replace(**self._no_chunk)
         args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
@@ -365,7 +403,7 @@ class DeviceStep:
         Runs the decode-only step variant with no row decoding (its first op is this ``free``;
         nothing else changes the state): one program fewer to compile than a ``free`` of its own,
         for the cost of one step's forward over idle rows at the end of a run."""
-        inp, _ = build_inputs(self.config, np.asarray(free_ids, np.int32), (), {}, (), 0, ())
+        inp, _ = build_inputs(self.config, np.asarray(free_ids, np.int32), (), {}, (), ())
         return int(self.step(inp, 0).num_free)
 
     def cache_stats(self):
@@ -373,5 +411,5 @@ class DeviceStep:
         return jax.device_get(self.state.cache.stats)
 
 
-__all__ = ["DeviceStep", "StepInputs", "StepOutputs", "StepShape", "admit_jit", "build_inputs", "packed_step_fn",
+__all__ = ["DeviceStep", "StepInputs", "StepOutputs", "StepShape", "admit_jit", "build_inputs", "packed_step_fn", "prefill_pieces",
            "packed_step_jit", "single_step_variant", "step_fn", "step_jit"]
