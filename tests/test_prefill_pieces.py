@@ -64,9 +64,13 @@ def model():
 
 def _requests():
     # Prompts of 3 to 6 pieces (C = 16) beside short ones, a family forked at the end of its
-    # prefill, a beam, and a later arrival that shares a prefix with the first prompt.
+    # prefill, a beam, a later arrival that shares a prefix with the first prompt (a cache hit),
+    # and one in the same cohort that shares it (computed by the first prompt's row).
     text = "Let us count to forty: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15"
     reqs = [Request(TOK.encode(text), SamplingParams(max_new_tokens=8), request_id="long"),
+            # Admitted beside "long" (one cohort): its first blocks are the ones "long" computes
+            # (admit's shared tokens), so its pieces may not run ahead of them.
+            Request(TOK.encode(text + " and on"), SamplingParams(max_new_tokens=4), request_id="twin"),
             Request(TOK.encode("The cow says"), SamplingParams(max_new_tokens=6, temperature=0.8, top_k=5),
                     request_id="short"),
             Request(TOK.encode("Once upon a time there was a little engine that"),
@@ -79,28 +83,29 @@ def _requests():
 
 def _run(model):
     eng = ServingEngine(model, CFG, seed=7)
-    outs = {o.request_id: (o.tokens, o.logprobs, o.scores, o.finish_reasons) for o in eng.run(_requests())}
+    outs = {o.request_id: (o.tokens, o.logprobs, o.scores, o.finish_reasons, o.stats.shared_prompt_tokens)
+            for o in eng.run(_requests())}
     return outs, eng.stats()
 
 
-def _one_piece_per_row(cohort, chunk_size, max_pieces):
-    # The schedule before pieces: each row's next piece only, one per row and step.
-    firsts = {}
-    for cr, lo, q in _packed(cohort, chunk_size, max_pieces):
-        firsts.setdefault(id(cr), (cr, lo, q))
-    return list(firsts.values())
-
-
-_packed = serving_step.prefill_pieces
+def _aligned_chunks(cohort, chunk_size, max_pieces):
+    # The schedule before pieces: chunk c covers positions [c C, (c + 1) C) of every row, all rows
+    # in the same step, one chunk per step (c: the lowest chunk any unfinished row is in).
+    left = [cr for cr in cohort if cr.done < len(cr.tokens)]
+    if not left:
+        return []
+    c = min(cr.done // chunk_size for cr in left)
+    return [(cr, cr.done, min((c + 1) * chunk_size, len(cr.tokens)) - cr.done)
+            for cr in left if cr.done // chunk_size == c]
 
 
 def test_packing_pieces_changes_the_steps_not_the_bits(model, monkeypatch):
     packed, packed_stats = _run(model)
-    monkeypatch.setattr(serving_step, "prefill_pieces", _one_piece_per_row)
+    monkeypatch.setattr(serving_step, "prefill_pieces", _aligned_chunks)
     single, single_stats = _run(model)
     assert packed.keys() == single.keys()
     for rid in packed:
-        tokens, logprobs, scores, reasons = packed[rid]
+        tokens, logprobs, scores, reasons, _ = packed[rid]
         want = single[rid]
         assert tokens == want[0] and reasons == want[3], rid
         assert [np.asarray(x).tobytes() for x in logprobs or []] == [np.asarray(x).tobytes() for x in want[1] or []]
@@ -108,6 +113,8 @@ def test_packing_pieces_changes_the_steps_not_the_bits(model, monkeypatch):
     assert packed_stats.prefill_tokens == single_stats.prefill_tokens
     # The long prompt's pieces shared steps: fewer prefill steps for the same positions.
     assert packed_stats.prefill_steps < single_stats.prefill_steps
+    # The twin read blocks its cohort neighbour computed, in both schedules.
+    assert packed["twin"][4] > 0 and single["twin"][4] > 0
 
 
 def test_a_long_prompt_alone_prefills_in_one_step(model):

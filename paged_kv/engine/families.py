@@ -73,6 +73,9 @@ class CohortRow:
     start: int  # first position to compute (after cached/shared blocks)
     fork_to: list[int]  # rows forked from this one when its prefill ends (a new n > 1 request)
     discard: bool = False  # prefilled only so that its cached blocks hold their K/V; then freed
+    # Its prompt shares blocks that another row of the same cohort computes (``admit``'s
+    # ``shared_tokens``): it may not run ahead of them (``serving_step.prefill_pieces``).
+    reads_cohort: bool = False
     done: int = -1  # first position not yet computed (``start`` at admission; the prompt's length when done)
 
     def __post_init__(self):

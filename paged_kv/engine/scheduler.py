@@ -182,14 +182,15 @@ class Scheduler(Outcomes):
             if fam.seq in failed:
                 kept_rows.add(row)
                 cohort.append(CohortRow(row=row, family=fam, index=idx, tokens=np.asarray(t, np.int32),
-                                        start=min(start, len(t) - 1), fork_to=[], discard=True))
+                                        start=min(start, len(t) - 1), fork_to=[], discard=True,
+                                        reads_cohort=int(shared[i]) > 0))
                 continue
             fam.stats.cached_prompt_tokens += int(cached[i])
             fam.stats.shared_prompt_tokens += int(shared[i])
             new_n = (not fam.req.is_beam) and all(not s.tokens for s in fam.samples)
             fork_to = fam_rows[fam.seq][1:] if new_n else []
             cohort.append(CohortRow(row=row, family=fam, index=idx, tokens=np.asarray(t, np.int32),
-                                    start=min(start, len(t) - 1), fork_to=fork_to))
+                                    start=min(start, len(t) - 1), fork_to=fork_to, reads_cohort=int(shared[i]) > 0))
         for fam, _ in picked:
             if fam.seq in failed:
                 self._free_rows.extend(r for r in fam_rows[fam.seq] if r not in kept_rows)

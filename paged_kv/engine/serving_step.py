@@ -230,13 +230,24 @@ def prefill_pieces(cohort, chunk_size: int, max_pieces: int) -> list:
     pieces of one prompt when nothing else needs them. Several pieces of one row in one step are
     consecutive; each layer writes every piece's K/V before any piece attends, and attention is
     causal by position, so a later piece reads the earlier ones as it would in a later step.
+
+    A row whose prompt shares blocks that another cohort row computes (``CohortRow.reads_cohort``)
+    may take a piece starting at position ``lo`` only once every other row has been handed its
+    positions below ``lo`` (in an earlier step, or earlier in this one: its K/V is then written
+    in the same layer pass before anything attends): the rule of the aligned chunks, where every
+    row computed chunk ``c`` in the same step. Rows without shared blocks, and the waiting row with
+    the smallest ``lo``, are always free to go, so the cohort never stalls.
     """
     pieces, done = [], {id(cr): cr.done for cr in cohort}
+
+    def ready(cr, lo):
+        return not cr.reads_cohort or all(done[id(o)] >= min(lo, len(o.tokens)) for o in cohort if o is not cr)
+
     while len(pieces) < max_pieces:
         took = False
         for cr in cohort:
             lo, n = done[id(cr)], len(cr.tokens)
-            if lo >= n or len(pieces) == max_pieces:
+            if lo >= n or len(pieces) == max_pieces or not ready(cr, lo):
                 continue
             q = min((lo // chunk_size + 1) * chunk_size, n) - lo
             pieces.append((cr, lo, q))
