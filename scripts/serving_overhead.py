@@ -49,7 +49,7 @@ def workload(r: int):
     return [[(7 * i + 3 * j) % 250 + 3 for j in range(PROMPT)] for i in range(r)]
 
 
-def timed_serving(model, r: int, repeats: int, chunk: int, rows: int) -> dict:
+def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_steps: int = 1) -> dict:
     import jax
     import paged_kv as pk
     from paged_kv.engine import serving
@@ -64,7 +64,8 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int) -> dict:
         sched_mod, jit_owner, jit_name = None, serving, "_step_jit"
     blocks = r * -(-(PROMPT + NEW) // 16) + 1
     mgr = pk.ManagerConfig(num_blocks=blocks, block_size=16, max_seqs=r, max_blocks_per_seq=8)
-    cfg = serving.ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(rows, r))
+    extra = {"decode_steps": decode_steps} if decode_steps > 1 else {}  # older trees lack the field
+    cfg = serving.ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(rows, r), **extra)
     reqs = [serving.Request(p, SamplingParams(max_new_tokens=NEW)) for p in workload(r)]
 
     def run(engine):
@@ -104,10 +105,10 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int) -> dict:
         steps = []  # (wall, device, inputs, process) per step that ran the model
         orig_step = engine.step
 
-        def step():
+        def step(*a, **kw):
             n0, i0, p0 = len(device), len(parts["inputs"]), len(parts["process"])
             t = time.perf_counter()
-            res = orig_step()
+            res = orig_step(*a, **kw)
             wall = time.perf_counter() - t
             if len(device) > n0:
                 steps.append((wall, sum(device[n0:]), sum(parts["inputs"][i0:]), sum(parts["process"][p0:])))
@@ -173,6 +174,7 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=16,
                     help="the serving engine's C (default 16: the prompts' length, as generate clips its chunk)")
     ap.add_argument("--prefill-rows", type=int, default=32, help="the serving engine's P (capped at R)")
+    ap.add_argument("--decode-steps", type=int, default=1, help="the serving engine's decode_steps (K)")
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--out", default=str(ROOT / "results" / "serving_overhead.json"))
     args = ap.parse_args()
@@ -189,7 +191,7 @@ def main() -> None:
         # machine (its speed drifts); the ratio is the median of the rounds' ratios.
         rounds = []
         for _ in range(args.repeats):
-            s = timed_serving(model, r, 1, args.chunk_size, args.prefill_rows)
+            s = timed_serving(model, r, 1, args.chunk_size, args.prefill_rows, args.decode_steps)
             g = timed_generate(model, r, 1)
             rounds.append((s, g, s["tokens_per_s"] / g["tokens_per_s"]))
         ratios = [x[2] for x in rounds]
@@ -213,7 +215,7 @@ def main() -> None:
               "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
               "workload": {"prompt_tokens": PROMPT, "new_tokens": NEW, "greedy": True, "arrivals": "all at step 0",
                            "chunk_size": args.chunk_size, "max_prefill_rows": f"min({args.prefill_rows}, R)",
-                           "record_tables": True},
+                           "decode_steps": args.decode_steps, "record_tables": True},
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -24,7 +24,7 @@ def _inputs(rng, r=6, p=3, c=5) -> ss.StepInputs:
         pf_start=ints(p), pf_lens=ints(p), dec_tokens=ints(r), dec_live=rng.random(r) < 0.5, fork_src=ints(r),
         fork_dst=ints(r), logit_src=ints(r), temperature=rng.permutation(odd), top_k=ints(r),
         top_p=rng.random(r).astype(np.float32), seed=ints(r), sample_idx=ints(r), token_idx=ints(r),
-        beam=rng.random(r) < 0.5)
+        beam=rng.random(r) < 0.5, left=ints(r), n_steps=ints(r), eos=ints(ss.EOS_SLOTS, r))
 
 
 def _bits(x) -> np.ndarray:

@@ -230,9 +230,13 @@ class Scheduler(Outcomes):
         return ids
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> list[RequestOutput]:
-        """One scheduler iteration: admit if possible, run one device step, process its results
-        (sample / beam bookkeeping, finishing, preemption). Returns the requests that finished."""
+    def step(self, max_steps: int | None = None) -> list[RequestOutput]:
+        """One scheduler iteration: admit if possible, run one device call, process its results
+        (sample / beam bookkeeping, finishing, preemption). Returns the requests that finished.
+
+        The call runs one step, or a burst of up to ``decode_steps`` and at most ``max_steps``
+        decode steps when nothing needs the host between them (``_burst_length``); each step's
+        outputs are processed in turn, as if they had come one call at a time."""
         t0 = time.perf_counter()
         if self._t_start is None:
             self._t_start = t0
@@ -243,25 +247,54 @@ class Scheduler(Outcomes):
                 self._num_free = int(self.device.free(self._take_frees()))
             self._refresh_cache_stats()
             return self._drain(t0)
+        n_steps = self._burst_length(max_steps)
         inp, pf = build_inputs(cfg, self._take_frees(), self._select, self._pending, self._cohort,
-                               self._running.values())
+                               self._running.values(), n_steps)
         self._select = []
         prefill_rows = cfg.max_prefill_rows if pf else 0
         t1 = time.perf_counter()
-        out = self.device.step(inp, prefill_rows)
+        outs = self.device.step(inp, prefill_rows)
         self._note_compile(("step", prefill_rows), t1)
-        self.step_count += 1
         st = self._stats
-        st.steps += 1
-        st.copies += int(out.copies)
-        st.bad_tokens += int(out.bad_tokens)
-        self._num_free = int(out.num_free)
-        st.peak_blocks_used = max(st.peak_blocks_used, self.manager.num_blocks - 1 - self._num_free)
-        self._process(out, pf)
-        if cfg.record_tables:
-            self.snapshot = F.record_sharing(st, self.snapshot, self._running.values(), self._row_owner, out,
-                                             self.manager.block_size, self.step_count)
+        for i, out in enumerate(outs if isinstance(outs, list) else [outs]):
+            self.step_count += 1
+            st.steps += 1
+            st.copies += int(out.copies)
+            st.bad_tokens += int(out.bad_tokens)
+            self._num_free = int(out.num_free)
+            st.peak_blocks_used = max(st.peak_blocks_used, self.manager.num_blocks - 1 - self._num_free)
+            self._process(out, pf if i == 0 else None)
+            if cfg.record_tables:
+                self.snapshot = F.record_sharing(st, self.snapshot, self._running.values(), self._row_owner, out,
+                                                 self.manager.block_size, self.step_count)
         return self._drain(t0)
+
+    def _burst_length(self, max_steps: int | None) -> int:
+        """Decode steps the next call may run: 1, or up to ``decode_steps`` (and ``max_steps``)
+        when no step in between needs the host: nothing is prefilled or waiting to be admitted,
+        no beam (its reselection is the host's) or pending reselection, every row's EOS ids fit
+        the device's check, and the free blocks cover every decoding row's next blocks (its
+        tokens' blocks plus one for a copy-on-write), so no ``append`` can fail inside it."""
+        k = self.config.decode_steps
+        if max_steps is not None:
+            k = min(k, max_steps)
+        if k <= 1 or self._cohort or self._waiting or self._select or not self._pending:
+            return 1
+        from paged_kv.engine.step_io import EOS_SLOTS
+        for fam in self._running.values():
+            if fam.req.is_beam or len(fam.req.params.eos_token_ids) > EOS_SLOTS:
+                return 1
+        bs, need = self.manager.block_size, 0
+        for fam in self._running.values():
+            shared = fam.req.params.n > 1  # forked samples may share their last, partial block
+            for s in fam.samples:
+                if s.row is None or s.row not in self._pending:
+                    continue
+                # The cache holds the prompt and every token but the one fed next (at most this
+                # many; one fewer after a re-admission): blocks for k more, one more to copy.
+                hi = len(fam.req.prompt) + len(s.tokens)
+                need += -(-(hi + k) // bs) - -(-(hi - 1) // bs) + shared
+        return k if need <= self._num_free else 1
 
     def _note_compile(self, key, t0: float) -> None:
         # The first call of each shape compiles: its time is reported apart from the throughput.

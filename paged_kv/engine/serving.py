@@ -272,8 +272,8 @@ class ServingEngine(Scheduler):
         if on_token is not None and not callable(on_token):
             raise ValueError(f"run: on_token is {shown(on_token)}; it must be None or a callable taking a TokenDelta")
 
-        def stepped() -> list[RequestOutput]:
-            done = self.step()
+        def stepped(limit: int | None = None) -> list[RequestOutput]:
+            done = self.step(limit)
             if on_token is not None:
                 deltas, self._deltas = self._deltas, []
                 for d in deltas:
@@ -302,7 +302,10 @@ class ServingEngine(Scheduler):
                     if pending:
                         self.step_count = pending[0].arrival  # nothing to do until then
                     continue
-                yield from stepped()
+                # A burst of decode steps must not run past the next arrival or max_steps.
+                limits = ([pending[0].arrival - self.step_count] if pending else []) + (
+                    [start + max_steps - self.step_count] if max_steps is not None else [])
+                yield from stepped(max(1, min(limits)) if limits else None)
                 if on_step is not None:
                     on_step(self)
                 if max_steps is not None and self.step_count - start >= max_steps:

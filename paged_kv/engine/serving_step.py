@@ -30,8 +30,8 @@ from paged_kv.engine import requests as _requests
 from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
 from paged_kv.allocate import AppendResult, append
-from paged_kv.engine.step_io import (Interned, StepInputs, StepOutputs, intern, pack_inputs, pack_outputs,
-                                     unpack_inputs, unpack_outputs)
+from paged_kv.engine.step_io import (EOS_SLOTS, Interned, StepInputs, StepOutputs, intern, output_layout, pack_inputs,
+                                     pack_outputs, unpack_burst, unpack_inputs, unpack_outputs)
 from paged_kv.engine.steps import decode_appended
 from paged_kv.reclaim import free
 from paged_kv.scan import forms_for, per_platform, program_platform
@@ -70,8 +70,53 @@ def _unless_padding(ids: jax.Array, op, state: BlockManagerState) -> BlockManage
 
 
 def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, *, shape: StepShape):
+    """One step; with ``decode_steps = K > 1`` a burst of up to ``K`` (``_burst``), whose outputs
+    have a leading axis of K steps and come with the number of steps run."""
     with forms_for(shape.forms):
-        return _step(graphdef, weights, pages, state, key, inp, shape)
+        if shape.config.decode_steps == 1:
+            return _step(graphdef, weights, pages, state, key, inp, shape)
+        return _burst(graphdef, weights, pages, state, key, inp, shape)
+
+
+def _burst(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, shape: StepShape):
+    """Up to ``K = decode_steps`` steps in one ``while_loop`` over ``_step`` (traced once).
+
+    Step 0 takes ``inp`` as it is; every later step decodes only: no free, select, fork or
+    prefill piece, each row feeding the token it sampled, with ``token_idx`` one further (so the
+    same sampling keys as one call per step). A row stops after an EOS id (``inp.eos``), at its
+    budget (``inp.left``) or on a status other than OK. The loop ends after ``inp.n_steps``
+    steps, when no row decodes, or after a step where some row found no free block (the host
+    preempts; the scheduler runs bursts only when the blocks suffice). Returns ``(pages, state,
+    (outputs with a leading [K] axis, steps run))``; entries past the steps run are zeros."""
+    cfg = shape.config
+    k, r = cfg.decode_steps, cfg.manager.max_seqs
+    n = jnp.clip(inp.n_steps[0], 1, k)
+    pad = jnp.full((r,), -1, jnp.int32)
+    no_pf = jnp.full_like(inp.pf_rows, -1)
+
+    def body(carry):
+        i, pages, state, cur, bufs, stop = carry
+        pages, state, out = _step(graphdef, weights, pages, state, key, cur, shape)
+        bufs = jax.tree.map(lambda b, x: b.at[i].set(x), bufs, out)
+        ok = out.status == 0  # Status.OK
+        done = (jnp.any(out.tokens[None, :] == cur.eos, axis=0) | (cur.left <= 1) | ~ok)
+        live = cur.dec_live & ~done
+        failed = jnp.any(cur.dec_live & (out.status == 1))  # Status.NO_FREE_BLOCKS
+        nxt = cur.replace(free_ids=pad, sel_dst=pad, sel_parent=pad, fork_src=pad, fork_dst=pad,
+                          logit_src=jnp.arange(r, dtype=jnp.int32), pf_rows=no_pf,
+                          pf_lens=jnp.zeros_like(cur.pf_lens), dec_tokens=jnp.where(live, out.tokens, 0),
+                          dec_live=live, token_idx=cur.token_idx + 1, left=cur.left - 1)
+        return i + 1, pages, state, nxt, bufs, failed | ~jnp.any(live)
+
+    def cond(carry):
+        i, *_, stop = carry
+        return (i < n) & ~stop
+
+    # The outputs' shapes are static (``output_layout``): no second trace of the step to find them.
+    bufs = StepOutputs(**{name: jnp.zeros((k,) + shp, dt) for name, shp, dt in output_layout(cfg)})
+    i, pages, state, _, bufs, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), pages, state, inp, bufs,
+                                                                 jnp.bool_(False)))
+    return pages, state, (bufs, i)
 
 
 def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, shape: StepShape):
@@ -200,7 +245,10 @@ def packed_step_fn(model: Interned, weight_leaves, pages, state: BlockManagerSta
     graphdef, weights_def = model.value
     weights = jax.tree.unflatten(weights_def, weight_leaves)
     pages, state, out = step_fn(graphdef, weights, pages, state, key, unpack_inputs(rows, pf), shape=shape)
-    return pages, state, pack_outputs(shape.config, out)
+    if shape.config.decode_steps == 1:
+        return pages, state, pack_outputs(shape.config, out)
+    out, steps = out  # a burst: K steps' outputs, then how many ran
+    return pages, state, jnp.concatenate([pack_outputs(shape.config, out), steps[None]])
 
 
 packed_step_jit = jax.jit(packed_step_fn, static_argnames=("model", "shape"), donate_argnames=("pages", "state"))
@@ -259,7 +307,7 @@ def prefill_pieces(cohort, chunk_size: int, max_pieces: int) -> list:
 
 
 def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pending: dict, cohort,
-                 running) -> tuple[StepInputs, tuple | None]:
+                 running, n_steps: int = 1) -> tuple[StepInputs, tuple | None]:
     """A step's ``StepInputs`` (numpy) from the scheduler's host state.
 
     Args:
@@ -268,6 +316,7 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
       cohort: the ``CohortRow`` s being prefilled (``prefill_pieces`` cuts this step's pieces from
         them; empty or all done: no prefill chunk, P = 0).
       running: the running ``Family`` s (per-row sampling parameters and key parts).
+      n_steps: decode steps the call may run (a burst when > 1: ``ServingConfig.decode_steps``).
     Returns ``(inputs, pf)``: ``pf`` is None without a chunk, else ``(rows [P], tokens [P, C],
     start [P], lens [P], ends, owners)`` over the pieces (padding after them): ``ends[i]`` is true
     when piece ``i`` ends its row's prompt and ``owners[i]`` is its ``CohortRow``.
@@ -283,6 +332,7 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
     fork_src, fork_dst, logit_src = i32(), i32(), np.arange(r, dtype=np.int32)
     temperature, top_p = np.zeros((r,), np.float32), np.ones((r,), np.float32)
     top_k, seed, sample_idx, token_idx = i32(0), i32(0), i32(0), i32(0)
+    left, eos = i32(0), np.full((EOS_SLOTS, r), -1, np.int32)
     pf = None
     pieces = prefill_pieces(cohort, config.chunk_size, config.max_prefill_rows)
     if pieces:
@@ -321,13 +371,16 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
             for row in rows:
                 temperature[row], top_k[row], top_p[row] = prm.temperature, prm.top_k, prm.top_p
                 seed[row], sample_idx[row], token_idx[row] = fam.seed, idx, len(s.tokens)
+                left[row] = fam.budget - len(s.tokens)
+                ids = prm.eos_token_ids[:EOS_SLOTS]
+                eos[:len(ids), row] = ids
     pf_arrays = pf[:4] if pf else (np.full((1,), -1, np.int32), np.zeros((1, config.chunk_size), np.int32),
                                    np.zeros((1,), np.int32), np.zeros((1,), np.int32))
     inp = StepInputs(free_ids=free_ids, sel_dst=sel_dst, sel_parent=sel_parent, pf_rows=pf_arrays[0],
                      pf_tokens=pf_arrays[1], pf_start=pf_arrays[2], pf_lens=pf_arrays[3], dec_tokens=dec_tokens,
                      dec_live=dec_live, fork_src=fork_src, fork_dst=fork_dst, logit_src=logit_src,
                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, sample_idx=sample_idx,
-                     token_idx=token_idx, beam=beam)
+                     token_idx=token_idx, beam=beam, left=left, eos=eos, n_steps=i32(n_steps))
     return inp, pf
 
 
@@ -379,15 +432,19 @@ class DeviceStep:
         self.state, res, num_free = admit_jit(self.config.manager, self.state, *args, forms=self.forms)
         return jax.device_get((res.status, res.cached_tokens, res.shared_tokens, num_free))
 
-    def step(self, inp: StepInputs, prefill_rows: int) -> StepOutputs:
-        """One step (``prefill_rows`` is P: 0 or ``max_prefill_rows``); returns host outputs."""
+    def step(self, inp: StepInputs, prefill_rows: int) -> StepOutputs | list[StepOutputs]:
+        """One step (``prefill_rows`` is P: 0 or ``max_prefill_rows``); returns host outputs: with
+        ``decode_steps > 1`` a list, one per step the call ran (``inp.n_steps`` at most)."""
         if self.single_variant and not prefill_rows:
             inp = inp.replace(**self._no_chunk)
         args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
         self.pages, self.state, flat = packed_step_jit(self._model, self._weight_leaves, self.pages, self.state,
                                                        self.key, *args, shape=self._shapes[prefill_rows])
         # ``np.asarray`` of the one result array: a quarter of ``jax.device_get``'s cost per step.
-        return unpack_outputs(self.config, np.asarray(flat))
+        flat = np.asarray(flat)
+        if self.config.decode_steps == 1:
+            return unpack_outputs(self.config, flat)
+        return unpack_burst(self.config, flat[:-1], int(flat[-1]))  # a burst: the steps it ran
 
     # -- ahead-of-time compilation (``ServingEngine.compile``) -------------------------------
     def lower_step(self, prefill_rows: int):
@@ -415,7 +472,8 @@ class DeviceStep:
         nothing else changes the state): one program fewer to compile than a ``free`` of its own,
         for the cost of one step's forward over idle rows at the end of a run."""
         inp, _ = build_inputs(self.config, np.asarray(free_ids, np.int32), (), {}, (), ())
-        return int(self.step(inp, 0).num_free)
+        out = self.step(inp, 0)
+        return int((out[-1] if isinstance(out, list) else out).num_free)
 
     def cache_stats(self):
         """The prefix cache's counters (host ints: lookups, query_tokens, hit_tokens, evictions)."""

@@ -20,6 +20,9 @@ from paged_kv.engine.sampling import BeamParams, SamplingParams
 IMPLS = ("auto", "pallas", "interpret", "reference")
 
 
+MAX_DECODE_STEPS = 256  # a burst's outputs are K steps' worth; this bounds that buffer
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     """Static configuration of a ``ServingEngine`` (hashable: part of the step's jit key).
@@ -35,6 +38,15 @@ class ServingConfig:
       impl: kernel implementation (``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``).
       record_tables: read the block tables back every step (sharing statistics, the block-table
         picture); costs one ``[R, max_blocks_per_seq]`` transfer per step.
+      decode_steps: decode steps one device call may run (``K``; 1: one step per call). With
+        ``K > 1`` a call runs up to ``K`` steps while nothing needs the host between them: no
+        prompt is being prefilled or waiting, no beam runs, every row's blocks for ``K`` more
+        tokens are free, and the next arrival of ``run`` is at least ``K`` steps away. Rows stop
+        on the device at an EOS id or their token budget; the host then processes each step's
+        outputs as if they had come one call at a time (same tokens, log-probs and statistics
+        per step; a finished row's blocks are freed at the next call instead of the next step).
+        Saves the host's per-step work and a dispatch per step; streaming arrives ``K`` tokens
+        at a time.
     """
 
     manager: ManagerConfig
@@ -43,14 +55,17 @@ class ServingConfig:
     top_candidates: int = 8
     impl: str = "auto"
     record_tables: bool = True
+    decode_steps: int = 1
 
     def __post_init__(self):
         if not isinstance(self.manager, ManagerConfig):
             raise ValueError(f"manager must be a ManagerConfig, got {type(self.manager).__name__}")
-        for name, lo in (("chunk_size", 1), ("max_prefill_rows", 1), ("top_candidates", 2)):
+        for name, lo in (("chunk_size", 1), ("max_prefill_rows", 1), ("top_candidates", 2), ("decode_steps", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}={v!r} must be an int >= {lo}")
+        if self.decode_steps > MAX_DECODE_STEPS:
+            raise ValueError(f"decode_steps={self.decode_steps} must be <= {MAX_DECODE_STEPS}")
         if self.max_prefill_rows > self.manager.max_seqs:
             raise ValueError(f"max_prefill_rows={self.max_prefill_rows} must be <= manager.max_seqs="
                              f"{self.manager.max_seqs}")

@@ -32,6 +32,11 @@ class StepInputs:
       seed, sample_idx, token_idx: int32 [R] the parts of each row's sampling key.
       beam: bool [R] rows of beam families (the only rows whose top candidates the host reads),
         or None: the top candidates of every row are computed.
+      left: int32 [R] tokens each decoding row may still generate, this step's included (its
+        budget); eos: int32 [EOS_SLOTS, R] its request's EOS ids (-1 pads); n_steps: int32 [R]
+        (every entry the same) decode steps this call may run (``ServingConfig.decode_steps``):
+        the rows stop on the device at an EOS or their budget. Read only when
+        ``decode_steps > 1``.
     """
 
     free_ids: jax.Array
@@ -53,6 +58,14 @@ class StepInputs:
     sample_idx: jax.Array
     token_idx: jax.Array
     beam: jax.Array | None = None
+    left: jax.Array | None = None
+    eos: jax.Array | None = None
+    n_steps: jax.Array | None = None
+
+
+EOS_SLOTS = 4
+"""EOS ids per row the device checks in a burst of decode steps (a request with more runs one
+step per call)."""
 
 
 @struct.dataclass
@@ -90,15 +103,16 @@ class StepOutputs:
 # as their bits (``view`` / ``bitcast_convert_type``), so nothing is rounded.
 
 ROW_FIELDS = ("free_ids", "sel_dst", "sel_parent", "dec_tokens", "dec_live", "fork_src", "fork_dst", "logit_src",
-              "temperature", "top_k", "top_p", "seed", "sample_idx", "token_idx", "beam")
+              "temperature", "top_k", "top_p", "seed", "sample_idx", "token_idx", "beam", "left", "n_steps")
 """The ``StepInputs`` fields of shape [R], in the order of the packed rows array's first axis."""
 
 
 def pack_inputs(inp: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-    """Host ``StepInputs`` -> (int32 [len(ROW_FIELDS), R], int32 [P, C + 3]: each prefill row's
-    tokens, then its row, start and length)."""
-    rows = np.stack([np.asarray(getattr(inp, f)).view(np.int32) if getattr(inp, f).dtype == np.float32
-                     else np.asarray(getattr(inp, f), np.int32) for f in ROW_FIELDS])
+    """Host ``StepInputs`` -> (int32 [len(ROW_FIELDS) + EOS_SLOTS, R]: the row fields then the EOS
+    ids, int32 [P, C + 3]: each prefill row's tokens, then its row, start and length)."""
+    rows = np.concatenate([np.stack([np.asarray(getattr(inp, f)).view(np.int32) if getattr(inp, f).dtype == np.float32
+                                     else np.asarray(getattr(inp, f), np.int32) for f in ROW_FIELDS]),
+                           np.asarray(inp.eos, np.int32).reshape(EOS_SLOTS, -1)])
     pf = np.concatenate([np.asarray(inp.pf_tokens, np.int32),
                          np.stack([inp.pf_rows, inp.pf_start, inp.pf_lens], axis=1).astype(np.int32)], axis=1)
     return rows, pf
@@ -106,7 +120,8 @@ def pack_inputs(inp: StepInputs) -> tuple[np.ndarray, np.ndarray]:
 
 def unpack_inputs(rows: jax.Array, pf: jax.Array) -> StepInputs:
     """The traced inverse of ``pack_inputs``."""
-    f = dict(zip(ROW_FIELDS, rows))
+    f = dict(zip(ROW_FIELDS, rows[:len(ROW_FIELDS)]))
+    f["eos"] = rows[len(ROW_FIELDS):]
     for name in ("temperature", "top_p"):
         f[name] = jax.lax.bitcast_convert_type(f[name], jnp.float32)
     f["dec_live"], f["beam"] = f["dec_live"] != 0, f["beam"] != 0
@@ -126,13 +141,16 @@ def output_layout(config: ServingConfig) -> list[tuple[str, tuple[int, ...], typ
 
 
 def pack_outputs(config: ServingConfig, out: StepOutputs) -> jax.Array:
-    """``StepOutputs`` -> one int32 vector (``output_layout``'s order; floats as their bits)."""
+    """``StepOutputs`` -> one int32 vector (``output_layout``'s order; floats as their bits). With
+    a leading axis of K steps on every field (a burst, ``decode_steps > 1``) the vector holds
+    the K steps' vectors one after the other."""
     parts = []
+    lead = out.tokens.shape[:-1]  # () for one step, (K,) for a burst
     for name, shape, dtype in output_layout(config):
         x = getattr(out, name)
-        assert x.shape == shape and x.dtype == dtype, (name, x.shape, x.dtype, shape, dtype)  # at trace time
-        parts.append((jax.lax.bitcast_convert_type(x, jnp.int32) if dtype == np.float32 else x).reshape(-1))
-    return jnp.concatenate(parts)
+        assert x.shape == lead + shape and x.dtype == dtype, (name, x.shape, x.dtype, shape, dtype)  # at trace time
+        parts.append((jax.lax.bitcast_convert_type(x, jnp.int32) if dtype == np.float32 else x).reshape(lead + (-1,)))
+    return jnp.concatenate(parts, axis=-1).reshape(-1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -148,9 +166,17 @@ def _output_slices(config: ServingConfig) -> tuple:
 
 
 def unpack_outputs(config: ServingConfig, flat: np.ndarray) -> StepOutputs:
-    """Host inverse of ``pack_outputs`` (numpy views into ``flat``; scalars as numpy 0-d arrays)."""
+    """Host inverse of ``pack_outputs`` for one step (numpy views into ``flat``; scalars as numpy
+    0-d arrays)."""
     return StepOutputs(**{name: flat[lo:hi].view(dtype).reshape(shape)
                           for name, lo, hi, shape, dtype in _output_slices(config)})
+
+
+def unpack_burst(config: ServingConfig, flat: np.ndarray, steps: int) -> list[StepOutputs]:
+    """The first ``steps`` steps' ``StepOutputs`` of a burst's packed vector (``pack_outputs`` of
+    K steps; views into ``flat``)."""
+    size = _output_slices(config)[-1][2]
+    return [unpack_outputs(config, flat[i * size:(i + 1) * size]) for i in range(steps)]
 
 
 class Interned:
@@ -182,5 +208,5 @@ def intern(value) -> Interned:
     return _INTERNED.setdefault(value, Interned(value))
 
 
-__all__ = ["Interned", "ROW_FIELDS", "StepInputs", "StepOutputs", "intern", "output_layout", "pack_inputs",
-           "pack_outputs", "unpack_inputs", "unpack_outputs"]
+__all__ = ["EOS_SLOTS", "Interned", "ROW_FIELDS", "StepInputs", "StepOutputs", "intern", "output_layout", "pack_inputs",
+           "pack_outputs", "unpack_burst", "unpack_inputs", "unpack_outputs"]
