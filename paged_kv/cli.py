@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill positions per step")
     g.add_argument("--max-prefill-rows", type=_positive, default=8, metavar="N",
                    help="prompts admitted (and prefilled) together at most")
+    g.add_argument("--decode-steps", type=_positive, default=8, metavar="K",
+                   help="decode steps one device call may run while nothing needs the host in between "
+                        "(ServingConfig.decode_steps; 1: one call per step, tokens stream one at a time)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     g.add_argument("--tp", type=_positive, default=1, metavar="N",
                    help="tensor-parallel degree: shard the weights and KV heads over N devices "
@@ -710,7 +713,7 @@ def _run(args, ckpt: Path) -> int:
     # the workload's beams have width 4.
     candidates = max(8, (args.beam_width if prompts is not None else 4) * (1 + max(len(eos_ids), 1)))
     cfg = ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(rows, args.max_seqs),
-                        top_candidates=candidates, impl=args.impl)
+                        top_candidates=candidates, impl=args.impl, decode_steps=args.decode_steps)
     mesh = None
     if args.tp > 1:
         from models import sharding

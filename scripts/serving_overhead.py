@@ -8,7 +8,9 @@ The serving engine runs chunks of ``C = 16`` positions in ``P = min(32, R)`` row
 With the engine's default ``C = 64, P = 8`` three quarters of every prefill row would be padding
 (``--chunk-size 64 --prefill-rows 8`` measures that). A prompt longer than ``C`` takes several of
 the ``P`` rows of a step (``serving_step.prefill_pieces``), so a small ``C`` costs a long prompt
-no extra steps while rows are free. Serving and generate alternate, one timed run each per round
+no extra steps while rows are free. The engine runs bursts of up to ``K = 8`` decode steps per
+device call (``--decode-steps``, ``ServingConfig.decode_steps``; the CLI's default), the way
+``generate`` runs every step in one call. Serving and generate alternate, one timed run each per round
 (``--repeats`` rounds); the reported ratio is the median of the rounds' ratios.
 
     python scripts/serving_overhead.py                      # writes results/serving_overhead.json
@@ -174,7 +176,8 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=16,
                     help="the serving engine's C (default 16: the prompts' length, as generate clips its chunk)")
     ap.add_argument("--prefill-rows", type=int, default=32, help="the serving engine's P (capped at R)")
-    ap.add_argument("--decode-steps", type=int, default=1, help="the serving engine's decode_steps (K)")
+    ap.add_argument("--decode-steps", type=int, default=8,
+                    help="the serving engine's decode_steps (K; default 8, the CLI's; 1: one call per step)")
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--out", default=str(ROOT / "results" / "serving_overhead.json"))
     args = ap.parse_args()
