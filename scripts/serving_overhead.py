@@ -30,6 +30,7 @@ jit for any engine of the same shapes), a second engine is timed. ``generate`` i
 second call. The load average is recorded: numbers from a loaded machine say so.
 
     python scripts/serving_overhead.py --chunk-size 64 --prefill-rows 8 --out /tmp/c64.json
+    python scripts/serving_overhead.py --ab-decode-steps 1 8 --repeats 7 --out results/serving_bursts_ab.json
 """
 
 from __future__ import annotations
@@ -169,6 +170,39 @@ def timed_generate(model, r: int, repeats: int) -> dict:
     return {"wall_s": best, "tokens": tokens, "tokens_per_s": tokens / best, "outputs": outs}
 
 
+def ab_decode_steps(model, args) -> None:
+    """Serving at two ``decode_steps`` and ``generate``, one timed run each per round, alternated
+    in one process; medians of the per-round ratios (the machine's speed drifts between rounds)."""
+    import jax
+    k1, k2 = args.ab_decode_steps
+    rows = {}
+    for r in args.rows:
+        load = os.getloadavg()
+        runs = {f"serving_k{k1}": [], f"serving_k{k2}": [], "generate": []}
+        for _ in range(args.repeats):
+            for k in (k1, k2):
+                runs[f"serving_k{k}"].append(timed_serving(model, r, 1, args.chunk_size, args.prefill_rows, k)["tokens_per_s"])
+            runs["generate"].append(timed_generate(model, r, 1)["tokens_per_s"])
+        a, b, g = runs[f"serving_k{k1}"], runs[f"serving_k{k2}"], runs["generate"]
+        med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
+        rows[str(r)] = {"tokens_per_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
+                        f"k{k1}_to_generate": med([x / y for x, y in zip(a, g)]),
+                        f"k{k2}_to_generate": med([x / y for x, y in zip(b, g)]),
+                        f"k{k2}_to_k{k1}": med([y / x for x, y in zip(a, b)]),
+                        "loadavg_before": [round(x, 2) for x in load],
+                        "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+        print(f"R={r}: K={k1} {rows[str(r)][f'k{k1}_to_generate']:.2f}x generate, K={k2} "
+              f"{rows[str(r)][f'k{k2}_to_generate']:.2f}x, K={k2} / K={k1} {rows[str(r)][f'k{k2}_to_k{k1}']:.2f} "
+              f"(medians of {args.repeats} rounds); load {load[0]:.1f}", flush=True)
+    result = {"label": args.label, "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
+              "workload": {"prompt_tokens": PROMPT, "new_tokens": NEW, "greedy": True, "arrivals": "all at step 0",
+                           "chunk_size": args.chunk_size, "max_prefill_rows": f"min({args.prefill_rows}, R)"},
+              "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 256])
@@ -178,6 +212,8 @@ def main() -> None:
     ap.add_argument("--prefill-rows", type=int, default=32, help="the serving engine's P (capped at R)")
     ap.add_argument("--decode-steps", type=int, default=8,
                     help="the serving engine's decode_steps (K; default 8, the CLI's; 1: one call per step)")
+    ap.add_argument("--ab-decode-steps", type=int, nargs=2, metavar=("K1", "K2"),
+                    help="instead: serving with decode_steps K1 and K2 and generate, alternated per round")
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--out", default=str(ROOT / "results" / "serving_overhead.json"))
     args = ap.parse_args()
@@ -188,6 +224,8 @@ def main() -> None:
 
     model = load_hf_checkpoint(ROOT / "checkpoints" / "tiny-llama")
     rows = {}
+    if args.ab_decode_steps:
+        return ab_decode_steps(model, args)
     for r in args.rows:
         load = os.getloadavg()
         # Serving and generate alternate, one timed run each per round, so that both see the same

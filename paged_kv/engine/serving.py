@@ -25,17 +25,29 @@ admitted into one row (its ``n`` samples ``fork`` that row when its prefill ends
 beams ``select`` it); a preempted one into one row per unfinished sample or beam, each with its
 generated tokens appended to the prompt.
 
-A *cohort* (the prompts of one admit call) is prefilled in chunks of ``chunk_size`` positions
-aligned across its rows (chunk ``c`` covers positions ``[c * C, (c + 1) * C)`` of every row), so
-a prompt that shares blocks another prompt of the same call computes (``shared_tokens``) reads
-them in the same forward pass that writes them. The next cohort is admitted only after this
+A *cohort* (the prompts of one admit call) is prefilled in *pieces*: each prompt is cut at the
+multiples of ``chunk_size`` (``C``) from its first uncomputed position on, and a step's ``[P, C]``
+chunk batch carries up to ``P = max_prefill_rows`` pieces, handed out round-robin over the
+cohort, several of one prompt when the others leave rows free (``serving_step.prefill_pieces``).
+The cuts depend on the prompt alone, so a piece computes the same values whatever step and row
+carry it. A prompt that shares blocks another prompt of the same call computes
+(``shared_tokens``) takes a piece starting at ``lo`` only once every other row has been handed
+its positions below ``lo`` (earlier in the same step is enough: each layer writes every piece's
+K/V before any piece attends). The next cohort is admitted only after this
 one's prefill ends: ``admit`` registers a prompt's full blocks in the prefix cache before their
 K/V is written, so no later request may hit them earlier, and a request in the middle of its
 prefill is never preempted (its freed blocks would stay cached without their K/V).
 
+With ``decode_steps = K > 1`` one device call runs a *burst* of up to ``K`` decode steps when no
+step in between needs the host (no prefill, nothing waiting, no beam, blocks for ``K`` more
+tokens free, the next arrival of ``run`` at least ``K`` steps away): a ``while_loop`` over the
+step, each row feeding the token it sampled and stopping at an EOS id or its budget. The host
+then processes each step's outputs in turn, so tokens, log-probs, step counts and admissions
+are those of one call per step (``tests/test_serving_bursts.py``).
+
 The step (device, one ``jax.jit``, shapes fixed by ``R``, ``P`` (0 when no prefill chunk runs,
 else ``max_prefill_rows``: two compiled variants) and ``C = chunk_size``): ``free`` finished or preempted rows ->
-``select`` (beam reselection) -> paged prefill forward of one cohort chunk ``[P, C]`` -> ``append``
+``select`` (beam reselection) -> paged prefill forward of the chunk batch ``[P, C]`` -> ``append``
 one token per decoding row, ``copy_blocks`` for copy-on-write, paged decode forward ``[R]`` ->
 ``fork`` the samples of prompts whose prefill ended -> per-row sampling (greedy / temperature /
 top-k / top-p, each row with its own parameters and key) and the top candidates for beams.
