@@ -7,8 +7,9 @@ over an ordinary contiguous cache (`models.contiguous`):
     attend(layer, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache) -> (out[B, T, QH, D], cache)
 
 `layer` is an int32 scalar traced by the scan over layers, or a Python int when the callback sets
-`attend.static_layer = True` (the Pallas kernels compile the layer in; the layers then run
-unrolled).
+`attend.static_layer = True` (the Pallas kernels on a GPU: the layers then run unrolled, best on
+`per_layer` weights, since XLA:GPU copies the weight slices a scan over stacked layers reads; the
+kernels themselves take the layer as an operand, so every layer shares one compiled kernel).
 
 q and k arrive with RoPE applied; `attend` stores k/v into `cache` and attends. Dimension names in
 einsum strings: b batch, t query tokens, d model width, h query heads, k kv heads, g heads per kv
@@ -257,10 +258,10 @@ class Llama(nnx.Module):
             return (x, cache), None
 
         if getattr(attend, "static_layer", False):
-            # The attend callback needs Python ints (the Pallas kernels compile the layer in):
-            # the same layers, unrolled, each on its static slice of the stacked weights. On a
-            # GPU XLA copies every such slice before its matmuls, each step; the engines avoid
-            # that by running a `per_layer` model instead (the branch above).
+            # The attend callback asks for the layers unrolled (the Pallas kernels on a GPU, where
+            # a scan's dynamic weight slices are copied): the same layers, each on its static
+            # slice of the stacked weights. XLA:GPU copies such static slices too, each step;
+            # the engines avoid that by running a `per_layer` model instead (the branch above).
             for i in range(self.config.num_layers):
                 weights = jax.tree.map(lambda w: w[i], stacked)
                 (x, cache), _ = body((x, cache), (weights, i))

@@ -92,8 +92,10 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
     alibi_slopes; anything else raises ValueError naming it).
 
     Its attribute `static_layer` (`models.protocol.STATIC_LAYER`) is True when `impl` resolves to
-    a Pallas kernel, which compiles the layer id in: a model that scans over layers then calls it
-    with Python ints instead (`models.llama.Llama` does)."""
+    a Pallas kernel (a GPU): a model that scans over layers then runs them unrolled with Python
+    ints instead (`models.llama.Llama` does), since XLA:GPU copies the weight slices a scan reads.
+    The kernels take the layer as an int32 operand either way, so the unrolled layers all call
+    one compiled kernel per kind (compile time does not grow with a kernel per layer)."""
 
     def attend_local(layer, q, k, v, pages, batch, slopes, *, scale=None, soft_cap=None):
         b, t, _, _ = q.shape
@@ -144,8 +146,8 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
 
 def static_layer_impl(impl: str, head_dim: int | None = None) -> bool:
     """True when `impl` (as `pallas_kernels.resolve_impl` resolves it: "auto" is "pallas" on a
-    GPU) runs kernels that compile the layer in, so a model's layers run unrolled (the `attend`
-    callback's `static_layer`)."""
+    GPU) runs the Pallas kernels, so a model's layers run unrolled on `per_layer` weights (the
+    `attend` callback's `static_layer`): on a GPU that is the layout without weight copies."""
     return pk.resolve_impl(impl, head_dim) != "reference"
 
 

@@ -49,9 +49,11 @@ class PagedModel(Protocol):
       for each layer ``i`` in order, computes q, k, v (positional encoding already applied) and calls
       ``out, cache = attend(i, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache, **options)``.
       ``i`` is a Python int, or an int32 scalar (traced, say inside a ``lax.scan`` over layers);
-      an ``attend`` whose attribute ``static_layer`` is True (paged-kv's, when it runs the Pallas
-      kernels, which compile the layer in) must get Python ints,
-      which stores k/v in ``cache`` and returns the causal attention output ``out[B, T, QH, D]``
+      paged-kv's ``attend`` accepts both. When its attribute ``static_layer`` is True (it runs the
+      Pallas kernels, on a GPU) it asks for the layers unrolled with Python ints: the
+      kernels take either, but XLA:GPU copies each layer's weight slices out of a scan over
+      stacked weights (``models.llama.per_layer`` is the layout that avoids it).
+      ``attend`` stores k/v in ``cache`` and returns the causal attention output ``out[B, T, QH, D]``
       (dtype of the pages). ``cache`` is opaque: thread it through and return it. Rows past a
       sequence's valid tokens (padding) may carry any ids and positions, including ids
       ``>= vocab_size`` and positions ``>= max_positions``: they must not produce NaN (clamp the

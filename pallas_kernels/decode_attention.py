@@ -15,6 +15,10 @@ Work follows each sequence's own length: a program's loop runs only over tiles t
 least one position ``< length``, so a split entirely past the end of its sequence does no K/V
 reads at all, and a batch of short and long sequences does not pay for the longest one
 everywhere. Positions past ``length`` inside the last tile are masked.
+
+The layer is an int32 operand (:func:`layer_operand`), not a constant in the block index maps:
+the K/V blocks span every layer of a (K|V, KV head) plane and the kernel indexes their layer
+axis, so a model's layers all lower to one byte-identical kernel, which XLA:GPU compiles once.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ MIN_DOT = tiling.MIN_DOT
 next_power_of_two = tiling.next_power_of_two
 
 
-def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
+def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
                    blocks_per_tile: int, tiles_per_split: int, soft_cap: float | None = None,
                    has_bias: bool = False):
   # refs: (ALiBi slopes [rows] when has_bias,) then the outputs o, m, l.
@@ -70,6 +74,7 @@ def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
   tile_keys = blocks_per_tile * block_size
   rows = q_ref.shape[0]
 
+  layer = layer_ref[0]  # int32 operand, clamped to [0, num_layers) (layer_operand)
   length = len_ref[0]
   num_tiles = pl.cdiv(pl.cdiv(length, block_size), blocks_per_tile)
   first_tile = split * tiles_per_split
@@ -84,8 +89,8 @@ def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
     o, m, l = carry
     tile = first_tile + i
     ids = bt_ref[pl.ds(tile * blocks_per_tile, blocks_per_tile)]
-    k = k_ref[ids].reshape(tile_keys, head_dim)
-    v = v_ref[ids].reshape(tile_keys, head_dim)
+    k = k_ref[layer, ids].reshape(tile_keys, head_dim)
+    v = v_ref[layer, ids].reshape(tile_keys, head_dim)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = s * scale
     pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
@@ -96,6 +101,26 @@ def _decode_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
   o_ref[...] = o
   m_ref[...] = m
   l_ref[...] = l
+
+
+def layer_operand(layer, num_layers: int):
+  """The layer id as the kernels' int32 ``[1]`` operand, clamped to ``[0, num_layers)``.
+
+  ``layer`` is a Python int or an integer scalar array (traced, e.g. inside a scan over layers).
+  The kernels take the layer as an operand rather than compiling it into their BlockSpec index
+  maps, so every layer of a model calls the same kernel: the Triton IR in each custom call's
+  backend config is byte-identical across layers, and XLA:GPU compiles it once (its kernel
+  reuse cache) instead of once per layer. The Triton lowering of Pallas has no scalar prefetch,
+  so a traced value cannot reach an index map at all; the kernels instead take every layer of
+  their (K|V, KV head) plane as the block and index its layer axis with this operand.
+
+  The clamp is the bound check a traced id cannot get before tracing (a Python int is
+  range-checked by :func:`pallas_kernels.validate.check_layer` and passes through unchanged):
+  an id outside ``[0, num_layers)`` reads (or writes) the nearest layer, never memory outside
+  the pages."""
+  if isinstance(layer, jax.Array):
+    return jnp.clip(layer.astype(jnp.int32), 0, num_layers - 1).reshape(1)
+  return jnp.full((1,), min(max(int(layer), 0), num_layers - 1), jnp.int32)
 
 
 def merge_splits(o, m, l):
@@ -132,7 +157,7 @@ def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("layer", "scale", "interpret", "blocks_per_tile", "num_splits",
+    static_argnames=("scale", "interpret", "blocks_per_tile", "num_splits",
                      "num_warps", "num_stages", "soft_cap"))
 def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, scale,
                                   interpret=False, blocks_per_tile=None, num_splits=None,
@@ -142,9 +167,11 @@ def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, sca
   ``blocks_per_tile``, ``num_warps``, ``num_stages``: None takes the tiling table's choice
   (:func:`pallas_kernels.tiling.decode_tiling`); explicit values override it (tests, the gate).
   ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given.
+  ``layer`` is an operand, not compiled in: a Python int or an int32 scalar (traced or not);
+  every layer gives the same kernel (see :func:`layer_operand`).
   """
   batch, num_q_heads, head_dim = q.shape
-  _, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
+  num_layers, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
   max_blocks = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
   tile = tiling.decode_tiling(q.dtype, head_dim, block_size, group, max_blocks,
@@ -172,16 +199,18 @@ def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, sca
   kernel = functools.partial(_decode_kernel, scale=scale, blocks_per_tile=bpt,
                              tiles_per_split=tps, soft_cap=soft_cap,
                              has_bias=alibi_slopes is not None)
-  kv_block = (None, None, None, num_blocks, block_size, head_dim)
+  # Every layer of one (K|V, KV head) plane; the kernel indexes the layer axis with its operand.
+  kv_block = (num_layers, None, None, num_blocks, block_size, head_dim)
   o, m, l = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, splits),
       in_specs=[
+          pl.BlockSpec((1,), lambda b, h, s: (0,)),  # layer
           pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),  # lengths
           pl.BlockSpec((None, padded_blocks), lambda b, h, s: (b, 0)),  # block table row
           pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
-          pl.BlockSpec(kv_block, lambda b, h, s: (layer, 0, h, 0, 0, 0)),  # K pages
-          pl.BlockSpec(kv_block, lambda b, h, s: (layer, 1, h, 0, 0, 0)),  # V pages
+          pl.BlockSpec(kv_block, lambda b, h, s: (0, 0, h, 0, 0, 0)),  # K pages, all layers
+          pl.BlockSpec(kv_block, lambda b, h, s: (0, 1, h, 0, 0, 0)),  # V pages, all layers
       ] + bias_specs,
       out_specs=[
           pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
@@ -196,6 +225,6 @@ def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, sca
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="paged_decode_attention",
-  )(lengths, bt, qg, pages, pages, *bias_inputs)
+  )(layer_operand(layer, num_layers), lengths, bt, qg, pages, pages, *bias_inputs)
   out = merge_splits(o, m, l)[:, :, :group]  # [B, Hkv, G, D]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

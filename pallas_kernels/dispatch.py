@@ -35,8 +35,11 @@ def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None
   Args:
     q: ``[B, num_q_heads, head_dim]``, same dtype as ``pages``.
     pages: ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``.
-    layer: the layer whose K/V are read: a Python int, or (``impl="reference"``, or "auto"
-      resolving to it) an int32 scalar, traced inside a scan over layers.
+    layer: the layer whose K/V are read: a Python int in ``[0, num_layers)``, or an integer
+      scalar array (e.g. traced inside a scan over layers), for every ``impl``. The Pallas
+      kernels take it as an int32 operand, so all layers run one compiled kernel; a traced id
+      outside the range is clamped to the nearest layer by the Pallas kernels and taken as
+      given by the reference (:func:`pallas_kernels.validate.check_layer`).
     block_tables: int32 ``[B, max_blocks_per_seq]`` physical block ids; entries outside
       ``[0, num_blocks)`` are clamped to the null block 0 (never another sequence's block).
     lengths: int32 ``[B]`` tokens in the cache per sequence, current token included.
@@ -55,7 +58,6 @@ def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None
   layer, scale, impl, soft_cap = validate.check_decode(
       q, pages, layer, block_tables, lengths, scale, impl, soft_cap, alibi_slopes)
   impl = resolve_impl(impl, pages.shape[-1])
-  validate.check_static_layer(layer, impl)
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
     knobs["alibi_slopes"] = alibi_slopes
@@ -89,7 +91,6 @@ def paged_prefill_attention(q, pages, layer, block_tables, q_start, q_lens, *, s
   layer, scale, impl, soft_cap = validate.check_prefill(
       q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap, alibi_slopes)
   impl = resolve_impl(impl, pages.shape[-1])
-  validate.check_static_layer(layer, impl)
   # Knobs are passed only when set, so the default call is exactly the program without them.
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
@@ -120,7 +121,6 @@ def write_kv(pages, layer, k, v, slots, *, impl="auto"):
   """
   layer, impl = validate.check_write_kv(pages, layer, k, v, slots, impl)
   impl = resolve_impl(impl, pages.shape[-1])
-  validate.check_static_layer(layer, impl)
   if impl == "reference":
     return reference.write_kv_reference(pages, layer, k, v, slots)
   from pallas_kernels import kv_write

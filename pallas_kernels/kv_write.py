@@ -1,8 +1,10 @@
 """KV write at slot indices as an in-place Pallas (Triton) kernel.
 
-The pages of one layer are viewed as ``[2, num_kv_heads, num_blocks * block_size, head_dim]``
+The pages are viewed as ``[num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim]``
 (a free reshape): slot ``s = block_id * block_size + offset`` is then row ``s`` of every
-(K|V, head) plane. Grid ``(N,)``: program ``n`` writes ``k[n, h]`` and ``v[n, h]`` for every
+(layer, K|V, head) plane. The layer is an int32 operand (a Python int or a scalar, traced or
+not, clamped to ``[0, num_layers)``: see :func:`pallas_kernels.decode_attention.layer_operand`),
+not a compiled-in block index, so every layer's write is the same kernel. Grid ``(N,)``: program ``n`` writes ``k[n, h]`` and ``v[n, h]`` for every
 KV head into row ``slots[n]``. The output aliases the pages (``input_output_aliases``): donate
 the pages so only ``N`` rows are written. Padding rows write into the null block 0; slots
 outside the pages are clamped to slot 0 beforehand.
@@ -17,23 +19,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.decode_attention import layer_operand
 from pallas_kernels.reference import sanitize_slots
 
 
-def _write_kernel(slot_ref, k_ref, v_ref, pages_ref, out_ref):
+def _write_kernel(layer_ref, slot_ref, k_ref, v_ref, pages_ref, out_ref):
   del pages_ref  # Same buffer as out_ref (aliased).
+  layer = layer_ref[0]
   slot = slot_ref[0]
   num_kv_heads = k_ref.shape[0]
 
   def body(h, carry):
-    out_ref[0, h, slot] = k_ref[h]
-    out_ref[1, h, slot] = v_ref[h]
+    out_ref[layer, 0, h, slot] = k_ref[h]
+    out_ref[layer, 1, h, slot] = v_ref[h]
     return carry
 
   lax.fori_loop(0, num_kv_heads, body, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
 def write_kv_pallas(pages, layer, k, v, slots, *, interpret=False, num_warps=1):
   """Pallas KV write; arguments as :func:`pallas_kernels.write_kv`."""
   num_layers, _, num_kv_heads, num_blocks, block_size, head_dim = pages.shape
@@ -41,18 +45,18 @@ def write_kv_pallas(pages, layer, k, v, slots, *, interpret=False, num_warps=1):
   n = slots.shape[0]
   slots = sanitize_slots(slots, num_slots).reshape(n, 1)
   flat = pages.reshape(num_layers, 2, num_kv_heads, num_slots, head_dim)
-  page_spec = pl.BlockSpec((None, 2, num_kv_heads, num_slots, head_dim),
-                           lambda i: (layer, 0, 0, 0, 0))
+  page_spec = pl.BlockSpec(flat.shape, lambda i: (0, 0, 0, 0, 0))  # all layers
   row_spec = pl.BlockSpec((None, num_kv_heads, head_dim), lambda i: (i, 0, 0))
   out = pl.pallas_call(
       _write_kernel,
       grid=(n,),
-      in_specs=[pl.BlockSpec((None, 1), lambda i: (i, 0)), row_spec, row_spec, page_spec],
+      in_specs=[pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((None, 1), lambda i: (i, 0)),
+                row_spec, row_spec, page_spec],
       out_specs=page_spec,
       out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-      input_output_aliases={3: 0},
+      input_output_aliases={4: 0},
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="write_kv",
-  )(slots, k, v, flat)
+  )(layer_operand(layer, num_layers), slots, k, v, flat)
   return out.reshape(pages.shape)

@@ -12,6 +12,8 @@ head_dim]`` K/V tiles gathered through the block table. Grid ``(batch, num_kv_he
 num_row_tiles)``. Each program only visits K/V tiles up to the last position its own valid
 queries can see (causal skipping), so early query tiles and short sequences do less work.
 The online softmax runs in float32; rows with no visible position (padding queries) give zeros.
+The layer is an int32 operand indexing the K/V blocks' layer axis, as in the decode kernel
+(:func:`pallas_kernels.decode_attention.layer_operand`): one kernel for every layer.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import tiling
-from pallas_kernels.decode_attention import online_softmax_init, online_softmax_step
+from pallas_kernels.decode_attention import layer_operand, online_softmax_init, online_softmax_step
 from pallas_kernels.reference import sanitize_block_tables, score_knobs
 
 
-def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
+def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
                     group: int, blocks_per_tile: int, max_positions: int,
                     soft_cap: float | None = None, has_bias: bool = False):
   # refs: (ALiBi slope of each row [rows] when has_bias,) then the output.
@@ -39,6 +41,7 @@ def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sca
   tile_keys = blocks_per_tile * block_size
   rows = q_ref.shape[0]
 
+  layer = layer_ref[0]  # int32 operand, clamped to [0, num_layers) (layer_operand)
   q_start = start_ref[0]
   q_len = qlen_ref[0]
   first_row = row_tile * rows
@@ -58,8 +61,8 @@ def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sca
   def body(tile, carry):
     o, m, l = carry
     ids = bt_ref[pl.ds(tile * blocks_per_tile, blocks_per_tile)]
-    k = k_ref[ids].reshape(tile_keys, head_dim)
-    v = v_ref[ids].reshape(tile_keys, head_dim)
+    k = k_ref[layer, ids].reshape(tile_keys, head_dim)
+    v = v_ref[layer, ids].reshape(tile_keys, head_dim)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = s * scale
     pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
@@ -74,7 +77,7 @@ def _prefill_kernel(start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sca
 
 @functools.partial(
     jax.jit,
-    static_argnames=("layer", "scale", "interpret", "rows_per_tile", "blocks_per_tile",
+    static_argnames=("scale", "interpret", "rows_per_tile", "blocks_per_tile",
                      "num_warps", "num_stages", "soft_cap"))
 def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_lens, *, scale,
                                    interpret=False, rows_per_tile=None, blocks_per_tile=None,
@@ -86,7 +89,7 @@ def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_len
   ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given.
   """
   batch, num_tokens, num_q_heads, head_dim = q.shape
-  _, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
+  num_layers, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
   max_blocks = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
   total_rows = num_tokens * group
@@ -123,23 +126,25 @@ def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_len
                              blocks_per_tile=blocks_per_tile,
                              max_positions=max_blocks * block_size, soft_cap=soft_cap,
                              has_bias=alibi_slopes is not None)
-  kv_block = (None, None, None, num_blocks, block_size, head_dim)
+  # Every layer of one (K|V, KV head) plane; the kernel indexes the layer axis with its operand.
+  kv_block = (num_layers, None, None, num_blocks, block_size, head_dim)
   out = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, row_tiles),
       in_specs=[
+          pl.BlockSpec((1,), lambda b, h, r: (0,)),  # layer
           pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_start
           pl.BlockSpec((None, 1), lambda b, h, r: (b, 0)),  # q_lens
           pl.BlockSpec((None, padded_blocks), lambda b, h, r: (b, 0)),  # block table row
           pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h, r: (b, h, r, 0)),
-          pl.BlockSpec(kv_block, lambda b, h, r: (layer, 0, h, 0, 0, 0)),  # K pages
-          pl.BlockSpec(kv_block, lambda b, h, r: (layer, 1, h, 0, 0, 0)),  # V pages
+          pl.BlockSpec(kv_block, lambda b, h, r: (0, 0, h, 0, 0, 0)),  # K pages, all layers
+          pl.BlockSpec(kv_block, lambda b, h, r: (0, 1, h, 0, 0, 0)),  # V pages, all layers
       ] + bias_specs,
       out_specs=pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h, r: (b, h, r, 0)),
       out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, padded_rows, head_dim), q.dtype),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="paged_prefill_attention",
-  )(starts, qlens, bt, qr, pages, pages, *bias_inputs)
+  )(layer_operand(layer, num_layers), starts, qlens, bt, qr, pages, pages, *bias_inputs)
   out = out[:, :, :total_rows].reshape(batch, num_kv_heads, num_tokens, group, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_tokens, num_q_heads, head_dim)

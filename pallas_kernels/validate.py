@@ -54,26 +54,23 @@ def check_pages(pages: Any) -> tuple[int, int, int, int, int]:
   return num_layers, num_kv_heads, num_blocks, block_size, head_dim
 
 
-def check_static_layer(layer, impl: str):
-  """After ``impl`` is resolved: the Pallas kernels compile the layer into their block index maps,
-  so they need a Python int (``models.llama.Llama`` then loops over layers instead of scanning)."""
-  if impl != "reference" and isinstance(layer, jax.Array):
-    raise ValueError(f"impl={impl!r} needs a static Python int layer (the Pallas kernels compile it in); "
-                     "got a traced one: use impl='reference', or call attend with Python ints")
+def check_layer(layer: Any, num_layers: int):
+  """The layer id, for every ``impl``: a static Python int in ``[0, num_layers)`` (returned as
+  int), or an integer scalar ``jax.Array`` (e.g. traced inside a scan over layers; returned as
+  int32). The Pallas kernels take the layer as an int32 operand, not as a compiled-in block
+  index (:func:`pallas_kernels.decode_attention.layer_operand`), so both kinds reach them.
 
-
-def check_layer(layer: Any, num_layers: int, *, traced_ok: bool = False):
-  """A static Python int in ``[0, num_layers)`` (returned as int), or, where ``traced_ok`` (the
-  XLA reference), an integer scalar ``jax.Array`` (traced inside a scan over layers; returned as
-  int32). A traced id cannot be range-checked here: it must lie in ``[0, num_layers)`` (a scan
-  over layers guarantees it)."""
-  if traced_ok and isinstance(layer, jax.Array):
+  A traced id cannot be range-checked here. It must lie in ``[0, num_layers)`` (a scan over
+  layers guarantees it); outside that range the Pallas kernels clamp it to the nearest layer
+  (never memory outside the pages) and the XLA reference takes it as given (XLA's gather clamps,
+  its scatter drops the write)."""
+  if isinstance(layer, jax.Array):
     if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
       raise ValueError(f"layer must be an integer scalar, got {layer.dtype} shape {layer.shape}")
     return layer.astype(jnp.int32)
   if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
-    alt = " (or, for impl='reference', an integer scalar array)" if traced_ok else ""
-    raise ValueError(f"layer must be a static Python int{alt}, got {type(layer).__name__} {layer!r}")
+    raise ValueError(f"layer must be a static Python int or an integer scalar array, got "
+                     f"{type(layer).__name__} {layer!r}")
   if not 0 <= int(layer) < num_layers:
     raise ValueError(f"layer={layer} out of range [0, {num_layers}) for pages with {num_layers} layers")
   return int(layer)
@@ -165,7 +162,7 @@ def check_decode(q, pages, layer, block_tables, lengths, scale, impl, soft_cap=N
                  alibi_slopes=None):
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
-  layer = check_layer(layer, num_layers, traced_ok=True)
+  layer = check_layer(layer, num_layers)
   b, num_q_heads, _ = _check_query(q, 3, pages, num_kv_heads, head_dim, "[batch, num_q_heads, head_dim]")
   bt_shape = _check_int32("block_tables", block_tables, ndim=2)
   if bt_shape[0] != b:
@@ -185,7 +182,7 @@ def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl, s
                   alibi_slopes=None):
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
-  layer = check_layer(layer, num_layers, traced_ok=True)
+  layer = check_layer(layer, num_layers)
   b, t, num_q_heads, _ = _check_query(q, 4, pages, num_kv_heads, head_dim,
                             "[batch, num_tokens, num_q_heads, head_dim]")
   if t < 1:
@@ -208,7 +205,7 @@ def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl, s
 def check_write_kv(pages, layer, k, v, slots, impl):
   impl = check_impl(impl)
   num_layers, num_kv_heads, _, _, head_dim = check_pages(pages)
-  layer = check_layer(layer, num_layers, traced_ok=True)
+  layer = check_layer(layer, num_layers)
   n = _check_int32("slots", slots, ndim=1)[0]
   want = (n, num_kv_heads, head_dim)
   for name, x in (("k", k), ("v", v)):

@@ -1,5 +1,5 @@
 """The scan over stacked decoder layers (`models.llama`): the stacked layout, the scanned and the
-unrolled forward agreeing, a traced layer id in the reference kernels, and the compiled decode step
+unrolled forward agreeing, a traced layer id in the kernels, and the compiled decode step
 updating the pages in place (no page-sized copy in its HLO)."""
 
 from __future__ import annotations
@@ -79,9 +79,10 @@ def test_scanned_and_unrolled_layers_agree(family):
     np.testing.assert_array_equal(np.asarray(scan_pages[0]), np.asarray(unrolled_pages[0]))
 
 
-def test_reference_kernels_take_a_traced_layer():
+def test_kernels_take_a_traced_layer():
     """write_kv and the paged attentions with layer as an int32 scalar (inside jit) give what the
-    Python int gives; the Pallas implementations refuse a traced layer by name."""
+    Python int gives, in the reference and in the Pallas kernels (interpret mode; they take the
+    layer as an operand); a non-integer layer is refused by name."""
     rs = np.random.RandomState(1)
     pages = jnp.asarray(rs.randn(3, 2, 2, 4, BLOCK, 16), jnp.float32)
     k = jnp.asarray(rs.randn(5, 2, 16), jnp.float32)
@@ -91,20 +92,19 @@ def test_reference_kernels_take_a_traced_layer():
     tables = jnp.asarray([[1, 2], [3, 0]], jnp.int32)
     lengths = jnp.asarray([20, 9], jnp.int32)
 
-    def step(layer, pages):
-        pages = pk.write_kv(pages, layer, k, v, slots, impl="reference")
-        out = pk.paged_decode_attention(q, pages, layer, tables, lengths, impl="reference")
+    def step(layer, pages, impl):
+        pages = pk.write_kv(pages, layer, k, v, slots, impl=impl)
+        out = pk.paged_decode_attention(q, pages, layer, tables, lengths, impl=impl)
         pre = pk.paged_prefill_attention(q[:, None], pages, layer, tables, lengths - 1, jnp.ones(2, jnp.int32),
-                                         impl="reference")
+                                         impl=impl)
         return pages, out, pre
 
-    for layer in range(3):
-        want = step(layer, pages)
-        got = jax.jit(step)(jnp.int32(layer), pages)
-        for w, g in zip(want, got):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    with pytest.raises(ValueError, match="impl='interpret' needs a static Python int layer"):
-        jax.jit(lambda layer: pk.write_kv(pages, layer, k, v, slots, impl="interpret"))(jnp.int32(0))
+    for impl in ("reference", "interpret"):
+        for layer in range(3):
+            want = step(layer, pages, impl)
+            got = jax.jit(step, static_argnums=2)(jnp.int32(layer), pages, impl)
+            for w, g in zip(want, got):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     with pytest.raises(ValueError, match="integer scalar"):
         jax.jit(lambda layer: pk.write_kv(pages, layer, k, v, slots, impl="reference"))(jnp.float32(0))
 
