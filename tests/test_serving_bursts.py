@@ -143,3 +143,21 @@ def test_a_row_stops_on_the_device_at_its_eos(model):
     assert eng.step_count - before > 1  # it finished inside a burst
     row = 0  # the only request: row 0, not freed before the next call
     assert int(np.asarray(eng.device.state.num_tokens)[row]) == len(prompt) + len(out.tokens[0]) - 1
+
+
+def test_bursts_with_requests_waiting_admit_them_at_the_same_steps(model, monkeypatch):
+    """More requests than rows: requests wait while bursts run, and each burst ends after the
+    step in which a row finished, so every waiting request is admitted at the step where one call
+    per step admits it."""
+    eos = _eos_the_model_samples(model)
+    small = pk.ManagerConfig(num_blocks=200, block_size=16, max_seqs=4, max_blocks_per_seq=8)
+    texts = ["The cow says", "Once upon a time", "Hello, world", "A bird", "Let us count: 1, 2,", "The cat"]
+    reqs = [Request(TOK.encode(t * (1 + i % 2)), SamplingParams(max_new_tokens=6 + 5 * (i % 4), temperature=0.7 * (i % 2),
+                                                                eos_token_ids=eos if i % 3 == 0 else ()),
+                    request_id=i) for i, t in enumerate(texts + texts[::-1])]
+    one, one_stats, one_calls, one_stream = _run(model, _cfg(1, small), reqs, monkeypatch)
+    burst, burst_stats, burst_calls, burst_stream = _run(model, _cfg(8, small), reqs, monkeypatch)
+    _same(burst, one)
+    assert burst_stats.steps == one_stats.steps and burst_stream == one_stream
+    assert max(o[4][1] for o in one.values()) > 10  # late admissions: requests did wait for rows
+    assert burst_calls < one_calls

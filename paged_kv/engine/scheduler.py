@@ -271,14 +271,16 @@ class Scheduler(Outcomes):
 
     def _burst_length(self, max_steps: int | None) -> int:
         """Decode steps the next call may run: 1, or up to ``decode_steps`` (and ``max_steps``)
-        when no step in between needs the host: nothing is prefilled or waiting to be admitted,
-        no beam (its reselection is the host's) or pending reselection, every row's EOS ids fit
+        when no step in between needs the host: nothing is prefilled, no beam (its reselection
+        is the host's) or pending reselection, every row's EOS ids fit
         the device's check, and the free blocks cover every decoding row's next blocks (its
-        tokens' blocks plus one for a copy-on-write), so no ``append`` can fail inside it."""
+        tokens' blocks plus one for a copy-on-write), so no ``append`` can fail inside it. With
+        requests waiting the count is negative: the burst then ends after a step in which a row
+        finished, where one call per step would try the admission again."""
         k = self.config.decode_steps
         if max_steps is not None:
             k = min(k, max_steps)
-        if k <= 1 or self._cohort or self._waiting or self._select or not self._pending:
+        if k <= 1 or self._cohort or self._select or not self._pending:
             return 1
         from paged_kv.engine.step_io import EOS_SLOTS
         for fam in self._running.values():
@@ -294,7 +296,11 @@ class Scheduler(Outcomes):
                 # many; one fewer after a re-admission): blocks for k more, one more to copy.
                 hi = len(fam.req.prompt) + len(s.tokens)
                 need += -(-(hi + k) // bs) - -(-(hi - 1) // bs) + shared
-        return k if need <= self._num_free else 1
+        if need > self._num_free:
+            return 1
+        # Waiting requests did not fit now (``_try_admit`` ran first); only a row that finishes
+        # can make room (blocks only shrink otherwise), so the burst ends after such a step.
+        return -k if self._waiting else k
 
     def _note_compile(self, key, t0: float) -> None:
         # The first call of each shape compiles: its time is reported apart from the throughput.

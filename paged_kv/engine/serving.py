@@ -39,8 +39,9 @@ K/V is written, so no later request may hit them earlier, and a request in the m
 prefill is never preempted (its freed blocks would stay cached without their K/V).
 
 With ``decode_steps = K > 1`` one device call runs a *burst* of up to ``K`` decode steps when no
-step in between needs the host (no prefill, nothing waiting, no beam, blocks for ``K`` more
-tokens free, the next arrival of ``run`` at least ``K`` steps away): a ``while_loop`` over the
+step in between needs the host (no prefill, no beam, blocks for ``K`` more tokens free, the
+next arrival of ``run`` at least ``K`` steps away; with requests waiting, a burst also ends after
+a step in which a row finished): a ``while_loop`` over the
 step, each row feeding the token it sampled and stopping at an EOS id or its budget. The host
 then processes each step's outputs in turn, so tokens, log-probs, step counts and admissions
 are those of one call per step (``tests/test_serving_bursts.py``).

@@ -84,13 +84,17 @@ def _burst(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInp
     Step 0 takes ``inp`` as it is; every later step decodes only: no free, select, fork or
     prefill piece, each row feeding the token it sampled, with ``token_idx`` one further (so the
     same sampling keys as one call per step). A row stops after an EOS id (``inp.eos``), at its
-    budget (``inp.left``) or on a status other than OK. The loop ends after ``inp.n_steps``
-    steps, when no row decodes, or after a step where some row found no free block (the host
+    budget (``inp.left``) or on a status other than OK. The loop ends after ``|inp.n_steps|``
+    steps, when no row decodes, after a step in which a row finished when ``inp.n_steps`` is
+    negative (requests wait for rows), or after a step where some row found no free block (the host
     preempts; the scheduler runs bursts only when the blocks suffice). Returns ``(pages, state,
     (outputs with a leading [K] axis, steps run))``; entries past the steps run are zeros."""
     cfg = shape.config
     k, r = cfg.decode_steps, cfg.manager.max_seqs
-    n = jnp.clip(inp.n_steps[0], 1, k)
+    n = jnp.clip(jnp.abs(inp.n_steps[0]), 1, k)
+    # Negative: requests are waiting, so the burst ends after a step in which a row finished (its
+    # row and blocks may admit one at the next call, as they would at the next step).
+    stop_on_finish = inp.n_steps[0] < 0
     pad = jnp.full((r,), -1, jnp.int32)
     no_pf = jnp.full_like(inp.pf_rows, -1)
 
@@ -106,7 +110,8 @@ def _burst(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInp
                           logit_src=jnp.arange(r, dtype=jnp.int32), pf_rows=no_pf,
                           pf_lens=jnp.zeros_like(cur.pf_lens), dec_tokens=jnp.where(live, out.tokens, 0),
                           dec_live=live, token_idx=cur.token_idx + 1, left=cur.left - 1)
-        return i + 1, pages, state, nxt, bufs, failed | ~jnp.any(live)
+        finished = jnp.any(cur.dec_live & done)
+        return i + 1, pages, state, nxt, bufs, failed | ~jnp.any(live) | (stop_on_finish & finished)
 
     def cond(carry):
         i, *_, stop = carry
@@ -316,7 +321,8 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
       cohort: the ``CohortRow`` s being prefilled (``prefill_pieces`` cuts this step's pieces from
         them; empty or all done: no prefill chunk, P = 0).
       running: the running ``Family`` s (per-row sampling parameters and key parts).
-      n_steps: decode steps the call may run (a burst when > 1: ``ServingConfig.decode_steps``).
+      n_steps: decode steps the call may run (a burst when > 1: ``ServingConfig.decode_steps``;
+        negative: ``-n_steps`` steps at most, ending after a step in which a row finished).
     Returns ``(inputs, pf)``: ``pf`` is None without a chunk, else ``(rows [P], tokens [P, C],
     start [P], lens [P], ends, owners)`` over the pieces (padding after them): ``ends[i]`` is true
     when piece ``i`` ends its row's prompt and ``owners[i]`` is its ``CohortRow``.

@@ -40,8 +40,9 @@ class ServingConfig:
         picture); costs one ``[R, max_blocks_per_seq]`` transfer per step.
       decode_steps: decode steps one device call may run (``K``; 1: one step per call). With
         ``K > 1`` a call runs up to ``K`` steps while nothing needs the host between them: no
-        prompt is being prefilled or waiting, no beam runs, every row's blocks for ``K`` more
-        tokens are free, and the next arrival of ``run`` is at least ``K`` steps away. Rows stop
+        prompt is being prefilled, no beam runs, every row's blocks for ``K`` more
+        tokens are free, and the next arrival of ``run`` is at least ``K`` steps away (with
+        requests waiting for rows, a burst also ends after a step in which a row finished). Rows stop
         on the device at an EOS id or their token budget; the host then processes each step's
         outputs as if they had come one call at a time (same tokens, log-probs and statistics
         per step; a finished row's blocks are freed at the next call instead of the next step).

@@ -35,7 +35,8 @@ class StepInputs:
       left: int32 [R] tokens each decoding row may still generate, this step's included (its
         budget); eos: int32 [EOS_SLOTS, R] its request's EOS ids (-1 pads); n_steps: int32 [R]
         (every entry the same) decode steps this call may run (``ServingConfig.decode_steps``):
-        the rows stop on the device at an EOS or their budget. Read only when
+        the rows stop on the device at an EOS or their budget; negative when requests wait, so
+        that the call ends after a step in which a row finished. Read only when
         ``decode_steps > 1``.
     """
 
