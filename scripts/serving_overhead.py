@@ -31,6 +31,8 @@ second call. The load average is recorded: numbers from a loaded machine say so.
 
     python scripts/serving_overhead.py --chunk-size 64 --prefill-rows 8 --out /tmp/c64.json
     python scripts/serving_overhead.py --ab-decode-steps 1 8 --repeats 7 --out results/serving_bursts_ab.json
+    python scripts/serving_overhead.py --ab-decode-steps 1 8 --rows 32 --requests 96 \
+        --out results/serving_bursts_ab_waiting.json          # requests waiting for rows
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def workload(r: int):
     return [[(7 * i + 3 * j) % 250 + 3 for j in range(PROMPT)] for i in range(r)]
 
 
-def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_steps: int = 1) -> dict:
+def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_steps: int = 1,
+                  requests: int | None = None) -> dict:
     import jax
     import paged_kv as pk
     from paged_kv.engine import serving
@@ -69,7 +72,7 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
     mgr = pk.ManagerConfig(num_blocks=blocks, block_size=16, max_seqs=r, max_blocks_per_seq=8)
     extra = {"decode_steps": decode_steps} if decode_steps > 1 else {}  # older trees lack the field
     cfg = serving.ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(rows, r), **extra)
-    reqs = [serving.Request(p, SamplingParams(max_new_tokens=NEW)) for p in workload(r)]
+    reqs = [serving.Request(p, SamplingParams(max_new_tokens=NEW)) for p in workload(requests or r)]
 
     def run(engine):
         return list(engine.run(reqs))
@@ -146,12 +149,13 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
     return best
 
 
-def timed_generate(model, r: int, repeats: int) -> dict:
+def timed_generate(model, r: int, repeats: int, requests: int | None = None) -> dict:
     import jax
     import paged_kv as pk
     from models.paged import allocate_pages, page_spec
     from paged_kv import engine as eng
 
+    r = requests or r  # generate runs every request at once
     blocks = r * -(-(PROMPT + NEW) // 16) + 1
     mgr = pk.ManagerConfig(num_blocks=blocks, block_size=16, max_seqs=r, max_blocks_per_seq=8)
     toks, lens = eng.pad_prompts(workload(r), width=PROMPT)
@@ -181,8 +185,9 @@ def ab_decode_steps(model, args) -> None:
         runs = {f"serving_k{k1}": [], f"serving_k{k2}": [], "generate": []}
         for _ in range(args.repeats):
             for k in (k1, k2):
-                runs[f"serving_k{k}"].append(timed_serving(model, r, 1, args.chunk_size, args.prefill_rows, k)["tokens_per_s"])
-            runs["generate"].append(timed_generate(model, r, 1)["tokens_per_s"])
+                runs[f"serving_k{k}"].append(timed_serving(model, r, 1, args.chunk_size, args.prefill_rows, k,
+                                                           args.requests)["tokens_per_s"])
+            runs["generate"].append(timed_generate(model, r, 1, args.requests)["tokens_per_s"])
         a, b, g = runs[f"serving_k{k1}"], runs[f"serving_k{k2}"], runs["generate"]
         med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
         rows[str(r)] = {"tokens_per_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
@@ -196,7 +201,8 @@ def ab_decode_steps(model, args) -> None:
               f"(medians of {args.repeats} rounds); load {load[0]:.1f}", flush=True)
     result = {"label": args.label, "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
               "workload": {"prompt_tokens": PROMPT, "new_tokens": NEW, "greedy": True, "arrivals": "all at step 0",
-                           "chunk_size": args.chunk_size, "max_prefill_rows": f"min({args.prefill_rows}, R)"},
+                           "chunk_size": args.chunk_size, "max_prefill_rows": f"min({args.prefill_rows}, R)",
+                           "requests": args.requests or "R"},
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -214,6 +220,9 @@ def main() -> None:
                     help="the serving engine's decode_steps (K; default 8, the CLI's; 1: one call per step)")
     ap.add_argument("--ab-decode-steps", type=int, nargs=2, metavar=("K1", "K2"),
                     help="instead: serving with decode_steps K1 and K2 and generate, alternated per round")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="with --ab-decode-steps: this many requests on R rows (default R; more: they wait for "
+                         "rows; generate then runs them all in one batch)")
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--out", default=str(ROOT / "results" / "serving_overhead.json"))
     args = ap.parse_args()
