@@ -76,11 +76,11 @@ class CohortRow:
     # Its prompt shares blocks that another row of the same cohort computes (``admit``'s
     # ``shared_tokens``): it may not run ahead of them (``serving_step.prefill_pieces``).
     reads_cohort: bool = False
-    done: int = -1  # first position not yet computed (``start`` at admission; the prompt's length when done)
+    # First position not yet computed: ``start`` at admission, the prompt's length when done.
+    done: int = dataclasses.field(init=False)
 
     def __post_init__(self):
-        if self.done < 0:
-            self.done = self.start
+        self.done = self.start
 
 
 

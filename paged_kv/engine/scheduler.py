@@ -31,6 +31,7 @@ from paged_kv.engine import families as F
 from paged_kv.engine.families import CohortRow, Family, Phase, Sample
 from paged_kv.engine.outcomes import Outcomes
 from paged_kv.engine.serving_step import build_inputs
+from paged_kv.engine.step_io import EOS_SLOTS
 from paged_kv.engine.serving_types import EngineStats, Request, RequestOutput, RequestStats, ServingConfig
 from paged_kv.engine.serving_types import TableSnapshot, TokenDelta
 from paged_kv.status import Status
@@ -282,12 +283,10 @@ class Scheduler(Outcomes):
             k = min(k, max_steps)
         if k <= 1 or self._cohort or self._select or not self._pending:
             return 1
-        from paged_kv.engine.step_io import EOS_SLOTS
+        bs, need = self.manager.block_size, 0
         for fam in self._running.values():
             if fam.req.is_beam or len(fam.req.params.eos_token_ids) > EOS_SLOTS:
                 return 1
-        bs, need = self.manager.block_size, 0
-        for fam in self._running.values():
             shared = fam.req.params.n > 1  # forked samples may share their last, partial block
             for s in fam.samples:
                 if s.row is None or s.row not in self._pending:

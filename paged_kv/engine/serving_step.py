@@ -38,6 +38,7 @@ from paged_kv.scan import forms_for, per_platform, program_platform
 from paged_kv.share import fork, select
 from paged_kv.share import free_select_append as share_free_select_append
 from paged_kv.state import BlockManagerState
+from paged_kv.status import Status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +103,9 @@ def _burst(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInp
         i, pages, state, cur, bufs, stop = carry
         pages, state, out = _step(graphdef, weights, pages, state, key, cur, shape)
         bufs = jax.tree.map(lambda b, x: b.at[i].set(x), bufs, out)
-        ok = out.status == 0  # Status.OK
-        done = (jnp.any(out.tokens[None, :] == cur.eos, axis=0) | (cur.left <= 1) | ~ok)
+        done = jnp.any(out.tokens[None, :] == cur.eos, axis=0) | (cur.left <= 1) | (out.status != Status.OK)
         live = cur.dec_live & ~done
-        failed = jnp.any(cur.dec_live & (out.status == 1))  # Status.NO_FREE_BLOCKS
+        failed = jnp.any(cur.dec_live & (out.status == Status.NO_FREE_BLOCKS))
         nxt = cur.replace(free_ids=pad, sel_dst=pad, sel_parent=pad, fork_src=pad, fork_dst=pad,
                           logit_src=jnp.arange(r, dtype=jnp.int32), pf_rows=no_pf,
                           pf_lens=jnp.zeros_like(cur.pf_lens), dec_tokens=jnp.where(live, out.tokens, 0),
