@@ -66,9 +66,14 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((dim,), dtype))
 
     def __call__(self, x: Array) -> Array:
+        return self.scale[...] * self.normalize(x)
+
+    def normalize(self, x: Array) -> Array:
+        """x / sqrt(mean(x^2) + eps) in x's dtype, before the scale (the scan on stacked weights
+        hands the scale to the next projection, `models.protocol.LAYER_MATMUL`)."""
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...] * normed.astype(x.dtype)
+        return normed.astype(x.dtype)
 
 
 def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
@@ -124,6 +129,39 @@ class Attention(nnx.Module):
             out = jnp.einsum("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...])
             return (out + self.o_bias[...] if self.has_o_bias else out), cache
 
+    def call_stacked(self, x, norm_scale, positions, inv_freq, layer, cache, attend: AttendFn, matmul):
+        """`__call__` on stacked weights (every parameter `[L, ...]`), for layer `layer` (an int32
+        scalar, traced by the scan): the projections go through `matmul(x[M, K], w[L, K, N],
+        layer, scale=, bias=)` (`models.protocol.LAYER_MATMUL`), which reads `w[layer]` in place.
+        `x` is the input norm's normalized input before its weight; `norm_scale` `[L, d]` is that
+        weight, applied by the q/k/v projections. Same arithmetic as `__call__` after the norm."""
+        b, t, d = x.shape
+        e = self.q_proj.shape[-1]
+        x2 = x.reshape(b * t, d)
+
+        def proj(w, bias):  # w [L, d, H, E], bias [L, H, E] -> [b, t, H, E]
+            n = w.shape[0]
+            out = matmul(x2, w.reshape(n, d, -1), layer, scale=norm_scale,
+                         bias=None if bias is None else bias.reshape(n, -1))
+            return out.reshape(b, t, w.shape[2], e)
+
+        with jax.named_scope("qkv_proj"):
+            q = proj(self.q_proj[...], self.q_bias[...] if self.qkv_bias else None)
+            k = proj(self.k_proj[...], self.k_bias[...] if self.qkv_bias else None)
+            v = proj(self.v_proj[...], self.v_bias[...] if self.qkv_bias else None)
+            if self.qk_norm:  # per-head scales [L, E]: a small slice each
+                q = self.q_norm.scale[...][layer] * self.q_norm.normalize(q)
+                k = self.k_norm.scale[...][layer] * self.k_norm.normalize(k)
+        with jax.named_scope("rope"):
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+        out, cache = attend(layer, q, k, v, cache)
+        with jax.named_scope("o_proj"):
+            w = self.o_proj[...]  # [L, H, E, d]
+            out = matmul(out.astype(x.dtype).reshape(b * t, -1), w.reshape(w.shape[0], -1, d), layer,
+                         bias=self.o_bias[...] if self.has_o_bias else None)
+            return out.reshape(b, t, d), cache
+
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), each projection with a bias under `mlp_bias`."""
@@ -148,6 +186,18 @@ class MLP(nnx.Module):
         down = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...])
         return down + self.down_bias[...] if self.mlp_bias else down
 
+    def call_stacked(self, x, norm_scale, layer, matmul):
+        """`__call__` on stacked weights for layer `layer` (see `Attention.call_stacked`): `x` the
+        post-attention norm's normalized input, `norm_scale` `[L, d]` its weight."""
+        with jax.named_scope("mlp"):
+            b, t, d = x.shape
+            x2 = x.reshape(b * t, d)
+            bias = (lambda name: getattr(self, name)[...]) if self.mlp_bias else (lambda name: None)
+            gate = matmul(x2, self.gate[...], layer, scale=norm_scale, bias=bias("gate_bias"))
+            up = matmul(x2, self.up[...], layer, scale=norm_scale, bias=bias("up_bias"))
+            down = matmul(jax.nn.silu(gate) * up, self.down[...], layer, bias=bias("down_bias"))
+            return down.reshape(b, t, d)
+
 
 class DecoderLayer(nnx.Module):
     """One decoder layer (pre-norm attention and MLP, each residual). In `Llama` its parameters
@@ -164,6 +214,16 @@ class DecoderLayer(nnx.Module):
         h, cache = self.attn(self.input_norm(x), positions, inv_freq, layer, cache, attend)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x)), cache
+
+    def call_stacked(self, x, positions, inv_freq, layer, cache, attend: AttendFn, matmul):
+        """`__call__` with every parameter stacked `[L, ...]`, for layer `layer` (int32 scalar):
+        the weights are read in place by `matmul` (`models.protocol.LAYER_MATMUL`), so the scan
+        over layers slices no weight; each norm's weight is applied by the projections after it."""
+        h, cache = self.attn.call_stacked(self.input_norm.normalize(x), self.input_norm.scale[...], positions,
+                                          inv_freq, layer, cache, attend, matmul)
+        x = x + h
+        return x + self.mlp.call_stacked(self.post_attn_norm.normalize(x), self.post_attn_norm.scale[...], layer,
+                                         matmul), cache
 
 
 SAFE_TOKEN = 0
@@ -257,6 +317,20 @@ class Llama(nnx.Module):
             x, cache = nnx.merge(layer_def, weights)(x, positions, inv_freq, i, cache, attend)
             return (x, cache), None
 
+        matmul = getattr(attend, "layer_matmul", None)
+        if matmul is not None:
+            # The attend callback brings a matmul that reads one layer out of a stacked weight
+            # (the Pallas kernel on a GPU): the scan then carries only the layer id, and the
+            # weights stay whole, loop invariants of the scan that XLA:GPU never copies.
+            ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+            layers = nnx.merge(layer_def, stacked)
+
+            def stacked_body(carry, i):
+                x, cache = carry
+                return layers.call_stacked(x, positions, inv_freq, i, cache, attend, matmul), None
+
+            (x, cache), _ = jax.lax.scan(stacked_body, (x, cache), ids)
+            return self.final_norm(x), cache
         if getattr(attend, "static_layer", False):
             # The attend callback asks for the layers unrolled (the Pallas kernels on a GPU, where
             # a scan's dynamic weight slices are copied): the same layers, each on its static

@@ -122,7 +122,8 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
             slopes = options.pop("alibi_slopes", None)
             return attend_local(layer, q, k, v, pages, batch, slopes, **options)
 
-        attend.static_layer = static_layer_impl(impl, head_dim)
+        attend.static_layer = static_layer_impl(impl, head_dim, mesh)
+        attend.layer_matmul = layer_matmul_for(impl, head_dim, mesh)
         return attend
 
     from models.sharding import AXIS, PAGE_SPEC
@@ -140,23 +141,50 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
                            out_specs=(heads, PAGE_SPEC), check_vma=False)
         return fn(q, k, v, pages, batch, slopes)
 
-    attend.static_layer = static_layer_impl(impl, head_dim)
+    attend.static_layer = static_layer_impl(impl, head_dim, mesh)
+    attend.layer_matmul = layer_matmul_for(impl, head_dim, mesh)
     return attend
 
 
-def static_layer_impl(impl: str, head_dim: int | None = None) -> bool:
-    """True when `impl` (as `pallas_kernels.resolve_impl` resolves it: "auto" is "pallas" on a
-    GPU) runs the Pallas kernels, so a model's layers run unrolled on `per_layer` weights (the
-    `attend` callback's `static_layer`): on a GPU that is the layout without weight copies."""
-    return pk.resolve_impl(impl, head_dim) != "reference"
+def static_layer_impl(impl: str, head_dim: int | None = None, mesh=None) -> bool:
+    """True when a model's layers should run unrolled on `per_layer` weights (the `attend`
+    callback's `static_layer`): `impl` (as `pallas_kernels.resolve_impl` resolves it: "auto" is
+    "pallas" on a GPU) runs the Pallas kernels and `mesh` is set (tensor parallelism). There the
+    projections stay XLA matmuls, which GSPMD partitions, and an unrolled forward on per-layer
+    arrays is the layout in which XLA:GPU copies no weight. On one device the Pallas kernels scan
+    over stacked weights instead (`layer_matmul_for`)."""
+    return mesh is not None and pk.resolve_impl(impl, head_dim) != "reference"
 
 
-def layout_for_impl(model, impl: str):
+def layer_matmul_for(impl: str, head_dim: int | None = None, mesh=None):
+    """The `attend` callback's `layer_matmul` (`models.protocol.LAYER_MATMUL`): on one device with
+    the Pallas kernels, `pallas_kernels.layer_matmul` in that impl ("pallas" or "interpret"), so
+    the scan over stacked layers reads each layer's weights in place (XLA:GPU would copy the
+    slices a scan takes, every step); None otherwise (the reference kernels on a CPU scan with
+    XLA's slices, which XLA:CPU reads in place or copies cheaply; a mesh unrolls instead,
+    `static_layer_impl`)."""
+    resolved = pk.resolve_impl(impl, head_dim)
+    if mesh is not None or resolved == "reference":
+        return None
+    return functools.partial(_layer_matmul, impl=resolved)
+
+
+def _layer_matmul(x, w, layer, *, scale=None, bias=None, impl: str):
+    """`pallas_kernels.layer_matmul` in `impl`, or its XLA reference for a weight whose K or N is
+    not a multiple of 16 (the kernel's smallest tile; such a weight's slice is then copied on a
+    GPU, as any scan's would be)."""
+    from pallas_kernels.stacked_matmul import supported
+    use = impl if supported(w.shape[1], w.shape[2]) else "reference"
+    return pk.layer_matmul(x, w, layer, scale=scale, bias=bias, impl=use)
+
+
+def layout_for_impl(model, impl: str, mesh=None):
     """`model` (a `models.protocol.PagedModel` or its `(graphdef, state)` split; same kind back)
-    in the layer layout that suits `impl`: a stacked `models.Llama` becomes `models.llama.per_layer`
-    when the layers run unrolled (`static_layer_impl`: Pallas, on a GPU), so the compiled step has
-    no per-layer slice of a stacked weight to copy; anything else is returned as is (the scan on
-    the reference kernels keeps the stacked weights; other models have their own layout).
+    in the layer layout that suits `impl` and `mesh`: a stacked `models.Llama` becomes
+    `models.llama.per_layer` when the layers run unrolled (`static_layer_impl`: Pallas kernels
+    over a tensor-parallel mesh), so the compiled step has no per-layer slice of a stacked
+    weight to copy; anything else is returned as is (the scan keeps the stacked weights, read in
+    place by `pallas_kernels.layer_matmul` on a GPU; other models have their own layout).
 
     Converting copies the decoder-layer weights once (see `per_layer`): callers that keep the
     result should drop the stacked model. Weights that are tracers (a call under the caller's own
@@ -166,7 +194,7 @@ def layout_for_impl(model, impl: str):
     module = nnx.merge(*model) if isinstance(model, tuple) else model
     if not isinstance(module, Llama) or is_per_layer(module):
         return model
-    if not static_layer_impl(impl, module.config.head_dim):
+    if not static_layer_impl(impl, module.config.head_dim, mesh):
         return model
     if any(isinstance(w, jax.core.Tracer) for w in jax.tree.leaves(nnx.state(module))):
         return model

@@ -23,6 +23,8 @@ Public API (see :mod:`pallas_kernels.dispatch` for full docs):
 * :func:`paged_prefill_attention` ``(q, pages, layer, block_tables, q_start, q_lens, *, scale, impl)``
 * :func:`write_kv` ``(pages, layer, k, v, slots, *, impl)``
 * :func:`copy_blocks` ``(pages, src, dst, *, impl)``
+* :func:`layer_matmul` ``(x, w, layer, *, scale, bias, impl)``: one layer's projection read out
+  of a stacked ``[L, K, N]`` weight in place (the scan over layers on a GPU)
 
 ``impl`` is "auto" (Pallas on GPU, XLA reference elsewhere), "pallas", "interpret" (Pallas with
 ``interpret=True``, used in tests) or "reference".
@@ -30,6 +32,7 @@ Public API (see :mod:`pallas_kernels.dispatch` for full docs):
 
 from pallas_kernels.dispatch import (
     copy_blocks,
+    layer_matmul,
     paged_decode_attention,
     paged_prefill_attention,
     resolve_impl,
@@ -42,6 +45,7 @@ __all__ = [
     "IMPLS",
     "NULL_BLOCK",
     "copy_blocks",
+    "layer_matmul",
     "paged_decode_attention",
     "paged_prefill_attention",
     "resolve_impl",

@@ -158,3 +158,28 @@ def copy_blocks(pages, src, dst, *, impl="auto"):
     return reference.copy_blocks_reference(pages, src, dst)
   from pallas_kernels import block_copy
   return block_copy.copy_blocks_pallas(pages, src, dst, interpret=impl == "interpret")
+
+
+def layer_matmul(x, w, layer, *, scale=None, bias=None, impl="auto"):
+  """One layer's projection out of a stacked weight: ``(scale[layer] * x) @ w[layer] + bias[layer]``.
+
+  Args:
+    x: ``[M, K]`` activations (float32, bfloat16 or float16).
+    w: ``[L, K, N]``, every layer's weight stacked on axis 0, x's dtype.
+    layer: a Python int in ``[0, L)`` or an integer scalar array (traced inside a scan over
+      layers; clamped to ``[0, L)`` by the Pallas kernel, as the attention kernels clamp it).
+    scale: optional ``[L, K]``: multiplies ``x`` (in its dtype) before the product; the RMSNorm
+      weight that precedes a projection.
+    bias: optional ``[L, N]``: added after the cast to x's dtype.
+    impl: "auto" | "pallas" | "interpret" | "reference". The Pallas kernel reads ``w[layer]``
+      in place, where the reference's ``w[layer]`` is a slice XLA:GPU copies inside a scan.
+
+  Returns:
+    ``[M, N]`` in x's dtype, accumulated in float32.
+  """
+  layer, impl = validate.check_layer_matmul(x, w, layer, scale, bias, impl)
+  impl = resolve_impl(impl)
+  if impl == "reference":
+    return reference.layer_matmul_reference(x, w, layer, scale, bias)
+  from pallas_kernels import stacked_matmul
+  return stacked_matmul.layer_matmul_pallas(x, w, layer, scale, bias, interpret=impl == "interpret")

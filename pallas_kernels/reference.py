@@ -170,3 +170,12 @@ def copy_blocks_reference(pages, src, dst):
   src = sanitize_block_tables(src, num_blocks)
   dst = sanitize_block_tables(dst, num_blocks)
   return pages.at[:, :, :, dst].set(pages[:, :, :, src])
+
+
+def layer_matmul_reference(x, w, layer, scale=None, bias=None):
+  """``(scale[layer] * x) @ w[layer] + bias[layer]`` with XLA ops: x ``[M, K]``, w ``[L, K, N]``,
+  scale ``[L, K]``, bias ``[L, N]`` (both optional); float32 accumulation, result in x's dtype
+  (the bias added after the cast, as the model adds it)."""
+  a = x if scale is None else scale[layer] * x
+  out = jnp.dot(a, w[layer], preferred_element_type=jnp.float32).astype(x.dtype)
+  return out if bias is None else out + bias[layer]

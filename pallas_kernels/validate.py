@@ -282,3 +282,26 @@ def check_copy_lists(src: Any, dst: Any, num_blocks: int) -> None:
           f"copy_blocks: block {block} is the source at position {i} and the destination at "
           f"position {dst_at[block]}; a destination must not also be a source in the same call "
           "(a chain or a swap needs two calls)")
+
+
+def check_layer_matmul(x: Any, w: Any, layer: Any, scale: Any, bias: Any, impl: Any):
+  """Checks :func:`pallas_kernels.layer_matmul`'s arguments; returns ``(layer, impl)``.
+
+  x ``[M, K]`` and w ``[L, K, N]`` of one float dtype; scale ``[L, K]`` and bias ``[L, N]`` of
+  that dtype when given; for the Pallas impls K and N multiples of 16 (Triton's smallest dot)."""
+  impl = check_impl(impl)
+  for name, a, nd in (("x", x, 2), ("w", w, 3)):
+    if getattr(a, "ndim", None) != nd:
+      raise ValueError(f"{name} must have {nd} dimensions, got shape {getattr(a, 'shape', None)}")
+  if jnp.dtype(x.dtype) not in FLOAT_DTYPES or w.dtype != x.dtype:
+    raise ValueError(f"x and w must share a float dtype of {[str(d) for d in FLOAT_DTYPES]}, got "
+                     f"{x.dtype} and {w.dtype}")
+  num_layers, k, n = w.shape
+  if x.shape[1] != k:
+    raise ValueError(f"x's K={x.shape[1]} must equal w's K={k} (w shape {w.shape})")
+  for name, a, want in (("scale", scale, (num_layers, k)), ("bias", bias, (num_layers, n))):
+    if a is not None and (tuple(a.shape) != want or a.dtype != x.dtype):
+      raise ValueError(f"{name} must be {x.dtype}{list(want)}, got {a.dtype}{list(a.shape)}")
+  if impl in ("pallas", "interpret") and (k % 16 or n % 16):
+    raise ValueError(f"the Pallas layer_matmul needs K and N multiples of 16, got K={k}, N={n}")
+  return check_layer(layer, num_layers), impl

@@ -26,6 +26,9 @@ What is compiled:
   (decode at its largest group), for sm_90 and sm_80, each with the row the knob selects, and that
   row's refusals.
 * sm_80 (A100): dtype x head_dim for every kernel at block size 16, GQA 4, large size.
+* ``layer_matmul`` (the scan's stacked-weight projection): Llama 3.1 8B's four projection shapes
+  x dtype x rows (1, 64, 512) for sm_90, with the norm-weight prologue and the bias epilogue;
+  bfloat16 at 64 rows for sm_80; the refusal of K = 4100 (not a multiple of 16).
 * whole programs at Llama 3.1 8B shapes in bfloat16 for sm_90: ``engine.generate``'s loop,
   ``beam_search``'s loop, the serving step without and with a prefill chunk, the serving
   engine's ``admit`` and ``free`` programs and the block manager's ``append``, and the serving
@@ -70,7 +73,8 @@ if ROOT not in sys.path:
 
 from scripts import gpu_report  # noqa: E402
 from scripts.gpu_compile_plan import (  # noqa: E402
-    H200_BANDWIDTH, KNOBS, PROGRAMS, SIZES, KV_HEADS, TARGETS, judge, kernel_groups, target_config, triton_key)
+    H200_BANDWIDTH, KNOBS, MATMUL_LAYERS, PROGRAMS, SIZES, KV_HEADS, TARGETS, judge, kernel_groups, target_config,
+    triton_key)
 
 # ------------------------------------------------------------------------------ worker side
 _TOPOLOGIES: dict = {}
@@ -142,7 +146,7 @@ def _digest_program(res: dict) -> None:
   mine: dict[str, dict] = {}
   for k, v in sorted(ks.items()):
     base = re.sub(r"__\d+$", "", k)  # one kernel per layer: paged_decode_attention__7, ...
-    if base.startswith(("paged_", "write_kv", "copy_blocks")):
+    if base.startswith(("paged_", "write_kv", "copy_blocks", "layer_matmul")):
       mine.setdefault(base, dict(v, instances=0))["instances"] += 1
   res["triton_kernels"] = mine
   res["distinct_kernels"] = len(ks)
@@ -210,10 +214,11 @@ def _compile(lowered, work_dir: str, keep: bool) -> dict:
   if err is not None:
     res.update(status="compile_failed", error=f"{type(err).__name__}: {err}"[:1500])
   else:
-    thunks = gpu_report.parse_thunks(gpu_report.read_thunk_files(dump))
+    hlo = compiled.as_text()
+    thunks = gpu_report.parse_thunks(gpu_report.read_thunk_files(dump), gpu_report.while_trip_counts(
+        gpu_report.read_thunk_metadata(dump), hlo))
     ptx = gpu_report.ptx_entries(dump)
     mem = compiled.memory_analysis()
-    hlo = compiled.as_text()
     kernels = {}
     for t, _, _ in gpu_report.walk(thunks):
       if t["kind"] != "kCustomKernel" or "name" not in t:
@@ -248,6 +253,19 @@ def _kernel_program(spec: dict):
   _, mesh = _topology(spec["target"])
   sh = NamedSharding(mesh, PartitionSpec())
   dt = jnp.dtype(spec["dtype"])
+  if spec["kernel"] == "layer_matmul":
+    m, k, n, extras = spec["m"], spec["k"], spec["n"], spec["extras"].split("+")
+    layers = MATMUL_LAYERS
+    args = (_sds((m, k), dt, sh), _sds((layers, k, n), dt, sh), _sds((), jnp.int32, sh))
+    args += ((_sds((layers, k), dt, sh),) if "scale" in extras else ()) + (
+        (_sds((layers, n), dt, sh),) if "bias" in extras else ())
+
+    def matmul(x, w, layer, *rest):
+      rest = list(rest)
+      scale = rest.pop(0) if "scale" in extras else None
+      bias = rest.pop(0) if "bias" in extras else None
+      return pk.layer_matmul(x, w, layer, scale=scale, bias=bias, impl="pallas")
+    return matmul, args, ()
   d, bs, g = spec["head_dim"], spec["block_size"], spec["group"]
   batch, context, tokens, rows = SIZES[spec["size"]]
   if spec["kernel"] == "prefill":
@@ -312,7 +330,7 @@ def run_kernel_group(specs: list[dict], keep_dir: str | None, use_cache: bool = 
       out.append(res)
       continue
     name = "-".join(str(spec[k]) for k in ("target", "kernel", "dtype", "head_dim", "block_size",
-                                           "group", "size"))
+                                           "group", "size", "m", "k", "n", "extras") if k in spec)
     if spec.get("knob"):
       name += "-" + spec["knob"]
     res.update(_compile_or_cached(lowered, text, spec["target"], name, keep_dir,
@@ -358,9 +376,11 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   blocks_per_seq = LLAMA_CONTEXT // bs
   mgr = ManagerConfig(num_blocks=LLAMA_BATCH * blocks_per_seq + 1, block_size=bs, max_seqs=LLAMA_BATCH,
                       max_blocks_per_seq=blocks_per_seq, prefix_caching=True)
-  # The layout the engines run with the Pallas kernels (``models.paged.layout_for_impl``): one
-  # weight array per layer, so no program slices a stacked weight (which XLA:GPU copies per step).
-  model = layout_for_impl(abstract_model(cfg), "pallas")
+  # The layout the engines run with the Pallas kernels (``models.paged.layout_for_impl``): on one
+  # GPU the stacked weights (the scan's projections read them in place), over a mesh one weight
+  # array per layer (unrolled); either way no program copies a slice of a stacked weight.
+  tp_mesh = None if tp == 1 else jax.sharding.Mesh(mesh1.devices, ("tp",))
+  model = layout_for_impl(abstract_model(cfg), "pallas", tp_mesh)
   graphdef, weights = nnx.split(model)
   spec = page_spec(cfg, mgr.num_blocks, bs)
   rep = NamedSharding(mesh1, P())
@@ -374,7 +394,7 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
     pages = _sds(spec.shape, jnp.bfloat16, rep)
     mesh = None
   else:
-    mesh = jax.sharding.Mesh(mesh1.devices, ("tp",))
+    mesh = tp_mesh
     specs = msharding.weight_specs(weights, cfg, tp)
     w = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, NamedSharding(mesh, s)), weights, specs)
     pages = _sds(spec.shape, jnp.bfloat16, NamedSharding(mesh, msharding.PAGE_SPEC))

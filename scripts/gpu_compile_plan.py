@@ -124,6 +124,33 @@ def kernel_specs(quick: bool) -> list[dict]:
       specs.append(dict(target="sm_90", kernel=kernel, dtype=dt, head_dim=d, block_size=row.min_block_size // 2,
                         group=8, size="small", purpose="table_refusal"))
   specs += knob_specs()
+  specs += matmul_specs(quick)
+  return specs
+
+
+# The stacked-weight matmul the scan over layers runs on one GPU (pallas_kernels.layer_matmul):
+# Llama 3.1 8B's projections as (K, N) (q/o, k/v, gate/up, down) at a decode step's rows (1 and
+# the whole programs' 64) and a prefill chunk's (512), with the input norm's weight in the
+# prologue where the model puts it (K = d: q/k/v and gate/up) and a bias epilogue once. What can
+# change the kernel: dtype, the tiles (from M, K, N), the prologue/epilogue, the target; not L.
+MATMUL_SHAPES = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
+MATMUL_ROWS = (1, 64, 512)
+MATMUL_LAYERS = 32
+
+
+def matmul_specs(quick: bool) -> list[dict]:
+  """``layer_matmul`` configurations: sm_90 every dtype x shape x rows (only 64 rows when
+  ``quick``), the bias epilogue, sm_80 in bfloat16 at 64 rows, and the refusal of a K that is
+  not a multiple of 16."""
+  rows = (64,) if quick else MATMUL_ROWS
+  base = dict(kernel="layer_matmul", purpose="matmul")
+  specs = [dict(base, target="sm_90", dtype=dt, m=m, k=k, n=n, extras="scale" if k == 4096 else "none")
+           for dt, (k, n), m in itertools.product(DTYPES, MATMUL_SHAPES, rows)]
+  specs += [dict(base, target="sm_90", dtype=dt, m=64, k=4096, n=4096, extras="scale+bias") for dt in DTYPES]
+  specs += [dict(base, target="sm_80", dtype="bfloat16", m=64, k=k, n=n, extras="scale" if k == 4096 else "none")
+            for k, n in MATMUL_SHAPES]
+  specs.append(dict(base, target="sm_90", dtype="bfloat16", m=1, k=4100, n=4096, extras="none",
+                    purpose="table_refusal"))
   return specs
 
 
@@ -175,12 +202,12 @@ def knob_facts(knob: str | None) -> "tiling.Knobs":
 
 def kernel_groups(quick: bool) -> list[list[dict]]:
   """Work units for the workers: the configurations of one (target, kernel, dtype, head_dim,
-  block size), so configurations that may share a kernel (other GQA groups, sizes, purposes)
+  block size; for ``layer_matmul`` one (target, dtype)), so configurations that may share a kernel (other GQA groups, sizes, purposes)
   meet in one worker, which compiles each distinct kernel once. Largest groups first."""
   groups: dict[tuple, list[dict]] = {}
   for s in kernel_specs(quick):
-    groups.setdefault((s["target"], s["kernel"], s["dtype"], s["head_dim"], s["block_size"]), []).append(s)
-  order = {"prefill": 0, "decode": 1, "copy_blocks": 2, "write_kv": 3}
+    groups.setdefault((s["target"], s["kernel"], s["dtype"], s.get("head_dim"), s.get("block_size")), []).append(s)
+  order = {"prefill": 0, "decode": 1, "layer_matmul": 2, "copy_blocks": 3, "write_kv": 4}
   return sorted(groups.values(), key=lambda g: (order[g[0]["kernel"]], -len(g)))
 
 

@@ -91,10 +91,12 @@ def _dims(text: str) -> list[int]:
   return [int(x) for x in re.findall(r"\d+", text)]
 
 
-def parse_thunks(text: str) -> list[dict]:
+def parse_thunks(text: str, trip_counts: dict[int, int] | None = None) -> list[dict]:
   """Thunk sequence text -> the top-level thunks, as a tree.
 
-  Each thunk: ``{kind, name, grid, threads, shared_memory_bytes, children, sections}``.
+  Each thunk: ``{kind, id, name, grid, threads, shared_memory_bytes, children, sections}``, and
+  ``trip_count`` for a ``kWhile`` whose thunk id is in ``trip_counts`` (``while_trip_counts``:
+  XLA knows how often it runs, a scan's loop).
   ``children``: the commands of a ``kCommandBuffer`` (or any other nesting without labels);
   ``sections``: for a ``kConditional`` its branches (``false_branch``, ``true_branch``,
   ``branch_N``), for a ``kWhile`` its ``condition`` and ``body``, each a list of thunks. Nesting is
@@ -131,7 +133,9 @@ def parse_thunks(text: str) -> list[dict]:
     if not m:
       continue
     indent, kind, rest = len(m.group(1).expandtabs()), m.group(3), m.group(4)
-    node: dict = {"kind": kind, "children": [], "sections": {}}
+    node: dict = {"kind": kind, "id": int(m.group(2)), "children": [], "sections": {}}
+    if kind == "kWhile" and trip_counts and int(m.group(2)) in trip_counts:
+      node["trip_count"] = trip_counts[int(m.group(2))]
     name = rest.split()[0] if rest.split() else ""
     if name and not name.endswith(":"):
       node["name"] = name
@@ -193,6 +197,12 @@ def _cost(thunks: list[dict], pick, in_graph: bool = False) -> dict:
       c["host_syncs"] += 0 if in_graph else 1
       branches = [_cost(sec, pick, in_graph) for sec in t["sections"].values()] or [_cost([], pick)]
       add(pick(branches))
+    elif kind == "kWhile" and "trip_count" in t:
+      # A known trip count (a scan): XLA's WhileThunk runs the body that often and never reads
+      # the condition back, so there is no host sync.
+      body = _cost(t["sections"].get("body", []), pick, in_graph)
+      for _ in range(t["trip_count"]):
+        add(body)
     elif kind == "kWhile":
       cond = _cost(t["sections"].get("condition", []), pick, in_graph)
       body = _cost(t["sections"].get("body", []), pick, in_graph)
@@ -220,7 +230,9 @@ def thunk_summary(thunks: list[dict]) -> dict:
 
   ``least``: every conditional takes its cheapest branch and every while runs zero trips (the
   common path of the block manager: its loops probe past a window or skip stale queue entries,
-  which usually does not happen); ``most``: the costliest branch and one trip each. Counts:
+  which usually does not happen); ``most``: the costliest branch and one trip each. A while with
+  a known trip count (a scan over layers) runs exactly that often in both, with no host sync.
+  Counts:
   kernels run (command-buffer commands included), copies, host launch operations (a command
   buffer is one graph launch) and host syncs (each conditional predicate and each while
   condition evaluation outside a command buffer is a device-to-host read)."""
@@ -234,17 +246,18 @@ def thunk_summary(thunks: list[dict]) -> dict:
       "command_buffers": sum(t["kind"] == "kCommandBuffer" for t, _, _ in walk(thunks)),
       "triton_kernels": sorted({t.get("name", "") for t, _, _ in walk(thunks)
                                 if t["kind"] == "kCustomKernel" and t.get("name", "").startswith(
-                                    ("paged_", "write_kv", "copy_blocks"))}),
+                                    ("paged_", "write_kv", "copy_blocks", "layer_matmul"))}),
   }
 
 
 def step_thunks(thunks: list[dict]) -> tuple[list[dict], str]:
   """The thunks of one decode step. In a program whose step runs in a loop (the on-device
   generate and beam-search loops) that is the body of the while whose body launches the decode
-  attention kernel; otherwise the whole program is one step."""
+  attention kernel and whose trip count XLA does not know (a scan over layers, a loop of known
+  trip count, runs inside each step); otherwise the whole program is one step."""
   best = None
   for t, _, _ in walk(thunks):
-    if t["kind"] != "kWhile":
+    if t["kind"] != "kWhile" or "trip_count" in t:  # a scan over layers is inside a step
       continue
     body = t["sections"].get("body", [])
     if any(u.get("name") == "paged_decode_attention" for u, _, _ in walk(body)):
@@ -262,6 +275,25 @@ def read_thunk_files(dump_dir: str) -> str:
     if paths:
       return open(paths[-1], errors="replace").read()
   return ""
+
+
+def read_thunk_metadata(dump_dir: str) -> str:
+  """Text of the thunk metadata file of a dump (thunk id -> profile annotation, the HLO
+  instruction's name); the largest module's when several were written."""
+  paths = sorted(glob.glob(os.path.join(dump_dir, "*thunk_metadata.txt")), key=os.path.getsize)
+  return open(paths[-1], errors="replace").read() if paths else ""
+
+
+_META = re.compile(r'profile_annotation:\s*"([^"]+)"\s*thunk_id:\s*(\d+)\s*}\s*thunk_kind:\s*"kWhile"')
+_WHILE_TRIPS = re.compile(r'^\s*(?:ROOT\s+)?%(\S+)\s*=.*?\bwhile\(.*?"known_trip_count":\{"n":"(\d+)"\}', re.M)
+
+
+def while_trip_counts(metadata: str, hlo: str) -> dict[int, int]:
+  """Thunk id -> trip count, for every ``kWhile`` thunk whose HLO ``while`` carries XLA's
+  ``known_trip_count`` (a ``lax.scan``, a ``fori_loop`` with static bounds). ``metadata`` is
+  the dump's thunk metadata text (``read_thunk_metadata``), ``hlo`` the optimized module."""
+  trips = {m.group(1): int(m.group(2)) for m in _WHILE_TRIPS.finditer(hlo)}
+  return {int(m.group(2)): trips[m.group(1)] for m in _META.finditer(metadata) if m.group(1) in trips}
 
 
 # ------------------------------------------------------------------------------ PTX and HLO

@@ -1,7 +1,8 @@
 """The per-layer layout (`models.llama.per_layer`), which the engines run when their kernels are
-Pallas: the same weights one array per layer, the same logits and pages bit for bit as the stacked
-model's unrolled forward, the tensor-parallel specs following the layout, and the engines
-converting only when the layers run unrolled (the CPU scan keeps the stacked model)."""
+Pallas over a tensor-parallel mesh: the same weights one array per layer, the same logits and
+pages bit for bit as the stacked model's unrolled forward, the tensor-parallel specs following
+the layout, and the engines converting only when the layers run unrolled (the CPU scan and the
+one-device Pallas scan, `tests/test_model_stacked_matmul.py`, keep the stacked model)."""
 
 from __future__ import annotations
 
@@ -101,32 +102,40 @@ def test_per_layer_forward_is_bit_identical_to_the_stacked_unrolled_one(family):
 
 
 def test_per_layer_interpret_kernels_bit_identical():
-    """Through `paged_forward` with the Pallas kernels in interpret mode (the layers unrolled):
-    the stacked and the per-layer model write the same pages and give the same logits."""
+    """With the Pallas kernels in interpret mode and the layers unrolled (what a mesh runs), the
+    stacked and the per-layer model write the same pages and give the same logits."""
     cfg = tiny(num_layers=2)
     model = init_model(cfg, seed=5, init_std=0.2)
     tokens = jnp.asarray(np.random.RandomState(1).randint(0, cfg.vocab_size, (2, 16)), jnp.int32)
     batch = make_paged_batch(jnp.asarray([[1], [2]], jnp.int32), [0, 0], [16, 9], 16, BLOCK)
     spec = page_spec(cfg, 3, BLOCK)
-    want = paged_forward(model, allocate_pages(spec), batch, tokens, impl="interpret")
-    got = paged_forward(per_layer(model), allocate_pages(spec), batch, tokens, impl="interpret")
+    attend = paged_mod._make_attend(batch, "interpret", False, None, cfg.head_dim)
+    attend.static_layer, attend.layer_matmul = True, None  # unrolled on XLA's matmuls, as on a mesh
+    hidden, want_pages = model(tokens, batch.positions, allocate_pages(spec), attend)
+    want = (model.logits(hidden[jnp.arange(2), jnp.asarray([15, 8])]), want_pages)
+    got = paged_forward(per_layer(model), allocate_pages(spec), batch, tokens, impl="interpret", last_only=True)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_layout_for_impl_converts_only_for_unrolled_kernels():
     """Reference (and "auto" on the CPU, which resolves to it) keep the stacked model itself, so the
-    CPU programs are unchanged; interpret and pallas get the per-layer layout."""
+    CPU programs are unchanged, and so do interpret and pallas on one device (their scan reads the
+    stacked weights in place); over a mesh interpret and pallas get the per-layer layout."""
     model = init_model(tiny(num_layers=2))
+    mesh = msharding.make_mesh(1)
     assert jax.default_backend() == "cpu"
     assert layout_for_impl(model, "reference") is model
     assert layout_for_impl(model, "auto") is model
+    assert layout_for_impl(model, "reference", mesh) is model
     pair = nnx.split(model)
     assert layout_for_impl(pair, "reference") is pair
-    assert is_per_layer(layout_for_impl(model, "interpret"))
-    assert is_per_layer(nnx.merge(*layout_for_impl(pair, "pallas")))
-    # Abstract models (the GPU compile gate's) convert too, to abstract per-layer weights.
-    abstract = layout_for_impl(abstract_model(tiny(num_layers=2)), "pallas")
+    assert layout_for_impl(model, "interpret") is model
+    assert layout_for_impl(pair, "pallas") is pair
+    assert is_per_layer(layout_for_impl(model, "interpret", mesh))
+    assert is_per_layer(nnx.merge(*layout_for_impl(pair, "pallas", mesh)))
+    # Abstract models (the GPU compile gate's tp=2 program) convert too, to abstract per-layer weights.
+    abstract = layout_for_impl(abstract_model(tiny(num_layers=2)), "pallas", mesh)
     leaf = nnx.state(abstract.layers[1])["attn"]["q_proj"].get_value()
     assert isinstance(leaf, jax.ShapeDtypeStruct) and leaf.shape == (64, 4, 16)
 
@@ -171,8 +180,9 @@ def test_per_layer_model_shards_on_a_mesh():
 
 
 def test_generate_converts_for_interpret_and_gives_the_stacked_models_tokens():
-    """`engine.generate` with the interpret kernels runs the per-layer layout (converted outside
-    its jit) and gives, bit for bit, what the loop gives on the stacked weights."""
+    """`engine.generate` with the interpret kernels over a mesh runs the per-layer layout
+    (converted outside its jit) and gives, bit for bit, what the loop gives on the stacked
+    weights; on one device it keeps the stacked model."""
     cfg = tiny(num_layers=2)
     model = init_model(cfg, seed=1, init_std=0.2)
     mgr = ManagerConfig(num_blocks=16, block_size=BLOCK, max_seqs=4, max_blocks_per_seq=4)
@@ -180,6 +190,7 @@ def test_generate_converts_for_interpret_and_gives_the_stacked_models_tokens():
     prompts = jnp.asarray(np.random.RandomState(2).randint(0, cfg.vocab_size, (2, 12)), jnp.int32)
     lens = jnp.asarray([12, 7], jnp.int32)
     spec = page_spec(cfg, mgr.num_blocks, BLOCK)
+    mesh = msharding.make_mesh(1)
     seen = []
     real = generate_mod.generate_jit
 
@@ -190,13 +201,16 @@ def test_generate_converts_for_interpret_and_gives_the_stacked_models_tokens():
     generate_mod.generate_jit = spy
     try:
         got, _, _ = generate_mod.generate(model, allocate_pages(spec), prompts, lens, 3, params, manager=mgr,
-                                          impl="interpret")
+                                          impl="interpret", mesh=mesh)
+        generate_mod.generate(model, allocate_pages(spec), prompts, lens, 3, params, manager=mgr, impl="interpret")
     finally:
         generate_mod.generate_jit = real
-    assert seen == [True]
-    graphdef, weights = nnx.split(model)
-    want, _, _ = real(graphdef, weights, allocate_pages(spec), init_state(mgr), prompts, lens,
-                      jnp.full((2,), 5, jnp.int32), requests.check_key(3), manager=mgr, params=params,
-                      impl="interpret", chunk_size=12, context=mgr.block_size * mgr.max_blocks_per_seq)
+    assert seen == [True, False]
+    placed, pages = msharding.shard(model, allocate_pages(spec), mesh)
+    graphdef, weights = nnx.split(placed)
+    state, toks, plens, budgets, key = requests.replicate_inputs(
+        mesh, init_state(mgr), prompts, lens, jnp.full((2,), 5, jnp.int32), requests.check_key(3))
+    want, _, _ = real(graphdef, weights, pages, state, toks, plens, budgets, key, manager=mgr, params=params,
+                      impl="interpret", chunk_size=12, context=mgr.block_size * mgr.max_blocks_per_seq, mesh=mesh)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs))

@@ -244,8 +244,8 @@ def beam_search(model, pages: jax.Array, prompt_tokens, prompt_lens, params: Bea
                                  rows_per_prompt=k, what="beam_width", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
                                  vocab_needed=k * (1 + max(len(params.eos_token_ids), 1)))
-    # Pallas kernels: one weight array per layer (as in `generate`).
-    graphdef, weights = requests.layer_layout(graphdef, weights, impl)
+    # Pallas kernels over a mesh: one weight array per layer (as in `generate`).
+    graphdef, weights = requests.layer_layout(graphdef, weights, impl, mesh)
     state = requests.initial_state(manager, state)
     budgets = jnp.full((req.num_prompts,), params.max_new_tokens, jnp.int32) if max_new_tokens is None else \
         jnp.asarray(max_new_tokens, jnp.int32)

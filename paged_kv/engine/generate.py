@@ -256,9 +256,10 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
                                  top_k=params.top_k)
-    # Pallas kernels: one weight array per layer, converted here once per call (a copy of the
-    # layer weights; pass a `models.per_layer` model to convert once for many calls).
-    graphdef, weights = requests.layer_layout(graphdef, weights, impl)
+    # Pallas kernels over a tensor-parallel mesh: one weight array per layer, converted here once
+    # per call (a copy of the layer weights; pass a `models.per_layer` model to convert once for
+    # many calls). On one device the layers stay stacked.
+    graphdef, weights = requests.layer_layout(graphdef, weights, impl, mesh)
     state = requests.initial_state(manager, state)
     b = req.num_prompts
     budgets = jnp.full((b,), params.max_new_tokens, jnp.int32) if max_new_tokens is None else \

@@ -180,15 +180,17 @@ def place(model, pages, mesh):
     return graphdef, weights, model_facts((graphdef, weights)), pages, mesh
 
 
-def layer_layout(graphdef, weights, impl: str):
-    """``(graphdef, weights)`` in the layer layout for ``impl`` (``models.paged.layout_for_impl``):
-    a stacked Llama becomes one array per layer when the kernels are Pallas (what "auto" is on a
-    GPU), so the jitted programs hold no slice of a stacked weight (XLA:GPU copies each one on
-    every step). Outside ``jit`` only; copies the decoder-layer weights once, so callers rebind
-    their ``weights`` to the result and keep no reference to the stacked ones. Call after ``impl``
-    is checked (an unknown ``impl`` must raise before anything is copied)."""
+def layer_layout(graphdef, weights, impl: str, mesh=None):
+    """``(graphdef, weights)`` in the layer layout for ``impl`` and ``mesh``
+    (``models.paged.layout_for_impl``): a stacked Llama becomes one array per layer when the
+    kernels are Pallas over a tensor-parallel mesh, so the jitted programs hold no slice of a
+    stacked weight (XLA:GPU copies each one on every step); on one device the layers stay
+    stacked (the Pallas matmul reads them in place). Outside ``jit`` only; a conversion copies
+    the decoder-layer weights once, so callers rebind their ``weights`` to the result and keep no
+    reference to the stacked ones. Call after ``impl`` is checked (an unknown ``impl`` must
+    raise before anything is copied)."""
     from models.paged import layout_for_impl
-    return layout_for_impl((graphdef, weights), impl)
+    return layout_for_impl((graphdef, weights), impl, mesh)
 
 
 def replicate_inputs(mesh, *arrays):

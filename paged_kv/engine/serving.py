@@ -149,10 +149,11 @@ class ServingEngine(Scheduler):
             model_config = base_config
         else:
             graphdef, weights, model_config, pages, mesh = _requests.place((graphdef, weights), pages, mesh)
-        # Pallas kernels: one weight array per layer (no slice of a stacked weight in the step,
-        # which XLA:GPU would copy every step). The engine then holds only the per-layer copy;
-        # the stacked arrays live on only while the caller keeps `model`.
-        graphdef, weights = _requests.layer_layout(graphdef, weights, config.impl)
+        # Pallas kernels over a mesh: one weight array per layer (no slice of a stacked weight in
+        # the step, which XLA:GPU would copy every step). The engine then holds only the per-layer
+        # copy; the stacked arrays live on only while the caller keeps `model`. On one device the
+        # layers stay stacked (`pallas_kernels.layer_matmul` reads them in place).
+        graphdef, weights = _requests.layer_layout(graphdef, weights, config.impl, mesh)
         self.graphdef, self.weights, self.model_config, self.mesh = graphdef, weights, model_config, mesh
         state, self.key = _requests.replicate_inputs(mesh, init_state(mgr), jax.random.key(seed))
         self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size)
