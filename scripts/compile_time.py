@@ -13,6 +13,8 @@ Only the public API is used, so the same script measures another checkout of the
 
 Results are merged into `--out` (default results/compile_time.json) under the label, with the
 load average at start and end (the machine is shared: compare runs made back to back).
+`--isolate` compiles each depth in a fresh process, so no depth profits from caches the one
+before it warmed (Triton's kernels, XLA's autotuning): the figure a user's first run sees.
 
 `--target sm_90` (or sm_80) compiles the same step for an NVIDIA GPU without one, with the Pallas
 kernels (`impl="pallas"`): deviceless, on the compile-only topology of the GPU compile gate
@@ -119,6 +121,20 @@ def compile_seconds(num_layers: int, target: str | None = None) -> dict:
             "total_cpu_s": c2 - c0}
 
 
+def isolated_compile_seconds(num_layers: int, args) -> dict:
+    """`compile_seconds` of one depth in a fresh Python process running this script (same
+    PYTHONPATH, so the same checkout): XLA's and Triton's in-process caches then start empty for
+    every depth, as in a user's first run, instead of favouring the depths measured later."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "one.json"
+        cmd = [sys.executable, __file__, "--label", "one", "--layers", str(num_layers), "--step-layers",
+               "--out", str(out)] + (["--target", args.target] if args.target else [])
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        (entry,) = json.loads(out.read_text())["one"]["compile"]
+    return dict(entry, isolated=True)
+
+
 def cpu_seconds() -> float:
     """CPU time of this process (all threads) and of its finished children (ptxas), user and
     system: on a shared machine, and under `nice`, the wall time also counts the time the compile
@@ -160,6 +176,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--target", default=None, choices=("cpu", "sm_90", "sm_80"),
                     help="compile for this GPU target without a GPU (Pallas kernels; the gate's CUDA environment)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="compile each depth in a fresh process (no compiler cache shared between depths, "
+                         "as a user's first run)")
     ap.add_argument("--commit", help="commit of the measured source when it is no git checkout (an archive)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "compile_time.json"))
     args = ap.parse_args(argv)
@@ -167,7 +186,7 @@ def main(argv=None) -> None:
     load_start = load()
     compiles = []
     for n in args.layers:
-        compiles.append(compile_seconds(n, args.target))
+        compiles.append(isolated_compile_seconds(n, args) if args.isolate else compile_seconds(n, args.target))
         print(f"{n:3d} layers: lower {compiles[-1]['lower_s']:.2f} s, compile {compiles[-1]['compile_s']:.2f} s "
               f"(CPU {compiles[-1]['total_cpu_s']:.2f} s)", flush=True)
     steps = []

@@ -228,3 +228,58 @@ condition:
   assert s["least"] == {"kernels": 1, "copies": 0, "host_launches": 1, "host_syncs": 1}
   # Most: one trip (the condition read twice, the branch once) through the body and slow branch.
   assert s["most"]["host_syncs"] == 3 and s["most"]["kernels"] == 3
+
+
+_SCAN_THUNKS = """\
+001: kCustomKernel [source | sink] prologue grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+002: kWhile [prev=001 (1) | sink]
+condition:
+    003: kCustomKernel [source | sink] outer_cond grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    004: kWhile [source | sink]
+condition:
+        005: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      body:
+        000: kCommandBuffer [source | sink]
+            006: kCustomKernel [source | sink] layer_matmul grid: [1, 8, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+            007: kCustomKernel [source | sink] paged_decode_attention grid: [8, 2, 2] threads: [128, 1, 1]  shared_memory: 0 bytes
+    008: kCustomKernel [source | sink] sample grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+"""
+_SCAN_META = """\
+thunk_metadata {
+  thunk_info {
+    profile_annotation: "while.2"
+    thunk_id: 2
+  }
+  thunk_kind: "kWhile"
+}
+thunk_metadata {
+  thunk_info {
+    profile_annotation: "while.6"
+    thunk_id: 4
+  }
+  thunk_kind: "kWhile"
+}
+"""
+_SCAN_HLO = """\
+  %while.2 = (s32[], f32[4]) while((s32[], f32[4]) %t), condition=%c2, body=%b2
+  %while.6 = (s32[], f32[4]) while((s32[], f32[4]) %u), condition=%c6, body=%b6, backend_config={"known_trip_count":{"n":"3"}}
+"""
+
+
+def test_known_trip_count_loops_run_that_often_without_host_syncs():
+  """A scan over layers inside a decode loop: XLA knows the inner while's trip count (3), so its
+  body counts three times and its condition is never read back; the outer loop (a while_loop)
+  stays 0 or 1 trips with syncs. The decode step is the outer loop's body, the scan inside it."""
+  trips = gpu_report.while_trip_counts(_SCAN_META, _SCAN_HLO)
+  assert trips == {4: 3}
+  roots = gpu_report.parse_thunks(_SCAN_THUNKS, trips)
+  step, scope = gpu_report.step_thunks(roots)
+  assert scope == "body of the decode loop"
+  assert [t["kind"] for t in step] == ["kWhile", "kCustomKernel"] and step[0]["trip_count"] == 3
+  s = gpu_report.thunk_summary(step)
+  # Three graph launches of two kernels each, then the sampling kernel; no sync.
+  assert s["least"] == s["most"] == {"kernels": 7, "copies": 0, "host_launches": 4, "host_syncs": 0}
+  # Without the trip counts the scan would be taken for the decode loop: one layer read as the step.
+  plain, _ = gpu_report.step_thunks(gpu_report.parse_thunks(_SCAN_THUNKS))
+  assert [t["kind"] for t in plain] == ["kCommandBuffer"]
