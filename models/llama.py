@@ -7,9 +7,12 @@ over an ordinary contiguous cache (`models.contiguous`):
     attend(layer, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache) -> (out[B, T, QH, D], cache)
 
 `layer` is an int32 scalar traced by the scan over layers, or a Python int when the callback sets
-`attend.static_layer = True` (the Pallas kernels on a GPU: the layers then run unrolled, best on
-`per_layer` weights, since XLA:GPU copies the weight slices a scan over stacked layers reads; the
-kernels themselves take the layer as an operand, so every layer shares one compiled kernel).
+`attend.static_layer = True` (the Pallas kernels over a tensor-parallel mesh: the layers then run
+unrolled, best on `per_layer` weights, since XLA:GPU copies the weight slices a scan over stacked
+layers reads). When the callback brings `attend.layer_matmul` (the Pallas kernels on one GPU) the
+scan hands it every projection, `DecoderLayer.call_stacked`: it reads the layer's weights out of
+the stacked arrays in place, so nothing is sliced. The kernels take the layer as an operand, so
+every layer shares one compiled kernel either way.
 
 q and k arrive with RoPE applied; `attend` stores k/v into `cache` and attends. Dimension names in
 einsum strings: b batch, t query tokens, d model width, h query heads, k kv heads, g heads per kv
@@ -30,8 +33,8 @@ slice `[i]` is HF's `model.layers.{i}.` tensor:
 
 `per_layer(model)` gives the other layout the forward accepts: `layers` an `nnx.List` of L
 `DecoderLayer`s, one array per weight per layer (`layers.{i}.attn.q_proj` [d, QH, D], ...), run
-unrolled. The engines convert to it, once and outside `jit`, when their kernels are Pallas (see
-`per_layer` for why); loading, saving and the CPU scan use the stacked layout.
+unrolled. The engines convert to it, once and outside `jit`, when their kernels are Pallas over a
+mesh (see `per_layer` for why); loading, saving and the scans (CPU, one GPU) use the stacked layout.
 
 Family switches (`LlamaConfig`; each parameter exists only when its switch is on):
   layers.attn.q_bias  [L, QH, D]; k_bias, v_bias [L, KVH, D]  ...self_attn.{q,k,v}_proj.bias  (qkv_bias)
@@ -70,7 +73,7 @@ class RMSNorm(nnx.Module):
 
     def normalize(self, x: Array) -> Array:
         """x / sqrt(mean(x^2) + eps) in x's dtype, before the scale (the scan on stacked weights
-        hands the scale to the next projection, `models.protocol.LAYER_MATMUL`)."""
+        hands the scale to the projection after the norm: `DecoderLayer.call_stacked`)."""
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return normed.astype(x.dtype)
@@ -132,7 +135,8 @@ class Attention(nnx.Module):
     def call_stacked(self, x, norm_scale, positions, inv_freq, layer, cache, attend: AttendFn, matmul):
         """`__call__` on stacked weights (every parameter `[L, ...]`), for layer `layer` (an int32
         scalar, traced by the scan): the projections go through `matmul(x[M, K], w[L, K, N],
-        layer, scale=, bias=)` (`models.protocol.LAYER_MATMUL`), which reads `w[layer]` in place.
+        layer, scale=, bias=)` (`attend.layer_matmul`, `models.protocol.PagedModel`), which reads
+        `w[layer]` in place.
         `x` is the input norm's normalized input before its weight; `norm_scale` `[L, d]` is that
         weight, applied by the q/k/v projections. Same arithmetic as `__call__` after the norm."""
         b, t, d = x.shape
@@ -217,7 +221,7 @@ class DecoderLayer(nnx.Module):
 
     def call_stacked(self, x, positions, inv_freq, layer, cache, attend: AttendFn, matmul):
         """`__call__` with every parameter stacked `[L, ...]`, for layer `layer` (int32 scalar):
-        the weights are read in place by `matmul` (`models.protocol.LAYER_MATMUL`), so the scan
+        the weights are read in place by `matmul` (`attend.layer_matmul`), so the scan
         over layers slices no weight; each norm's weight is applied by the projections after it."""
         h, cache = self.attn.call_stacked(self.input_norm.normalize(x), self.input_norm.scale[...], positions,
                                           inv_freq, layer, cache, attend, matmul)
@@ -404,13 +408,13 @@ def per_layer(model):
     `nnx.List` of L modules and parameter `layers.<name>` `[L, ...]` becomes `layers.<i>.<name>`
     `[...]` (same dtype and values; state paths `("layers", i, "attn", "q_proj")`).
 
-    Why: with the Pallas kernels the forward is unrolled over layers, and XLA:GPU copies every
+    Why: with the Pallas kernels over a mesh the forward is unrolled over layers, and XLA:GPU copies every
     static slice `w[i]` of a stacked weight before its matmul, on every step (the GPU compile
     gate at 32 layers: the serving decode step's copies per step 158 stacked, 31 per layer;
     `results/gpu_compile_report_per_layer.json`).
     Per-layer arrays leave nothing to slice inside the program. The forward of a per-layer model
-    is always unrolled (Python-int layer ids, which any `attend` accepts); the CPU engines keep
-    the stacked model and its scan.
+    is always unrolled (Python-int layer ids, which any `attend` accepts); the CPU engines and the
+    one-GPU Pallas engines keep the stacked model and its scan.
 
     Memory: the layer weights are copied once (the slices are new arrays); the stacked arrays
     stay alive while anything references them (`model` itself, when the caller keeps it), so drop

@@ -91,11 +91,14 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
     `batch.slots`, then paged decode or prefill attention with the call's options (scale, soft_cap,
     alibi_slopes; anything else raises ValueError naming it).
 
-    Its attribute `static_layer` (`models.protocol.STATIC_LAYER`) is True when `impl` resolves to
-    a Pallas kernel (a GPU): a model that scans over layers then runs them unrolled with Python
-    ints instead (`models.llama.Llama` does), since XLA:GPU copies the weight slices a scan reads.
-    The kernels take the layer as an int32 operand either way, so the unrolled layers all call
-    one compiled kernel per kind (compile time does not grow with a kernel per layer)."""
+    Its attributes (`models.protocol.PagedModel`): `layer_matmul` (`layer_matmul_for`) is the
+    Pallas projection that reads a stacked weight's layer in place when `impl` resolves to a
+    Pallas kernel (a GPU) on one device, so a model's scan over stacked layers copies no weight
+    slice; None otherwise. `static_layer` (`static_layer_impl`) is True for the Pallas kernels
+    over a mesh: a model that scans then runs its layers unrolled with Python ints
+    (`models.llama.Llama` does), since XLA:GPU copies the weight slices a scan takes and GSPMD
+    cannot partition the Pallas projection. The kernels take the layer as an int32 operand
+    either way, so every layer calls one compiled kernel per kind."""
 
     def attend_local(layer, q, k, v, pages, batch, slopes, *, scale=None, soft_cap=None):
         b, t, _, _ = q.shape
@@ -157,7 +160,7 @@ def static_layer_impl(impl: str, head_dim: int | None = None, mesh=None) -> bool
 
 
 def layer_matmul_for(impl: str, head_dim: int | None = None, mesh=None):
-    """The `attend` callback's `layer_matmul` (`models.protocol.LAYER_MATMUL`): on one device with
+    """The `attend` callback's `layer_matmul` (`models.protocol.PagedModel`): on one device with
     the Pallas kernels, `pallas_kernels.layer_matmul` in that impl ("pallas" or "interpret"), so
     the scan over stacked layers reads each layer's weights in place (XLA:GPU would copy the
     slices a scan takes, every step); None otherwise (the reference kernels on a CPU scan with

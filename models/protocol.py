@@ -50,9 +50,15 @@ class PagedModel(Protocol):
       ``out, cache = attend(i, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache, **options)``.
       ``i`` is a Python int, or an int32 scalar (traced, say inside a ``lax.scan`` over layers);
       paged-kv's ``attend`` accepts both. When its attribute ``static_layer`` is True (it runs the
-      Pallas kernels, on a GPU) it asks for the layers unrolled with Python ints: the
-      kernels take either, but XLA:GPU copies each layer's weight slices out of a scan over
-      stacked weights (``models.llama.per_layer`` is the layout that avoids it).
+      Pallas kernels over a tensor-parallel mesh) it asks for the layers unrolled with Python
+      ints: the kernels take either, but XLA:GPU copies each layer's weight slices out of a scan
+      over stacked weights (``models.llama.per_layer`` is the layout that avoids it). Its
+      attribute ``layer_matmul``, when not None, is a projection that reads one layer of a
+      stacked weight in place, for a model that scans: ``layer_matmul(x[M, K], w[L, K, N],
+      layer, scale=None | [L, K], bias=None | [L, N]) -> [M, N]`` in x's dtype, i.e.
+      ``(scale[layer] * x) @ w[layer] + bias[layer]`` (``pallas_kernels.layer_matmul``: the
+      Pallas kernels on one GPU, where a scan's weight slices would be copied). A model may
+      ignore both attributes.
       ``attend`` stores k/v in ``cache`` and returns the causal attention output ``out[B, T, QH, D]``
       (dtype of the pages). ``cache`` is opaque: thread it through and return it. Rows past a
       sequence's valid tokens (padding) may carry any ids and positions, including ids

@@ -46,6 +46,7 @@ the table promises happened; 1 otherwise (the failures are printed and in the re
 
 from __future__ import annotations
 
+import functools
 import os
 
 # Before jax is imported (here and in the spawned workers, which import this module).
@@ -136,12 +137,31 @@ def _cache_key(lowered_text: str, target: str) -> str:
 
 
 
-def _digest_program(res: dict) -> None:
-  """A whole program's fresh compile result, in place: its per-step thunk figures, and of its
+PROGRAM_DIGEST = "\n// program digest 2: copy bytes per step, weight and page copies"
+
+
+def _copy_sizes(cfg, mgr, variant: str) -> dict[int, str]:
+  """Element counts a step must never copy, with what they are: one layer's slice of each
+  decoder weight (per device at tp=2) and one layer's K/V pages (or more: checked as >=)."""
+  tp = 2 if variant == "tp2" else 1
+  d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  sizes = {d * cfg.num_heads * e // tp: "q_proj/o_proj slice", d * cfg.num_kv_heads * e // tp: "k/v_proj slice",
+           d * f // tp: "gate/up/down slice"}
+  sizes[-(2 * cfg.num_kv_heads * mgr.num_blocks * mgr.block_size * e // tp)] = "one layer's pages (or more)"
+  return sizes
+
+
+def _digest_program(res: dict, forbidden: dict[int, str] | None = None) -> None:
+  """A whole program's fresh compile result, in place: its per-step thunk figures (with the
+  bytes its common path copies, and any copy of a weight slice or of the pages), and of its
   kernels the project's Triton kernels only (keeps the report small)."""
   thunks = res.pop("_thunks", None) or []
   step, scope = gpu_report.step_thunks(thunks)
   res["per_step"] = dict(gpu_report.thunk_summary(step), scope=scope)
+  copies = gpu_report.step_copies(step, res.pop("_names", {}), res.pop("_shapes", {}))
+  res["per_step"]["copy_bytes"] = sum(c["bytes"] * c["times"] for c in copies)
+  res["per_step"]["largest_copies"] = sorted(copies, key=lambda c: -c["bytes"] * c["times"])[:3]
+  res["weight_or_page_copies"] = gpu_report.weight_or_page_copies(copies, forbidden or {})
   ks = res.pop("kernels", {}) or {}
   mine: dict[str, dict] = {}
   for k, v in sorted(ks.items()):
@@ -215,8 +235,8 @@ def _compile(lowered, work_dir: str, keep: bool) -> dict:
     res.update(status="compile_failed", error=f"{type(err).__name__}: {err}"[:1500])
   else:
     hlo = compiled.as_text()
-    thunks = gpu_report.parse_thunks(gpu_report.read_thunk_files(dump), gpu_report.while_trip_counts(
-        gpu_report.read_thunk_metadata(dump), hlo))
+    metadata = gpu_report.read_thunk_metadata(dump)
+    thunks = gpu_report.parse_thunks(gpu_report.read_thunk_files(dump), gpu_report.while_trip_counts(metadata, hlo))
     ptx = gpu_report.ptx_entries(dump)
     mem = compiled.memory_analysis()
     kernels = {}
@@ -232,6 +252,7 @@ def _compile(lowered, work_dir: str, keep: bool) -> dict:
                    "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                    "temp_size_in_bytes")} if mem is not None else None)
     res["_thunks"] = thunks
+    res["_names"], res["_shapes"] = gpu_report.thunk_names(metadata), gpu_report.hlo_shapes(hlo)
   res["spills"] = gpu_report.spills(ptxas)
   res["max_registers"] = max((r["registers"] or 0 for r in ptxas.values()), default=0)
   if not keep:
@@ -334,7 +355,7 @@ def run_kernel_group(specs: list[dict], keep_dir: str | None, use_cache: bool = 
     if spec.get("knob"):
       name += "-" + spec["knob"]
     res.update(_compile_or_cached(lowered, text, spec["target"], name, keep_dir,
-                                  digest=lambda r: r.pop("_thunks", None)))
+                                  digest=lambda r: [r.pop(k, None) for k in ("_thunks", "_names", "_shapes")]))
     compiled_by_key[key] = name
     res["name"] = name
     out.append(res)
@@ -465,7 +486,8 @@ def kv_bytes_per_decode_step(cfg, batch: int, context: int) -> int:
 
 
 _RESULT_KEYS = ("compile_s", "deviceless", "status", "error", "kernels", "thunk_summary", "hlo_control_flow",
-                "memory", "spills", "max_registers", "per_step", "triton_kernels", "distinct_kernels")
+                "memory", "spills", "max_registers", "per_step", "triton_kernels", "distinct_kernels",
+                "weight_or_page_copies")
 
 
 def run_program(target: str, variant: str, name: str, keep_dir: str | None, use_cache: bool = True,
@@ -483,8 +505,9 @@ def run_program(target: str, variant: str, name: str, keep_dir: str | None, use_
                trace=traceback.format_exc()[-2000:])
     return res
   res["lower_s"] = round(time.perf_counter() - t0, 2)
-  res.update(_compile_or_cached(lowered, lowered.as_text(), target, name, keep_dir,
-                                digest=_digest_program))
+  # The digest's format is part of the stored result: a new one must not reuse old entries.
+  res.update(_compile_or_cached(lowered, lowered.as_text() + PROGRAM_DIGEST, target, name, keep_dir,
+                                digest=functools.partial(_digest_program, forbidden=_copy_sizes(cfg, mgr, variant))))
   res["kind"] = kind
   if kind.startswith("decode"):
     kv = kv_bytes_per_decode_step(cfg, LLAMA_BATCH, LLAMA_CONTEXT)

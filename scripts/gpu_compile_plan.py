@@ -232,6 +232,8 @@ def judge(res: dict) -> str | None:
     return f"{status}: {res.get('error', '')[:300]}"
   if res.get("spills"):
     return f"register spills {res['spills']}"
+  if res.get("weight_or_page_copies"):
+    return f"copies of weights or pages every step: {res['weight_or_page_copies'][:3]}"
   if not res.get("deviceless"):
     return "XLA did not report a deviceless compilation"
   return None

@@ -296,6 +296,68 @@ def while_trip_counts(metadata: str, hlo: str) -> dict[int, int]:
   return {int(m.group(2)): trips[m.group(1)] for m in _META.finditer(metadata) if m.group(1) in trips}
 
 
+_META_ANY = re.compile(r'profile_annotation:\s*"([^"]+)"\s*thunk_id:\s*(\d+)\s*}\s*thunk_kind:\s*"(\w+)"')
+_HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(\([^=]*?\)|\S+)\s", re.M)
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def thunk_names(metadata: str) -> dict[int, str]:
+  """Thunk id -> the HLO instruction it runs (its profile annotation), from a dump's metadata."""
+  return {int(m.group(2)): m.group(1) for m in _META_ANY.finditer(metadata)}
+
+
+def hlo_shapes(hlo: str) -> dict[str, list[tuple[str, int]]]:
+  """Instruction name -> its result's arrays as (dtype, elements), from an optimized HLO module
+  (a tuple result lists each element)."""
+  out = {}
+  for m in _HLO_DEF.finditer(hlo):
+    arrays = []
+    for dt, dims in _ARRAY.findall(m.group(2)):
+      n = 1
+      for x in dims.split(","):
+        n *= int(x) if x else 1
+      arrays.append((dt, n))
+    out[m.group(1)] = arrays
+  return out
+
+
+def step_copies(step: list[dict], names: dict[int, str], shapes: dict[str, list[tuple[str, int]]]) -> list[dict]:
+  """The copies one pass over ``step`` always runs: every ``kCopy`` outside conditionals and
+  outside loops of unknown trip count (the common path), each ``{name, arrays, bytes, times}``,
+  ``times`` the product of the known trip counts around it (a copy inside the scan over layers
+  runs once per layer)."""
+  out: list[dict] = []
+
+  def visit(thunks, times):
+    for t in thunks:
+      if t["kind"] == "kCopy":
+        name = names.get(t.get("id"), "?")
+        arrays = shapes.get(name, [])
+        out.append({"name": name, "arrays": arrays, "times": times,
+                    "bytes": sum(n * _DTYPE_BYTES.get(dt, 4) for dt, n in arrays)})
+      visit(t["children"], times)
+      if t["kind"] == "kWhile" and "trip_count" in t:
+        visit(t["sections"].get("body", []), times * t["trip_count"])
+
+  visit(step, 1)
+  return out
+
+
+def weight_or_page_copies(copies: list[dict], forbidden: dict[int, str]) -> list[dict]:
+  """The copies among ``copies`` (``step_copies``) with an array of a forbidden size: a key > 0
+  of ``forbidden`` is an exact element count, a key < 0 a minimum (``scripts/gpu_compile.py``
+  passes one layer's weight slices and one layer's pages)."""
+  bad = []
+  for c in copies:
+    for _, n in c["arrays"]:
+      what = forbidden.get(n) or next((w for k, w in forbidden.items() if k < 0 and n >= -k), None)
+      if what:
+        bad.append({"name": c["name"], "elements": n, "what": what, "times": c["times"]})
+  return bad
+
+
 # ------------------------------------------------------------------------------ PTX and HLO
 def mma_kind(ptx: str) -> str | None:
   """The matrix instruction family a PTX kernel uses: "wgmma" (Hopper warpgroup MMA),

@@ -283,3 +283,40 @@ def test_known_trip_count_loops_run_that_often_without_host_syncs():
   # Without the trip counts the scan would be taken for the decode loop: one layer read as the step.
   plain, _ = gpu_report.step_thunks(gpu_report.parse_thunks(_SCAN_THUNKS))
   assert [t["kind"] for t in plain] == ["kCommandBuffer"]
+
+
+def test_step_copies_sizes_and_the_weight_or_page_check():
+  """The copies a step always runs, sized from the HLO: one before the scan (once), one inside
+  the scan's body (once per layer, 3 trips), one inside a conditional (not on the common path).
+  The gate fails a program whose step copies a weight slice's or the pages' element count."""
+  thunks = """\
+001: kCopy [source | sink] kCopy
+002: kWhile [prev=001 (1) | sink]
+condition:
+    003: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    004: kCopy [source | sink] kCopy
+    005: kCustomKernel [source | sink] layer_matmul grid: [1, 8, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+006: kConditional [source | sink]
+  true_branch:
+    007: kCopy [source | sink] kCopy
+"""
+  meta = "".join(f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n    thunk_id: {i}\n  }}\n'
+                 f'  thunk_kind: "{k}"\n}}\n' for i, n, k in [(1, "copy.1", "kCopy"), (2, "while.2", "kWhile"),
+                                                           (4, "copy.4", "kCopy"), (7, "copy.7", "kCopy")])
+  hlo = """\
+  %copy.1 = s32[64,256]{1,0} copy(s32[64,256]{1,0} %a)
+  %while.2 = (s32[], bf16[3,8,16]) while((s32[], bf16[3,8,16]) %t), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"3"}}
+  %copy.4 = bf16[1,8,16]{2,1,0} copy(bf16[1,8,16]{2,1,0} %s)
+  ROOT %copy.7 = (f32[4]{0}, pred[4]{0}) copy(%u)
+"""
+  shapes = gpu_report.hlo_shapes(hlo)
+  assert shapes["copy.1"] == [("s32", 64 * 256)] and shapes["copy.7"] == [("f32", 4), ("pred", 4)]
+  roots = gpu_report.parse_thunks(thunks, gpu_report.while_trip_counts(meta, hlo))
+  copies = gpu_report.step_copies(roots, gpu_report.thunk_names(meta), shapes)
+  assert [(c["name"], c["bytes"], c["times"]) for c in copies] == [("copy.1", 65536, 1), ("copy.4", 256, 3)]
+  bad = gpu_report.weight_or_page_copies(copies, {8 * 16: "a weight slice", -10 ** 6: "pages"})
+  assert bad == [{"name": "copy.4", "elements": 128, "what": "a weight slice", "times": 3}]
+  assert gpu_report.weight_or_page_copies(copies, {-16384: "pages"})[0]["name"] == "copy.1"
+  ok = {"status": "compiled", "spills": {}, "deviceless": True, "spec": {}}
+  assert "copies of weights or pages" in gpu_compile_plan.judge(dict(ok, weight_or_page_copies=bad))
