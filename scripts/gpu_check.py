@@ -6,6 +6,7 @@ Part of ``scripts/gpu_check.sh`` (which also runs ``bench_kernels.py``); see the
 
     python scripts/gpu_check.py kernels [--out results/gpu_kernels_check.json]
     python scripts/gpu_check.py engine  [--out results/gpu_engine.json] [--layers 32]
+    python scripts/gpu_check.py layouts [--out results/gpu_layouts.json] [--layers 32]
 
 ``kernels``: decode and prefill for dtype x head_dim (64, 128, 256) x block size (8, 16, 32) x
 GQA (1, 4, 8) on lengths 1, mid-block, several blocks and 0 in one batch; write_kv and
@@ -16,6 +17,11 @@ copy_blocks exactly (they move bits). The attention tolerance is the arithmetic 
 of weights), block size 16. ``generate``: 64 prompts of 512 tokens, 128 new tokens each, greedy,
 after one compiling call; a ``ServingEngine`` run of 64 requests arriving over the first steps.
 Tokens/s, time per decode step, and for comparison the K/V-read lower bound of a step.
+
+``kernels`` also checks ``layer_matmul`` (bfloat16, Llama 3.1 8B's projection shapes, rows 1 / 64 /
+512). ``layouts``: the decode step (batch 64 at 1,024 tokens) on the stacked model's scan, whose
+projections go through ``layer_matmul`` (untuned tiles, never timed on a GPU before), against the
+per-layer model unrolled on XLA's autotuned matmuls: their step times and ratio.
 """
 
 from __future__ import annotations
@@ -97,7 +103,78 @@ def check_kernels(impl: str = "pallas", smoke: bool = False) -> dict:
     rows.append(row)
     print(f"{row['dtype']:>8} d={d:3d} bs={bs:2d} G={g}: decode {err:.2e}/{atol:.2e} prefill {errp:.2e}/"
           f"{atolp:.2e} {'ok' if ok else 'MISMATCH'}", flush=True)
-  return dict(_meta(), cases=rows, failures=failures)
+  mm_rows, mm_failures = check_layer_matmul(impl, smoke)
+  return dict(_meta(), cases=rows, failures=failures + mm_failures, layer_matmul=mm_rows)
+
+
+def check_layer_matmul(impl: str, smoke: bool) -> tuple[list[dict], int]:
+  """``layer_matmul`` against its XLA reference at Llama 3.1 8B's projection shapes (bfloat16, the
+  bound of tests/test_kernels_layer_matmul.py: float32 sums blocked differently, two bfloat16
+  roundings per side), rows 1, 64 and 512, the norm weight in the prologue, a bias once."""
+  shapes = [(5, 64, 96)] if smoke else [(m, k, n) for m in (1, 64, 512)
+                                        for k, n in ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))]
+  rows, failures, layers = [], 0, 3
+  for i, (m, k, n) in enumerate(shapes):
+    rs = np.random.default_rng(i)
+    x = jnp.asarray(rs.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rs.standard_normal((layers, k, n)) / np.sqrt(k), jnp.bfloat16)
+    scale = jnp.asarray(1 + 0.5 * rs.standard_normal((layers, k)), jnp.bfloat16) if k == 4096 or smoke else None
+    bias = jnp.asarray(rs.standard_normal((layers, n)), jnp.bfloat16) if i == 0 else None
+    got = pk.layer_matmul(x, w, layers - 1, scale=scale, bias=bias, impl=impl)
+    want = pk.layer_matmul(x, w, layers - 1, scale=scale, bias=bias, impl="reference")
+    a = np.asarray(x, np.float64) * (1 if scale is None else np.asarray(scale[-1], np.float64))
+    mag = float((np.abs(a) @ np.abs(np.asarray(w[-1], np.float64))).max())
+    mag += 0 if bias is None else float(np.abs(np.asarray(bias[-1], np.float64)).max())
+    atol = tol.chain_atol(jnp.bfloat16, [k], mag, roundings=4 if bias is not None else 2)
+    err = float(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)).max())
+    ok = err <= atol
+    failures += not ok
+    rows.append(dict(m=m, k=k, n=n, scale=scale is not None, bias=bias is not None, err=err, atol=atol, ok=ok))
+  print(f"layer_matmul: {len(rows) - failures}/{len(rows)} within the bound", flush=True)
+  return rows, failures
+
+
+def check_layouts(layers: int, impl: str = "pallas", smoke: bool = False, steps: int = 20) -> dict:
+  """The decode step on the two layer layouts a GPU can run, same weights, same inputs: the
+  stacked model's scan (projections through ``layer_matmul``, the one-device default) and the
+  per-layer model unrolled (XLA's matmuls, autotuned; what a mesh runs). Compile seconds, the
+  median step time over ``steps`` calls, and the largest logit difference."""
+  import statistics
+  from flax import nnx
+  from models import allocate_pages, init_model, llama31_8b, make_paged_batch, page_spec, paged_decode_step, per_layer
+  cfg = llama31_8b("bfloat16").replace(num_layers=layers)
+  batch, context, bs = 64, 1024, 16
+  if smoke:
+    from models import tiny
+    cfg, batch, context = tiny("float32"), 4, 40
+  model = init_model(cfg, seed=0)
+  per_seq = -(-context // bs)
+  rs = np.random.default_rng(0)
+  tables = rs.permutation(np.arange(1, 1 + batch * per_seq)).reshape(batch, per_seq).astype(np.int32)
+  meta = make_paged_batch(tables, np.full(batch, context - 1, np.int32), np.ones(batch, np.int32), 1, bs)
+  tokens = jnp.asarray(rs.integers(0, cfg.vocab_size, batch), jnp.int32)
+  out = dict(_meta(), layers=cfg.num_layers, batch=batch, context=context)
+  logits = {}
+  for name, m in (("stacked_scan", model), ("per_layer_unrolled", per_layer(model))):
+    graphdef, state = nnx.split(m)
+    pages = allocate_pages(page_spec(cfg, 1 + batch * per_seq, bs))
+    t0 = time.perf_counter()
+    lg, pages = paged_decode_step(graphdef, state, pages, meta, tokens, impl=impl)
+    jax.block_until_ready(lg)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+      t = time.perf_counter()
+      lg, pages = paged_decode_step(graphdef, state, pages, meta, tokens, impl=impl)
+      jax.block_until_ready(lg)
+      times.append(time.perf_counter() - t)
+    logits[name] = np.asarray(lg, np.float32)
+    out[name] = dict(first_call_s=round(first, 2), step_ms=round(1e3 * statistics.median(times), 3))
+    print(name, out[name], flush=True)
+    del pages, state, m
+  out["stacked_over_per_layer"] = round(out["stacked_scan"]["step_ms"] / out["per_layer_unrolled"]["step_ms"], 3)
+  out["max_logit_diff"] = float(np.abs(logits["stacked_scan"] - logits["per_layer_unrolled"]).max())
+  return out
 
 
 def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict:
@@ -159,7 +236,7 @@ def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("what", choices=("kernels", "engine"))
+  ap.add_argument("what", choices=("kernels", "engine", "layouts"))
   ap.add_argument("--out", default=None)
   ap.add_argument("--layers", type=int, default=32)
   ap.add_argument("--impl", default="pallas", help="pallas (GPU); interpret / reference for a CPU smoke run")
@@ -167,8 +244,11 @@ def main() -> int:
   a = ap.parse_args()
   if jax.default_backend() != "gpu":
     print(f"warning: backend is {jax.default_backend()}, not gpu", file=sys.stderr)
-  res = check_kernels(a.impl, a.smoke) if a.what == "kernels" else check_engine(a.layers, a.impl, a.smoke)
-  out = Path(a.out or ROOT / "results" / ("gpu_kernels_check.json" if a.what == "kernels" else "gpu_engine.json"))
+  run = {"kernels": lambda: check_kernels(a.impl, a.smoke), "engine": lambda: check_engine(a.layers, a.impl, a.smoke),
+         "layouts": lambda: check_layouts(a.layers, a.impl, a.smoke)}[a.what]
+  res = run()
+  out = Path(a.out or ROOT / "results" / {"kernels": "gpu_kernels_check.json", "engine": "gpu_engine.json",
+                                          "layouts": "gpu_layouts.json"}[a.what])
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(res, indent=1, default=str) + "\n")
   print(f"wrote {out}")

@@ -2,7 +2,8 @@
 # For the day a GPU is lent (one H100/H200, about 8 minutes): the kernels on the GPU against the
 # jnp references, the kernel benchmark (decode against JAX's pallas.ops.gpu.paged_attention and
 # the XLA reference at batch 64 x 4k context; copy_blocks bandwidth against a plain device copy),
-# and the engine at a Llama 3.1 8B-shaped random bf16 model (generate, a ServingEngine run).
+# the engine at a Llama 3.1 8B-shaped random bf16 model (generate, a ServingEngine run), and the
+# decode step on the stacked scan (layer_matmul) against the per-layer unrolled layout.
 # Writes results/gpu_kernels_check.json, results/gpu_bench_kernels.json, results/gpu_engine.json
 # (or under $OUT when set: the device tool's output folder). Each stage has its own time limit
 # so one slow stage cannot take the others' time; the exit status is the first failing stage's.
@@ -31,4 +32,5 @@ stage() {  # name, seconds, command...
 stage kernels 150 "$PY" scripts/gpu_check.py kernels --out "$DEST/gpu_kernels_check.json"
 stage bench_kernels 120 "$PY" scripts/bench_kernels.py --decode 64:4096 1:4096 256:4096 --out "$DEST/gpu_bench_kernels.json"
 stage engine 200 "$PY" scripts/gpu_check.py engine --out "$DEST/gpu_engine.json"
+stage layouts 150 "$PY" scripts/gpu_check.py layouts --out "$DEST/gpu_layouts.json"
 exit $status
