@@ -423,20 +423,46 @@ def markdown_summary(report: dict, kernels=("decode", "prefill"), targets=("sm_9
                  f"{k.get('mma') or '-'} |" if k else f"| {s['target']} | {s['kernel']} | {s['dtype']} | "
                  f"{s['head_dim']} | {src.get('status')} | | | | | |")
   lines += ["", "| program | layers | kernels / step (least, most) | host launches / step | host syncs / step (least, most) "
-            "| conditionals, whiles (in CUDA graphs) | temp memory | compile s | K/V read bound (H200) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| copies / step (least), bytes | conditionals, whiles (in CUDA graphs) | temp memory | compile s "
+            "| K/V read bound (H200) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
   for p in report.get("programs", []):
     if p.get("status") != "compiled":
-      lines.append(f"| {p['program']} | {p.get('layers')} | {p.get('status')} | | | | | | |")
+      lines.append(f"| {p['program']} | {p.get('layers')} | {p.get('status')} | | | | | | | |")
       continue
     st = p["per_step"]
     bound = p.get("kv_read_lower_bound_ms_h200")
+    copy_bytes = st.get("copy_bytes")
     lines.append(
         f"| {p['program']} | {p.get('layers')} | {st['least']['kernels']}, {st['most']['kernels']} | "
         f"{st['least']['host_launches']}, {st['most']['host_launches']} | {st['least']['host_syncs']}, "
-        f"{st['most']['host_syncs']} | {st['conditionals']}, {st['whiles']} ({st['control_flow_in_command_buffers']}) | "
+        f"{st['most']['host_syncs']} | {st['least']['copies']}, "
+        f"{'-' if copy_bytes is None else f'{copy_bytes / 2**20:.1f} MiB'} | "
+        f"{st['conditionals']}, {st['whiles']} ({st['control_flow_in_command_buffers']}) | "
         f"{p['memory']['temp_size_in_bytes'] / 2**20:.1f} MiB | {p.get('compile_s')} | "
         f"{f'{bound} ms' if bound else '-'} |")
+  return "\n".join(lines)
+
+
+def matmul_summary(report: dict, dtypes=("bfloat16",)) -> str:
+  """The README's ``layer_matmul`` table: per target, dtype (of ``dtypes``) and (M, K, N), the
+  kernel's registers, spills, shared memory and grid (compiled at 32 stacked layers)."""
+  by_name = {r.get("name"): r for r in report.get("kernels", []) if r.get("name")}
+  lines = ["| target | dtype | M, K, N | prologue / epilogue | registers | spills (B) | shared memory (B) | grid |",
+           "|---|---|---|---|---|---|---|---|"]
+  order = {"bfloat16": 0, "float16": 1, "float32": 2}
+  rows = sorted((r for r in report.get("kernels", []) if r["spec"]["kernel"] == "layer_matmul"
+                 and r["spec"]["purpose"] == "matmul" and r["spec"]["dtype"] in dtypes),
+                key=lambda r: (r["spec"]["target"], order[r["spec"]["dtype"]], r["spec"]["k"], r["spec"]["n"],
+                               r["spec"]["m"], r["spec"]["extras"]))
+  for r in rows:
+    s = r["spec"]
+    src = by_name.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
+    k = (src.get("kernels") or {}).get("layer_matmul", {})
+    spill = sum((src.get("spills") or {}).values())
+    grid = r.get("grid") or k.get("grid")
+    lines.append(f"| {s['target']} | {s['dtype']} | {s['m']}, {s['k']}, {s['n']} | {s['extras']} | "
+                 f"{k.get('registers', src.get('status'))} | {spill} | {k.get('shared_memory_bytes', 0):,} | {grid} |")
   return "\n".join(lines)
 
 
@@ -482,6 +508,9 @@ if __name__ == "__main__":
   with open(sys.argv[1] if len(sys.argv) > 1 else "results/gpu_compile_report.json") as f:
     rep = json.load(f)
   print(markdown_summary(rep))
+  if any(r["spec"].get("kernel") == "layer_matmul" for r in rep.get("kernels", [])):
+    print()
+    print(matmul_summary(rep))
   if any(r["spec"].get("purpose") == "knob_row" for r in rep.get("kernels", [])):
     print()
     print(knob_summary(rep))
