@@ -39,8 +39,12 @@ def test_layers_are_stacked_with_the_seeds_weights():
     jax.tree.map(np.testing.assert_array_equal, nnx.state(stack_layers(built)), layers)
 
 
-def _forward(model, tokens, batch, pages, static: bool):
+def _forward(model, tokens, batch, pages, static: bool, matmul=None):
+    """Jitted logits and pages of `model` on the reference kernels: scanned, or unrolled with
+    Python-int layer ids (`static`); `matmul` becomes the attend callback's `layer_matmul` (the
+    scan's in-place projections, tests/test_model_stacked_matmul.py)."""
     attend = paged_mod._make_attend(batch, "reference", False, None, model.config.head_dim)
+    attend.layer_matmul = matmul
     if static:
         def attend_static(layer, *args, **options):
             assert isinstance(layer, int)  # the unrolled path hands Python ints

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import pallas_kernels as pk
 from models import allocate_pages, init_model, is_per_layer, make_paged_batch, page_spec, paged_forward
 from models import paged as paged_mod
 from models.config import tiny
 from pallas_kernels import stacked_matmul
+from tests import test_model_scan as scan_tests
 from tests import tolerances as tol
 
 BLOCK = 16
@@ -34,17 +34,7 @@ def _case(cfg):
 
 
 def _forward(model, tokens, batch, pages, matmul):
-    attend = paged_mod._make_attend(batch, "reference", False, None, model.config.head_dim)
-    attend.layer_matmul = matmul
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def run(state, pages):
-        m = nnx.merge(graphdef, state)
-        hidden, pages = m(tokens, batch.positions, pages, attend)
-        return m.logits(hidden), pages
-
-    return run(state, pages)
+    return scan_tests._forward(model, tokens, batch, pages, static=False, matmul=matmul)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
