@@ -336,8 +336,8 @@ class Llama(nnx.Module):
             (x, cache), _ = jax.lax.scan(stacked_body, (x, cache), ids)
             return self.final_norm(x), cache
         if getattr(attend, "static_layer", False):
-            # The attend callback asks for the layers unrolled (the Pallas kernels on a GPU, where
-            # a scan's dynamic weight slices are copied): the same layers, each on its static
+            # The attend callback asks for the layers unrolled (the Pallas kernels over a mesh, where
+            # a scan's dynamic weight slices would be copied): the same layers, each on its static
             # slice of the stacked weights. XLA:GPU copies such static slices too, each step;
             # the engines avoid that by running a `per_layer` model instead (the branch above).
             for i in range(self.config.num_layers):
