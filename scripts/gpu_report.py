@@ -284,7 +284,14 @@ def read_thunk_metadata(dump_dir: str) -> str:
   return open(paths[-1], errors="replace").read() if paths else ""
 
 
-_META = re.compile(r'profile_annotation:\s*"([^"]+)"\s*thunk_id:\s*(\d+)\s*}\s*thunk_kind:\s*"kWhile"')
+_META = re.compile(r'profile_annotation:\s*"([^"]+)"\s*thunk_id:\s*(\d+)\s*}')
+
+
+def thunk_names(metadata: str) -> dict[int, str]:
+  """Thunk id -> the HLO instruction it runs (its profile annotation), from a dump's metadata."""
+  return {int(m.group(2)): m.group(1) for m in _META.finditer(metadata)}
+
+
 _WHILE_TRIPS = re.compile(r'^\s*(?:ROOT\s+)?%(\S+)\s*=.*?\bwhile\(.*?"known_trip_count":\{"n":"(\d+)"\}', re.M)
 
 
@@ -293,19 +300,13 @@ def while_trip_counts(metadata: str, hlo: str) -> dict[int, int]:
   ``known_trip_count`` (a ``lax.scan``, a ``fori_loop`` with static bounds). ``metadata`` is
   the dump's thunk metadata text (``read_thunk_metadata``), ``hlo`` the optimized module."""
   trips = {m.group(1): int(m.group(2)) for m in _WHILE_TRIPS.finditer(hlo)}
-  return {int(m.group(2)): trips[m.group(1)] for m in _META.finditer(metadata) if m.group(1) in trips}
+  return {tid: trips[name] for tid, name in thunk_names(metadata).items() if name in trips}
 
 
-_META_ANY = re.compile(r'profile_annotation:\s*"([^"]+)"\s*thunk_id:\s*(\d+)\s*}\s*thunk_kind:\s*"(\w+)"')
 _HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(\([^=]*?\)|\S+)\s", re.M)
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
-
-def thunk_names(metadata: str) -> dict[int, str]:
-  """Thunk id -> the HLO instruction it runs (its profile annotation), from a dump's metadata."""
-  return {int(m.group(2)): m.group(1) for m in _META_ANY.finditer(metadata)}
 
 
 def hlo_shapes(hlo: str) -> dict[str, list[tuple[str, int]]]:
