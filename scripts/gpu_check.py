@@ -122,10 +122,7 @@ def check_layer_matmul(impl: str, smoke: bool) -> tuple[list[dict], int]:
     bias = jnp.asarray(rs.standard_normal((layers, n)), jnp.bfloat16) if i == 0 else None
     got = pk.layer_matmul(x, w, layers - 1, scale=scale, bias=bias, impl=impl)
     want = pk.layer_matmul(x, w, layers - 1, scale=scale, bias=bias, impl="reference")
-    a = np.asarray(x, np.float64) * (1 if scale is None else np.asarray(scale[-1], np.float64))
-    mag = float((np.abs(a) @ np.abs(np.asarray(w[-1], np.float64))).max())
-    mag += 0 if bias is None else float(np.abs(np.asarray(bias[-1], np.float64)).max())
-    atol = tol.chain_atol(jnp.bfloat16, [k], mag, roundings=4 if bias is not None else 2)
+    atol = tol.layer_matmul_atol(x, w, scale, bias, layers - 1)
     err = float(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)).max())
     ok = err <= atol
     failures += not ok

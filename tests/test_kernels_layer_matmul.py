@@ -35,19 +35,6 @@ def _inputs(seed, m, k, n, dtype, scale, bias):
   return x, w, s, b
 
 
-def _atol(x, w, s, b, layer):
-  """Bound on |kernel - reference| (tests/tolerances.py): both accumulate the same K products in
-  float32 in different blockings (K eps32 sum|a_i w_i| between them); in bfloat16 each rounds its
-  sum to bfloat16 once and adds the bias with one more rounding (two per side)."""
-  a = np.asarray(x, np.float64)
-  if s is not None:
-    a = a * np.asarray(s[layer], np.float64)
-  mag = float((np.abs(a) @ np.abs(np.asarray(w[layer], np.float64))).max())
-  if b is not None:
-    mag += float(np.abs(np.asarray(b[layer], np.float64)).max())
-  return tol.chain_atol(x.dtype, [x.shape[1]], mag, roundings=4 if b is not None else 2)
-
-
 @pytest.mark.parametrize("m,k,n,dtype,scale,bias", CASES)
 def test_interpret_kernel_matches_reference_at_every_layer(m, k, n, dtype, scale, bias):
   x, w, s, b = _inputs(m * 7 + k, m, k, n, dtype, scale, bias)
@@ -55,11 +42,11 @@ def test_interpret_kernel_matches_reference_at_every_layer(m, k, n, dtype, scale
     got = pk.layer_matmul(x, w, layer, scale=s, bias=b, impl="interpret")
     want = pk.layer_matmul(x, w, layer, scale=s, bias=b, impl="reference")
     assert got.shape == (m, n) and got.dtype == x.dtype
-    tol.assert_close(got, want, _atol(x, w, s, b, layer), f"layer {layer}")
+    tol.assert_close(got, want, tol.layer_matmul_atol(x, w, s, b, layer), f"layer {layer}")
     # Reading another layer's weights is far outside the bound.
     other = pk.layer_matmul(x, w, (layer + 1) % LAYERS, scale=s, bias=b, impl="reference")
     assert float(np.abs(np.asarray(other, np.float64) - np.asarray(want, np.float64)).max()) > \
-        10 * _atol(x, w, s, b, layer)
+        10 * tol.layer_matmul_atol(x, w, s, b, layer)
 
 
 def test_reference_is_the_models_arithmetic():
@@ -69,7 +56,7 @@ def test_reference_is_the_models_arithmetic():
   want = (np.asarray(s[2], np.float64) * np.asarray(x, np.float64)) @ np.asarray(w[2], np.float64) + \
       np.asarray(b[2], np.float64)
   got = pk.layer_matmul(x, w, 2, scale=s, bias=b, impl="reference")
-  tol.assert_close(got, want, 2 * _atol(x, w, s, b, 2), "reference vs float64")
+  tol.assert_close(got, want, 2 * tol.layer_matmul_atol(x, w, s, b, 2), "reference vs float64")
 
 
 @pytest.mark.parametrize("impl", ["reference", "interpret"])

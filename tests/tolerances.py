@@ -136,6 +136,20 @@ def paged_attention_atol(q, pages, layer: int, scale: float, context: int, *,
                         roundings=roundings, score_ops=knob_score_ops(soft_cap, alibi_slopes))
 
 
+def layer_matmul_atol(x, w, scale, bias, layer: int) -> float:
+  """Bound on ``|a - b|`` between two computations of ``pallas_kernels.layer_matmul`` (the
+  kernel and its reference): both accumulate the same K products in float32 in different
+  blockings (``K eps32 sum|a_i w_i|`` between them); in a narrow dtype each rounds its sum once
+  and adds the bias with one more rounding (two per side)."""
+  a = np.asarray(x, np.float64)
+  if scale is not None:
+    a = a * np.asarray(scale[layer], np.float64)
+  mag = float((np.abs(a) @ np.abs(np.asarray(w[layer], np.float64))).max())
+  if bias is not None:
+    mag += float(np.abs(np.asarray(bias[layer], np.float64)).max())
+  return chain_atol(x.dtype, [x.shape[1]], mag, roundings=4 if bias is not None else 2)
+
+
 def assert_close(actual, desired, atol: float, what: str = "") -> float:
   """Asserts ``max |actual - desired| <= atol`` (compared in float64); returns the ratio of the
   error to ``atol``."""
