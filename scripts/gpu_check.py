@@ -4,9 +4,14 @@ Llama 3.1 8B-shaped random bfloat16 model (``engine.generate`` and a ``ServingEn
 Part of ``scripts/gpu_check.sh`` (which also runs ``bench_kernels.py``); see there. Writes
 ``results/gpu_kernels_check.json`` and ``results/gpu_engine.json``.
 
+    python scripts/gpu_check.py env     [--out results/gpu_env.json]
     python scripts/gpu_check.py kernels [--out results/gpu_kernels_check.json]
     python scripts/gpu_check.py engine  [--out results/gpu_engine.json] [--layers 32]
     python scripts/gpu_check.py layouts [--out results/gpu_layouts.json] [--layers 32]
+
+``env``: the versions this machine's Python runs (JAX, jaxlib, the CUDA plugin, flax, ...) against
+the ranges pyproject.toml declares, and its devices. Installs nothing; exit status 1 when a package
+is missing or outside its range.
 
 ``kernels``: decode and prefill for dtype x head_dim (64, 128, 256) x block size (8, 16, 32) x
 GQA (1, 4, 8) on lengths 1, mid-block, several blocks and 0 in one batch; write_kv and
@@ -231,9 +236,55 @@ def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict
   return out
 
 
+# The packages whose range pyproject.toml declares and the check reads: the JAX stack the kernels
+# depend on, and the runtime libraries the engine imports.
+CHECKED_PACKAGES = ("jax", "jaxlib", "flax", "chex", "optax", "numpy", "safetensors", "tqdm")
+
+
+def declared_ranges(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, str]:
+  """{package: version specifier} of the runtime dependencies pyproject.toml declares."""
+  import tomllib
+  from packaging.requirements import Requirement
+  deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+  return {r.name: str(r.specifier) for r in map(Requirement, deps)}
+
+
+def check_env(installed: dict[str, str | None] | None = None) -> dict:
+  """What this machine's Python runs on, against the ranges pyproject.toml declares.
+
+  Installs nothing: a lent GPU machine comes with its own JAX (0.11 with CUDA 13 when last seen),
+  and the check runs on that one as it is. ``failures`` counts the packages that are missing or
+  outside the declared range (carry the missing ones as wheels; the device tool's README says how).
+  ``installed`` ({package: version or None}) replaces the installed versions, for tests."""
+  from importlib import metadata
+  from packaging.specifiers import SpecifierSet
+
+  def version(name: str) -> str | None:
+    try:
+      return metadata.version(name)
+    except metadata.PackageNotFoundError:
+      return None
+
+  ranges = declared_ranges()
+  if installed is None:
+    installed = {name: version(name) for name in CHECKED_PACKAGES}
+  packages, failures = {}, 0
+  for name in CHECKED_PACKAGES:
+    got, want = installed.get(name), ranges.get(name, "")
+    ok = got is not None and SpecifierSet(want).contains(got, prereleases=True)
+    failures += not ok
+    packages[name] = dict(installed=got, declared=want, ok=ok)
+    print(f"{name:>12} {got or 'missing':>12}  declared {want or 'any'}  {'ok' if ok else 'OUT OF RANGE'}",
+          flush=True)
+  plugins = {d.metadata["Name"]: d.version for d in metadata.distributions()
+             if (d.metadata["Name"] or "").startswith(("jax-cuda", "jax_cuda"))}
+  devices = [dict(kind=d.device_kind, platform=d.platform) for d in jax.devices()]
+  return dict(_meta(), packages=packages, plugins=plugins, devices=devices, failures=failures)
+
+
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("what", choices=("kernels", "engine", "layouts"))
+  ap.add_argument("what", choices=("env", "kernels", "engine", "layouts"))
   ap.add_argument("--out", default=None)
   ap.add_argument("--layers", type=int, default=32)
   ap.add_argument("--impl", default="pallas", help="pallas (GPU); interpret / reference for a CPU smoke run")
@@ -241,10 +292,10 @@ def main() -> int:
   a = ap.parse_args()
   if jax.default_backend() != "gpu":
     print(f"warning: backend is {jax.default_backend()}, not gpu", file=sys.stderr)
-  run = {"kernels": lambda: check_kernels(a.impl, a.smoke), "engine": lambda: check_engine(a.layers, a.impl, a.smoke),
+  run = {"env": check_env, "kernels": lambda: check_kernels(a.impl, a.smoke), "engine": lambda: check_engine(a.layers, a.impl, a.smoke),
          "layouts": lambda: check_layouts(a.layers, a.impl, a.smoke)}[a.what]
   res = run()
-  out = Path(a.out or ROOT / "results" / {"kernels": "gpu_kernels_check.json", "engine": "gpu_engine.json",
+  out = Path(a.out or ROOT / "results" / {"env": "gpu_env.json", "kernels": "gpu_kernels_check.json", "engine": "gpu_engine.json",
                                           "layouts": "gpu_layouts.json"}[a.what])
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(res, indent=1, default=str) + "\n")

@@ -4,7 +4,10 @@
 # the XLA reference at batch 64 x 4k context; copy_blocks bandwidth against a plain device copy),
 # the engine at a Llama 3.1 8B-shaped random bf16 model (generate, a ServingEngine run), and the
 # decode step on the stacked scan (layer_matmul) against the per-layer unrolled layout.
-# Writes results/gpu_kernels_check.json, results/gpu_bench_kernels.json, results/gpu_engine.json
+# The machine's own JAX is used as it is (0.11 with CUDA 13 when last seen): nothing is installed
+# over it. The `env` stage records what ran (results/gpu_env.json) and stops the check when JAX or
+# a runtime library is missing or outside the range pyproject.toml declares.
+# Writes results/gpu_env.json, results/gpu_kernels_check.json, results/gpu_bench_kernels.json, results/gpu_engine.json
 # (or under $OUT when set: the device tool's output folder). Each stage has its own time limit
 # so one slow stage cannot take the others' time; the exit status is the first failing stage's.
 #
@@ -15,9 +18,8 @@ PY=${PYTHON:-python3}
 DEST=${OUT:-results}
 mkdir -p "$DEST"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# The device image's JAX may differ from the pinned 0.10.2: record what ran.
-"$PY" -c "import jax; print('jax', jax.__version__, jax.default_backend(), jax.devices())" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
+"$PY" scripts/gpu_check.py env --out "$DEST/gpu_env.json" || exit 1
 
 status=0
 stage() {  # name, seconds, command...

@@ -72,6 +72,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from pallas_kernels.jax_compat import cuda_lowering, gate_compile_options  # noqa: E402
 from scripts import gpu_report  # noqa: E402
 from scripts.gpu_compile_plan import (  # noqa: E402
     H200_BANDWIDTH, KNOBS, MATMUL_LAYERS, PROGRAMS, SIZES, KV_HEADS, TARGETS, judge, kernel_groups, target_config,
@@ -224,7 +225,7 @@ def _compile(lowered, work_dir: str, keep: bool) -> dict:
   err = compiled = None
   with _stderr_to(log_path):
     try:
-      compiled = lowered.compile({"xla_dump_to": dump})
+      compiled = lowered.compile(gate_compile_options(dump))
     except Exception as e:  # noqa: BLE001 - any compile failure is a gate failure, reported
       err = e
   res: dict = {"compile_s": round(time.perf_counter() - t0, 2)}
@@ -332,7 +333,8 @@ def run_kernel_group(specs: list[dict], keep_dir: str | None, use_cache: bool = 
     t0 = time.perf_counter()
     try:
       fn, args, donate = _kernel_program(spec)
-      lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower()
+      with cuda_lowering(TARGETS[spec["target"]]["name"]):
+        lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower()
     except ValueError as e:
       res.update(status="refused", error=str(e)[:800])
       out.append(res)
@@ -499,7 +501,8 @@ def run_program(target: str, variant: str, name: str, keep_dir: str | None, use_
   try:
     progs, mgr, cfg = _llama_programs(target, variant, layers)
     fn, args, static, kind = progs[name]
-    lowered = fn.trace(*args, **static).lower()
+    with cuda_lowering(TARGETS[target]["name"]):
+      lowered = fn.trace(*args, **static).lower()
   except Exception as e:  # noqa: BLE001
     res.update(status="lowering_failed", error=f"{type(e).__name__}: {e}"[:1500],
                trace=traceback.format_exc()[-2000:])

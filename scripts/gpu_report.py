@@ -503,9 +503,50 @@ def knob_summary(report: dict) -> str:
   return "\n".join(lines)
 
 
+def _kernel_figures(report: dict, kernels: tuple[str, ...]) -> dict[tuple, dict]:
+  """(target, kernel, dtype, head_dim) -> the attention kernel's compile figures at block size 16,
+  GQA 4 (8 on sm_80), large size, from a gate report."""
+  by_name = {r.get("name"): r for r in report.get("kernels", []) if r.get("name")}
+  out = {}
+  for r in report.get("kernels", []):
+    s = r["spec"]
+    if s["kernel"] not in kernels or not (
+        (s["purpose"] == "matrix" and s["block_size"] == 16 and s["group"] == 4 and s["size"] == "large")
+        or s["purpose"] == "sm_80"):
+      continue
+    src = by_name.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
+    k = (src.get("kernels") or {}).get(_KERNEL_NAMES[s["kernel"]])
+    out[(s["target"], s["kernel"], s["dtype"], s["head_dim"])] = dict(
+        k or {}, status=src.get("status"), spills=sum((src.get("spills") or {}).values()))
+  return out
+
+
+def version_comparison(old: dict, new: dict, kernels=("decode", "prefill")) -> str:
+  """A table of the decode and prefill kernels compiled by two gate reports side by side (made
+  with two JAX releases): registers, spills, shared memory and the MMA family, ``old / new``."""
+  a, b = _kernel_figures(old, kernels), _kernel_figures(new, kernels)
+  va, vb = old.get("jax", "?"), new.get("jax", "?")
+  lines = [f"| target | kernel | dtype | head_dim | registers (JAX {va} / {vb}) | spills (B) | "
+           f"shared memory (B) | MMA |", "|---|---|---|---|---|---|---|---|"]
+  order = {"bfloat16": 0, "float16": 1, "float32": 2}
+
+  def pair(key, field, fmt=str):
+    x, y = a.get(key, {}).get(field), b.get(key, {}).get(field)
+    return " / ".join("-" if v is None else fmt(v) for v in (x, y))
+
+  for key in sorted(set(a) | set(b), key=lambda k: (k[0] != "sm_90", kernels.index(k[1]), order[k[2]], k[3])):
+    lines.append(f"| {' | '.join(map(str, key))} | {pair(key, 'registers')} | {pair(key, 'spills')} | "
+                 f"{pair(key, 'shared_memory_bytes', lambda v: f'{v:,}')} | {pair(key, 'mma')} |")
+  return "\n".join(lines)
+
+
 if __name__ == "__main__":
   import json
   import sys
+  if sys.argv[1:2] == ["--compare"]:  # gpu_report.py --compare OLD.json NEW.json
+    old, new = (json.load(open(p)) for p in sys.argv[2:4])
+    print(version_comparison(old, new))
+    sys.exit(0)
   with open(sys.argv[1] if len(sys.argv) > 1 else "results/gpu_compile_report.json") as f:
     rep = json.load(f)
   print(markdown_summary(rep))

@@ -11,6 +11,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import testing as kt
+from pallas_kernels.jax_compat import export_cuda_module
 
 
 def _pages(rng, dtype, block_size=8, head_dim=64, num_blocks=12, num_layers=3, heads=2):
@@ -115,14 +116,6 @@ def test_write_kv_interpret(dtype, block_size, head_dim, heads):
   np.testing.assert_array_equal(got, want)
 
 
-def _cuda_module(fn, *args, donate=()):
-  from jax import export
-  exp = export.export(
-      jax.jit(fn, donate_argnums=donate), platforms=["cuda"],
-      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-  return exp.mlir_module()
-
-
 def test_pallas_copy_and_write_alias_pages_in_lowering():
   pages = jax.ShapeDtypeStruct((2, 2, 8, 16, 16, 128), jnp.bfloat16)
   idx = jax.ShapeDtypeStruct((4,), jnp.int32)
@@ -131,7 +124,7 @@ def test_pallas_copy_and_write_alias_pages_in_lowering():
       (lambda p, s, d: pk.copy_blocks(p, s, d, impl="pallas"), (pages, idx, idx)),
       (lambda p, k, v, s: pk.write_kv(p, 1, k, v, s, impl="pallas"), (pages, kv, kv, idx)),
   ]:
-    text = _cuda_module(fn, *args, donate=(0,))
+    text = export_cuda_module(fn, *args, donate_argnums=(0,))
     # The Triton custom call writes its output into its pages operand...
     assert re.search(r"xla\.gpu\.triton.*output_operand_aliases", text)
     # ...and the jitted function's output reuses the donated pages buffer.

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
+from pallas_kernels.jax_compat import export_cuda_module
 
 import pallas_kernels as pk
 from pallas_kernels import decode_attention
@@ -121,10 +121,7 @@ _IR = re.compile(r'\bir = "([^"]*)"')
 def _triton_irs(fn, *args) -> list[str]:
   """The Triton IR of every `xla.gpu.triton` custom call in `fn`'s CUDA lowering (jax.export, no
   GPU needed), one entry per call in the module text."""
-  exp = export.export(
-      jax.jit(fn), platforms=["cuda"],
-      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-  calls = [line for line in exp.mlir_module().splitlines() if "xla.gpu.triton" in line]
+  calls = [line for line in export_cuda_module(fn, *args).splitlines() if "xla.gpu.triton" in line]
   irs = [m.group(1) for line in calls for m in [_IR.search(line)] if m]
   assert irs and len(irs) == len(calls)
   return irs

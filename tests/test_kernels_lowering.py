@@ -8,9 +8,9 @@ checks what it cannot: power-of-two tensor shapes and ops the Triton lowering su
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import export
 
 import pallas_kernels as pk
+from pallas_kernels.jax_compat import export_cuda_module
 
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
@@ -22,10 +22,7 @@ def _pages(num_layers=4, num_blocks=64, heads=HKV, dtype=BF16):
 
 
 def _export_cuda(fn, *args):
-  exp = export.export(
-      jax.jit(fn), platforms=["cuda"],
-      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-  text = exp.mlir_module()
+  text = export_cuda_module(fn, *args)
   assert "xla.gpu.triton" in text
   return text
 
