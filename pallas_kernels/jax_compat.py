@@ -12,15 +12,21 @@ at JAX's version or probes for an API that moved: it calls a function here.
   present. :func:`cuda_lowering` names the device on every release, so the sm_80 gate lowers for
   an A100 where JAX lets it.
 * **The deviceless compile's assembler report** (the GPU gate). JAX 0.12's XLA assembles PTX through
-  libnvJitLink, which does not log ptxas's register and spill report, and dumps PTX only for the
-  emitters ``xla_dump_emitter_re`` selects. :func:`gate_compile_options` asks for the standalone
+  libnvJitLink, which does not log ptxas's register and spill report, and dumps PTX only when
+  ``xla_dump_emitter_re`` selects the "ptx" emitter. :func:`gate_compile_options` asks for the standalone
   ``ptxas`` and the PTX dump on that release; JAX 0.10 gives both by default.
+* **JAX's own Pallas paged attention** (``jax.experimental.pallas.ops.gpu.paged_attention``), the
+  outside reference the decode kernel is tested and benchmarked against. JAX 0.12 deprecates the
+  module (a ``DeprecationWarning`` at import) but still ships it; :func:`jax_paged_attention`
+  imports it without the warning, and the comparison stays for as long as JAX ships it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import warnings
+from types import ModuleType
 from typing import Iterator
 
 import jax
@@ -45,15 +51,15 @@ def cuda_lowering(device_kind: str = DEFAULT_CUDA_DEVICE_KIND) -> Iterator[None]
     yield
 
 
-def export_cuda_module(fn, *args, donate_argnums=()) -> str:
-  """The StableHLO text of ``jax.jit(fn)`` exported for CUDA with its Triton custom calls allowed,
-  on any machine (no GPU needed). ``args`` are arrays or ``jax.ShapeDtypeStruct``\\ s."""
+def export_cuda(fn, *args, donate_argnums=()) -> jax.export.Exported:
+  """``jax.jit(fn)`` exported for CUDA with its Triton custom calls allowed, on any machine (no
+  GPU needed): ``.mlir_module()`` is the StableHLO text, ``.out_avals`` the output shapes.
+  ``args`` are arrays or ``jax.ShapeDtypeStruct``\\ s."""
   from jax import export
   with cuda_lowering():
-    exp = export.export(
+    return export.export(
         jax.jit(fn, donate_argnums=donate_argnums), platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    return exp.mlir_module()
 
 
 def gate_compile_options(dump_dir: str) -> dict[str, str]:
@@ -63,9 +69,10 @@ def gate_compile_options(dump_dir: str) -> dict[str, str]:
   # XLA keeps its option names in C++ (an unknown one is an error), so the release decides here.
   if jaxlib_version() >= (0, 12):
     # Assemble with the standalone ptxas, which logs its report (libnvJitLink does not), and
-    # dump the PTX of every emitter, the Triton kernels' included.
+    # dump the PTX (the "ptx" emitter's dump). A wider pattern also dumps the Triton pipeline
+    # after every pass, about 10 MB and 15 s per attention kernel.
     options["xla_gpu_libnvjitlink_mode"] = "LIB_NV_JIT_LINK_MODE_DISABLED"
-    options["xla_dump_emitter_re"] = ".*"
+    options["xla_dump_emitter_re"] = "^ptx$"
   return options
 
 
@@ -73,3 +80,14 @@ def jaxlib_version() -> tuple[int, ...]:
   """The installed jaxlib's release as integers, e.g. ``(0, 12, 0, 1)``."""
   from jaxlib import version
   return tuple(int(p) for p in re.findall(r"\d+", version.__version__))
+
+
+def jax_paged_attention() -> ModuleType:
+  """JAX's own Pallas GPU paged-attention module (``paged_attention(q, k_pages, v_pages,
+  block_tables, lengths, ...)``), an independent reference for the decode kernel. Its import
+  warns of its deprecation from JAX 0.12; that one warning is silenced here, nothing else."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"jax\.experimental\.pallas\.ops\.gpu\.paged_attention is deprecated",
+                            category=DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import paged_attention
+  return paged_attention

@@ -140,7 +140,8 @@ def bench_decode(configs, *, hq, hkv, d, bs, dtype, impl, repeats, copy_bw, with
     row["ours_over_contiguous"] = t_ours / t_dense
     del k, v
     if with_jax_op:
-      from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+      from pallas_kernels.jax_compat import jax_paged_attention
+      jax_paged = jax_paged_attention()
       kp, vp = jax.block_until_ready((pages[0, 0], pages[0, 1]))
       m = tables.shape[1]
       k_splits = 16 if m % 16 == 0 else 1

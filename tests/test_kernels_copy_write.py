@@ -11,7 +11,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import testing as kt
-from pallas_kernels.jax_compat import export_cuda_module
+from pallas_kernels.jax_compat import export_cuda
 
 
 def _pages(rng, dtype, block_size=8, head_dim=64, num_blocks=12, num_layers=3, heads=2):
@@ -124,7 +124,7 @@ def test_pallas_copy_and_write_alias_pages_in_lowering():
       (lambda p, s, d: pk.copy_blocks(p, s, d, impl="pallas"), (pages, idx, idx)),
       (lambda p, k, v, s: pk.write_kv(p, 1, k, v, s, impl="pallas"), (pages, kv, kv, idx)),
   ]:
-    text = export_cuda_module(fn, *args, donate_argnums=(0,))
+    text = export_cuda(fn, *args, donate_argnums=(0,)).mlir_module()
     # The Triton custom call writes its output into its pages operand...
     assert re.search(r"xla\.gpu\.triton.*output_operand_aliases", text)
     # ...and the jitted function's output reuses the donated pages buffer.

@@ -4,10 +4,10 @@ Pallas paged attention on the same inputs."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 import pallas_kernels as pk
 from pallas_kernels import decode_attention
+from pallas_kernels.jax_compat import jax_paged_attention
 from pallas_kernels import testing as kt
 from tests import tolerances as tol
 
@@ -58,7 +58,7 @@ def test_decode_interpret_matches_jax_paged_attention(dtype):
   ours = pk.paged_decode_attention(q, case.pages, 1, case.block_tables, ln, scale=1.0,
                                    impl="interpret")
   max_blocks = case.block_tables.shape[1]
-  theirs = jax_paged.paged_attention(
+  theirs = jax_paged_attention().paged_attention(
       q, case.pages[1, 0], case.pages[1, 1], case.block_tables, ln, k_splits=2,
       pages_per_compute_block=max_blocks // 2, interpret=True)
   atol = tol.paged_attention_atol(q, case.pages, 1, 1.0, max(lengths), roundings=OURS + JAX_KERNEL)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallas_kernels.jax_compat import export_cuda_module
+from pallas_kernels.jax_compat import export_cuda
 
 import pallas_kernels as pk
 from pallas_kernels import decode_attention
@@ -121,7 +121,7 @@ _IR = re.compile(r'\bir = "([^"]*)"')
 def _triton_irs(fn, *args) -> list[str]:
   """The Triton IR of every `xla.gpu.triton` custom call in `fn`'s CUDA lowering (jax.export, no
   GPU needed), one entry per call in the module text."""
-  calls = [line for line in export_cuda_module(fn, *args).splitlines() if "xla.gpu.triton" in line]
+  calls = [line for line in export_cuda(fn, *args).mlir_module().splitlines() if "xla.gpu.triton" in line]
   irs = [m.group(1) for line in calls for m in [_IR.search(line)] if m]
   assert irs and len(irs) == len(calls)
   return irs

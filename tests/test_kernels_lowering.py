@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels.jax_compat import export_cuda_module
+from pallas_kernels.jax_compat import export_cuda
 
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
@@ -22,7 +22,7 @@ def _pages(num_layers=4, num_blocks=64, heads=HKV, dtype=BF16):
 
 
 def _export_cuda(fn, *args):
-  text = export_cuda_module(fn, *args)
+  text = export_cuda(fn, *args).mlir_module()
   assert "xla.gpu.triton" in text
   return text
 

@@ -15,7 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from models import (KVPageSpec, LlamaConfig, PagedBatch, abstract_model, allocate_pages, kv_bytes_per_block,
                     kv_bytes_per_token, llama31_8b, llama32_1b, page_spec, page_spec_for_budget, paged_decode_step,
                     paged_prefill_step, rope_inv_freq, tiny)
-from pallas_kernels.jax_compat import export_cuda_module
+from pallas_kernels.jax_compat import export_cuda
 from tests import tolerances as tol
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -133,8 +133,8 @@ def test_preset_step_lowers_for_cuda_with_pallas(make, step, tokens):
     batch = PagedBatch(block_tables=i32(b, m), q_start=i32(b), q_lens=i32(b), slots=i32(b, tokens), lengths=i32(b))
     toks = i32(b) if step == "decode" else i32(b, tokens)
     fn = paged_decode_step if step == "decode" else paged_prefill_step
-    text = export_cuda_module(lambda st, p, bt, tk: fn(graphdef, st, p, bt, tk, impl="pallas"),
-                              state, pages, batch, toks)
+    exp = export_cuda(lambda st, p, bt, tk: fn(graphdef, st, p, bt, tk, impl="pallas"), state, pages, batch, toks)
+    text = exp.mlir_module()
     # One Triton kernel per kind, shared by every layer (the kernels take the layer as an operand):
     # write_kv, the attention, and the projections' layer_matmul, one per distinct tile and
     # prologue/epilogue (q, k and v share one when k/v's width gives the same tiles; o, gate/up and
