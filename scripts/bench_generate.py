@@ -9,7 +9,7 @@ tokens/s = batch * new / time, median over `--repeats` after one warm-up call (w
 
     python scripts/bench_generate.py                       # prompts 128 and 512, batches 1 8 32 64
     python scripts/bench_generate.py --prompts 128 --batches 32 --repeats 2 --out /tmp/b.json
-    python scripts/bench_generate.py --render-readme       # README table from the committed file
+    python scripts/bench_generate.py --render-docs         # docs/benchmarks.md's table from the committed file
 
 **Quiet machine or no file.** Each measurement records the 1-minute load average before and
 after it, and the CPU time other processes used while it ran (from /proc/stat, less this
@@ -17,8 +17,8 @@ process's own CPU time: the load average counts the benchmark's own threads, so 
 busy machine from a busy benchmark). When other processes kept more than `--max-load-per-core`
 (default 0.5) of a core busy per core during any measurement, the results are not written to
 `--out` (they go to a temporary file, named on stdout) and the script exits with status 3, so a
-committed figure cannot come from a contended run. `--update-readme` rewrites the README's table
-from the file just written.
+committed figure cannot come from a contended run. `--update-docs` rewrites the table in
+docs/benchmarks.md from the file just written (the README is never written).
 
 **Token agreement.** Greedy decoding of two computations of the same model can differ where the
 top two logits are within rounding of each other. To tell such near-ties from real divergences,
@@ -60,7 +60,7 @@ import paged_kv as pk  # noqa: E402
 from models import allocate_pages, greedy_generate_contiguous, load_hf_checkpoint, page_spec  # noqa: E402
 from paged_kv import engine  # noqa: E402
 from pallas_kernels import resolve_impl  # noqa: E402
-from scripts.readme_tables import README, markers, replace_block  # noqa: E402
+from scripts.doc_tables import BENCHMARKS, markers, replace_block, shown_command  # noqa: E402
 from tests import tolerances  # noqa: E402
 
 HF_CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -224,14 +224,13 @@ def run(model, hf, batch: int, prompt: int, new: int, block_size: int, repeats: 
     return row
 
 
-# ---------------------------------------------------------------------------- README table
+# ------------------------------------------------------------------ docs/benchmarks.md table
 def render_table(result: dict) -> str:
     meta = result["meta"]
     lines = [f"Greedy, no EOS, {meta['new_tokens']} new tokens, float32, block size {meta['block_size']}, "
-             f"median of {meta['repeats']} (`{meta['command']}`, {meta['cpu_count']} cores, "
+             f"median of {meta['repeats']} (`{shown_command(meta['command'])}`, {meta['cpu_count']} CPU cores, "
              f"jax {meta['jax']}, torch {meta['torch']} with {meta['torch_threads']} threads, transformers "
-             f"{meta['transformers']}; other processes used at most {meta['max_other_cores_per_core']:.2f} of a core "
-             f"per core during any measurement):",
+             f"{meta['transformers']}):",
              "",
              "| prompt | batch | on-device tok/s | contiguous host loop tok/s | transformers tok/s | on-device / transformers "
              "| near-tie steps | divergences (all at near-ties) |",
@@ -247,8 +246,8 @@ def render_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(result: dict, readme: Path = README) -> None:
-    replace_block("bench_generate", render_table(result), readme)
+def update_docs(result: dict, page: Path = BENCHMARKS) -> None:
+    replace_block("bench_generate", render_table(result), page)
 
 
 def main():
@@ -263,11 +262,11 @@ def main():
     ap.add_argument("--max-load-per-core", type=float, default=0.5,
                     help="refuse to write --out when other processes used more than this share of each core")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_generate.json"))
-    ap.add_argument("--update-readme", action="store_true", help="rewrite README.md's table from the new file")
-    ap.add_argument("--render-readme", action="store_true", help="only rewrite README.md's table from --out")
+    ap.add_argument("--update-docs", action="store_true", help="rewrite docs/benchmarks.md's table from the new file")
+    ap.add_argument("--render-docs", action="store_true", help="only rewrite docs/benchmarks.md's table from --out")
     args = ap.parse_args()
-    if args.render_readme:
-        update_readme(json.loads(Path(args.out).read_text()))
+    if args.render_docs:
+        update_docs(json.loads(Path(args.out).read_text()))
         return
 
     import torch
@@ -313,8 +312,8 @@ def main():
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(f"wrote {args.out}")
-    if args.update_readme:
-        update_readme(result)
+    if args.update_docs:
+        update_docs(result)
 
 
 if __name__ == "__main__":

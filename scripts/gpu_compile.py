@@ -519,7 +519,7 @@ def run_program(target: str, variant: str, name: str, keep_dir: str | None, use_
   return res
 
 
-DEFAULT_LAYERS = 32  # the real depth: compiling 4 layers instead saved little (README)
+DEFAULT_LAYERS = 32  # the real depth: compiling 4 layers instead saved little (docs/gpu-gate.md)
 DEPTH_PROBE = 2
 
 
@@ -552,7 +552,7 @@ def main(argv=None) -> int:
   ap.add_argument("--keep-dumps", default=None, help="keep XLA dumps and logs under this folder")
   ap.add_argument("--programs", nargs="*", default=None, help="only these whole programs")
   ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
-                  help="decoder layers of the whole programs (Llama 3.1 8B has 32; see README)")
+                  help="decoder layers of the whole programs (Llama 3.1 8B has 32; see docs/gpu-gate.md)")
   ap.add_argument("--no-cache", action="store_true",
                   help=f"compile everything again (passing results are kept in {CACHE_DIR}, keyed by "
                        "the lowered program, the target and the compiler versions)")

@@ -393,13 +393,13 @@ def kv_read_lower_bound(kv_bytes: int, bandwidth_bytes_per_s: float) -> float:
 
 
 
-# ------------------------------------------------------------------------------ README tables
+# ------------------------------------------------------------------- docs/gpu-gate.md tables
 _KERNEL_NAMES = {"decode": "paged_decode_attention", "prefill": "paged_prefill_attention",
                  "write_kv": "write_kv", "copy_blocks": "copy_blocks"}
 
 
 def markdown_summary(report: dict, kernels=("decode", "prefill"), targets=("sm_90",)) -> str:
-  """The README's tables from a gate report: one line per (kernel, dtype, head_dim) at block
+  """docs/gpu-gate.md's tables from a gate report: one line per (kernel, dtype, head_dim) at block
   size 16, GQA 4 (8 for sm_80), large size (the same kernel stands for GQA 1/4/8 in decode), and
   one line per whole program."""
   by_key = {}
@@ -446,7 +446,7 @@ def markdown_summary(report: dict, kernels=("decode", "prefill"), targets=("sm_9
 
 
 def matmul_summary(report: dict, dtypes=("bfloat16",)) -> str:
-  """The README's ``layer_matmul`` table: per target, dtype (of ``dtypes``) and (M, K, N), the
+  """docs/gpu-gate.md's ``layer_matmul`` table: per target, dtype (of ``dtypes``) and (M, K, N), the
   kernel's registers, spills, shared memory and grid (compiled at 32 stacked layers)."""
   by_name = {r.get("name"): r for r in report.get("kernels", []) if r.get("name")}
   lines = ["| target | dtype | M, K, N | prologue / epilogue | registers | spills (B) | shared memory (B) | grid |",
@@ -468,7 +468,7 @@ def matmul_summary(report: dict, dtypes=("bfloat16",)) -> str:
 
 
 def knob_summary(report: dict) -> str:
-  """The README's knob table: per (kernel, dtype, head_dim, knob), the most registers and spill
+  """docs/gpu-gate.md's knob table: per (kernel, dtype, head_dim, knob), the most registers and spill
   bytes of the attention kernel over every knob configuration compiled (both targets, every
   block size), beside the same row without knobs (``table_row`` configurations), so a knob
   that brings a row to the register limit shows."""

@@ -13,11 +13,11 @@ the prefill and the loop's set-up are left out; time per step = part total / dec
     python scripts/profile_decode.py                       # batch 32, prompt 128, 256 new tokens
     python scripts/profile_decode.py --batch 32 --prompt 512 --out results/profile_decode_p512.json
 
-Writes JSON (default results/profile_decode.json) and prints the table; `--update-readme`
-rewrites the README's profile table from it. Times are thread-milliseconds (XLA:CPU runs
-independent instructions on both cores at once), so the parts add up to more than the wall time
-of a step; read them as shares. Load average is recorded
-before and after; a profile from a busy machine is marked `"contended": true`.
+Writes JSON (default results/profile_decode.json) and prints the table; `--update-docs`
+rewrites the profile table in docs/benchmarks.md from it (the README is never written). Times
+are thread-milliseconds (XLA:CPU runs independent instructions on both cores at once), so the
+parts add up to more than the wall time of a step; read them as shares. Load average is
+recorded before and after; a profile from a busy machine is marked `"contended": true`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import paged_kv as pk  # noqa: E402
 from models import LlamaConfig, allocate_pages, init_model, page_spec  # noqa: E402
 from paged_kv import engine  # noqa: E402
-from scripts.readme_tables import replace_block  # noqa: E402
+from scripts.doc_tables import BENCHMARKS, replace_block, shown_command  # noqa: E402
 
 # The model of scripts/bench_generate.py (HF_CONFIG there).
 CONFIG = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
@@ -145,9 +145,9 @@ def classify(op_name: str) -> str:
 
 def render_table(result: dict) -> str:
     m = result["meta"]
-    lines = [f"Batch {m['batch']}, prompt {m['prompt']}, {m['new_tokens']} new tokens (`{m['command']}`, load "
-             f"{m['load_average_before']:.2f} -> {m['load_average_after']:.2f}). Thread-milliseconds: XLA:CPU runs "
-             f"independent instructions on both cores at once, so they add up to more than the wall time.",
+    lines = [f"Batch {m['batch']}, prompt {m['prompt']}, {m['new_tokens']} new tokens (`{shown_command(m['command'])}`, "
+             f"jax {m['jax']}, {m['cpu_count']} CPU cores). Thread-milliseconds: XLA:CPU runs independent "
+             f"instructions on several cores at once, so they add up to more than the wall time.",
              "", "| part of a decode step | thread-ms per step | share |", "|---|---:|---:|"]
     lines += [f"| {r['part']} | {r['ms_per_step']:.3f} | {100 * r['share']:.1f} % |" for r in result["parts"]]
     lines += ["", f"| part of the prefill ({m['batch']} x {m['prompt']} tokens) | thread-ms | share |", "|---|---:|---:|"]
@@ -155,8 +155,8 @@ def render_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(result: dict) -> None:
-    replace_block("profile_decode", render_table(result))
+def update_docs(result: dict, page: Path = BENCHMARKS) -> None:
+    replace_block("profile_decode", render_table(result), page)
 
 
 def main():
@@ -166,11 +166,11 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "profile_decode.json"))
-    ap.add_argument("--update-readme", action="store_true", help="rewrite README.md's profile table from the result")
-    ap.add_argument("--render-readme", action="store_true", help="only rewrite README.md's table from --out")
+    ap.add_argument("--update-docs", action="store_true", help="rewrite docs/benchmarks.md's profile table from the result")
+    ap.add_argument("--render-docs", action="store_true", help="only rewrite docs/benchmarks.md's table from --out")
     args = ap.parse_args()
-    if args.render_readme:
-        update_readme(json.loads(Path(args.out).read_text()))
+    if args.render_docs:
+        update_docs(json.loads(Path(args.out).read_text()))
         return
 
     load_before = load_average()
@@ -255,8 +255,8 @@ def main():
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     shutil.rmtree(trace_dir, ignore_errors=True)
     print(f"wrote {args.out} (load {load_before:.2f} -> {load_after:.2f})")
-    if args.update_readme:
-        update_readme(result)
+    if args.update_docs:
+        update_docs(result)
 
 
 if __name__ == "__main__":

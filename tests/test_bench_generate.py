@@ -72,18 +72,36 @@ def test_load_meter_counts_other_processes_only(bench):
     assert set(rec) == {"load_average_before", "load_average_after", "other_processes_cores"}
 
 
-def test_readme_table_renders_every_row(bench, tmp_path):
+def test_docs_table_renders_every_row(bench, tmp_path):
     row = {"prompt": 128, "batch": 8, "on_device_tok_s": 3000.0, "contiguous_host_loop_tok_s": 1700.0,
            "transformers_tok_s": 1400.0, "on_device_over_transformers": 3000 / 1400,
            "agreement": {"near_tie_steps": 3, "steps": 512, "real_divergences": 0,
                          "contiguous": {"diverging": 0, "sequences": 8},
                          "transformers": {"diverging": 1, "sequences": 8}}}
-    meta = {"new_tokens": 256, "block_size": 16, "repeats": 3, "command": "python scripts/bench_generate.py",
+    meta = {"new_tokens": 256, "block_size": 16, "repeats": 3,
+            "command": "python scripts/bench_generate.py --repeats 3 --update-docs",
             "cpu_count": 2, "jax": "0.10.2", "torch": "2", "torch_threads": 2, "transformers": "5",
             "max_other_cores_per_core": 0.05}
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{bench.BEGIN}\nold\n{bench.END}\nrest\n")
-    bench.update_readme({"meta": meta, "rows": [row, {**row, "batch": 64}]}, readme)
-    text = readme.read_text()
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"intro\n{bench.BEGIN}\nold\n{bench.END}\nrest\n")
+    bench.update_docs({"meta": meta, "rows": [row, {**row, "batch": 64}]}, page)
+    text = page.read_text()
     assert "old" not in text and "| 128 | 8 | 3,000 |" in text and "| 128 | 64 |" in text and "2.14x" in text
     assert text.startswith("intro\n") and text.endswith("rest\n")
+    # The table shows how to measure, not how it was written into the page.
+    assert "`python scripts/bench_generate.py --repeats 3`" in text and "--update" not in text
+
+
+def test_scripts_write_docs_not_the_readme(bench):
+    from scripts import doc_tables
+
+    page = ROOT / "docs" / "benchmarks.md"
+    assert doc_tables.BENCHMARKS == page and bench.update_docs.__defaults__ == (page,)
+    text, readme = page.read_text(), (ROOT / "README.md").read_text()
+    for name in ("bench_generate", "profile_decode"):
+        begin, end = doc_tables.markers(name)
+        assert text.count(begin) == 1 and text.count(end) == 1, name
+        assert begin not in readme and end not in readme, name
+    for script in ("bench_generate.py", "profile_decode.py"):  # (profile_decode sets XLA_FLAGS on import)
+        source = (ROOT / "scripts" / script).read_text()
+        assert "update_docs" in source and "update_readme" not in source and "--update-readme" not in source, script

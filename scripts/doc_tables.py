@@ -1,0 +1,30 @@
+"""Tables that scripts regenerate inside docs/benchmarks.md, between `<!-- NAME:begin -->` and
+`<!-- NAME:end -->` markers (scripts/bench_generate.py, scripts/profile_decode.py). Scripts never
+write README.md."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def shown_command(command: str) -> str:
+    """The command a table shows: the recorded one without the flags that only write tables."""
+    return " ".join(w for w in command.split() if not w.startswith(("--update-", "--render-")))
+
+
+def replace_block(name: str, markdown: str, page: Path = BENCHMARKS) -> None:
+    """Replaces the text between `name`'s markers in `page` with `markdown`."""
+    begin, end = markers(name)
+    text = page.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{page} has no {begin} ... {end} block to replace")
+    block = f"{begin}\n{markdown}\n{end}"
+    page.write_text(re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S))
+    print(f"updated the {name} table in {page}")
