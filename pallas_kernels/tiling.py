@@ -107,8 +107,9 @@ def _row(keys, rows, warps=4, stages=2, min_block=1):
 
 # Decode: one query token per sequence, the GQA group padded to a power of two >= 16 rows; a
 # row's ``rows_per_tile`` is the largest padded group checked: 32 query heads per KV head for
-# 2-byte types up to head_dim 128, 16 elsewhere (32-row tiles spilled: 164 B in bf16 at head_dim
-# 256, 20 B in float32 at 256, 12 B in float32 at head_dim 32 with 128-token blocks on sm_80).
+# 2-byte types at head_dim 16, 64 and 128, 16 elsewhere (32-row tiles spilled: 164 B in bf16 at
+# head_dim 256, 20 B in float32 at 256, 12 B in float32 at head_dim 32 with 128-token blocks on
+# sm_80, and with JAX 0.12's Triton 12 B in 2-byte types at head_dim 32, on both targets).
 # 128 keys per tile for 2-byte types at every head_dim and float32 up to 128; float32 at
 # head_dim 256 needs half (128 keys asked 286,720 B of shared memory), and blocks of at least 2
 # tokens (64 one-token blocks per tile spilled 48 B). Four warps, two stages: today's clean bf16
@@ -116,6 +117,8 @@ def _row(keys, rows, warps=4, stages=2, min_block=1):
 DECODE_TABLE: dict[tuple[str, int], AttentionTile] = {
     **{(dt, d): _row(128, 32) for dt in ("bfloat16", "float16") for d in HEAD_DIMS},
     **{("float32", d): _row(128, 16) for d in HEAD_DIMS},
+    ("bfloat16", 32): _row(128, 16),
+    ("float16", 32): _row(128, 16),
     ("bfloat16", 256): _row(128, 16),
     ("float16", 256): _row(128, 16),
     ("float32", 256): _row(64, 16, min_block=2),
@@ -127,13 +130,17 @@ DECODE_TABLE: dict[tuple[str, int], AttentionTile] = {
 # float32 head_dim 128 and 2-byte head_dim 256 go to 8 warps (same tile, half the registers
 # per thread: 242 and 230 registers). float32 head_dim 256 still spilled 372 B on 8 warps at
 # 64 x 32; 32 rows x 32 keys on 8 warps uses 152-158 registers and 102,400 B. (32 x 64 also fits
-# an H100, 172,032 B, but not an A100's 166,912 B: one table serves both.)
+# an H100, 172,032 B, but not an A100's 166,912 B: one table serves both.) 2-byte types at
+# head_dim 16 take blocks of at least 2 tokens: with JAX 0.12's Triton, 64 one-token blocks per
+# tile spilled 28 B on sm_80. One table serves every supported JAX release.
 PREFILL_TABLE: dict[tuple[str, int], AttentionTile] = {
     **{(dt, d): _row(64, 64) for dt in ("bfloat16", "float16", "float32") for d in HEAD_DIMS},
     ("float32", 128): _row(64, 64, warps=8),
     ("bfloat16", 256): _row(64, 64, warps=8),
     ("float16", 256): _row(64, 64, warps=8),
     ("float32", 256): _row(32, 32, warps=8),
+    ("bfloat16", 16): _row(64, 64, min_block=2),
+    ("float16", 16): _row(64, 64, min_block=2),
 }
 
 TABLES = {"decode": DECODE_TABLE, "prefill": PREFILL_TABLE}

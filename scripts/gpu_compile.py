@@ -114,6 +114,7 @@ def _stderr_to(path: str):
 CACHE_DIR = os.environ.get("PAGED_KV_GATE_CACHE") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "paged-kv", "gpu-gate-results")
 _USE_CACHE = True
+_DEVICELESS_LOGGED = False  # whether XLA said, in this process, that it compiles without a device
 
 
 def _cache_key(lowered_text: str, target: str) -> str:
@@ -230,7 +231,11 @@ def _compile(lowered, work_dir: str, keep: bool) -> dict:
       err = e
   res: dict = {"compile_s": round(time.perf_counter() - t0, 2)}
   log = open(log_path, errors="replace").read()
-  res["deviceless"] = "Performing a deviceless compilation" in log
+  # XLA logs this once per process from JAX 0.12 (every compile before): a later compile in the
+  # same process goes through the same compile-only client.
+  global _DEVICELESS_LOGGED
+  _DEVICELESS_LOGGED |= "Performing a deviceless compilation" in log
+  res["deviceless"] = _DEVICELESS_LOGGED
   ptxas = gpu_report.parse_ptxas(log)
   if err is not None:
     res.update(status="compile_failed", error=f"{type(err).__name__}: {err}"[:1500])

@@ -543,9 +543,17 @@ def version_comparison(old: dict, new: dict, kernels=("decode", "prefill")) -> s
 if __name__ == "__main__":
   import json
   import sys
-  if sys.argv[1:2] == ["--compare"]:  # gpu_report.py --compare OLD.json NEW.json
+  if sys.argv[1:2] == ["--compare"]:  # gpu_report.py --compare OLD.json NEW.json [SUMMARY.json]
     old, new = (json.load(open(p)) for p in sys.argv[2:4])
     print(version_comparison(old, new))
+    if len(sys.argv) > 4:  # the figures both tables come from, small enough to keep
+      kernels = ("decode", "prefill")
+      summary = {r["jax"]: {" ".join(map(str, k)): v for k, v in _kernel_figures(r, kernels).items()}
+                 for r in (old, new)}
+      with open(sys.argv[4], "w") as f:
+        json.dump({"what": "decode and prefill kernels at block size 16, GQA 4 (sm_80: GQA 8), large size, "
+                           "per JAX release: target kernel dtype head_dim -> figures",
+                   "by_jax": summary}, f, indent=1, sort_keys=True)
     sys.exit(0)
   with open(sys.argv[1] if len(sys.argv) > 1 else "results/gpu_compile_report.json") as f:
     rep = json.load(f)

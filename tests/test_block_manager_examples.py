@@ -10,6 +10,9 @@ import paged_kv as pk
 from paged_kv.invariants import check_invariants
 from tests.helpers import state_from_tables
 
+# A fast check of this area on every supported JAX (CI runs it on the oldest pair too).
+pytestmark = pytest.mark.smoke
+
 CFG = pk.ManagerConfig(num_blocks=128, block_size=16, max_seqs=8, max_blocks_per_seq=80)
 
 

@@ -122,6 +122,7 @@ def test_tensor_parallel_run(tmp_path):
     assert "tensor-parallel over 2 devices" in r.stdout and "generated tokens/s" in r.stdout
 
 
+@pytest.mark.smoke
 def test_small_end_to_end_run(tmp_path):
     """Six requests (greedy, shared preamble, n=4 samples, a beam search) in a 24-block pool; the
     files go to the output folder, which the run creates."""

@@ -40,6 +40,7 @@ def _assert_all_free(mgr, state):
     assert int(jnp.sum(state.ref_count)) == 0
 
 
+@pytest.mark.smoke
 def test_greedy_loop_equals_contiguous_stepwise(model):
     """A batch of prompts of different lengths (several prefill chunks), one stopping at EOS:
     same tokens as host-driven greedy decoding over the contiguous cache; log-probs of its

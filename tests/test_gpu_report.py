@@ -320,3 +320,25 @@ condition:
   assert gpu_report.weight_or_page_copies(copies, {-16384: "pages"})[0]["name"] == "copy.1"
   ok = {"status": "compiled", "spills": {}, "deviceless": True, "spec": {}}
   assert "copies of weights or pages" in gpu_compile_plan.judge(dict(ok, weight_or_page_copies=bad))
+
+
+def test_version_comparison_puts_two_reports_side_by_side():
+  """The decode/prefill rows of two gate reports (two JAX releases) in one table, old / new; a
+  configuration compiled by one report only shows '-' on the other side."""
+  def report(jax_version, regs, mma):
+    spec = dict(kernel="decode", target="sm_90", dtype="bfloat16", head_dim=128, block_size=16, group=4,
+                size="large", purpose="matrix")
+    kernel = {"registers": regs, "shared_memory_bytes": 73728, "mma": mma}
+    return {"jax": jax_version, "kernels": [
+        {"spec": spec, "name": "a", "status": "compiled", "spills": {}, "kernels": {"paged_decode_attention": kernel}},
+        {"spec": dict(spec, group=8), "status": "same_kernel_as", "same_as": "a"},  # not the table's GQA
+    ]}
+  old, new = report("0.10.2", 167, "mma.sync"), report("0.12.0.1", 168, "mma.sync")
+  new["kernels"].append({"spec": dict(old["kernels"][0]["spec"], kernel="prefill"), "status": "compiled",
+                         "spills": {"p": 8}, "kernels": {"paged_prefill_attention": {
+                             "registers": 255, "shared_memory_bytes": 81920, "mma": "wgmma"}}})
+  lines = gpu_report.version_comparison(old, new).splitlines()
+  assert "JAX 0.10.2 / 0.12.0.1" in lines[0]
+  assert lines[2] == "| sm_90 | decode | bfloat16 | 128 | 167 / 168 | 0 / 0 | 73,728 / 73,728 | mma.sync / mma.sync |"
+  assert lines[3] == "| sm_90 | prefill | bfloat16 | 128 | - / 255 | - / 8 | - / 81,920 | - / wgmma |"
+  assert len(lines) == 4

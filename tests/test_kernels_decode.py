@@ -46,6 +46,7 @@ def test_decode_interpret_matches_reference(dtype, block_size, head_dim, group):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.smoke
 def test_decode_interpret_matches_jax_paged_attention(dtype):
   rng = np.random.default_rng(7)
   block_size, head_dim, group = 16, 64, 4

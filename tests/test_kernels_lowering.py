@@ -12,6 +12,9 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels.jax_compat import export_cuda
 
+# A fast check of this area on every supported JAX (CI runs it on the oldest pair too).
+pytestmark = pytest.mark.smoke
+
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
 HQ, HKV, D, BS = 32, 8, 128, 16

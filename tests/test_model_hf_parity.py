@@ -20,6 +20,9 @@ from flax import nnx
 from tests import tolerances as tol
 from tests.model_helpers import paged_prefill_logits
 
+# A fast check of this area on every supported JAX (CI runs it on the oldest pair too).
+pytestmark = pytest.mark.smoke
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
 

@@ -21,6 +21,7 @@ def _scrambled_tables(num_seqs, blocks_per_seq, seed):
 
 @pytest.mark.parametrize("cfg_kwargs", [dict(), dict(num_kv_heads=1, tie_word_embeddings=True, rope_scaling=None)],
                          ids=["gqa2_llama3", "mqa_plain_tied"])
+@pytest.mark.smoke
 def test_paged_greedy_equals_contiguous(cfg_kwargs):
     cfg = tiny(**cfg_kwargs)
     model = init_model(cfg, seed=3, init_std=0.2)

@@ -5,6 +5,11 @@ import ast
 import importlib
 from pathlib import Path
 
+import pytest
+
+# A fast check of this area on every supported JAX (CI runs it on the oldest pair too).
+pytestmark = pytest.mark.smoke
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

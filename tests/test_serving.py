@@ -305,6 +305,7 @@ def test_tensor_parallel_serving_matches_one_device(pressured):
 
 
 # ---------------------------------------------------------------------------- streaming
+@pytest.mark.smoke
 def test_streaming_sends_every_token_once_under_preemption(model, pressured):
     """The pressured workload streamed: every request is preempted or waits, yet each sample's
     deltas join to exactly its output tokens (no token sent twice, none lost), its last delta and
