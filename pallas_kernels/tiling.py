@@ -131,16 +131,18 @@ DECODE_TABLE: dict[tuple[str, int], AttentionTile] = {
 # per thread: 242 and 230 registers). float32 head_dim 256 still spilled 372 B on 8 warps at
 # 64 x 32; 32 rows x 32 keys on 8 warps uses 152-158 registers and 102,400 B. (32 x 64 also fits
 # an H100, 172,032 B, but not an A100's 166,912 B: one table serves both.) 2-byte types at
-# head_dim 16 take blocks of at least 2 tokens: with JAX 0.12's Triton, 64 one-token blocks per
-# tile spilled 28 B on sm_80. One table serves every supported JAX release.
+# head_dim 16 take blocks of at least 4 tokens: JAX 0.12 lowers the Triton kernel for sm_80 itself
+# (0.10 lowered every target as sm_90), and there tiles of 1- and 2-token blocks spilled 28 B at
+# 96 registers (a local array for the gather, not register pressure). One table serves every
+# supported JAX release.
 PREFILL_TABLE: dict[tuple[str, int], AttentionTile] = {
     **{(dt, d): _row(64, 64) for dt in ("bfloat16", "float16", "float32") for d in HEAD_DIMS},
     ("float32", 128): _row(64, 64, warps=8),
     ("bfloat16", 256): _row(64, 64, warps=8),
     ("float16", 256): _row(64, 64, warps=8),
     ("float32", 256): _row(32, 32, warps=8),
-    ("bfloat16", 16): _row(64, 64, min_block=2),
-    ("float16", 16): _row(64, 64, min_block=2),
+    ("bfloat16", 16): _row(64, 64, min_block=4),
+    ("float16", 16): _row(64, 64, min_block=4),
 }
 
 TABLES = {"decode": DECODE_TABLE, "prefill": PREFILL_TABLE}

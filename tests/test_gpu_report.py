@@ -124,6 +124,11 @@ def test_gate_plan_judges_results():
   ok = {"status": "compiled", "spills": {}, "deviceless": True, "spec": {"purpose": "matrix"}}
   assert gpu_compile_plan.judge(ok) is None
   assert "spill" in gpu_compile_plan.judge(dict(ok, spills={"paged_prefill_attention": 8}))
+  assert "spill" in gpu_compile_plan.judge(dict(ok, spills={"layer_matmul_pallas_1": 4}))
+  # XLA's own fusions: reported (xla_fusion_spills), not failed.
+  xla = dict(ok, spills={"input_or_reduce_fusion": 16, "write_kv": 0})
+  assert gpu_compile_plan.judge(xla) is None
+  assert gpu_compile_plan.xla_fusion_spills(xla) == {"input_or_reduce_fusion": 16}
   assert "refused" in gpu_compile_plan.judge({"status": "refused", "error": "x", "spec": {"purpose": "matrix"}})
   assert gpu_compile_plan.judge({"status": "refused", "spec": {"purpose": "table_refusal"}}) is None
   assert "expected" in gpu_compile_plan.judge(dict(ok, spec={"purpose": "table_refusal"}))
