@@ -398,6 +398,13 @@ _KERNEL_NAMES = {"decode": "paged_decode_attention", "prefill": "paged_prefill_a
                  "write_kv": "write_kv", "copy_blocks": "copy_blocks"}
 
 
+def _summary_config(spec: dict) -> bool:
+  """Whether a kernel configuration is one the summary tables show: block size 16, GQA 4, large
+  size on sm_90 (the ``matrix`` purpose), and every ``sm_80`` one (GQA 8)."""
+  return (spec["purpose"] == "matrix" and spec["block_size"] == 16 and spec["group"] == 4
+          and spec["size"] == "large") or spec["purpose"] == "sm_80"
+
+
 def markdown_summary(report: dict, kernels=("decode", "prefill"), targets=("sm_90",)) -> str:
   """docs/gpu-gate.md's tables from a gate report: one line per (kernel, dtype, head_dim) at block
   size 16, GQA 4 (8 for sm_80), large size (the same kernel stands for GQA 1/4/8 in decode), and
@@ -409,9 +416,7 @@ def markdown_summary(report: dict, kernels=("decode", "prefill"), targets=("sm_9
            "|---|---|---|---|---|---|---|---|---|---|"]
   order = {"bfloat16": 0, "float16": 1, "float32": 2}
   chosen = sorted((r for r in report.get("kernels", []) if r["spec"]["kernel"] in kernels
-                   and r["spec"]["target"] in targets and (
-                       (r["spec"]["purpose"] == "matrix" and r["spec"]["block_size"] == 16 and r["spec"]["group"] == 4
-                        and r["spec"]["size"] == "large") or r["spec"]["purpose"] == "sm_80")),
+                   and r["spec"]["target"] in targets and _summary_config(r["spec"])),
                   key=lambda r: (r["spec"]["target"], kernels.index(r["spec"]["kernel"]), order[r["spec"]["dtype"]],
                                  r["spec"]["head_dim"]))
   for r in chosen:
@@ -510,9 +515,7 @@ def _kernel_figures(report: dict, kernels: tuple[str, ...]) -> dict[tuple, dict]
   out = {}
   for r in report.get("kernels", []):
     s = r["spec"]
-    if s["kernel"] not in kernels or not (
-        (s["purpose"] == "matrix" and s["block_size"] == 16 and s["group"] == 4 and s["size"] == "large")
-        or s["purpose"] == "sm_80"):
+    if s["kernel"] not in kernels or not _summary_config(s):
       continue
     src = by_name.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
     k = (src.get("kernels") or {}).get(_KERNEL_NAMES[s["kernel"]])
