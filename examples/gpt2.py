@@ -2,7 +2,7 @@
 
 Learned absolute positions, pre-LayerNorm blocks, GELU (tanh) MLP, multi-head attention and an
 output head tied to the token embedding, as in Radford et al. (2019). It implements
-`models.protocol.PagedModel`: the six facts as attributes, `__call__(tokens, positions, cache,
+`paged_kv.models.protocol.PagedModel`: the six facts as attributes, `__call__(tokens, positions, cache,
 attend)` and `logits(hidden)`. Einsum letters: b batch, t tokens, d width, h heads, e head dim.
 """
 
@@ -71,7 +71,7 @@ class GPT2(nnx.Module):
 
     def __init__(self, cfg: GPT2Config, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        # The facts paged-kv reads (models.protocol.PagedModel).
+        # The facts paged-kv reads (paged_kv.models.protocol.PagedModel).
         self.num_layers, self.num_kv_heads = cfg.n_layer, cfg.n_head
         self.head_dim, self.vocab_size = cfg.n_embd // cfg.n_head, cfg.vocab_size
         self.max_positions, self.dtype = cfg.n_positions, cfg.dtype

@@ -1,7 +1,7 @@
 """Flax NNX Llama 3 family decoder that runs over the paged KV cache (`pallas_kernels`) or a
 contiguous baseline cache, and loads/saves Hugging Face Llama checkpoints.
 
-Any model that implements `models.protocol.PagedModel` runs through the paged cache and the engines;
+Any model that implements `paged_kv.models.protocol.PagedModel` runs through the paged cache and the engines;
 the Llama is one (docs/own_model.md, examples/gpt2.py).
 
 Modules: `protocol` (the model protocol: PagedModel, ModelFacts, model_facts), `config` (LlamaConfig, presets, RoPE frequencies), `llama` (NNX modules), `paged` (paged
@@ -13,14 +13,14 @@ ids, chat template, streamed decoding), `generate` (host greedy loops for tests 
 capacity per device).
 """
 
-from models.config import Llama3RopeScaling, LlamaConfig, llama31_8b, llama32_1b, rope_inv_freq, tiny
-from models.contiguous import contiguous_forward, contiguous_step, init_contiguous_cache
-from models.generate import greedy_generate_contiguous, greedy_generate_paged
-from models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
-from models import sharding
-from models.protocol import ModelFacts, PagedModel, model_facts
-from models.llama import Llama, abstract_model, in_vocab, init_model, is_per_layer, per_layer, safe_tokens, stacked
-from models.paged import (
+from paged_kv.models.config import Llama3RopeScaling, LlamaConfig, llama31_8b, llama32_1b, rope_inv_freq, tiny
+from paged_kv.models.contiguous import contiguous_forward, contiguous_step, init_contiguous_cache
+from paged_kv.models.generate import greedy_generate_contiguous, greedy_generate_paged
+from paged_kv.models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
+from paged_kv.models import sharding
+from paged_kv.models.protocol import ModelFacts, PagedModel, model_facts
+from paged_kv.models.llama import Llama, abstract_model, in_vocab, init_model, is_per_layer, per_layer, safe_tokens, stacked
+from paged_kv.models.paged import (
     KVPageSpec,
     layout_for_impl,
     PagedBatch,

@@ -1,4 +1,4 @@
-"""Baseline: the same model (any `models.protocol.PagedModel`) over an ordinary contiguous KV cache.
+"""Baseline: the same model (any `paged_kv.models.protocol.PagedModel`) over an ordinary contiguous KV cache.
 
 Cache layout: one array `[num_layers, 2, batch, max_len, num_kv_heads, head_dim]` (axis 1: 0=K, 1=V);
 sequence b's token at position p lives at `[:, :, b, p]`. Attention is plain `jnp` over all `max_len`
@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.protocol import attend_options, check_model, model_facts
+from paged_kv.models.protocol import attend_options, check_model, model_facts
 
 
 def init_contiguous_cache(model, batch: int, max_len: int, dtype=None) -> jax.Array:
     """Zeroed cache `[num_layers, 2, batch, max_len, num_kv_heads, head_dim]` for `model` (a
-    `models.protocol.PagedModel`, its facts or a `LlamaConfig`)."""
+    `paged_kv.models.protocol.PagedModel`, its facts or a `LlamaConfig`)."""
     f = model_facts(model)
     dtype = f.dtype if dtype is None else dtype
     return jnp.zeros((f.num_layers, 2, batch, max_len, f.num_kv_heads, f.head_dim), dtype)

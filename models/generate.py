@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.contiguous import contiguous_step, init_contiguous_cache
-from models.paged import make_paged_batch, paged_decode_step, paged_prefill_step
+from paged_kv.models.contiguous import contiguous_step, init_contiguous_cache
+from paged_kv.models.paged import make_paged_batch, paged_decode_step, paged_prefill_step
 
 
 def _greedy(prefill: Callable, decode: Callable, prompts: Sequence[Sequence[int]], max_new_tokens: int,

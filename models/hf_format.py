@@ -2,7 +2,7 @@
 Llama-family model (`hf_tensors`), `read_hf_config` and `check_checkpoint` (every tensor's
 presence, shape and dtype, before anything is read), and `CheckpointError`.
 
-Its own module so that `models.hf_io` (single-process load and save) and `models.sharding`
+Its own module so that `paged_kv.models.hf_io` (single-process load and save) and `paged_kv.models.sharding`
 (tensor-parallel load) both import it and neither imports the other's internals: the import
 graph is `hf_io -> sharding -> hf_format`, `hf_io -> hf_format`, with no cycle.
 """
@@ -17,7 +17,7 @@ from typing import Iterator
 from flax import nnx
 from safetensors import safe_open
 
-from models.config import LlamaConfig
+from paged_kv.models.config import LlamaConfig
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -30,7 +30,7 @@ class CheckpointError(ValueError):
 
 def hf_tensors(config: LlamaConfig) -> Iterator[tuple[str, tuple, tuple[int, ...]]]:
     """(HF tensor name, path into the NNX state, HF shape) for every weight of the model,
-    including the family's biases and q/k norms (`models.llama` docstring). A layer's path holds
+    including the family's biases and q/k norms (`paged_kv.models.llama` docstring). A layer's path holds
     its index after "layers": ("layers", i, "attn", "q_proj") is slice [i] of the stacked
     `layers.attn.q_proj` (`state_node`)."""
     d, e, f, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
@@ -120,7 +120,7 @@ def _unreadable(file: Path, path: Path, err: BaseException) -> CheckpointError:
 _DECLARED_ST_DTYPE = {"float32": "F32", "fp32": "F32", "bfloat16": "BF16", "bf16": "BF16", "float16": "F16",
                       "fp16": "F16"}
 """config.json's declared dtype -> the safetensors dtype its tensors must have. float16 checkpoints
-load only with a `dtype` override (`models.config.SUPPORTED_DTYPES`): their F16 weights are cast."""
+load only with a `dtype` override (`paged_kv.models.config.SUPPORTED_DTYPES`): their F16 weights are cast."""
 
 # Non-weights that some checkpoints carry (older transformers saved RoPE's buffer); ignored.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

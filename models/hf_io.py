@@ -16,11 +16,11 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.config import LlamaConfig
-from models.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, check_checkpoint, read_hf_config  # noqa: F401
-from models.hf_format import hf_tensors as _hf_tensors, state_node
-from models.llama import Llama, abstract_model, is_per_layer, stacked
-from models.sharding import load_sharded
+from paged_kv.models.config import LlamaConfig
+from paged_kv.models.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, check_checkpoint, read_hf_config  # noqa: F401
+from paged_kv.models.hf_format import hf_tensors as _hf_tensors, state_node
+from paged_kv.models.llama import Llama, abstract_model, is_per_layer, stacked
+from paged_kv.models.sharding import load_sharded
 
 
 
@@ -61,14 +61,14 @@ def _to_hf_layout(name: str, w: np.ndarray) -> np.ndarray:
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> Llama:
-    """Load a Hugging Face Llama-family checkpoint directory (`models.config.FAMILIES`) into a `Llama`.
+    """Load a Hugging Face Llama-family checkpoint directory (`paged_kv.models.config.FAMILIES`) into a `Llama`.
 
     Every tensor is checked against the config first (`check_checkpoint`), before any weight is
     read or anything compiled.
 
     `dtype` ("float32"/"bfloat16") overrides the checkpoint's dtype; weights are cast to it.
     `mesh`: a `jax.sharding.Mesh` with a "tp" axis to load tensor-parallel, each process reading
-    only the slices its devices hold (`models.sharding.load_sharded`).
+    only the slices its devices hold (`paged_kv.models.sharding.load_sharded`).
     Raises FileNotFoundError (missing directory, config.json, weight file or shard), ValueError
     (unsupported architecture/variant) and CheckpointError (missing, unexpected or unreadable
     tensor, wrong shape or dtype, truncated file), each naming the file or tensor.

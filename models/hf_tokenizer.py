@@ -31,7 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from models.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from paged_kv.models.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

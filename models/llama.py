@@ -1,8 +1,8 @@
 """Llama 3 family decoder in Flax NNX, with the KV cache as an explicit argument.
 
 The module holds weights only. Where K/V are stored and how attention reads them is supplied by the
-caller as an `attend` function, so the same weights run over the paged KV cache (`models.paged`) and
-over an ordinary contiguous cache (`models.contiguous`):
+caller as an `attend` function, so the same weights run over the paged KV cache (`paged_kv.models.paged`) and
+over an ordinary contiguous cache (`paged_kv.models.contiguous`):
 
     attend(layer, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache) -> (out[B, T, QH, D], cache)
 
@@ -18,7 +18,7 @@ q and k arrive with RoPE applied; `attend` stores k/v into `cache` and attends. 
 einsum strings: b batch, t query tokens, d model width, h query heads, k kv heads, g heads per kv
 head, e head dim, f MLP width, v vocabulary.
 
-Parameter layout (HF tensor it maps to in `models.hf_io`). The decoder layers are stacked: `layers`
+Parameter layout (HF tensor it maps to in `paged_kv.models.hf_io`). The decoder layers are stacked: `layers`
 is one `DecoderLayer` whose every parameter has a leading layer axis L = num_layers, and the
 forward runs one `jax.lax.scan` over that axis (compile time independent of depth). Layer i's
 slice `[i]` is HF's `model.layers.{i}.` tensor:
@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import LlamaConfig, rope_inv_freq
+from paged_kv.models.config import LlamaConfig, rope_inv_freq
 
 Array = jax.Array
 AttendFn = Callable[[Array, Array, Array, Array, Any], tuple[Array, Any]]
@@ -135,7 +135,7 @@ class Attention(nnx.Module):
     def call_stacked(self, x, norm_scale, positions, inv_freq, layer, cache, attend: AttendFn, matmul):
         """`__call__` on stacked weights (every parameter `[L, ...]`), for layer `layer` (an int32
         scalar, traced by the scan): the projections go through `matmul(x[M, K], w[L, K, N],
-        layer, scale=, bias=)` (`attend.layer_matmul`, `models.protocol.PagedModel`), which reads
+        layer, scale=, bias=)` (`attend.layer_matmul`, `paged_kv.models.protocol.PagedModel`), which reads
         `w[layer]` in place.
         `x` is the input norm's normalized input before its weight; `norm_scale` `[L, d]` is that
         weight, applied by the q/k/v projections. Same arithmetic as `__call__` after the norm."""
@@ -252,8 +252,8 @@ def safe_tokens(tokens: Array, vocab_size: int) -> Array:
 class Llama(nnx.Module):
     """Llama 3 decoder. `__call__` returns final-normed hidden states; `logits` applies the head.
 
-    Implements `models.protocol.PagedModel`: the facts below are read from `config`, and
-    `partition_specs` gives its tensor-parallel layout (`models.sharding.weight_specs`).
+    Implements `paged_kv.models.protocol.PagedModel`: the facts below are read from `config`, and
+    `partition_specs` gives its tensor-parallel layout (`paged_kv.models.sharding.weight_specs`).
     """
 
     @property
@@ -282,7 +282,7 @@ class Llama(nnx.Module):
 
     def partition_specs(self, weights: nnx.State, tp: int):
         """PartitionSpecs of `weights` (this model's state) over the "tp" mesh axis."""
-        from models.sharding import weight_specs
+        from paged_kv.models.sharding import weight_specs
         return weight_specs(weights, self.config, tp)
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
@@ -386,7 +386,7 @@ def _unstack_leaf(w, n: int) -> list:
 
     Done outside any user `jit`, once: one small program per leaf that writes all n slices. A
     leaf with a `NamedSharding` keeps its spec minus the leading (never sharded) layer axis, so a
-    tensor-parallel model stays placed (`models.sharding.weight_specs` gives the same spec for the
+    tensor-parallel model stays placed (`paged_kv.models.sharding.weight_specs` gives the same spec for the
     per-layer layout). `jax.ShapeDtypeStruct` leaves (abstract models) give abstract slices."""
     from jax.sharding import NamedSharding, PartitionSpec
 

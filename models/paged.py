@@ -23,8 +23,8 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import pallas_kernels as pk
-from models.protocol import attend_options, check_model, model_facts
+from paged_kv import pallas_kernels as pk
+from paged_kv.models.protocol import attend_options, check_model, model_facts
 
 NULL_BLOCK = pk.NULL_BLOCK
 IMPLS = tuple(pk.IMPLS)
@@ -88,16 +88,16 @@ def make_paged_batch(block_tables, q_start, q_lens, num_tokens: int, block_size:
 
 # ---------------------------------------------------------------------------- forward
 def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim: int | None = None):
-    """The `attend` callback of `models.protocol.PagedModel` over the paged cache: writes k/v at
+    """The `attend` callback of `paged_kv.models.protocol.PagedModel` over the paged cache: writes k/v at
     `batch.slots`, then paged decode or prefill attention with the call's options (scale, soft_cap,
     alibi_slopes; anything else raises ValueError naming it).
 
-    Its attributes (`models.protocol.PagedModel`): `layer_matmul` (`layer_matmul_for`) is the
+    Its attributes (`paged_kv.models.protocol.PagedModel`): `layer_matmul` (`layer_matmul_for`) is the
     Pallas projection that reads a stacked weight's layer in place when `impl` resolves to a
     Pallas kernel (a GPU) on one device, so a model's scan over stacked layers copies no weight
     slice; None otherwise. `static_layer` (`static_layer_impl`) is True for the Pallas kernels
     over a mesh: a model that scans then runs its layers unrolled with Python ints
-    (`models.llama.Llama` does), since XLA:GPU copies the weight slices a scan takes and GSPMD
+    (`paged_kv.models.llama.Llama` does), since XLA:GPU copies the weight slices a scan takes and GSPMD
     cannot partition the Pallas projection. The kernels take the layer as an int32 operand
     either way, so every layer calls one compiled kernel per kind."""
 
@@ -130,7 +130,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
         attend.layer_matmul = layer_matmul_for(impl, head_dim, mesh)
         return attend
 
-    from models.sharding import AXIS, PAGE_SPEC
+    from paged_kv.models.sharding import AXIS, PAGE_SPEC
 
     # Each device writes and attends over its own KV heads (and the query heads that read them):
     # block ids are global and the metadata is replicated, so nothing crosses devices here. ALiBi
@@ -152,7 +152,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
 
 def static_layer_impl(impl: str, head_dim: int | None = None, mesh=None) -> bool:
     """True when a model's layers should run unrolled on `per_layer` weights (the `attend`
-    callback's `static_layer`): `impl` (as `pallas_kernels.resolve_impl` resolves it: "auto" is
+    callback's `static_layer`): `impl` (as `paged_kv.pallas_kernels.resolve_impl` resolves it: "auto" is
     "pallas" on a GPU) runs the Pallas kernels and `mesh` is set (tensor parallelism). There the
     projections stay XLA matmuls, which GSPMD partitions, and an unrolled forward on per-layer
     arrays is the layout in which XLA:GPU copies no weight. On one device the Pallas kernels scan
@@ -161,8 +161,8 @@ def static_layer_impl(impl: str, head_dim: int | None = None, mesh=None) -> bool
 
 
 def layer_matmul_for(impl: str, head_dim: int | None = None, mesh=None):
-    """The `attend` callback's `layer_matmul` (`models.protocol.PagedModel`): on one device with
-    the Pallas kernels, `pallas_kernels.layer_matmul` in that impl ("pallas" or "interpret"), so
+    """The `attend` callback's `layer_matmul` (`paged_kv.models.protocol.PagedModel`): on one device with
+    the Pallas kernels, `paged_kv.pallas_kernels.layer_matmul` in that impl ("pallas" or "interpret"), so
     the scan over stacked layers reads each layer's weights in place (XLA:GPU would copy the
     slices a scan takes, every step); None otherwise (the reference kernels on a CPU scan with
     XLA's slices, which XLA:CPU reads in place or copies cheaply; a mesh unrolls instead,
@@ -174,26 +174,26 @@ def layer_matmul_for(impl: str, head_dim: int | None = None, mesh=None):
 
 
 def _layer_matmul(x, w, layer, *, scale=None, bias=None, impl: str):
-    """`pallas_kernels.layer_matmul` in `impl`, or its XLA reference for a weight whose K or N is
+    """`paged_kv.pallas_kernels.layer_matmul` in `impl`, or its XLA reference for a weight whose K or N is
     not a multiple of 16 (the kernel's smallest tile; such a weight's slice is then copied on a
     GPU, as any scan's would be)."""
-    from pallas_kernels.stacked_matmul import supported
+    from paged_kv.pallas_kernels.stacked_matmul import supported
     use = impl if supported(w.shape[1], w.shape[2]) else "reference"
     return pk.layer_matmul(x, w, layer, scale=scale, bias=bias, impl=use)
 
 
 def layout_for_impl(model, impl: str, mesh=None):
-    """`model` (a `models.protocol.PagedModel` or its `(graphdef, state)` split; same kind back)
-    in the layer layout that suits `impl` and `mesh`: a stacked `models.Llama` becomes
-    `models.llama.per_layer` when the layers run unrolled (`static_layer_impl`: Pallas kernels
+    """`model` (a `paged_kv.models.protocol.PagedModel` or its `(graphdef, state)` split; same kind back)
+    in the layer layout that suits `impl` and `mesh`: a stacked `paged_kv.models.Llama` becomes
+    `paged_kv.models.llama.per_layer` when the layers run unrolled (`static_layer_impl`: Pallas kernels
     over a tensor-parallel mesh), so the compiled step has no per-layer slice of a stacked
     weight to copy; anything else is returned as is (the scan keeps the stacked weights, read in
-    place by `pallas_kernels.layer_matmul` on a GPU; other models have their own layout).
+    place by `paged_kv.pallas_kernels.layer_matmul` on a GPU; other models have their own layout).
 
     Converting copies the decoder-layer weights once (see `per_layer`): callers that keep the
     result should drop the stacked model. Weights that are tracers (a call under the caller's own
     `jit`) are left as they are: slicing them there would be the same slice in the program."""
-    from models.llama import Llama, is_per_layer, per_layer
+    from paged_kv.models.llama import Llama, is_per_layer, per_layer
 
     module = nnx.merge(*model) if isinstance(model, tuple) else model
     if not isinstance(module, Llama) or is_per_layer(module):
@@ -206,11 +206,11 @@ def layout_for_impl(model, impl: str, mesh=None):
 
 
 def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str = "auto", mesh=None) -> jax.Array:
-    """`pallas_kernels.copy_blocks`, run per device under `shard_map` when `mesh` is given (pages
+    """`paged_kv.pallas_kernels.copy_blocks`, run per device under `shard_map` when `mesh` is given (pages
     sharded on KV heads hold every block, so a block copy is device-local)."""
     if mesh is None:
         return pk.copy_blocks(pages, src, dst, impl=impl)
-    from models.sharding import PAGE_SPEC
+    from paged_kv.models.sharding import PAGE_SPEC
     fn = jax.shard_map(functools.partial(pk.copy_blocks, impl=impl), mesh=mesh, in_specs=(PAGE_SPEC, P(), P()),
                        out_specs=PAGE_SPEC, check_vma=False)
     return fn(pages, src, dst)
@@ -218,20 +218,20 @@ def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str =
 
 def _check_mesh(model, mesh) -> None:
     if mesh is not None:
-        from models.sharding import check_on_mesh
+        from paged_kv.models.sharding import check_on_mesh
         check_on_mesh(model, mesh, model_facts(model).num_kv_heads)
 
 
 def paged_forward(model, pages: jax.Array, batch: PagedBatch, tokens: jax.Array, *, impl: str = "auto",
                   last_only: bool = False, mesh=None):
-    """Un-jitted forward of a `models.protocol.PagedModel`. tokens int32[B, T] (a prefill chunk) or
+    """Un-jitted forward of a `paged_kv.models.protocol.PagedModel`. tokens int32[B, T] (a prefill chunk) or
     int32[B] (decode, one per sequence).
 
     Returns (float32 logits, pages): logits [B, T, V] for a chunk ([B, V] at the last valid token
     when `last_only`), [B, V] for decode.
 
     `mesh`: a `jax.sharding.Mesh` with a "tp" axis when the model and pages were placed with
-    `models.sharding.shard`; the KV write and paged attention then run per device under
+    `paged_kv.models.sharding.shard`; the KV write and paged attention then run per device under
     `jax.shard_map` over KV heads, and XLA inserts the all-reduces of the sharded matmuls.
     """
     if impl not in IMPLS:
@@ -328,7 +328,7 @@ def kv_bytes_per_token_raw(num_layers: int, num_kv_heads: int, head_dim: int, dt
 
 def kv_bytes_per_token(model, dtype=None) -> int:
     """K and V bytes of one token over all layers (Llama 3.1 8B bf16: 128 KiB). `model`: a
-    `models.protocol.PagedModel` (or its split, its `ModelFacts`, a `LlamaConfig`)."""
+    `paged_kv.models.protocol.PagedModel` (or its split, its `ModelFacts`, a `LlamaConfig`)."""
     f = model_facts(model)
     return kv_bytes_per_token_raw(f.num_layers, f.num_kv_heads, f.head_dim, f.dtype if dtype is None else dtype)
 
@@ -367,7 +367,7 @@ def page_spec_for_budget(model, *, block_size: int = 16, budget_bytes: int | Non
 
 
 def page_spec(model, num_blocks: int, block_size: int = 16, dtype=None) -> KVPageSpec:
-    """Pages for `model` (a `models.protocol.PagedModel`, its split, its `ModelFacts` or a
+    """Pages for `model` (a `paged_kv.models.protocol.PagedModel`, its split, its `ModelFacts` or a
     `LlamaConfig`): its layers, KV heads, head_dim and dtype (or `dtype`)."""
     f = model_facts(model)
     return KVPageSpec(f.num_layers, f.num_kv_heads, f.head_dim, num_blocks, block_size,

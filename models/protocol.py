@@ -2,7 +2,7 @@
 
 paged-kv never looks inside a model. The engine (``generate``, ``beam_search``), the
 ``ServingEngine``, page sizing (``page_spec``, ``page_spec_for_budget``, ``allocate_pages``) and the
-paged / contiguous forwards use only the members of ``PagedModel`` below; ``models.Llama`` is one
+paged / contiguous forwards use only the members of ``PagedModel`` below; ``paged_kv.models.Llama`` is one
 implementation, ``examples/gpt2.py`` another. ``model_facts`` checks a model against the protocol
 on the host, before anything is traced or compiled, and raises ``ValueError`` naming what is
 missing or wrong.
@@ -52,11 +52,11 @@ class PagedModel(Protocol):
       paged-kv's ``attend`` accepts both. When its attribute ``static_layer`` is True (it runs the
       Pallas kernels over a tensor-parallel mesh) it asks for the layers unrolled with Python
       ints: the kernels take either, but XLA:GPU copies each layer's weight slices out of a scan
-      over stacked weights (``models.llama.per_layer`` is the layout that avoids it). Its
+      over stacked weights (``paged_kv.models.llama.per_layer`` is the layout that avoids it). Its
       attribute ``layer_matmul``, when not None, is a projection that reads one layer of a
       stacked weight in place, for a model that scans: ``layer_matmul(x[M, K], w[L, K, N],
       layer, scale=None | [L, K], bias=None | [L, N]) -> [M, N]`` in x's dtype, i.e.
-      ``(scale[layer] * x) @ w[layer] + bias[layer]`` (``pallas_kernels.layer_matmul``: the
+      ``(scale[layer] * x) @ w[layer] + bias[layer]`` (``paged_kv.pallas_kernels.layer_matmul``: the
       Pallas kernels on one GPU, where a scan's weight slices would be copied). A model may
       ignore both attributes.
       ``attend`` stores k/v in ``cache`` and returns the causal attention output ``out[B, T, QH, D]``
@@ -73,9 +73,9 @@ class PagedModel(Protocol):
       given layer at every step (they are part of the compiled program).
     ``logits(hidden[..., ...]) -> float32[..., V]``: the output head on what ``__call__`` returned.
 
-    Optional, for tensor parallelism (``models.sharding``, a ``mesh=`` argument):
+    Optional, for tensor parallelism (``paged_kv.models.sharding``, a ``mesh=`` argument):
       ``partition_specs(weights: nnx.State, tp: int) -> PartitionSpec tree`` (same structure as
-      ``weights``) over the mesh axis ``models.sharding.AXIS``, with q heads and KV heads split
+      ``weights``) over the mesh axis ``paged_kv.models.sharding.AXIS``, with q heads and KV heads split
       over it (the pages are sharded on KV heads). A model without it raises ``ValueError`` when
       used with a mesh.
     """
@@ -117,14 +117,14 @@ def _as_module(model):
 
 def model_facts(model) -> ModelFacts:
     """Check ``model`` (a ``PagedModel``, its NNX ``(graphdef, state)`` split, ``ModelFacts``, or a
-    ``models.LlamaConfig``) against the protocol and return its facts.
+    ``paged_kv.models.LlamaConfig``) against the protocol and return its facts.
 
     Raises ValueError naming every missing member, or the fact with a bad value and what it must
     be. Cheap and host-side: call it before tracing.
     """
     if isinstance(model, ModelFacts):
         return model
-    from models.config import LlamaConfig  # a Llama's config states the same facts
+    from paged_kv.models.config import LlamaConfig  # a Llama's config states the same facts
     if isinstance(model, LlamaConfig):
         return ModelFacts(model.num_layers, model.num_kv_heads, model.head_dim, model.vocab_size,
                           model.max_position_embeddings, str(jnp.dtype(model.dtype)))
@@ -133,7 +133,7 @@ def model_facts(model) -> ModelFacts:
     missing = [m for m in REQUIRED if not (callable(model) if m == "__call__" else hasattr(model, m))]
     if missing:
         raise ValueError(f"model {name} does not implement the paged model protocol: missing "
-                         f"{', '.join(missing)} (see models.protocol.PagedModel)")
+                         f"{', '.join(missing)} (see paged_kv.models.protocol.PagedModel)")
     if not callable(getattr(model, "logits")):
         raise ValueError(f"model {name}: logits must be a method logits(hidden) -> float32 logits")
     values = {}
@@ -164,7 +164,7 @@ def check_partition_specs(model):
     if not callable(getattr(model, "partition_specs", None)):
         raise ValueError(f"model {type(model).__name__} defines no partition_specs(weights, tp), so it "
                          "cannot be sharded over a mesh (tensor parallelism); run it without mesh= or "
-                         "add the method (see models.protocol.PagedModel)")
+                         "add the method (see paged_kv.models.protocol.PagedModel)")
     return model
 
 

@@ -14,12 +14,12 @@ What is sharded over the "tp" axis of size `tp` (everything else is replicated):
 | `lm_head` (or the tied `embed`) | `[vocab, d]` | vocab, when `tp` divides it |
 | KV `pages` | `[layers, 2, kv_heads, blocks, block_size, head_dim]` | KV heads |
 
-The decoder-layer weights are stacked (`models.llama`): each of them has a leading layer axis
+The decoder-layer weights are stacked (`paged_kv.models.llama`): each of them has a leading layer axis
 `[L, ...]` before the shape above, never sharded, so its spec is `P(None, ...)` of the table's.
 
 So each device holds every block for its own KV heads: block ids are global, the block-manager
 state stays small and replicated, and block copies, KV writes and paged attention are
-device-local; `models.paged` runs those kernels under `jax.shard_map` over "tp" (a Pallas call is
+device-local; `paged_kv.models.paged` runs those kernels under `jax.shard_map` over "tp" (a Pallas call is
 opaque to the SPMD partitioner, and shard_map makes the locality explicit for the reference path
 too). A decode step needs two all-reduces of the hidden state per layer, inserted by XLA.
 
@@ -30,7 +30,7 @@ query head `h` then reads replicated head `h // (num_heads // tp)`, whose weight
 original head `h // (num_heads // num_kv_heads)`, so the model computes exactly the same function.
 The placed model's `config.num_kv_heads` is that effective count; pages are sized from it.
 
-The table is the Llama's layout (`Llama.partition_specs`). Any other `models.protocol.PagedModel`
+The table is the Llama's layout (`Llama.partition_specs`). Any other `paged_kv.models.protocol.PagedModel`
 is placed with its own `partition_specs(weights, tp)` (a model without one raises ValueError for
 mesh use, never a guessed layout), with no KV-head replication: tp must divide its KV heads.
 
@@ -52,10 +52,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models import hf_format
-from models.config import LlamaConfig
-from models.llama import Llama, abstract_model, is_per_layer, per_layer
-from models.protocol import check_model, check_partition_specs, model_facts, partition_specs
+from paged_kv.models import hf_format
+from paged_kv.models.config import LlamaConfig
+from paged_kv.models.llama import Llama, abstract_model, is_per_layer, per_layer
+from paged_kv.models.protocol import check_model, check_partition_specs, model_facts, partition_specs
 
 AXIS = "tp"
 """Name of the tensor-parallel mesh axis."""
@@ -106,7 +106,7 @@ def tp_degree(mesh: Mesh) -> int:
         raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if AXIS not in mesh.axis_names:
         raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}; expected a tensor-parallel axis named "
-                         f"{AXIS!r} (see models.sharding.make_mesh)")
+                         f"{AXIS!r} (see paged_kv.models.sharding.make_mesh)")
     return int(mesh.shape[AXIS])
 
 
@@ -170,14 +170,14 @@ def _leaf_name(path) -> str:
 
 def _stacked_spec(stacked: bool, name: str, shape: tuple[int, ...], tp: int, tied: bool) -> P:
     """`weight_spec` of one layer's slice, with the leading layer axis (never sharded) in front
-    when the variable is a stacked decoder-layer weight (`models.llama`: `layers.*` is [L, ...])."""
+    when the variable is a stacked decoder-layer weight (`paged_kv.models.llama`: `layers.*` is [L, ...])."""
     if not stacked:
         return weight_spec(name, shape, tp, tied)
     return P(None, *weight_spec(name, shape[1:], tp, tied))
 
 
 def _is_stacked_path(keys: list) -> bool:
-    """A stacked decoder-layer weight: under "layers" with no layer index next (`models.llama`'s
+    """A stacked decoder-layer weight: under "layers" with no layer index next (`paged_kv.models.llama`'s
     `per_layer` layout puts an int there, `("layers", i, ...)`, and its weights have no layer axis)."""
     return keys[0] == "layers" and not (len(keys) > 1 and isinstance(keys[1], int))
 
@@ -185,7 +185,7 @@ def _is_stacked_path(keys: list) -> bool:
 def weight_specs(weights: nnx.State, config: LlamaConfig, tp: int):
     """PartitionSpecs for an `nnx.State` of a model (same tree structure). Stacked layer weights
     (under "layers") get an unsharded leading layer axis before the table's spec; per-layer ones
-    (`models.llama.per_layer`, under "layers/<i>") get the table's spec as they are."""
+    (`paged_kv.models.llama.per_layer`, under "layers/<i>") get the table's spec as they are."""
     return jax.tree_util.tree_map_with_path(
         lambda path, x: _stacked_spec(_is_stacked_path(_path_keys(path)), _leaf_name(path), tuple(x.shape), tp,
                                       config.tie_word_embeddings), weights)
@@ -235,7 +235,7 @@ def _llama_config(model) -> LlamaConfig | None:
 
 
 def placed_kv_heads(model, tp: int) -> int:
-    """KV heads of `model` (a `models.protocol.PagedModel`, its split, or a `LlamaConfig`) once
+    """KV heads of `model` (a `paged_kv.models.protocol.PagedModel`, its split, or a `LlamaConfig`) once
     placed at degree `tp`: a Llama's `kv_heads_for`; any other model keeps its own count, which tp
     must divide (only the Llama knows how to replicate its KV heads)."""
     config = _llama_config(model)
@@ -249,7 +249,7 @@ def placed_kv_heads(model, tp: int) -> int:
 
 
 def shard_model(model, mesh: Mesh):
-    """Place a `models.protocol.PagedModel` (or its `(graphdef, state)` split) on `mesh`; returns
+    """Place a `paged_kv.models.protocol.PagedModel` (or its `(graphdef, state)` split) on `mesh`; returns
     the same kind. The layout is the model's own `partition_specs(weights, tp)` (a model without
     one raises ValueError before anything is placed).
 
@@ -299,12 +299,12 @@ def shard(model, pages, mesh: Mesh):
 
 
 def allocate_pages_on_mesh(spec, mesh: Mesh) -> jax.Array:
-    """Zeroed pages of `spec` (a `models.KVPageSpec` sized from the *placed* model's config),
+    """Zeroed pages of `spec` (a `paged_kv.models.KVPageSpec` sized from the *placed* model's config),
     created already sharded: no device ever holds the whole array."""
     tp = tp_degree(mesh)
     if spec.num_kv_heads % tp:
         raise ValueError(f"pages with num_kv_heads={spec.num_kv_heads} cannot be split over tp={tp}; size "
-                         "them from the placed model's config (models.sharding.shard replicates KV heads)")
+                         "them from the placed model's config (paged_kv.models.sharding.shard replicates KV heads)")
     return jax.jit(lambda: jnp.zeros(spec.shape, jnp.dtype(spec.dtype)),
                    out_shardings=NamedSharding(mesh, PAGE_SPEC))()
 
@@ -320,7 +320,7 @@ def check_on_mesh(model, mesh: Mesh, num_kv_heads: int) -> int:
         check_partition_specs(check_model(model))
     if num_kv_heads % tp:
         raise ValueError(f"num_kv_heads={num_kv_heads} is not divisible by tp={tp}: place the model with "
-                         "models.sharding.shard(model, pages, mesh) first (it replicates KV heads)")
+                         "paged_kv.models.sharding.shard(model, pages, mesh) first (it replicates KV heads)")
     return tp
 
 
@@ -381,7 +381,7 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = Non
     process's devices and reads just their slice through `safe_open(...).get_slice` (a device
     shard of `q_proj` reads only its heads' rows). Replicated KV heads (tp > num_kv_heads) are
     read from the original head. `stats`, when given, receives `bytes_read` (this process) and
-    `bytes_total` (the checkpoint's tensors). Errors as `models.load_hf_checkpoint`.
+    `bytes_total` (the checkpoint's tensors). Errors as `paged_kv.models.load_hf_checkpoint`.
     """
     from safetensors import safe_open
 

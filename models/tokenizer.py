@@ -38,7 +38,7 @@ class ByteTokenizer:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        """The ids that end a generation (one here; `models.hf_tokenizer.HFTokenizer` may have several)."""
+        """The ids that end a generation (one here; `paged_kv.models.hf_tokenizer.HFTokenizer` may have several)."""
         return (self.eos_id,)
 
     def describe(self) -> str:

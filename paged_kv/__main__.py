@@ -1,9 +1,8 @@
-"""``python -m paged_kv`` / ``paged-kv``: serve the ready-made workload and print the KV-cache report
-(``--walkthrough``: the block-manager walkthrough). See ``paged_kv.cli``."""
+"""``python -m paged_kv``: the command line of ``paged_kv.apps.cli``."""
 
 import sys
 
-from paged_kv.cli import main
+from paged_kv.apps.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

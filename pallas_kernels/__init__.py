@@ -17,7 +17,7 @@ Block 0 is the reserved null block: padding writes go there and unused block-tab
 0. Slot index = ``block_id * block_size + offset``. Out-of-range block ids and slots are clamped
 to the null block, so a bad index never reads or writes another sequence's memory.
 
-Public API (see :mod:`pallas_kernels.dispatch` for full docs):
+Public API (see :mod:`paged_kv.pallas_kernels.dispatch` for full docs):
 
 * :func:`paged_decode_attention` ``(q, pages, layer, block_tables, lengths, *, scale, impl)``
 * :func:`paged_prefill_attention` ``(q, pages, layer, block_tables, q_start, q_lens, *, scale, impl)``
@@ -30,7 +30,7 @@ Public API (see :mod:`pallas_kernels.dispatch` for full docs):
 ``interpret=True``, used in tests) or "reference".
 """
 
-from pallas_kernels.dispatch import (
+from paged_kv.pallas_kernels.dispatch import (
     copy_blocks,
     layer_matmul,
     paged_decode_attention,
@@ -38,8 +38,8 @@ from pallas_kernels.dispatch import (
     resolve_impl,
     write_kv,
 )
-from pallas_kernels.reference import NULL_BLOCK
-from pallas_kernels.validate import IMPLS
+from paged_kv.pallas_kernels.reference import NULL_BLOCK
+from paged_kv.pallas_kernels.validate import IMPLS
 
 __all__ = [
     "IMPLS",

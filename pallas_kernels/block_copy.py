@@ -12,8 +12,8 @@ the input alive. The copy list has a fixed padded size (padding ``(0, 0)``, skip
 kernel), so a different number of real copies never retraces. Real destinations must be
 distinct and not also sources in the same list: programs run in no particular order, so a
 chain ``2 -> 3, 3 -> 4`` may copy the new block 3 (old 2) to 4, and a swap ``2 -> 3, 3 -> 2``
-may leave both blocks equal. :func:`pallas_kernels.copy_blocks` checks this on concrete lists
-(:func:`pallas_kernels.validate.check_copy_lists`); under ``jit`` the caller guarantees it.
+may leave both blocks equal. :func:`paged_kv.pallas_kernels.copy_blocks` checks this on concrete lists
+(:func:`paged_kv.pallas_kernels.validate.check_copy_lists`); under ``jit`` the caller guarantees it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.reference import sanitize_block_tables
+from paged_kv.pallas_kernels.reference import sanitize_block_tables
 
 
 def _copy_kernel(src_ref, dst_ref, pages_ref, out_ref, *, head_rows: int):
@@ -45,7 +45,7 @@ def _copy_kernel(src_ref, dst_ref, pages_ref, out_ref, *, head_rows: int):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "head_rows", "num_warps"))
 def copy_blocks_pallas(pages, src, dst, *, interpret=False, head_rows=None, num_warps=4):
-  """Pallas block copy; arguments as :func:`pallas_kernels.copy_blocks`."""
+  """Pallas block copy; arguments as :func:`paged_kv.pallas_kernels.copy_blocks`."""
   num_layers, _, num_kv_heads, num_blocks, block_size, head_dim = pages.shape
   rows = num_layers * 2 * num_kv_heads
   if head_rows is None:

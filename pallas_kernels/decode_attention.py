@@ -31,8 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import tiling
-from pallas_kernels.reference import sanitize_block_tables, score_knobs
+from paged_kv.pallas_kernels import tiling
+from paged_kv.pallas_kernels.reference import sanitize_block_tables, score_knobs
 
 # A finite "minus infinity": exp(MASK - m) is 0, and MASK - MASK is 0, never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -115,7 +115,7 @@ def layer_operand(layer, num_layers: int):
   their (K|V, KV head) plane as the block and index its layer axis with this operand.
 
   The clamp is the bound check a traced id cannot get before tracing (a Python int is
-  range-checked by :func:`pallas_kernels.validate.check_layer` and passes through unchanged):
+  range-checked by :func:`paged_kv.pallas_kernels.validate.check_layer` and passes through unchanged):
   an id outside ``[0, num_layers)`` reads (or writes) the nearest layer, never memory outside
   the pages."""
   if isinstance(layer, jax.Array):
@@ -137,7 +137,7 @@ def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads:
   """Static tiling: (blocks_per_tile, tiles_per_split, num_splits).
 
   ``blocks_per_tile`` defaults to a 128-key tile (the 2-byte rows of
-  :data:`pallas_kernels.tiling.DECODE_TABLE`; the kernel passes its own row's choice): a power
+  :data:`paged_kv.pallas_kernels.tiling.DECODE_TABLE`; the kernel passes its own row's choice): a power
   of two number of blocks, no more than the table needs but at least 16 keys. Splits are added
   until about 512 programs are in flight (enough for a large GPU), never more than there are
   tiles.
@@ -162,10 +162,10 @@ def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads:
 def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, scale,
                                   interpret=False, blocks_per_tile=None, num_splits=None,
                                   num_warps=None, num_stages=None, soft_cap=None, alibi_slopes=None):
-  """Pallas paged decode attention; arguments as :func:`pallas_kernels.paged_decode_attention`.
+  """Pallas paged decode attention; arguments as :func:`paged_kv.pallas_kernels.paged_decode_attention`.
 
   ``blocks_per_tile``, ``num_warps``, ``num_stages``: None takes the tiling table's choice
-  (:func:`pallas_kernels.tiling.decode_tiling`); explicit values override it (tests, the gate).
+  (:func:`paged_kv.pallas_kernels.tiling.decode_tiling`); explicit values override it (tests, the gate).
   ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given.
   ``layer`` is an operand, not compiled in: a Python int or an int32 scalar (traced or not);
   every layer gives the same kernel (see :func:`layer_operand`).

@@ -6,9 +6,9 @@
   reference (fast enough for real runs on a CPU).
 * ``"pallas"``: the Pallas kernel compiled for the GPU through Triton.
 * ``"interpret"``: the same Pallas kernel with ``interpret=True`` (runs anywhere; tests).
-* ``"reference"``: the pure-``jnp`` reference in :mod:`pallas_kernels.reference`.
+* ``"reference"``: the pure-``jnp`` reference in :mod:`paged_kv.pallas_kernels.reference`.
 
-All checks in :mod:`pallas_kernels.validate` run before anything is traced, so bad shapes
+All checks in :mod:`paged_kv.pallas_kernels.validate` run before anything is traced, so bad shapes
 and dtypes raise ``ValueError`` naming the value and the limit.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels import reference, validate
+from paged_kv.pallas_kernels import reference, validate
 
 
 def resolve_impl(impl: str, head_dim: int | None = None) -> str:
@@ -39,7 +39,7 @@ def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None
       scalar array (e.g. traced inside a scan over layers), for every ``impl``. The Pallas
       kernels take it as an int32 operand, so all layers run one compiled kernel; a traced id
       outside the range is clamped to the nearest layer by the Pallas kernels and taken as
-      given by the reference (:func:`pallas_kernels.validate.check_layer`).
+      given by the reference (:func:`paged_kv.pallas_kernels.validate.check_layer`).
     block_tables: int32 ``[B, max_blocks_per_seq]`` physical block ids; entries outside
       ``[0, num_blocks)`` are clamped to the null block 0 (never another sequence's block).
     lengths: int32 ``[B]`` tokens in the cache per sequence, current token included.
@@ -64,7 +64,7 @@ def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None
   if impl == "reference":
     return reference.paged_decode_attention_reference(
         q, pages, layer, block_tables, lengths, scale=scale, **knobs)
-  from pallas_kernels import decode_attention
+  from paged_kv.pallas_kernels import decode_attention
   return decode_attention.paged_decode_attention_pallas(
       q, pages, layer, block_tables, lengths, scale=scale, interpret=impl == "interpret", **knobs)
 
@@ -98,7 +98,7 @@ def paged_prefill_attention(q, pages, layer, block_tables, q_start, q_lens, *, s
   if impl == "reference":
     return reference.paged_prefill_attention_reference(
         q, pages, layer, block_tables, q_start, q_lens, scale=scale, **knobs)
-  from pallas_kernels import prefill_attention
+  from paged_kv.pallas_kernels import prefill_attention
   return prefill_attention.paged_prefill_attention_pallas(
       q, pages, layer, block_tables, q_start, q_lens, scale=scale,
       interpret=impl == "interpret", **knobs)
@@ -123,7 +123,7 @@ def write_kv(pages, layer, k, v, slots, *, impl="auto"):
   impl = resolve_impl(impl, pages.shape[-1])
   if impl == "reference":
     return reference.write_kv_reference(pages, layer, k, v, slots)
-  from pallas_kernels import kv_write
+  from paged_kv.pallas_kernels import kv_write
   return kv_write.write_kv_pallas(pages, layer, k, v, slots, interpret=impl == "interpret")
 
 
@@ -148,7 +148,7 @@ def copy_blocks(pages, src, dst, *, impl="auto"):
     ValueError: for bad shapes or dtypes, and, where ``src`` and ``dst`` are concrete (not
       traced), for duplicate real destinations or a destination that is also a source (a chain
       ``2 -> 3, 3 -> 4`` or a swap ``2 -> 3, 3 -> 2``), on which the kernel and the reference
-      disagree (:func:`pallas_kernels.validate.check_copy_lists`). Under ``jit`` the lists are
+      disagree (:func:`paged_kv.pallas_kernels.validate.check_copy_lists`). Under ``jit`` the lists are
       traced and the caller guarantees the contract: the block manager's ``append`` copies from
       shared blocks to blocks it has just allocated, never to a source or twice to one block.
   """
@@ -156,7 +156,7 @@ def copy_blocks(pages, src, dst, *, impl="auto"):
   impl = resolve_impl(impl, pages.shape[-1])
   if impl == "reference":
     return reference.copy_blocks_reference(pages, src, dst)
-  from pallas_kernels import block_copy
+  from paged_kv.pallas_kernels import block_copy
   return block_copy.copy_blocks_pallas(pages, src, dst, interpret=impl == "interpret")
 
 
@@ -181,5 +181,5 @@ def layer_matmul(x, w, layer, *, scale=None, bias=None, impl="auto"):
   impl = resolve_impl(impl)
   if impl == "reference":
     return reference.layer_matmul_reference(x, w, layer, scale, bias)
-  from pallas_kernels import stacked_matmul
+  from paged_kv.pallas_kernels import stacked_matmul
   return stacked_matmul.layer_matmul_pallas(x, w, layer, scale, bias, interpret=impl == "interpret")

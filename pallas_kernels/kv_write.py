@@ -3,7 +3,7 @@
 The pages are viewed as ``[num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim]``
 (a free reshape): slot ``s = block_id * block_size + offset`` is then row ``s`` of every
 (layer, K|V, head) plane. The layer is an int32 operand (a Python int or a scalar, traced or
-not, clamped to ``[0, num_layers)``: see :func:`pallas_kernels.decode_attention.layer_operand`),
+not, clamped to ``[0, num_layers)``: see :func:`paged_kv.pallas_kernels.decode_attention.layer_operand`),
 not a compiled-in block index, so every layer's write is the same kernel. Grid ``(N,)``: program ``n`` writes ``k[n, h]`` and ``v[n, h]`` for every
 KV head into row ``slots[n]``. The output aliases the pages (``input_output_aliases``): donate
 the pages so only ``N`` rows are written. Padding rows write into the null block 0; slots
@@ -19,8 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode_attention import layer_operand
-from pallas_kernels.reference import sanitize_slots
+from paged_kv.pallas_kernels.decode_attention import layer_operand
+from paged_kv.pallas_kernels.reference import sanitize_slots
 
 
 def _write_kernel(layer_ref, slot_ref, k_ref, v_ref, pages_ref, out_ref):
@@ -39,7 +39,7 @@ def _write_kernel(layer_ref, slot_ref, k_ref, v_ref, pages_ref, out_ref):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
 def write_kv_pallas(pages, layer, k, v, slots, *, interpret=False, num_warps=1):
-  """Pallas KV write; arguments as :func:`pallas_kernels.write_kv`."""
+  """Pallas KV write; arguments as :func:`paged_kv.pallas_kernels.write_kv`."""
   num_layers, _, num_kv_heads, num_blocks, block_size, head_dim = pages.shape
   num_slots = num_blocks * block_size
   n = slots.shape[0]

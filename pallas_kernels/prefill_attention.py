@@ -13,7 +13,7 @@ num_row_tiles)``. Each program only visits K/V tiles up to the last position its
 queries can see (causal skipping), so early query tiles and short sequences do less work.
 The online softmax runs in float32; rows with no visible position (padding queries) give zeros.
 The layer is an int32 operand indexing the K/V blocks' layer axis, as in the decode kernel
-(:func:`pallas_kernels.decode_attention.layer_operand`): one kernel for every layer.
+(:func:`paged_kv.pallas_kernels.decode_attention.layer_operand`): one kernel for every layer.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import tiling
-from pallas_kernels.decode_attention import layer_operand, online_softmax_init, online_softmax_step
-from pallas_kernels.reference import sanitize_block_tables, score_knobs
+from paged_kv.pallas_kernels import tiling
+from paged_kv.pallas_kernels.decode_attention import layer_operand, online_softmax_init, online_softmax_step
+from paged_kv.pallas_kernels.reference import sanitize_block_tables, score_knobs
 
 
 def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
@@ -82,10 +82,10 @@ def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref,
 def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_lens, *, scale,
                                    interpret=False, rows_per_tile=None, blocks_per_tile=None,
                                    num_warps=None, num_stages=None, soft_cap=None, alibi_slopes=None):
-  """Pallas paged prefill attention; arguments as :func:`pallas_kernels.paged_prefill_attention`.
+  """Pallas paged prefill attention; arguments as :func:`paged_kv.pallas_kernels.paged_prefill_attention`.
 
   Tile parameters left None take the tiling table's choice
-  (:func:`pallas_kernels.tiling.prefill_tiling`); explicit values override it.
+  (:func:`paged_kv.pallas_kernels.tiling.prefill_tiling`); explicit values override it.
   ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given.
   """
   batch, num_tokens, num_q_heads, head_dim = q.shape

@@ -1,6 +1,6 @@
 """Pure-``jnp`` references for every kernel, also the XLA implementation used off-GPU.
 
-These take already-validated arguments (see :mod:`pallas_kernels.validate`) and follow exactly
+These take already-validated arguments (see :mod:`paged_kv.pallas_kernels.validate`) and follow exactly
 the semantics documented in :mod:`pallas_kernels`:
 
 * Out-of-range block-table entries (negative or >= num_blocks) are redirected to the null
@@ -12,7 +12,7 @@ the semantics documented in :mod:`pallas_kernels`:
 
 The attention references walk the block table a chunk of blocks at a time with an online
 softmax (see :func:`_paged_attention`); they are checked against a float64 dense attention
-that gathers each sequence into contiguous K/V (``pallas_kernels.testing``).
+that gathers each sequence into contiguous K/V (``paged_kv.pallas_kernels.testing``).
 """
 
 from __future__ import annotations

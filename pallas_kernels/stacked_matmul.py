@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode_attention import layer_operand
+from paged_kv.pallas_kernels.decode_attention import layer_operand
 
 MIN_DIM = 16  # tl.dot's smallest tile edge
 # Enough programs to cover an H100/H200's 132 SMs twice when the tile is chosen; a decode step's
@@ -96,7 +96,7 @@ def _kernel(layer_ref, x_ref, w_ref, *rest, m: int, bk: int, has_scale: bool, ha
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages"))
 def layer_matmul_pallas(x, w, layer, scale=None, bias=None, *, interpret=False, num_warps=4, num_stages=2):
-  """Pallas version of :func:`pallas_kernels.layer_matmul` (same arguments)."""
+  """Pallas version of :func:`paged_kv.pallas_kernels.layer_matmul` (same arguments)."""
   m, k = x.shape
   num_layers, _, n = w.shape
   bm, bk, bn = tiles(m, k, n)

@@ -15,7 +15,7 @@ A row says how many keys one K/V tile holds; the kernels turn it into ``blocks_p
 keys_per_tile // block_size``. A block larger than the row's tile would make the tile a whole
 block, bigger than what was checked, so such a block size is refused
 (:func:`check_attention_fits`), as is any dtype or head_dim without a row. Both are
-``ValueError``s raised by :mod:`pallas_kernels.validate` before anything is traced.
+``ValueError``s raised by :mod:`paged_kv.pallas_kernels.validate` before anything is traced.
 
 Everything here is static Python (hashable dataclasses, ints): it runs at trace time.
 """

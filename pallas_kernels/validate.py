@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import tiling
-from pallas_kernels.reference import NULL_BLOCK
+from paged_kv.pallas_kernels import tiling
+from paged_kv.pallas_kernels.reference import NULL_BLOCK
 
 IMPLS = ("auto", "pallas", "interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -58,7 +58,7 @@ def check_layer(layer: Any, num_layers: int):
   """The layer id, for every ``impl``: a static Python int in ``[0, num_layers)`` (returned as
   int), or an integer scalar ``jax.Array`` (e.g. traced inside a scan over layers; returned as
   int32). The Pallas kernels take the layer as an int32 operand, not as a compiled-in block
-  index (:func:`pallas_kernels.decode_attention.layer_operand`), so both kinds reach them.
+  index (:func:`paged_kv.pallas_kernels.decode_attention.layer_operand`), so both kinds reach them.
 
   A traced id cannot be range-checked here. It must lie in ``[0, num_layers)`` (a scan over
   layers guarantees it); outside that range the Pallas kernels clamp it to the nearest layer
@@ -133,7 +133,7 @@ def _check_pallas_shapes(impl: str, head_dim: int):
 def _check_tiling(kernel: str, impl: str, dtype, head_dim: int, block_size: int, group: int,
                   knobs: tiling.Knobs = tiling.NO_KNOBS):
   """Refuses an attention configuration no checked tile serves (see
-  :mod:`pallas_kernels.tiling`; the knobs may select a smaller row): on the Pallas paths, and
+  :mod:`paged_kv.pallas_kernels.tiling`; the knobs may select a smaller row): on the Pallas paths, and
   for ``impl="auto"`` where it would resolve to Pallas (a GPU backend, a power-of-two head_dim
   >= 16)."""
   pallas = impl in ("pallas", "interpret") or (
@@ -240,7 +240,7 @@ def _concrete_values(x: Any) -> np.ndarray | None:
 
 
 def check_copy_lists(src: Any, dst: Any, num_blocks: int) -> None:
-  """Enforces the copy contract of :func:`pallas_kernels.copy_blocks` on concrete lists.
+  """Enforces the copy contract of :func:`paged_kv.pallas_kernels.copy_blocks` on concrete lists.
 
   Ids are first clamped as the kernels clamp them (outside ``[0, num_blocks)`` -> the null
   block 0). Padding entries ``(0, 0)`` are allowed in any number. Among the other ("real")
@@ -285,7 +285,7 @@ def check_copy_lists(src: Any, dst: Any, num_blocks: int) -> None:
 
 
 def check_layer_matmul(x: Any, w: Any, layer: Any, scale: Any, bias: Any, impl: Any):
-  """Checks :func:`pallas_kernels.layer_matmul`'s arguments; returns ``(layer, impl)``.
+  """Checks :func:`paged_kv.pallas_kernels.layer_matmul`'s arguments; returns ``(layer, impl)``.
 
   x ``[M, K]`` and w ``[L, K, N]`` of one float dtype; scale ``[L, K]`` and bias ``[L, N]`` of
   that dtype when given; for the Pallas impls K and N multiples of 16 (Triton's smallest dot)."""

@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import paged_kv as pk  # noqa: E402
-from models import LlamaConfig, allocate_pages, init_model, page_spec  # noqa: E402
+from paged_kv.models import LlamaConfig, allocate_pages, init_model, page_spec  # noqa: E402
 from paged_kv import engine  # noqa: E402
 from paged_kv.engine.generate import generate_jit  # noqa: E402
 from paged_kv.engine import requests  # noqa: E402
-from pallas_kernels import reference  # noqa: E402
+from paged_kv.pallas_kernels import reference  # noqa: E402
 
 CONFIG = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
                      num_kv_heads=2, max_position_embeddings=4096, rope_theta=10_000.0)
@@ -114,7 +114,7 @@ def _patch(obj, name, value):
 def _unrolled_layers():
   """The layers unrolled over static weight slices (the path `Llama.__call__` takes when the
   attend callback asks for a static layer id), which XLA hoists out of the decode loop."""
-  import models.paged as mp
+  import paged_kv.models.paged as mp
   make = mp._make_attend
 
   def make_static(*a, **k):

@@ -1,5 +1,5 @@
 """Generated tokens/s: the on-device generation loop (paged_kv.engine.generate, one jax.jit with
-lax.while_loop) vs our contiguous-cache decoding driven from the host (models.generate, one jitted
+lax.while_loop) vs our contiguous-cache decoding driven from the host (paged_kv.models.generate, one jitted
 step per token) vs Hugging Face transformers `generate` (PyTorch) on the same weights, for every
 (prompt length, batch) pair, side by side in one process.
 
@@ -57,9 +57,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import paged_kv as pk  # noqa: E402
-from models import allocate_pages, greedy_generate_contiguous, load_hf_checkpoint, page_spec  # noqa: E402
+from paged_kv.models import allocate_pages, greedy_generate_contiguous, load_hf_checkpoint, page_spec  # noqa: E402
 from paged_kv import engine  # noqa: E402
-from pallas_kernels import resolve_impl  # noqa: E402
+from paged_kv.pallas_kernels import resolve_impl  # noqa: E402
 from scripts.doc_tables import BENCHMARKS, markers, replace_block, shown_command  # noqa: E402
 from tests import tolerances  # noqa: E402
 

@@ -31,12 +31,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from scripts import checkout_layout  # noqa: E402  (the lent GPU machine does not install the checkout)
+
+checkout_layout.install()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import pallas_kernels as pk  # noqa: E402
+from paged_kv import pallas_kernels as pk  # noqa: E402
 
 
 def median_time(fn, *args, repeats: int, warmup: int = 2) -> float:
@@ -140,7 +143,7 @@ def bench_decode(configs, *, hq, hkv, d, bs, dtype, impl, repeats, copy_bw, with
     row["ours_over_contiguous"] = t_ours / t_dense
     del k, v
     if with_jax_op:
-      from pallas_kernels.jax_compat import jax_paged_attention
+      from paged_kv.pallas_kernels.jax_compat import jax_paged_attention
       jax_paged = jax_paged_attention()
       kp, vp = jax.block_until_ready((pages[0, 0], pages[0, 1]))
       m = tables.shape[1]

@@ -43,7 +43,7 @@ def train_bpe(vocab_size: int = 512, num_docs: int = 2000, seed: int = 0):
 
     from scripts.train_tiny_llama import generate_corpus
 
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(paged_kv.models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
@@ -58,8 +58,8 @@ def write_checkpoint(out: str | Path, *, family: str = "llama", vocab_size: int 
                      hidden_size: int = 64, num_layers: int = 2, chat_template: str | None = CHAT_TEMPLATE,
                      eos: tuple[str, ...] = (EOS, EOT)) -> Path:
     """Write the checkpoint folder `out` (module docstring); returns it. The model has the
-    tokenizer's vocabulary and `family`'s switches (`models.config.FAMILIES`)."""
-    from models import LlamaConfig, init_model, save_hf_checkpoint
+    tokenizer's vocabulary and `family`'s switches (`paged_kv.models.config.FAMILIES`)."""
+    from paged_kv.models import LlamaConfig, init_model, save_hf_checkpoint
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Compile time of the paged decode step against model depth, and the step's run time.
 
-For each depth in `--layers` the decode step (`models.paged_decode_step`, the `bench_model.py`
+For each depth in `--layers` the decode step (`paged_kv.models.paged_decode_step`, the `bench_model.py`
 width: d=256, F=768, 8 query / 2 KV heads, vocab 2048, float32) is lowered and compiled from
 abstract shapes (`abstract_model`: no weights allocated), timing tracing + lowering and XLA's
 compile separately, in a fresh jit cache each time (`jax.clear_caches`). For each depth in
@@ -62,9 +62,9 @@ from flax import nnx
 if "PYTHONPATH" not in os.environ:  # measure this checkout unless told otherwise
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models  # noqa: E402
-from models import LlamaConfig, allocate_pages, init_model, layout_for_impl, make_paged_batch, page_spec, paged_decode_step  # noqa: E402
-from models.llama import abstract_model  # noqa: E402
+import paged_kv.models as models  # noqa: E402
+from paged_kv.models import LlamaConfig, allocate_pages, init_model, layout_for_impl, make_paged_batch, page_spec, paged_decode_step  # noqa: E402
+from paged_kv.models.llama import abstract_model  # noqa: E402
 
 BATCH, CONTEXT, BLOCK = 8, 256, 16
 
@@ -103,7 +103,7 @@ def compile_seconds(num_layers: int, target: str | None = None) -> dict:
     cfg = config(num_layers)
     pages, meta, tokens = inputs(cfg)
     impl = "reference" if target in (None, "cpu") else "pallas"
-    # The layer layout the engines give this impl (models.paged.layout_for_impl): stacked for the
+    # The layer layout the engines give this impl (paged_kv.models.paged.layout_for_impl): stacked for the
     # scan on the reference kernels, one array per layer for the unrolled Pallas path.
     graphdef, state = nnx.split(layout_for_impl(abstract_model(cfg), impl))
     if target in (None, "cpu"):
@@ -193,7 +193,7 @@ def main(argv=None) -> None:
     for n in args.step_layers:
         steps.append(step_ms(n, args.repeats))
         print(f"{n:3d} layers: decode step {steps[-1]['step_ms']:.2f} ms (median of {args.repeats})", flush=True)
-    src = Path(models.__file__).resolve().parents[1]
+    src = Path(paged_kv.models.__file__).resolve().parents[1]
     try:
         commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip() or None

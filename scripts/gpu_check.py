@@ -41,13 +41,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from scripts import checkout_layout  # noqa: E402  (the lent GPU machine does not install the checkout)
+
+checkout_layout.install()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import pallas_kernels as pk  # noqa: E402
-from pallas_kernels import testing as kt  # noqa: E402
+from paged_kv import pallas_kernels as pk  # noqa: E402
+from paged_kv.pallas_kernels import testing as kt  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
 
 # Roundings to the storage dtype (as in tests/test_kernels_decode.py): the kernel rounds the
@@ -143,11 +146,11 @@ def check_layouts(layers: int, impl: str = "pallas", smoke: bool = False, steps:
   median step time over ``steps`` calls, and the largest logit difference."""
   import statistics
   from flax import nnx
-  from models import allocate_pages, init_model, llama31_8b, make_paged_batch, page_spec, paged_decode_step, per_layer
+  from paged_kv.models import allocate_pages, init_model, llama31_8b, make_paged_batch, page_spec, paged_decode_step, per_layer
   cfg = llama31_8b("bfloat16").replace(num_layers=layers)
   batch, context, bs = 64, 1024, 16
   if smoke:
-    from models import tiny
+    from paged_kv.models import tiny
     cfg, batch, context = tiny("float32"), 4, 40
   model = init_model(cfg, seed=0)
   per_seq = -(-context // bs)
@@ -180,7 +183,7 @@ def check_layouts(layers: int, impl: str = "pallas", smoke: bool = False, steps:
 
 
 def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict:
-  from models import init_model, llama31_8b, page_spec, allocate_pages
+  from paged_kv.models import init_model, llama31_8b, page_spec, allocate_pages
   from paged_kv import ManagerConfig, engine
   from paged_kv.engine.sampling import SamplingParams
   from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
@@ -189,7 +192,7 @@ def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict
   if layers != cfg.num_layers:
     cfg = cfg.replace(num_layers=layers)
   if smoke:  # CPU smoke run: the same code on a tiny model
-    from models import tiny
+    from paged_kv.models import tiny
     cfg = tiny("float32")
   t0 = time.perf_counter()
   model = init_model(cfg, seed=0)

@@ -72,7 +72,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from pallas_kernels.jax_compat import cuda_lowering, gate_compile_options  # noqa: E402
+from scripts import checkout_layout  # noqa: E402
+
+checkout_layout.install()
+
+from paged_kv.pallas_kernels.jax_compat import cuda_lowering, gate_compile_options  # noqa: E402
 from scripts import gpu_report  # noqa: E402
 from scripts.gpu_compile_plan import (  # noqa: E402
     H200_BANDWIDTH, KNOBS, MATMUL_LAYERS, PROGRAMS, SIZES, KV_HEADS, TARGETS, judge, kernel_groups, target_config,
@@ -275,7 +279,7 @@ def _kernel_program(spec: dict):
   """(function, abstract args) of one kernel configuration on the spec's target."""
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
-  import pallas_kernels as pk
+  from paged_kv import pallas_kernels as pk
 
   _, mesh = _topology(spec["target"])
   sh = NamedSharding(mesh, PartitionSpec())
@@ -382,8 +386,8 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from models import abstract_model, layout_for_impl, llama31_8b, page_spec
-  from models import sharding as msharding
+  from paged_kv.models import abstract_model, layout_for_impl, llama31_8b, page_spec
+  from paged_kv.models import sharding as msharding
   from paged_kv.allocate import append
   from paged_kv.config import ManagerConfig
   from paged_kv.reclaim import free
@@ -404,7 +408,7 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   blocks_per_seq = LLAMA_CONTEXT // bs
   mgr = ManagerConfig(num_blocks=LLAMA_BATCH * blocks_per_seq + 1, block_size=bs, max_seqs=LLAMA_BATCH,
                       max_blocks_per_seq=blocks_per_seq, prefix_caching=True)
-  # The layout the engines run with the Pallas kernels (``models.paged.layout_for_impl``): on one
+  # The layout the engines run with the Pallas kernels (``paged_kv.models.paged.layout_for_impl``): on one
   # GPU the stacked weights (the scan's projections read them in place), over a mesh one weight
   # array per layer (unrolled); either way no program copies a slice of a stacked weight.
   tp_mesh = None if tp == 1 else jax.sharding.Mesh(mesh1.devices, ("tp",))

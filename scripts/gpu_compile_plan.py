@@ -2,7 +2,7 @@
 the kernel configurations to compile, how identical kernels are recognised, and what fails.
 
 Plain Python (no JAX import at module level), so ``tests/test_gpu_report.py`` checks it on any
-machine; the tiling table is read from :mod:`pallas_kernels.tiling`.
+machine; the tiling table is read from :mod:`paged_kv.pallas_kernels.tiling`.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def kernel_specs(quick: bool) -> list[dict]:
   tile, at its smallest accepted block and at block size 16; decode at its largest accepted GQA group, prefill at GQA 8; on
   both targets) and the refusals the table promises (twice the largest block; for decode also
   twice the largest group)."""
-  from pallas_kernels import tiling
+  from paged_kv.pallas_kernels import tiling
   sizes = ("large",) if quick else ("small", "large")
   specs = [dict(target="sm_90", kernel=k, dtype=dt, head_dim=d, block_size=bs, group=g, size=s, purpose="matrix")
            for k, dt, d, bs, g, s in itertools.product(KERNELS, DTYPES, HEAD_DIMS, BLOCK_SIZES, GROUPS, sizes)]
@@ -128,7 +128,7 @@ def kernel_specs(quick: bool) -> list[dict]:
   return specs
 
 
-# The stacked-weight matmul the scan over layers runs on one GPU (pallas_kernels.layer_matmul):
+# The stacked-weight matmul the scan over layers runs on one GPU (paged_kv.pallas_kernels.layer_matmul):
 # Llama 3.1 8B's projections as (K, N) (q/o, k/v, gate/up, down) at a decode step's rows (1 and
 # the whole programs' 64) and a prefill chunk's (512), with the input norm's weight in the
 # prologue where the model puts it (K = d: q/k/v and gate/up) and a bias epilogue once. What can
@@ -171,7 +171,7 @@ KNOB_HEAD_DIMS = (64, 128, 256)
 
 def knob_specs() -> list[dict]:
   """Decode and prefill with each knob set on the table rows at ``KNOB_HEAD_DIMS``, both targets."""
-  from pallas_kernels import tiling
+  from paged_kv.pallas_kernels import tiling
   specs = []
   for kernel, dt, d, row in tiling.all_rows():
     if d not in KNOB_HEAD_DIMS:
@@ -195,7 +195,7 @@ def knob_specs() -> list[dict]:
 
 def knob_facts(knob: str | None) -> "tiling.Knobs":
   """The tiling table's view of a knob name (``KNOBS`` key or None)."""
-  from pallas_kernels import tiling
+  from paged_kv.pallas_kernels import tiling
   kw = KNOBS.get(knob, {}) if knob else {}
   return tiling.Knobs(soft_cap=kw.get("soft_cap") is not None, alibi=bool(kw.get("alibi")))
 

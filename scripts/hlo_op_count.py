@@ -1,6 +1,6 @@
 """HLO op count of the Llama's compiled paged decode step: the model protocol must add nothing.
 
-Lowers and compiles ``models.paged_decode_step`` for the tiny Llama (4 sequences, 16-token blocks)
+Lowers and compiles ``paged_kv.models.paged_decode_step`` for the tiny Llama (4 sequences, 16-token blocks)
 with the XLA reference kernels and with the Pallas kernels in interpret mode (which inlines the
 kernel bodies as HLO, so a change to the kernels' default program shows too), and counts the
 instructions of the HLO before and after XLA's optimisations, with a histogram by opcode. Only
@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import models
-from models import allocate_pages, init_model, make_paged_batch, page_spec, paged_decode_step, tiny
+import paged_kv.models as models
+from paged_kv.models import allocate_pages, init_model, make_paged_batch, page_spec, paged_decode_step, tiny
 
 OUT = Path(__file__).resolve().parent.parent / "results" / "hlo_op_count.json"
 # An HLO instruction: "[ROOT] %name = type opcode(...)" (one per line in the text dump).
@@ -72,8 +72,8 @@ def main() -> None:
             hists = {json.dumps(d[impl]["optimized_by_opcode"], sort_keys=True) for d in data.values()}
             print(f"  optimized opcode histograms {'identical' if len(hists) == 1 else 'DIFFER'} across labels")
         return
-    import pallas_kernels
-    res = {"jax": jax.__version__, "models_file": models.__file__, "pallas_kernels_file": pallas_kernels.__file__,
+    from paged_kv import pallas_kernels
+    res = {"jax": jax.__version__, "models_file": paged_kv.models.__file__, "pallas_kernels_file": paged_kv.pallas_kernels.__file__,
            "has_protocol": hasattr(models, "protocol")}
     for impl in ("reference", "interpret"):
         res[impl] = measure(impl)

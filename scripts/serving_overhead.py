@@ -152,7 +152,7 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
 def timed_generate(model, r: int, repeats: int, requests: int | None = None) -> dict:
     import jax
     import paged_kv as pk
-    from models.paged import allocate_pages, page_spec
+    from paged_kv.models.paged import allocate_pages, page_spec
     from paged_kv import engine as eng
 
     r = requests or r  # generate runs every request at once
@@ -229,7 +229,7 @@ def main() -> None:
     import jax
     import paged_kv
 
-    from models import load_hf_checkpoint
+    from paged_kv.models import load_hf_checkpoint
 
     model = load_hf_checkpoint(ROOT / "checkpoints" / "tiny-llama")
     rows = {}

@@ -2,8 +2,8 @@
 the KV capacity per device.
 
 For tensor-parallel degrees 1, 2 and 4 (simulated CPU devices; the program is compiled, never
-run, so Llama 3.1 8B shapes cost no memory) the script lowers `models.paged.paged_decode_step`
-with the weights and pages placed as `models.sharding` places them and reads from the compiled
+run, so Llama 3.1 8B shapes cost no memory) the script lowers `paged_kv.models.paged.paged_decode_step`
+with the weights and pages placed as `paged_kv.models.sharding` places them and reads from the compiled
 HLO every collective (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute)
 with its result bytes. The textbook expectation for Megatron-style tensor parallelism is two
 all-reduces of the hidden state `[B, d]` per layer (after the attention output projection and
@@ -12,7 +12,7 @@ On the CPU, XLA computes bfloat16 matmuls in float32, so the partial sums it all
 float32 (twice the bytes of the textbook bfloat16 figure) and its temporary memory holds float32
 copies of the weights; a GPU keeps both in bfloat16.
 
-Then `models.sharding.kv_capacity` for Llama 3.1 8B in bfloat16 on one 80 GB and one 141 GB
+Then `paged_kv.models.sharding.kv_capacity` for Llama 3.1 8B in bfloat16 on one 80 GB and one 141 GB
 GPU at degrees 1, 2, 4, 8 (90% of the memory as the budget, 16-token blocks).
 
     python scripts/sharding_report.py [--batch 8] [--out results/sharding_report.json] [--skip-8b]
@@ -38,9 +38,9 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from models import LlamaConfig, abstract_model, llama31_8b, page_spec, sharding  # noqa: E402
-from models.hf_io import read_hf_config  # noqa: E402
-from models.paged import PagedBatch, paged_decode_step  # noqa: E402
+from paged_kv.models import LlamaConfig, abstract_model, llama31_8b, page_spec, sharding  # noqa: E402
+from paged_kv.models.hf_io import read_hf_config  # noqa: E402
+from paged_kv.models.paged import PagedBatch, paged_decode_step  # noqa: E402
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<shape>\(?[^=]*?\)?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -137,7 +137,7 @@ def main(argv=None):
 
     models = [("tiny-llama", LlamaConfig.from_hf_config(read_hf_config("checkpoints/tiny-llama")), 512)]
     if not args.skip_8b:
-        models.append(("llama-3.1-8b", llama31_8b(), 1024))
+        paged_kv.models.append(("llama-3.1-8b", llama31_8b(), 1024))
     rows = []
     for name, cfg, blocks in models:
         for tp in (1, 2, 4):

@@ -4,7 +4,7 @@ against the engine's step time, from the same run.
 
 A checkpoint with a real BPE tokenizer (scripts/bpe_checkpoint.py: trained with `tokenizers` on the
 project's corpus) serves prompts drawn from that corpus through `ServingEngine`, streaming every
-token through `models.hf_tokenizer.StreamDecoder` (what `python -m paged_kv --prompt ...` does).
+token through `paged_kv.models.hf_tokenizer.StreamDecoder` (what `python -m paged_kv --prompt ...` does).
 Measured, on the host, in this one run:
 
 * encode: `HFTokenizer.encode` of each prompt (with its special tokens), per request;
@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     import tokenizers
 
     import paged_kv as pk
-    from models import load_hf_checkpoint
-    from models.hf_tokenizer import HFTokenizer
+    from paged_kv.models import load_hf_checkpoint
+    from paged_kv.models.hf_tokenizer import HFTokenizer
     from paged_kv.engine import SamplingParams
     from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
     from scripts import bpe_checkpoint

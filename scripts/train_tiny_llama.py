@@ -11,11 +11,11 @@ its continuations are visibly sensible:
   * counting runs and small additions.
 
 Documents are `<bos> text <eos>`, concatenated and cut into windows of `seq_len + 1` tokens. The
-model (`models.Llama`, byte tokenizer of `models.tokenizer`) is trained with AdamW (linear warmup,
+model (`paged_kv.models.Llama`, byte tokenizer of `paged_kv.models.tokenizer`) is trained with AdamW (linear warmup,
 cosine decay, gradient clipping) by one jitted step over the parameter state (`nnx.split` /
 `nnx.merge`); validation loss is measured on documents generated from a different seed. At the end
 the checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`) is written with
-`models.save_hf_checkpoint`, a few greedy continuations are printed and the curves go to a JSON file.
+`paged_kv.models.save_hf_checkpoint`, a few greedy continuations are printed and the curves go to a JSON file.
 
     python scripts/train_tiny_llama.py --steps 500 --out checkpoints/tiny-llama
 """
@@ -37,8 +37,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models import LlamaConfig, greedy_generate_contiguous, init_model, save_hf_checkpoint
-from models.tokenizer import ByteTokenizer
+from paged_kv.models import LlamaConfig, greedy_generate_contiguous, init_model, save_hf_checkpoint
+from paged_kv.models.tokenizer import ByteTokenizer
 
 TRAIN_SEED_OFFSET = 0
 VAL_SEED_OFFSET = 1_000_003
@@ -183,7 +183,7 @@ def model_config(hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: i
 
 
 def causal_attend(layer, q, k, v, cache):
-    """Full-sequence causal GQA attention, no cache (the `attend` of `models.Llama` for training)."""
+    """Full-sequence causal GQA attention, no cache (the `attend` of `paged_kv.models.Llama` for training)."""
     b, t, qh, e = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, qh // kvh, e).astype(jnp.float32)

@@ -5,11 +5,11 @@ tensor parallelism at tp=2 on two simulated CPU devices, which must be configure
   python tests/families_worker.py SPEC.json
 
 SPEC.json: {"checkpoints": {name: dir}, "prompts": [[ids], ...], "new_tokens": N, "block_size": B}.
-Each checkpoint is loaded straight onto the mesh (`models.sharding.load_sharded`: every tensor's
+Each checkpoint is loaded straight onto the mesh (`paged_kv.models.sharding.load_sharded`: every tensor's
 shape and dtype checked first), its pages sharded on KV heads; the prompts are prefilled in chunks
 of B and decoded one token per step. Prints one JSON line (prefixed RESULT): per checkpoint the
 greedy tokens [batch, N], the placed model's KV-head count and whether the sliced load equals
-the whole load placed by `models.sharding.shard_model`.
+the whole load placed by `paged_kv.models.sharding.shard_model`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ jax.config.update("jax_disable_most_optimizations", True)
 def greedy_tp2(ckpt: str, prompts: list[list[int]], new_tokens: int, block: int) -> dict:
     from flax import nnx
 
-    from models import load_hf_checkpoint, make_paged_batch, page_spec, sharding
-    from models.paged import paged_decode_step, paged_prefill_step
+    from paged_kv.models import load_hf_checkpoint, make_paged_batch, page_spec, sharding
+    from paged_kv.models.paged import paged_decode_step, paged_prefill_step
 
     mesh = sharding.make_mesh(2)
     model = sharding.load_sharded(ckpt, mesh)

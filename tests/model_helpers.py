@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import allocate_pages, make_paged_batch, page_spec, paged_prefill_step
+from paged_kv.models import allocate_pages, make_paged_batch, page_spec, paged_prefill_step
 
 # Two sequences of up to four blocks each, on scattered, interleaved physical blocks (block 0 is
 # the null block), so a wrong table lookup reads the other sequence's K/V.

@@ -77,8 +77,8 @@ def four(ckpt: str):
 
     import time
     t0 = time.time()
-    from models import allocate_pages, init_model, load_hf_checkpoint, make_paged_batch, page_spec, sharding, tiny
-    from models.paged import copy_blocks, paged_decode_step, paged_prefill_step
+    from paged_kv.models import allocate_pages, init_model, load_hf_checkpoint, make_paged_batch, page_spec, sharding, tiny
+    from paged_kv.models.paged import copy_blocks, paged_decode_step, paged_prefill_step
     assert jax.device_count() == 4
     res = {}
     model = load_hf_checkpoint(ckpt)  # 4 heads, 2 KV heads: tp=4 replicates KV heads
@@ -143,7 +143,7 @@ def multi(ckpt: str, process_id: int, port: int):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=60)
-    from models import page_spec, sharding
+    from paged_kv.models import page_spec, sharding
     assert jax.device_count() == 4 and jax.local_device_count() == 2, (jax.device_count(), jax.local_device_count())
     mesh = sharding.make_mesh(4)
     stats = {}

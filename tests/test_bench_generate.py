@@ -21,7 +21,7 @@ def bench():
 
 @pytest.fixture(scope="module")
 def model():
-    from models import LlamaConfig, init_model
+    from paged_kv.models import LlamaConfig, init_model
     return init_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                                   num_kv_heads=2), seed=0)
 

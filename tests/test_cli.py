@@ -35,14 +35,14 @@ def test_help_explains_every_option():
     assert r.returncode == 0, r.stderr
     for opt in OPTIONS:
         assert opt in r.stdout, opt
-    from paged_kv.cli import build_parser
+    from paged_kv.apps.cli import build_parser
 
     for action in build_parser()._actions:
         assert action.help, action.option_strings  # every option has an explanation
 
 
 def test_help_shows_each_default_once():
-    from paged_kv.cli import build_parser
+    from paged_kv.apps.cli import build_parser
 
     text = " ".join(build_parser().format_help().split())
     assert "(default: None)" not in text and "(default: False)" not in text
@@ -54,7 +54,7 @@ def test_help_shows_each_default_once():
 
 
 def test_output_paths_default_to_the_output_folder():
-    from paged_kv.cli import build_parser, output_paths
+    from paged_kv.apps.cli import build_parser, output_paths
 
     p = build_parser()
     assert output_paths(p.parse_args([])) == (Path("paged-kv-out/block_tables.png"), Path("paged-kv-out/report.json"))
@@ -185,8 +185,8 @@ def test_every_request_rejected_exits_1_and_prints_dashes(tmp_path):
 
 
 def test_answers_that_are_not_bytes_print_as_token_ids():
-    from models.tokenizer import ByteTokenizer
-    from paged_kv.cli import _shown_tokens
+    from paged_kv.models.tokenizer import ByteTokenizer
+    from paged_kv.apps.cli import _shown_tokens
 
     tok = ByteTokenizer()
     assert _shown_tokens(tok, [72, 105, 258, 300], 90) == "'Hi'"  # stops at EOS before the bad id
@@ -199,7 +199,7 @@ def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
     """A Hugging Face Llama with 512 ids and no tokenizer.json: answers with ids >= 259 print as
     token ids; the report, the PNG and the JSON are all written (at the paths --png and --json
     name, so the output folder is never created); exit 0."""
-    from models import init_model, save_hf_checkpoint, tiny
+    from paged_kv.models import init_model, save_hf_checkpoint, tiny
 
     ckpt, png, js = tmp_path / "ckpt", tmp_path / "t.png", tmp_path / "r.json"
     save_hf_checkpoint(init_model(tiny(vocab_size=512, num_layers=1, hidden_size=32, intermediate_size=64,
@@ -297,7 +297,7 @@ def test_compilation_cache_is_filled_once_and_reused(tmp_path):
 
 
 def test_default_compile_cache_follows_xdg(monkeypatch, tmp_path):
-    from paged_kv.cli import default_compile_cache
+    from paged_kv.apps.cli import default_compile_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_compile_cache() == tmp_path / "paged-kv" / "jax"
@@ -335,8 +335,8 @@ def test_your_prompts_stream_through_the_checkpoint_tokenizer(bpe_ckpt, tmp_path
     answers each: the header names the tokenizer, the answers stream one after another in prompt
     order, and the streamed text of every answer is the decode of its tokens (the report JSON
     records them)."""
-    from models.hf_tokenizer import HFTokenizer
-    from paged_kv.cli import printable
+    from paged_kv.models.hf_tokenizer import HFTokenizer
+    from paged_kv.apps.cli import printable
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\nQ: Where does the owl live? A:\n\n")
@@ -388,8 +388,8 @@ def test_stream_printer_holds_later_answers_until_their_turn():
     request prints its error; EOS ids print nothing; a character split over two deltas prints once."""
     import io
 
-    from models.tokenizer import ByteTokenizer
-    from paged_kv.cli import _StreamPrinter
+    from paged_kv.models.tokenizer import ByteTokenizer
+    from paged_kv.apps.cli import _StreamPrinter
     from paged_kv.engine import BeamParams, SamplingParams
     from paged_kv.engine.serving import Request, TokenDelta
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from flax import nnx
 
 from examples.gpt2 import GPT2, GPT2Config
-from models import greedy_generate_contiguous
+from paged_kv.models import greedy_generate_contiguous
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "own_model.md"

@@ -152,7 +152,7 @@ def test_gate_matrix_covers_the_issue_axes_and_every_table_row():
   matrix = {(s["kernel"], s["dtype"], s["head_dim"], s["block_size"], s["group"], s["size"])
             for s in specs if s["purpose"] == "matrix"}
   assert len(matrix) == 4 * 3 * 3 * 3 * 3 * 2
-  from pallas_kernels import tiling
+  from paged_kv.pallas_kernels import tiling
   rows = {(s["kernel"], s["dtype"], s["head_dim"], s["target"]) for s in specs if s["purpose"] == "table_row"}
   for kernel, dt, d, _ in tiling.all_rows():
     assert {(kernel, dt, d, t) for t in ("sm_90", "sm_80")} <= rows
@@ -163,7 +163,7 @@ def test_gate_compiles_every_knob_on_the_table_rows():
   """Issue 18: soft_cap, ALiBi and both, decode and prefill, every dtype at head_dim 64/128/256,
   both targets, at block size 16, the row's largest and smallest block (decode at the row's
   largest GQA group), each with the row that knob selects, and that row's refusals."""
-  from pallas_kernels import tiling
+  from paged_kv.pallas_kernels import tiling
   every = gpu_compile_plan.kernel_specs(quick=False)
   specs = [s for s in every if s["purpose"] == "knob_row"]
   got = {(s["kernel"], s["dtype"], s["head_dim"], s["target"], s["knob"], s["block_size"], s["group"])

@@ -5,7 +5,7 @@
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from pallas_kernels import jax_compat
+from paged_kv.pallas_kernels import jax_compat
 from scripts import gpu_check
 
 pytestmark = pytest.mark.smoke

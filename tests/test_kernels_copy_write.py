@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels import testing as kt
-from pallas_kernels.jax_compat import export_cuda
+from paged_kv import pallas_kernels as pk
+from paged_kv.pallas_kernels import testing as kt
+from paged_kv.pallas_kernels.jax_compat import export_cuda
 
 
 def _pages(rng, dtype, block_size=8, head_dim=64, num_blocks=12, num_layers=3, heads=2):

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels import decode_attention
-from pallas_kernels.jax_compat import jax_paged_attention
-from pallas_kernels import testing as kt
+from paged_kv import pallas_kernels as pk
+from paged_kv.pallas_kernels import decode_attention
+from paged_kv.pallas_kernels.jax_compat import jax_paged_attention
+from paged_kv.pallas_kernels import testing as kt
 from tests import tolerances as tol
 
 CASES = kt.KERNEL_CASES

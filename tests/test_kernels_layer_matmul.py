@@ -1,4 +1,4 @@
-"""`pallas_kernels.layer_matmul`: one layer's projection read out of a stacked `[L, K, N]` weight
+"""`paged_kv.pallas_kernels.layer_matmul`: one layer's projection read out of a stacked `[L, K, N]` weight
 (the scan over layers on a GPU). The Pallas kernel (interpret mode) against the XLA reference
 on fresh random inputs: odd row counts (a partial last row block), one row, more rows than a
 block, K and N that are multiples of 16 but not of the largest tiles, the norm-weight prologue
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels import stacked_matmul
+from paged_kv import pallas_kernels as pk
+from paged_kv.pallas_kernels import stacked_matmul
 from tests import tolerances as tol
 
 LAYERS = 3

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallas_kernels.jax_compat import export_cuda
+from paged_kv.pallas_kernels.jax_compat import export_cuda
 
-import pallas_kernels as pk
-from pallas_kernels import decode_attention
-from pallas_kernels import testing as kt
+from paged_kv import pallas_kernels as pk
+from paged_kv.pallas_kernels import decode_attention
+from paged_kv.pallas_kernels import testing as kt
 from tests import tolerances as tol
 
 LAYERS = 3

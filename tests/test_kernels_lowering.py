@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels.jax_compat import export_cuda
+from paged_kv import pallas_kernels as pk
+from paged_kv.pallas_kernels.jax_compat import export_cuda
 
 # A fast check of this area on every supported JAX (CI runs it on the oldest pair too).
 pytestmark = pytest.mark.smoke

@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels import prefill_attention
-from pallas_kernels import testing as kt
+from paged_kv import pallas_kernels as pk
+from paged_kv.pallas_kernels import prefill_attention
+from paged_kv.pallas_kernels import testing as kt
 from tests import tolerances as tol
 
 CASES = kt.KERNEL_CASES

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels import testing as kt
+from paged_kv import pallas_kernels as pk
+from paged_kv.pallas_kernels import testing as kt
 from tests import tolerances as tol
 
 # Against the float64 dense attention only the reference rounds: in bfloat16, its output once.

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from models import CheckpointError, hf_state_dict, init_model, load_hf_checkpoint, save_hf_checkpoint, tiny
+from paged_kv.models import CheckpointError, hf_state_dict, init_model, load_hf_checkpoint, save_hf_checkpoint, tiny
 
 
 def _leaves(model):
@@ -162,7 +162,7 @@ def test_copy_of_checkpoint_loads(ckpt, tmp_path, model):
 # ---------------------------------------------------------------------------- safety on load
 def _no_compile(monkeypatch):
     """Fail the test if anything is jitted or placed on a device: every check comes first."""
-    import models.hf_io as hf_io
+    import paged_kv.models.hf_io as hf_io
 
     def boom(*a, **k):
         raise AssertionError("a weight was placed before every tensor was checked")
@@ -238,7 +238,7 @@ def test_truncated_file(ckpt, cut, monkeypatch):
 
 def test_truncated_shard_sharded_loader(model, tmp_path):
     """The tensor-parallel loader runs the same checks (here on a one-device mesh)."""
-    from models import sharding
+    from paged_kv.models import sharding
 
     save_hf_checkpoint(model, tmp_path, max_shard_bytes=60_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())

@@ -12,10 +12,10 @@ import transformers
 from flax import nnx
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from models import (KVPageSpec, LlamaConfig, PagedBatch, abstract_model, allocate_pages, kv_bytes_per_block,
+from paged_kv.models import (KVPageSpec, LlamaConfig, PagedBatch, abstract_model, allocate_pages, kv_bytes_per_block,
                     kv_bytes_per_token, llama31_8b, llama32_1b, page_spec, page_spec_for_budget, paged_decode_step,
                     paged_prefill_step, rope_inv_freq, tiny)
-from pallas_kernels.jax_compat import export_cuda
+from paged_kv.pallas_kernels.jax_compat import export_cuda
 from tests import tolerances as tol
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -36,7 +36,7 @@ def test_validation(changes, message):
 
 
 def test_rope_scaling_validation():
-    from models import Llama3RopeScaling
+    from paged_kv.models import Llama3RopeScaling
     with pytest.raises(ValueError, match="high_freq_factor=1.0 must be > low_freq_factor=2.0"):
         Llama3RopeScaling(factor=8.0, low_freq_factor=2.0, high_freq_factor=1.0)
 

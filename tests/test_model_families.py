@@ -1,4 +1,4 @@
-"""Llama-shaped families (models.config.FAMILIES) against transformers' own classes, on random
+"""Llama-shaped families (paged_kv.models.config.FAMILIES) against transformers' own classes, on random
 float32 weights: Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm, explicit head_dim), Mistral
 (a sliding window that covers the whole context) and Llama with attention and MLP biases.
 
@@ -25,7 +25,7 @@ import torch
 import transformers
 from flax import nnx
 
-from models import (LlamaConfig, allocate_pages, greedy_generate_paged, load_hf_checkpoint, page_spec,
+from paged_kv.models import (LlamaConfig, allocate_pages, greedy_generate_paged, load_hf_checkpoint, page_spec,
                     save_hf_checkpoint)
 from tests import tolerances as tol
 from tests.model_helpers import paged_prefill_logits

@@ -24,10 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 import paged_kv as pk
 from examples.gpt2 import GPT2, GPT2Config, from_transformers
-from models import (allocate_pages, contiguous_step, greedy_generate_contiguous, greedy_generate_paged,
+from paged_kv.models import (allocate_pages, contiguous_step, greedy_generate_contiguous, greedy_generate_paged,
                     init_contiguous_cache, make_paged_batch, page_spec, paged_decode_step, paged_prefill_step,
                     sharding)
-from models.protocol import ModelFacts, model_facts
+from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv import engine
 from paged_kv.engine import BeamParams, SamplingParams, ServingConfig, ServingEngine
 from tests import tolerances as tol
@@ -308,7 +308,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
 import paged_kv as pk
-from models import allocate_pages, page_spec, sharding
+from paged_kv.models import allocate_pages, page_spec, sharding
 from paged_kv import engine
 from tests.test_model_gpt2 import KnobModel, KNOB_PROMPTS
 m = KnobModel(True)

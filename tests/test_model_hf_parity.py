@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from models import (allocate_pages, contiguous_step, greedy_generate_contiguous,
+from paged_kv.models import (allocate_pages, contiguous_step, greedy_generate_contiguous,
                     greedy_generate_paged, init_contiguous_cache, load_hf_checkpoint, page_spec,
                     save_hf_checkpoint)
 from flax import nnx

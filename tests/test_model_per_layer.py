@@ -1,4 +1,4 @@
-"""The per-layer layout (`models.llama.per_layer`), which the engines run when their kernels are
+"""The per-layer layout (`paged_kv.models.llama.per_layer`), which the engines run when their kernels are
 Pallas over a tensor-parallel mesh: the same weights one array per layer, the same logits and
 pages bit for bit as the stacked model's unrolled forward, the tensor-parallel specs following
 the layout, and the engines converting only when the layers run unrolled (the CPU scan and the
@@ -15,11 +15,11 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import (abstract_model, allocate_pages, hf_state_dict, init_model, is_per_layer, layout_for_impl,
+from paged_kv.models import (abstract_model, allocate_pages, hf_state_dict, init_model, is_per_layer, layout_for_impl,
                     make_paged_batch, page_spec, paged_forward, per_layer, stacked)
-from models import paged as paged_mod
-from models import sharding as msharding
-from models.config import tiny
+from paged_kv.models import paged as paged_mod
+from paged_kv.models import sharding as msharding
+from paged_kv.models.config import tiny
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import requests
 from paged_kv.engine.sampling import SamplingParams
@@ -165,7 +165,7 @@ def test_partition_specs_follow_the_per_layer_layout(tp):
 
 
 def test_per_layer_model_shards_on_a_mesh():
-    """`models.sharding.shard` places a per-layer model with the per-layer specs and keeps its
+    """`paged_kv.models.sharding.shard` places a per-layer model with the per-layer specs and keeps its
     layout; `per_layer` of a placed stacked model keeps each weight's placement."""
     mesh = msharding.make_mesh(1)
     model = init_model(tiny(num_layers=2))

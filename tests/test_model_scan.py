@@ -1,4 +1,4 @@
-"""The scan over stacked decoder layers (`models.llama`): the stacked layout, the scanned and the
+"""The scan over stacked decoder layers (`paged_kv.models.llama`): the stacked layout, the scanned and the
 unrolled forward agreeing, a traced layer id in the kernels, and the compiled decode step
 updating the pages in place (no page-sized copy in its HLO)."""
 
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import pallas_kernels as pk
+from paged_kv import pallas_kernels as pk
 from tests import tolerances as tol
-from models import allocate_pages, init_model, make_paged_batch, page_spec, paged_decode_step
-from models import paged as paged_mod
-from models.config import tiny
-from models.llama import DecoderLayer, stack_layers
+from paged_kv.models import allocate_pages, init_model, make_paged_batch, page_spec, paged_decode_step
+from paged_kv.models import paged as paged_mod
+from paged_kv.models.config import tiny
+from paged_kv.models.llama import DecoderLayer, stack_layers
 
 BLOCK = 16
 

@@ -1,5 +1,5 @@
 """The scan over stacked layers with the projections read in place (`attend.layer_matmul`,
-`models.llama.DecoderLayer.call_stacked`): what the Pallas kernels run on one GPU. Against the
+`paged_kv.models.llama.DecoderLayer.call_stacked`): what the Pallas kernels run on one GPU. Against the
 ordinary scan (XLA's weight slices) on the same weights, for the plain Llama and for every
 family switch (biases, q/k norms); the engines' Pallas path scans (one traced body: seven
 projections) instead of converting to the per-layer layout; the layer handed to the matmul is
@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
-from models import allocate_pages, init_model, is_per_layer, make_paged_batch, page_spec, paged_forward
-from models import paged as paged_mod
-from models.config import tiny
-from pallas_kernels import stacked_matmul
+from paged_kv import pallas_kernels as pk
+from paged_kv.models import allocate_pages, init_model, is_per_layer, make_paged_batch, page_spec, paged_forward
+from paged_kv.models import paged as paged_mod
+from paged_kv.models.config import tiny
+from paged_kv.pallas_kernels import stacked_matmul
 from tests import test_model_scan as scan_tests
 from tests import tolerances as tol
 

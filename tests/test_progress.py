@@ -4,7 +4,7 @@ when the serving bar may show an ETA."""
 import io
 import time
 
-from paged_kv.progress import CompileProgress, SteadyRate
+from paged_kv.apps.progress import CompileProgress, SteadyRate
 
 
 class Clock:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from models import load_hf_checkpoint
-from models.tokenizer import ByteTokenizer
+from paged_kv.models import load_hf_checkpoint
+from paged_kv.models.tokenizer import ByteTokenizer
 from paged_kv.engine import BeamParams, SamplingParams, filter_logits
 from paged_kv.engine.sampling import filter_rows, sample_rows
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
@@ -276,7 +276,7 @@ import json, os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.getcwd())
 import jax
-from models import load_hf_checkpoint, sharding
+from paged_kv.models import load_hf_checkpoint, sharding
 from tests.test_serving import CFG, _workload
 from paged_kv.engine.serving import ServingEngine
 eng = ServingEngine(load_hf_checkpoint("checkpoints/tiny-llama"), CFG, mesh=sharding.make_mesh(2))

@@ -79,7 +79,7 @@ def test_intern_shares_one_holder_per_value():
 
 
 def test_engines_over_one_model_share_the_compiled_step():
-    from models import load_hf_checkpoint
+    from paged_kv.models import load_hf_checkpoint
     from paged_kv.engine.serving import ServingEngine
 
     model = load_hf_checkpoint("checkpoints/tiny-llama")

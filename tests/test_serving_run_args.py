@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from models import load_hf_checkpoint
+from paged_kv.models import load_hf_checkpoint
 from paged_kv.engine import SamplingParams
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from models import load_hf_checkpoint
-from models.tokenizer import ByteTokenizer
+from paged_kv.models import load_hf_checkpoint
+from paged_kv.models.tokenizer import ByteTokenizer
 from paged_kv.engine import BeamParams, SamplingParams, serving_step
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
 from tests.test_model_scan import page_sized_copies

@@ -1,4 +1,4 @@
-"""Tensor parallelism (models.sharding): degree validation, KV capacity arithmetic and sharded
+"""Tensor parallelism (paged_kv.models.sharding): degree validation, KV capacity arithmetic and sharded
 loading in this process (one device); generation on 4 simulated devices and on a 2-process,
 4-device mesh over loopback in subprocesses (tests/sharding_worker.py), since the device count
 is fixed when JAX starts and the other tests expect one device.
@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import paged_kv as pk
-from models import (abstract_model, llama31_8b, load_hf_checkpoint, page_spec, save_hf_checkpoint,
+from paged_kv.models import (abstract_model, llama31_8b, load_hf_checkpoint, page_spec, save_hf_checkpoint,
                     sharding, tiny)
 from paged_kv import engine
 from tests import tolerances as tol

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels import tiling
+from paged_kv import pallas_kernels as pk
+from paged_kv.pallas_kernels import tiling
 
 S = jax.ShapeDtypeStruct
 

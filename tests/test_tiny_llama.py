@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import load_hf_checkpoint
-from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer, decode, encode
+from paged_kv.models import load_hf_checkpoint
+from paged_kv.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer, decode, encode
 
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = ROOT / "checkpoints" / "tiny-llama"

@@ -1,4 +1,4 @@
-"""A checkpoint's own tokenizer (models.hf_tokenizer): a real BPE trained with `tokenizers` on the
+"""A checkpoint's own tokenizer (paged_kv.models.hf_tokenizer): a real BPE trained with `tokenizers` on the
 project's corpus and saved into a checkpoint folder (scripts/bpe_checkpoint.py) encodes, decodes,
 streams and renders chat prompts as transformers' `PreTrainedTokenizerFast` does on the same files;
 BOS/EOS ids and `add_bos_token` follow tokenizer_config.json / generation_config.json; EOS ids end
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import transformers
 
-from models import load_hf_checkpoint
-from models.hf_tokenizer import HFTokenizer, load_tokenizer, render_chat_template, stream_decoder
-from models.tokenizer import ByteTokenizer
+from paged_kv.models import load_hf_checkpoint
+from paged_kv.models.hf_tokenizer import HFTokenizer, load_tokenizer, render_chat_template, stream_decoder
+from paged_kv.models.tokenizer import ByteTokenizer
 from scripts import bpe_checkpoint
 from scripts.train_tiny_llama import generate_corpus
 
@@ -140,7 +140,7 @@ def test_bad_special_token_files_are_one_line_errors(ckpt, tmp_path):
 
 
 def test_byte_tokenizer_stays_for_the_builtin_model(tmp_path):
-    from paged_kv.cli import BUILTIN_CHECKPOINT
+    from paged_kv.apps.cli import BUILTIN_CHECKPOINT
 
     t, desc = load_tokenizer(BUILTIN_CHECKPOINT)
     assert isinstance(t, ByteTokenizer) and desc == "byte-level (tokenizer.json of type 'byte')"

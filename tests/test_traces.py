@@ -1,4 +1,4 @@
-"""paged_kv.traces: the truncation-tolerant JSON array reader, ShareGPT request extraction, the
+"""paged_kv.apps.traces: the truncation-tolerant JSON array reader, ShareGPT request extraction, the
 Alpaca-shaped synthetic trace."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from paged_kv import traces
+from paged_kv.apps import traces
 
 
 def _conv(i, prompt="Tell me about blocks.", reply="Blocks hold sixteen tokens each, and more text here.",

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from models import allocate_pages, init_model, load_hf_checkpoint, page_spec, tiny
-from models.llama import SAFE_TOKEN, in_vocab, safe_tokens
-from models.tokenizer import ByteTokenizer
+from paged_kv.models import allocate_pages, init_model, load_hf_checkpoint, page_spec, tiny
+from paged_kv.models.llama import SAFE_TOKEN, in_vocab, safe_tokens
+from paged_kv.models.tokenizer import ByteTokenizer
 from paged_kv.engine import BeamParams, FinishReason, SamplingParams, beam_search, generate, pad_prompts
 from paged_kv.engine import requests as req_mod
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine

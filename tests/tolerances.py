@@ -137,7 +137,7 @@ def paged_attention_atol(q, pages, layer: int, scale: float, context: int, *,
 
 
 def layer_matmul_atol(x, w, scale, bias, layer: int) -> float:
-  """Bound on ``|a - b|`` between two computations of ``pallas_kernels.layer_matmul`` (the
+  """Bound on ``|a - b|`` between two computations of ``paged_kv.pallas_kernels.layer_matmul`` (the
   kernel and its reference): both accumulate the same K products in float32 in different
   blockings (``K eps32 sum|a_i w_i|`` between them); in a narrow dtype each rounds its sum once
   and adds the bias with one more rounding (two per side)."""
@@ -176,7 +176,7 @@ def llama_reduction_lens(cfg, context: int, score_mag: float, *, num_layers: int
   proj = h  # q/k/v projection over hidden
   rope = 4  # two products, a sum, cos/sin of the angle
   attn = 2 * (d + 4) * score_mag + 4 * context + 7  # as in attention_atol
-  # Family switches (models.config): a bias is one more rounding after its projection; a q/k
+  # Family switches (paged_kv.models.config): a bias is one more rounding after its projection; a q/k
   # norm (Qwen3) is an RMSNorm over head_dim between the projection and RoPE.
   proj += getattr(cfg, "qkv_bias", False) + (d + 2) * getattr(cfg, "qk_norm", False)
   o_add = 1 + getattr(cfg, "o_bias", False)
@@ -237,7 +237,7 @@ def _f64(x) -> np.ndarray:
 
 
 def logits_bound(model) -> float:
-  """An a-priori bound on ``max |logits|`` of a :class:`models.Llama` from its weights alone:
+  """An a-priori bound on ``max |logits|`` of a :class:`paged_kv.models.Llama` from its weights alone:
   the final RMSNorm's output is ``g * x_hat`` with ``||x_hat||_2 <= sqrt(hidden)``, so by
   Cauchy-Schwarz ``|logit_v| <= sqrt(hidden) * ||head_v * g||_2``."""
   head = model.embed[...] if model.config.tie_word_embeddings else model.lm_head[...]
@@ -247,7 +247,7 @@ def logits_bound(model) -> float:
 
 def score_bound(model) -> float:
   """An a-priori bound on the attention score magnitude ``S = scale * max sum_i |q_i k_i|`` of a
-  :class:`models.Llama` from its weights alone: a head's query is ``W_q,h^T (g * x_hat)`` rotated
+  :class:`paged_kv.models.Llama` from its weights alone: a head's query is ``W_q,h^T (g * x_hat)`` rotated
   by RoPE (which keeps its norm), ``||x_hat||_2 <= sqrt(hidden)``, and ``sum |q_i k_i| <=
   ||q|| ||k||``, so ``S <= scale * hidden * max_h sigma(diag(g) W_q,h) * max_h sigma(diag(g)
   W_k,h)`` (``sigma``: the largest singular value), the largest over the layers.

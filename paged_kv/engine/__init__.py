@@ -9,7 +9,7 @@ On-device generation under one ``jax.jit`` (``lax.while_loop``, no host round tr
 Example::
 
     import jax, paged_kv as pk
-    from models import allocate_pages, init_model, page_spec, tiny
+    from paged_kv.models import allocate_pages, init_model, page_spec, tiny
     from paged_kv import engine
 
     model = init_model(tiny())
@@ -25,9 +25,9 @@ Example::
 Both donate ``pages`` and ``state``; pass them back in for the next call (new prompts of the
 same padded shape reuse the compiled loop). Both can be called inside the caller's own ``jit``.
 
-Tensor parallel: pass ``mesh=models.sharding.make_mesh(tp)`` (a ``jax.sharding.Mesh`` with a
+Tensor parallel: pass ``mesh=paged_kv.models.sharding.make_mesh(tp)`` (a ``jax.sharding.Mesh`` with a
 "tp" axis, possibly spanning processes); the model and pages are placed on it (or place them once
-with ``models.sharding.shard``), the block-manager state and prompts are replicated, and the
+with ``paged_kv.models.sharding.shard``), the block-manager state and prompts are replicated, and the
 loops run unchanged (the kernels per device under ``shard_map``).
 
 Modules: ``sampling`` (parameters, sampler), ``steps`` (chunked prefill and the decode step with

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from models.llama import in_vocab
+from paged_kv.models.llama import in_vocab
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import requests
 from paged_kv.engine.sampling import SamplingParams, is_eos, sample_tokens
@@ -210,10 +210,10 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
     """Samples ``params.n`` answers for each prompt, all on the device in one jitted loop.
 
     Args:
-      model: an NNX module implementing ``models.protocol.PagedModel`` (``models.Llama``, or your
+      model: an NNX module implementing ``paged_kv.models.protocol.PagedModel`` (``paged_kv.models.Llama``, or your
         own) or its ``(graphdef, state)`` split. When ``impl`` resolves to Pallas, a stacked Llama
-        is converted to ``models.per_layer`` for the call (one copy of the layer weights per call,
-        alive while the call runs); pass ``models.per_layer(model)`` to pay that once.
+        is converted to ``paged_kv.models.per_layer`` for the call (one copy of the layer weights per call,
+        alive while the call runs); pass ``paged_kv.models.per_layer(model)`` to pay that once.
       pages: the KV pages ``[layers, 2, kv_heads, manager.num_blocks, manager.block_size, head_dim]``
         (donated).
       prompt_tokens: int32 ``[B, L]`` zero-padded prompts (see ``pad_prompts``); ids at positions
@@ -229,8 +229,8 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
       max_new_tokens: optional int32 ``[B]`` per-prompt budgets (clipped to ``params.max_new_tokens``).
       impl: kernel implementation ("auto", "pallas", "interpret", "reference").
       chunk_size: prefill chunk length (default ``min(L, 256)``).
-      mesh: a ``jax.sharding.Mesh`` with a "tp" axis to run tensor-parallel (``models.sharding``);
-        the model and pages are placed on it (a no-op when ``models.sharding.shard`` already did;
+      mesh: a ``jax.sharding.Mesh`` with a "tp" axis to run tensor-parallel (``paged_kv.models.sharding``);
+        the model and pages are placed on it (a no-op when ``paged_kv.models.sharding.shard`` already did;
         pages with the model's original KV-head count get replicated heads when tp exceeds it, and
         the returned pages keep that layout). None: the pages' own mesh if they are sharded, else
         one device. The block-manager state and the outputs are replicated.
@@ -257,7 +257,7 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
                                  top_k=params.top_k)
     # Pallas kernels over a tensor-parallel mesh: one weight array per layer, converted here once
-    # per call (a copy of the layer weights; pass a `models.per_layer` model to convert once for
+    # per call (a copy of the layer weights; pass a `paged_kv.models.per_layer` model to convert once for
     # many calls). On one device the layers stay stacked.
     graphdef, weights = requests.layer_layout(graphdef, weights, impl, mesh)
     state = requests.initial_state(manager, state)

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models.paged import IMPLS, page_spec
-from models.protocol import ModelFacts, model_facts
+from paged_kv.models.paged import IMPLS, page_spec
+from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv.config import ManagerConfig
 from paged_kv.state import BlockManagerState, init_state
 
@@ -162,13 +162,13 @@ def split_model(model):
 def place(model, pages, mesh):
     """Resolve the mesh of a call and put the model and pages on it.
 
-    ``mesh`` None: the mesh the pages are already sharded over (``models.sharding.shard``), or none
+    ``mesh`` None: the mesh the pages are already sharded over (``paged_kv.models.sharding.shard``), or none
     (one device: nothing changes). Returns ``(graphdef, weights, facts, pages, mesh)``; with a mesh
     the model and pages are placed (a no-op when they already are), and ``facts`` (the model's
-    ``models.protocol.ModelFacts``) are the placed model's (KV heads replicated when tp exceeds them).
+    ``paged_kv.models.protocol.ModelFacts``) are the placed model's (KV heads replicated when tp exceeds them).
     ValueError, before anything is traced, when the model does not implement the protocol.
     """
-    from models import sharding
+    from paged_kv.models import sharding
 
     graphdef, weights = split_model(model)
     facts = model_facts(model if isinstance(model, nnx.Module) else (graphdef, weights))
@@ -182,14 +182,14 @@ def place(model, pages, mesh):
 
 def layer_layout(graphdef, weights, impl: str, mesh=None):
     """``(graphdef, weights)`` in the layer layout for ``impl`` and ``mesh``
-    (``models.paged.layout_for_impl``): a stacked Llama becomes one array per layer when the
+    (``paged_kv.models.paged.layout_for_impl``): a stacked Llama becomes one array per layer when the
     kernels are Pallas over a tensor-parallel mesh, so the jitted programs hold no slice of a
     stacked weight (XLA:GPU copies each one on every step); on one device the layers stay
     stacked (the Pallas matmul reads them in place). Outside ``jit`` only; a conversion copies
     the decoder-layer weights once, so callers rebind their ``weights`` to the result and keep no
     reference to the stacked ones. Call after ``impl`` is checked (an unknown ``impl`` must
     raise before anything is copied)."""
-    from models.paged import layout_for_impl
+    from paged_kv.models.paged import layout_for_impl
     return layout_for_impl((graphdef, weights), impl, mesh)
 
 
@@ -198,7 +198,7 @@ def replicate_inputs(mesh, *arrays):
     Over several processes every process must pass the same values."""
     if mesh is None:
         return arrays
-    from models import sharding
+    from paged_kv.models import sharding
     return sharding.replicate(arrays, mesh)
 
 

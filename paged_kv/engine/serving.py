@@ -72,7 +72,7 @@ Modules (this file wires them): ``serving_types`` (config, request, output and s
 which holds the pages and the block-manager state). ``ServingEngine`` is a ``Scheduler`` whose
 device is a ``DeviceStep`` over the model, plus ``run`` (arrivals, streaming).
 
-Tensor parallelism: ``ServingEngine(..., mesh=models.sharding.make_mesh(tp))`` shards the weights
+Tensor parallelism: ``ServingEngine(..., mesh=paged_kv.models.sharding.make_mesh(tp))`` shards the weights
 and the KV pages over the mesh's "tp" axis (KV heads) and replicates the block-manager state and
 the step inputs; the step is the same function (the forward and the copy-on-write copies run per
 device under ``shard_map``), and the host still reads back only the small per-row outputs.
@@ -98,8 +98,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
 
-from models.paged import allocate_pages, kv_bytes_per_block, page_spec
-from models.protocol import model_facts
+from paged_kv.models.paged import allocate_pages, kv_bytes_per_block, page_spec
+from paged_kv.models.protocol import model_facts
 from paged_kv.engine import requests as _requests
 from paged_kv.engine.scheduler import Scheduler
 from paged_kv.engine.serving_step import DeviceStep, StepInputs, StepOutputs
@@ -126,13 +126,13 @@ class ServingEngine(Scheduler):
 
     def __init__(self, model, config: ServingConfig, *, seed: int = 0, mesh=None):
         """Args:
-          model: an NNX module implementing ``models.protocol.PagedModel`` (``models.Llama``, or
+          model: an NNX module implementing ``paged_kv.models.protocol.PagedModel`` (``paged_kv.models.Llama``, or
             your own) or its ``(graphdef, state)`` split. When ``config.impl`` resolves to Pallas
             a stacked Llama's layer weights are copied once into one array per layer
-            (``models.per_layer``); drop your own reference to ``model`` to free the stacked copy.
+            (``paged_kv.models.per_layer``); drop your own reference to ``model`` to free the stacked copy.
           config: the ``ServingConfig``.
           seed: the engine's sampling seed (with each request's seed, it fixes sampled tokens).
-          mesh: a ``jax.sharding.Mesh`` with a "tp" axis (``models.sharding.make_mesh``) to run
+          mesh: a ``jax.sharding.Mesh`` with a "tp" axis (``paged_kv.models.sharding.make_mesh``) to run
             tensor-parallel: weights and KV pages are sharded over it (KV heads), the block-manager
             state and step inputs are replicated. None: one device.
         """
@@ -142,7 +142,7 @@ class ServingEngine(Scheduler):
             raise ValueError(f"seed={seed!r} must be an int in [0, 2**31)")
         mgr = config.manager
         graphdef, weights = _requests.split_model(model)
-        # The model's facts (models.protocol): checked here, before anything is compiled.
+        # The model's facts (paged_kv.models.protocol): checked here, before anything is compiled.
         base_config = model_facts((graphdef, weights))
         pages = allocate_pages(page_spec(base_config, mgr.num_blocks, mgr.block_size))
         if mesh is None:
@@ -152,7 +152,7 @@ class ServingEngine(Scheduler):
         # Pallas kernels over a mesh: one weight array per layer (no slice of a stacked weight in
         # the step, which XLA:GPU would copy every step). The engine then holds only the per-layer
         # copy; the stacked arrays live on only while the caller keeps `model`. On one device the
-        # layers stay stacked (`pallas_kernels.layer_matmul` reads them in place).
+        # layers stay stacked (`paged_kv.pallas_kernels.layer_matmul` reads them in place).
         graphdef, weights = _requests.layer_layout(graphdef, weights, config.impl, mesh)
         self.graphdef, self.weights, self.model_config, self.mesh = graphdef, weights, model_config, mesh
         state, self.key = _requests.replicate_inputs(mesh, init_state(mgr), jax.random.key(seed))

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.llama import in_vocab
-from models.paged import make_paged_batch, paged_forward
+from paged_kv.models.llama import in_vocab
+from paged_kv.models.paged import make_paged_batch, paged_forward
 from paged_kv.admission import admit
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.engine import requests as _requests

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.paged import PagedBatch, copy_blocks, make_paged_batch, paged_forward
+from paged_kv.models.paged import PagedBatch, copy_blocks, make_paged_batch, paged_forward
 from paged_kv.admission import admit
 from paged_kv.allocate import append
 from paged_kv.batch import blocks_held
@@ -33,7 +33,7 @@ def prefill(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerS
             prompt_tokens: jax.Array, prompt_lens: jax.Array, *, chunk_size: int, impl: str, mesh=None):
     """Admit and prefill prompts. Returns (state, pages, logits float32 [B, V] at each prompt's
     last token, admission status int32 [B]). Rows that were not admitted get garbage logits and
-    write only into the null block. ``mesh``: see ``models.paged.paged_forward``."""
+    write only into the null block. ``mesh``: see ``paged_kv.models.paged.paged_forward``."""
     b, length = prompt_tokens.shape
     bs = config.block_size
     prompt_tokens = prompt_tokens.astype(jnp.int32)
@@ -73,7 +73,7 @@ def decode(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerSt
 
     Returns (state, pages, logits float32 [R, V], append status int32 [R] (PADDING where not
     live), copies made int32 scalar). Rows whose append failed attend to nothing and write only
-    into the null block. With a ``mesh`` (see ``models.paged.paged_forward``) the block copies run
+    into the null block. With a ``mesh`` (see ``paged_kv.models.paged.paged_forward``) the block copies run
     per device: each holds every block for its own KV heads.
     """
     ids = jnp.where(live, seq_ids, -1)

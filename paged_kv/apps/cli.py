@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-BUILTIN_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-llama"
+from paged_kv.checkpoints import BUILTIN as BUILTIN_CHECKPOINT
 
 DEFAULT_OUT_DIR = "paged-kv-out"
 """Where the main job writes its files unless told otherwise (relative to the current directory)."""
@@ -441,11 +441,11 @@ class _UsageError(Exception):
 
 def _load_tokenizer(ckpt: Path, vocab_size: int):
     """(tokenizer, answers as text, note, description): what the checkpoint ships
-    (``models.hf_tokenizer.load_tokenizer``): its Hugging Face ``tokenizer.json``, its byte-level
+    (``paged_kv.models.hf_tokenizer.load_tokenizer``): its Hugging Face ``tokenizer.json``, its byte-level
     one, or none (the byte tokenizer for the prompts, answers printed as text where every id is a
     byte, else as token ids). ``ValueError`` for a tokenizer file that cannot be read."""
-    from models.hf_tokenizer import load_tokenizer
-    from models.tokenizer import TOKENIZER_FILE, ByteTokenizer
+    from paged_kv.models.hf_tokenizer import load_tokenizer
+    from paged_kv.models.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
     tok, desc = load_tokenizer(ckpt)
     note = None
@@ -544,11 +544,11 @@ class _StreamPrinter:
     """Prints answers as their tokens arrive, one answer at a time in (prompt, sample) order: the
     current answer prints live, later ones are decoded as they come and held until their turn.
     Beam requests print their best hypothesis when the search ends (the rest in the summary).
-    Each answer is decoded incrementally (``models.hf_tokenizer.stream_decoder``), so a character
+    Each answer is decoded incrementally (``paged_kv.models.hf_tokenizer.stream_decoder``), so a character
     split over several tokens prints once, whole; EOS and special tokens print nothing."""
 
     def __init__(self, tok, requests, prompts, out=None):
-        from models.hf_tokenizer import stream_decoder
+        from paged_kv.models.hf_tokenizer import stream_decoder
 
         self.out = out or sys.stdout
         self.tok = tok
@@ -685,10 +685,10 @@ def _run(args, ckpt: Path) -> int:
     jax = _start_jax(args)
 
     import paged_kv as pk
-    from models import load_hf_checkpoint
-    from models.hf_io import CheckpointError
+    from paged_kv.models import load_hf_checkpoint
+    from paged_kv.models.hf_io import CheckpointError
     from paged_kv.engine.serving import ServingConfig, ServingEngine
-    from paged_kv.progress import CompileProgress
+    from paged_kv.apps.progress import CompileProgress
 
     _phase("load")
     try:
@@ -716,7 +716,7 @@ def _run(args, ckpt: Path) -> int:
                         top_candidates=candidates, impl=args.impl, decode_steps=args.decode_steps)
     mesh = None
     if args.tp > 1:
-        from models import sharding
+        from paged_kv.models import sharding
 
         sharding.check_degree(model.config, args.tp)
         mesh = sharding.make_mesh(args.tp)
@@ -749,7 +749,7 @@ def _run(args, ckpt: Path) -> int:
         return _report(args, engine, outputs, ckpt, tok, as_text, extra, show=_print_beams)
     from tqdm import tqdm
 
-    from paged_kv.progress import BAR_STEADY, BAR_WARMING, SteadyRate
+    from paged_kv.apps.progress import BAR_STEADY, BAR_WARMING, SteadyRate
 
     bar = tqdm(total=len(reqs), unit="req", desc="serving", file=sys.stderr, disable=args.no_progress,
                dynamic_ncols=True, bar_format=BAR_WARMING)
@@ -786,7 +786,7 @@ def _run(args, ckpt: Path) -> int:
 
 def _report(args, engine, outputs, ckpt: Path, tok, as_text: bool, extra: dict, *, show) -> int:
     """The report, its files and the answers (``show(outputs, tok, count, as_text=...)``); the exit status."""
-    from paged_kv import report
+    from paged_kv.apps import report
 
     _phase("report")
     rep = report.build_report(engine, outputs, extra={"checkpoint": str(ckpt), "seed": args.seed, **extra})
@@ -881,7 +881,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     if args.walkthrough:
-        from paged_kv.walkthrough import main as walkthrough
+        from paged_kv.apps.walkthrough import main as walkthrough
 
         walkthrough()
         return 0

@@ -1,7 +1,7 @@
 """A guided tour of the block manager: the worked examples of ``docs/design.md`` (section "Worked
 examples"), printed step by step.
 
-    python -m paged_kv.walkthrough      # or: python -m paged_kv --walkthrough
+    python -m paged_kv.apps.walkthrough      # or: python -m paged_kv --walkthrough
 """
 
 from __future__ import annotations
