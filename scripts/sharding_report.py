@@ -137,7 +137,7 @@ def main(argv=None):
 
     models = [("tiny-llama", LlamaConfig.from_hf_config(read_hf_config("checkpoints/tiny-llama")), 512)]
     if not args.skip_8b:
-        paged_kv.models.append(("llama-3.1-8b", llama31_8b(), 1024))
+        models.append(("llama-3.1-8b", llama31_8b(), 1024))
     rows = []
     for name, cfg, blocks in models:
         for tp in (1, 2, 4):
