@@ -10,7 +10,7 @@ as Llama 3 has).
 
 The weights are random, so the answers are not English; everything else (tokenizer, special
 tokens, chat template, EOS list, safetensors layout) is what a real checkpoint carries. The tests
-(tests/test_tokenizers.py, tests/test_cli.py), the session in docs/usage.md and scripts/tokenizer_cost.py
+(tests/test_tokenizers.py, tests/test_cli.py), and the session in docs/usage.md
 build their checkpoints with `write_checkpoint`.
 """
 
