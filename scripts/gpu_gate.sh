@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU compile gate (scripts/gpu_compile.py) in its own CUDA environment.
+# The GPU compile gate (scripts/gate/gpu_compile.py) in its own CUDA environment. It writes the
+# full report to --out (default results/gpu_compile_report.json, not committed) and its summary
+# beside it (gpu_compile_summary.json; results/gpu_compile_summary.json is the committed one).
 #
 #   bash scripts/gpu_gate.sh [--jax 0.12|0.10] [gpu_compile.py arguments...]
 #
@@ -62,4 +64,4 @@ fi
 
 # The repository itself on the path (not installed into the cached environment, so the gate
 # always compiles this checkout).
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$ENV_DIR/bin/python" scripts/gpu_compile.py "$@"
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$ENV_DIR/bin/python" scripts/gate/gpu_compile.py "$@"
