@@ -11,6 +11,8 @@ tokens/s = batch * new / time, median over `--repeats` after one warm-up call (w
     python scripts/bench_generate.py --prompts 128 --batches 32 --repeats 2 --out /tmp/b.json
     python scripts/bench_generate.py --render-docs         # docs/benchmarks.md's table from the committed file
 
+Needs the ``bench`` extra (torch, transformers): ``pip install -e '.[bench]'``.
+
 **Quiet machine or no file.** Each measurement records the 1-minute load average before and
 after it, and the CPU time other processes used while it ran (from /proc/stat, less this
 process's own CPU time: the load average counts the benchmark's own threads, so it cannot tell a
@@ -61,6 +63,7 @@ from paged_kv.models import allocate_pages, greedy_generate_contiguous, load_hf_
 from paged_kv import engine  # noqa: E402
 from paged_kv.pallas_kernels import resolve_impl  # noqa: E402
 from scripts.doc_tables import BENCHMARKS, markers, replace_block, shown_command  # noqa: E402
+from scripts.extras import require  # noqa: E402
 from tests import tolerances  # noqa: E402
 
 HF_CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -269,6 +272,7 @@ def main():
         update_docs(json.loads(Path(args.out).read_text()))
         return
 
+    require("bench", "torch", "transformers")
     import torch
     import transformers
     meter = LoadMeter()

@@ -10,7 +10,7 @@ as Llama 3 has).
 
 The weights are random, so the answers are not English; everything else (tokenizer, special
 tokens, chat template, EOS list, safetensors layout) is what a real checkpoint carries. The tests
-(tests/test_tokenizers.py, tests/test_cli.py), the session in docs/usage.md and scripts/tokenizer_cost.py
+(tests/test_tokenizers.py, tests/test_cli.py), and the session in docs/usage.md
 build their checkpoints with `write_checkpoint`.
 """
 
@@ -43,7 +43,7 @@ def train_bpe(vocab_size: int = 512, num_docs: int = 2000, seed: int = 0):
 
     from scripts.train_tiny_llama import generate_corpus
 
-    tok = Tokenizer(paged_kv.models.BPE())
+    tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,

@@ -18,7 +18,7 @@ before it warmed (Triton's kernels, XLA's autotuning): the figure a user's first
 
 `--target sm_90` (or sm_80) compiles the same step for an NVIDIA GPU without one, with the Pallas
 kernels (`impl="pallas"`): deviceless, on the compile-only topology of the GPU compile gate
-(`scripts/gpu_compile_plan.py`'s target description), so it runs in the gate's CUDA environment
+(`scripts/gate/gpu_compile_plan.py`'s target description), so it runs in the gate's CUDA environment
 (`~/.cache/paged-kv/gpu-env-<hash>`, built by `scripts/gpu_gate.sh`) and runs no step:
 
     PYTHONPATH=$PWD ~/.cache/paged-kv/gpu-env-<hash>/bin/python scripts/compile_time.py \
@@ -91,7 +91,7 @@ def gpu_sharding(target: str):
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from scripts.gpu_compile_plan import target_config
+    from scripts.gate.gpu_compile_plan import target_config
     topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=target_config(target))
     if topo.devices[0].client.runtime_type != "compile_only_runtime":
         raise RuntimeError(f"expected a compile-only client, got {topo.devices[0].client.runtime_type}")

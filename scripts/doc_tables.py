@@ -1,6 +1,7 @@
-"""Tables that scripts regenerate inside docs/benchmarks.md, between `<!-- NAME:begin -->` and
-`<!-- NAME:end -->` markers (scripts/bench_generate.py, scripts/profile_decode.py). Scripts never
-write README.md."""
+"""Tables that scripts regenerate inside docs/benchmarks.md (scripts/bench_generate.py,
+scripts/profile_decode.py) and docs/gpu-gate.md (scripts/gate/gpu_report.py, from the gate's
+summary), between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers. Scripts never write
+README.md."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+GPU_GATE = Path(__file__).resolve().parents[1] / "docs" / "gpu-gate.md"
 
 
 def markers(name: str) -> tuple[str, str]:

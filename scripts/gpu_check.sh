@@ -19,7 +19,7 @@ DEST=${OUT:-results}
 mkdir -p "$DEST"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
-"$PY" scripts/gpu_check.py env --out "$DEST/gpu_env.json" || exit 1
+"$PY" scripts/gate/gpu_check.py env --out "$DEST/gpu_env.json" || exit 1
 
 status=0
 stage() {  # name, seconds, command...
@@ -31,8 +31,8 @@ stage() {  # name, seconds, command...
   echo "== $name: exit $rc after $(( $(date +%s) - t0 )) s"
   [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
 }
-stage kernels 150 "$PY" scripts/gpu_check.py kernels --out "$DEST/gpu_kernels_check.json"
+stage kernels 150 "$PY" scripts/gate/gpu_check.py kernels --out "$DEST/gpu_kernels_check.json"
 stage bench_kernels 120 "$PY" scripts/bench_kernels.py --decode 64:4096 1:4096 256:4096 --out "$DEST/gpu_bench_kernels.json"
-stage engine 200 "$PY" scripts/gpu_check.py engine --out "$DEST/gpu_engine.json"
-stage layouts 150 "$PY" scripts/gpu_check.py layouts --out "$DEST/gpu_layouts.json"
+stage engine 200 "$PY" scripts/gate/gpu_check.py engine --out "$DEST/gpu_engine.json"
+stage layouts 150 "$PY" scripts/gate/gpu_check.py layouts --out "$DEST/gpu_layouts.json"
 exit $status

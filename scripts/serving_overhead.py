@@ -14,10 +14,8 @@ device call (``--decode-steps``, ``ServingConfig.decode_steps``; the CLI's defau
 (``--repeats`` rounds); the reported ratio is the median of the rounds' ratios.
 
     python scripts/serving_overhead.py                      # writes results/serving_overhead.json
-    PYTHONPATH=/tmp/base python scripts/serving_overhead.py --label base --out /tmp/base.json
 
-Works against this tree and against the code before the serving split (``PYTHONPATH`` to an
-extracted older tree): it times the step from outside. Per step:
+It times the step from outside. Per step:
 
 * ``device_ms``: the jitted step's call until its outputs are ready (dispatch + compute), by
   wrapping the module's jitted step function;
@@ -29,10 +27,8 @@ Compile is excluded: a first engine runs the workload once (it compiles every pr
 jit for any engine of the same shapes), a second engine is timed. ``generate`` is timed on its
 second call. The load average is recorded: numbers from a loaded machine say so.
 
-    python scripts/serving_overhead.py --chunk-size 64 --prefill-rows 8 --out /tmp/c64.json
-    python scripts/serving_overhead.py --ab-decode-steps 1 8 --repeats 7 --out results/serving_bursts_ab.json
-    python scripts/serving_overhead.py --ab-decode-steps 1 8 --rows 32 --requests 96 \
-        --out results/serving_bursts_ab_waiting.json          # requests waiting for rows
+    python scripts/serving_overhead.py --chunk-size 64 --prefill-rows 8 --decode-steps 1 --out /tmp/c64.json
+    python scripts/serving_overhead.py --ab-decode-steps 1 8 --repeats 7 --out /tmp/bursts.json
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ records the main job's per-program compile table (``report.json``'s ``compile.pr
     python scripts/startup_time.py --baseline /tmp/before   # the same runs of another checkout,
                                                             # interleaved with these ones
 
+The main job needs the ``cli`` extra (tqdm, matplotlib: ``pip install -e '.[cli]'``).
+
 With ``--baseline DIR`` (a checkout of the code to compare with, e.g. ``git worktree add
 /tmp/before HEAD~3``) every run is made twice in a row, once per tree, so that both see the same
 machine; the medians of the warm runs and a ratio are reported. The machine's load (1-minute
@@ -27,6 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from scripts.extras import require  # noqa: E402
 
 
 def run_main(tree: Path, cache: Path | None, out: Path) -> dict:
@@ -48,6 +52,7 @@ def run_main(tree: Path, cache: Path | None, out: Path) -> dict:
 
 
 def main() -> None:
+    require("cli", "tqdm", "matplotlib")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "startup_time.json")
     ap.add_argument("--baseline", type=Path, help="another checkout, run interleaved with this one")

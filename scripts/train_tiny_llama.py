@@ -18,6 +18,9 @@ the checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`) is written
 `paged_kv.models.save_hf_checkpoint`, a few greedy continuations are printed and the curves go to a JSON file.
 
     python scripts/train_tiny_llama.py --steps 500 --out checkpoints/tiny-llama
+
+Training needs the ``bench`` extra (optax: ``pip install -e '.[bench]'``); ``generate_corpus``
+(which scripts/bpe_checkpoint.py and the tests use) needs only the library.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from paged_kv.models import LlamaConfig, greedy_generate_contiguous, init_model, save_hf_checkpoint
@@ -203,8 +205,19 @@ def sequence_logits(model, tokens: jax.Array) -> jax.Array:
     return model.logits(hidden)
 
 
+def _optax():
+    """optax (the 'bench' extra), imported only to train: the corpus needs none of it."""
+    try:
+        import optax
+    except ImportError:
+        sys.exit("train_tiny_llama.py needs the 'bench' extra (missing: optax): "
+                 "pip install -e '.[bench]' in the checkout")
+    return optax
+
+
 def lm_loss(model, windows: jax.Array, pad_id: int | None = None) -> jax.Array:
     """Mean next-token cross entropy (nats) of windows int32[B, T + 1]; targets equal to `pad_id` skipped."""
+    optax = _optax()
     inputs, targets = windows[:, :-1], windows[:, 1:]
     logits = sequence_logits(model, inputs)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
@@ -216,6 +229,7 @@ def lm_loss(model, windows: jax.Array, pad_id: int | None = None) -> jax.Array:
 
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float,
                    params) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    optax = _optax()
     warmup = max(1, min(warmup, steps - 1)) if steps > 1 else 1
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1)
     decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)  # no decay on norm scales
@@ -226,6 +240,7 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
     """Jitted `(params, opt_state, windows) -> (params, opt_state, loss)` (params/opt_state donated)."""
+    optax = _optax()
 
     def loss_of(params, windows):
         return lm_loss(nnx.merge(graphdef, params), windows)

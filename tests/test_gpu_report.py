@@ -1,9 +1,10 @@
-"""The GPU compile gate's readers (``scripts/gpu_report.py``) on text in the formats XLA 0.10.2 and
-ptxas 12.9 write (shortened from real dumps of ``scripts/gpu_compile.py``). No CUDA needed."""
+"""The GPU compile gate's readers (``scripts/gate/gpu_report.py``) on text in the formats XLA 0.10.2 and
+ptxas 12.9 write (shortened from real dumps of ``scripts/gate/gpu_compile.py``). No CUDA needed."""
 
 import json
+import os
 
-from scripts import gpu_compile_plan, gpu_report
+from scripts.gate import gpu_compile_plan, gpu_report
 
 PTXAS_LOG = """\
 I1201 07:52:28.137985    5071 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
@@ -347,3 +348,52 @@ def test_version_comparison_puts_two_reports_side_by_side():
   assert lines[2] == "| sm_90 | decode | bfloat16 | 128 | 167 / 168 | 0 / 0 | 73,728 / 73,728 | mma.sync / mma.sync |"
   assert lines[3] == "| sm_90 | prefill | bfloat16 | 128 | - / 255 | - / 8 | - / 81,920 | - / wgmma |"
   assert len(lines) == 4
+
+
+def test_summary_of_a_report_is_what_the_tables_read(tmp_path):
+  """The gate's summary keeps per group and per program what the tables show; the tables read a
+  summary and a full report alike, and the summary is written beside the report."""
+  spec = dict(kernel="decode", target="sm_90", dtype="bfloat16", head_dim=128, block_size=16, group=4,
+              size="large", purpose="matrix")
+  kernel = {"registers": 167, "shared_memory_bytes": 73728, "mma": "mma.sync", "grid": [64, 8, 1],
+            "threads": [128, 1, 1]}
+  step = {"least": {"kernels": 3, "copies": 1, "host_launches": 2, "host_syncs": 1},
+          "most": {"kernels": 5, "copies": 2, "host_launches": 4, "host_syncs": 3}, "conditionals": 1, "whiles": 1,
+          "control_flow_in_command_buffers": 0, "copy_bytes": 2**20}
+  report = {"jax": "0.12.0.1", "counts": {"configurations": 3}, "failures": [], "kernels": [
+      {"spec": spec, "name": "a", "status": "compiled", "spills": {}, "kernels": {"paged_decode_attention": kernel,
+                                                                                 "loop_fusion": {"registers": 9}}},
+      {"spec": dict(spec, group=8), "status": "same_kernel_as", "same_as": "a"},
+      {"spec": dict(spec, block_size=64, purpose="table_refusal"), "status": "refused"},
+  ], "programs": [
+      {"program": "append", "target": "sm_90", "layers": 32, "status": "compiled", "compile_s": 1.5,
+       "per_step": step, "memory": {"temp_size_in_bytes": 2**21}, "spills": {}, "gate": "pass"},
+  ]}
+  summary = gpu_report.summarize(report)
+  assert gpu_report.summarize(summary) is summary
+  assert [(g["purpose"], g["configurations"], g["compiled"], g["same_kernel_as"], g["refused"], g["max_registers"])
+          for g in summary["groups"]] == [("matrix", 2, 1, 1, 0, 167), ("table_refusal", 1, 0, 0, 1, 0)]
+  assert summary["programs"][0]["least"]["host_syncs"] == 1
+  assert gpu_report.markdown_summary(summary) == gpu_report.markdown_summary(report)
+  table = gpu_report.kernel_table(summary).splitlines()
+  assert table[2] == "| sm_90 | decode | bfloat16 | 128 | 167 | 0 | 73,728 | [64, 8, 1] | [128, 1, 1] | mma.sync |"
+  assert gpu_report.program_table(summary).splitlines()[2] == (
+      "| append | 32 | 3, 5 | 2, 4 | 1, 3 | 1, 1.0 MiB | 1, 1 (0) | 2.0 MiB | 1.5 | - |")
+  out = gpu_report.summary_path(str(tmp_path / "gpu_compile_report.json"))
+  assert out == str(tmp_path / "gpu_compile_summary.json")
+  gpu_report.dump_summary(summary, out)
+  assert json.load(open(out)) == json.loads(json.dumps(summary))
+
+
+def test_committed_summary_is_small_and_docs_tables_match_it():
+  """results/gpu_compile_summary.json (the gate's summary; the full report is not committed) stays
+  small, and docs/gpu-gate.md's tables are what it renders."""
+  from scripts import doc_tables
+  path = gpu_report.SUMMARY
+  assert os.path.getsize(path) < 64 * 1024
+  summary = json.load(open(path))
+  assert "kernels" not in summary and summary["counts"]["failures"] == 0
+  page = doc_tables.GPU_GATE.read_text()
+  for name, table in gpu_report.DOC_TABLES.items():
+    begin, end = doc_tables.markers(name)
+    assert f"{begin}\n{table(summary)}\n{end}" in page, name

@@ -1,12 +1,12 @@
 """The supported JAX range and the one module that holds what differs across it
-(pallas_kernels/jax_compat.py), plus the lent GPU machine's version check (scripts/gpu_check.py env).
+(pallas_kernels/jax_compat.py), plus the lent GPU machine's version check (scripts/gate/gpu_check.py env).
 """
 
 import pytest
 from packaging.specifiers import SpecifierSet
 
 from paged_kv.pallas_kernels import jax_compat
-from scripts import gpu_check
+from scripts.gate import gpu_check
 
 pytestmark = pytest.mark.smoke
 

@@ -1,6 +1,6 @@
 """The kernels' tiling table (``pallas_kernels/tiling.py``) and the refusals it implies.
 
-Whether each row really fits (shared memory, registers) is what ``scripts/gpu_compile.py`` checks
+Whether each row really fits (shared memory, registers) is what ``scripts/gate/gpu_compile.py`` checks
 by compiling every row for sm_90 and sm_80; here: the choice is Triton-legal, keeps today's bf16
 tiles, follows the table, and configurations without a checked tile are refused before tracing."""
 

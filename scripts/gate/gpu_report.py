@@ -2,7 +2,14 @@
 in its log, the thunk sequence it dumps, the PTX, and the optimized HLO.
 
 Pure text processing (no JAX import), so ``tests/test_gpu_report.py`` checks it on any machine.
-``scripts/gpu_compile.py`` is the gate that produces the text.
+``scripts/gate/gpu_compile.py`` is the gate that produces the text. Also the gate's summary
+(``summarize``: what docs/gpu-gate.md's tables show, a few tens of KB, committed as
+``results/gpu_compile_summary.json``) and the tables themselves::
+
+    python scripts/gate/gpu_report.py [SUMMARY_OR_REPORT.json]       # print the tables
+    python scripts/gate/gpu_report.py --update-docs                  # rewrite them in docs/gpu-gate.md
+    python scripts/gate/gpu_report.py REPORT.json --summarize OUT.json
+    python scripts/gate/gpu_report.py --compare OLD.json NEW.json [BY_JAX_OUT.json]
 
 Formats read (XLA 0.10.2 / ptxas 12.9):
 
@@ -22,6 +29,7 @@ Formats read (XLA 0.10.2 / ptxas 12.9):
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 
@@ -348,7 +356,7 @@ def step_copies(step: list[dict], names: dict[int, str], shapes: dict[str, list[
 
 def weight_or_page_copies(copies: list[dict], forbidden: dict[int, str]) -> list[dict]:
   """The copies among ``copies`` (``step_copies``) with an array of a forbidden size: a key > 0
-  of ``forbidden`` is an exact element count, a key < 0 a minimum (``scripts/gpu_compile.py``
+  of ``forbidden`` is an exact element count, a key < 0 a minimum (``scripts/gate/gpu_compile.py``
   passes one layer's weight slices and one layer's pages)."""
   bad = []
   for c in copies:
@@ -393,82 +401,180 @@ def kv_read_lower_bound(kv_bytes: int, bandwidth_bytes_per_s: float) -> float:
 
 
 
-# ------------------------------------------------------------------- docs/gpu-gate.md tables
+# ------------------------------------------------------------------------- the gate's summary
+# The gate writes its full report (every configuration, every fusion's figures: megabytes) where it
+# is told, and beside it this summary: per kernel group and per program the counts and figures
+# docs/gpu-gate.md's tables show, small enough to commit (results/gpu_compile_summary.json).
 _KERNEL_NAMES = {"decode": "paged_decode_attention", "prefill": "paged_prefill_attention",
-                 "write_kv": "write_kv", "copy_blocks": "copy_blocks"}
+                 "write_kv": "write_kv", "copy_blocks": "copy_blocks", "layer_matmul": "layer_matmul"}
+_DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
+_HEADER = ("jax", "targets", "wall_s", "workers", "quick", "counts", "failures", "xla_fusion_spills",
+           "decode_step_per_layer")
 
 
 def _summary_config(spec: dict) -> bool:
   """Whether a kernel configuration is one the summary tables show: block size 16, GQA 4, large
   size on sm_90 (the ``matrix`` purpose), and every ``sm_80`` one (GQA 8)."""
-  return (spec["purpose"] == "matrix" and spec["block_size"] == 16 and spec["group"] == 4
-          and spec["size"] == "large") or spec["purpose"] == "sm_80"
+  return (spec["purpose"] == "matrix" and spec.get("block_size") == 16 and spec.get("group") == 4
+          and spec.get("size") == "large") or spec["purpose"] == "sm_80"
 
 
-def markdown_summary(report: dict, kernels=("decode", "prefill"), targets=("sm_90",)) -> str:
-  """docs/gpu-gate.md's tables from a gate report: one line per (kernel, dtype, head_dim) at block
-  size 16, GQA 4 (8 for sm_80), large size (the same kernel stands for GQA 1/4/8 in decode), and
-  one line per whole program."""
-  by_key = {}
-  for r in report.get("kernels", []):
-    by_key.setdefault(r.get("name"), r)
+def _figures(src: dict, kernel: str) -> dict:
+  """The project kernel's figures in a compiled configuration (its source when it is the same
+  kernel as another), with the configuration's status and spilled bytes."""
+  k = (src.get("kernels") or {}).get(_KERNEL_NAMES[kernel]) or {}
+  out = {"status": src.get("status"), "spills": sum((src.get("spills") or {}).values())}
+  out.update({f: k[f] for f in ("registers", "shared_memory_bytes", "grid", "threads", "mma") if f in k})
+  return out
+
+
+def summarize(report: dict) -> dict:
+  """The gate's summary of a full report (a summary is returned as it is):
+
+  * the report's header (JAX version, targets, counts, failures, XLA's own spills);
+  * ``groups``: per target, kernel and purpose, the configurations and how many compiled, were the
+    same kernel as another, were refused or failed, and the most registers and spilled bytes;
+  * ``attention``: the kernels at block size 16, GQA 4 (8 on sm_80), large size, one row each;
+  * ``layer_matmul``: the stacked-weight projection's rows;
+  * ``knobs``: per attention kernel, dtype, head_dim and knob (``none``: the tiling table's rows),
+    the most registers and spilled bytes over its configurations;
+  * ``programs``: per whole program, its status, the per-step launches, syncs, copies and kernels
+    (least and most), its temporary memory, compile time and K/V read bound."""
+  if "kernels" not in report:
+    return report
+  kernels = report.get("kernels", [])
+  by_name = {r.get("name"): r for r in kernels if r.get("name")}
+
+  def source(r):
+    return by_name.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
+
+  groups: dict[tuple, dict] = {}
+  attention, matmul, knobs = [], [], {}
+  for r in kernels:
+    s, src = r["spec"], source(r)
+    fig = _figures(src, s["kernel"]) if s["kernel"] in _KERNEL_NAMES else {"status": src.get("status")}
+    g = groups.setdefault((s.get("target"), s["kernel"], s["purpose"]), {
+        "target": s.get("target"), "kernel": s["kernel"], "purpose": s["purpose"], "configurations": 0,
+        "compiled": 0, "same_kernel_as": 0, "refused": 0, "failed": 0, "max_registers": 0, "spills": 0})
+    g["configurations"] += 1
+    g[r.get("status") if r.get("status") in ("compiled", "same_kernel_as", "refused") else "failed"] += 1
+    g["max_registers"] = max(g["max_registers"], fig.get("registers") or 0)
+    g["spills"] = max(g["spills"], fig.get("spills") or 0)
+    key = {"target": s.get("target"), "kernel": s["kernel"], "dtype": s.get("dtype")}
+    if s["kernel"] in ("decode", "prefill", "write_kv", "copy_blocks") and _summary_config(s):
+      attention.append(dict(key, head_dim=s["head_dim"], **fig))
+    elif s["kernel"] == "layer_matmul" and s["purpose"] == "matmul":
+      row = dict(key, m=s["m"], k=s["k"], n=s["n"], extras=s["extras"], **fig)
+      if r.get("grid"):
+        row["grid"] = r["grid"]
+      matmul.append(row)
+    if s["purpose"] in ("knob_row", "table_row") and s["kernel"] in ("decode", "prefill"):
+      w = knobs.setdefault((s["kernel"], s["dtype"], s["head_dim"], s.get("knob") or "none"), {
+          "kernel": s["kernel"], "dtype": s["dtype"], "head_dim": s["head_dim"], "knob": s.get("knob") or "none",
+          "registers": 0, "spills": 0, "configurations": 0, "not_compiled": []})
+      w["registers"] = max(w["registers"], fig.get("registers") or 0)
+      w["spills"] = max(w["spills"], fig.get("spills") or 0)
+      w["configurations"] += 1
+      if fig["status"] != "compiled" and fig["status"] not in w["not_compiled"]:
+        w["not_compiled"] = sorted(w["not_compiled"] + [fig["status"]])
+  programs = []
+  for p in report.get("programs", []):
+    row = {f: p.get(f) for f in ("program", "target", "layers", "status", "gate", "compile_s")}
+    if p.get("status") == "compiled":
+      st = p["per_step"]
+      row.update(least=st["least"], most=st["most"], copy_bytes=st.get("copy_bytes"),
+                 conditionals=st["conditionals"], whiles=st["whiles"],
+                 control_flow_in_command_buffers=st["control_flow_in_command_buffers"],
+                 temp_bytes=p["memory"]["temp_size_in_bytes"], spills=sum((p.get("spills") or {}).values()),
+                 weight_or_page_copies=len(p.get("weight_or_page_copies") or []),
+                 kv_read_lower_bound_ms_h200=p.get("kv_read_lower_bound_ms_h200"))
+    programs.append(row)
+  order = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
+  return dict({"what": "The GPU compile gate's summary (scripts/gate/gpu_report.py summarize): per kernel "
+                       "group and per program what docs/gpu-gate.md's tables show. The gate writes its "
+                       "full report beside it."}, **{k: report.get(k) for k in _HEADER},
+              groups=sorted(groups.values(), key=lambda g: (str(g["target"]), g["kernel"], g["purpose"])), attention=sorted(attention, key=order),
+      layer_matmul=sorted(matmul, key=order), knobs=sorted(knobs.values(), key=order), programs=programs)
+
+
+def dump_summary(summary: dict, path: str) -> None:
+  """Writes a summary with one line per row (a few tens of KB)."""
+  lines = ["{"]
+  items = list(summary.items())
+  for i, (k, v) in enumerate(items):
+    end = "," if i + 1 < len(items) else ""
+    if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+      rows = ",\n".join("  " + json.dumps(x, sort_keys=True) for x in v)
+      lines.append(f" {json.dumps(k)}: [\n{rows}\n ]{end}")
+    else:
+      lines.append(f" {json.dumps(k)}: {json.dumps(v, sort_keys=True, default=str)}{end}")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    f.write("\n".join(lines + ["}"]) + "\n")
+
+
+def summary_path(report_path: str) -> str:
+  """Where the gate writes the summary of a report: beside it, ``*_summary.json`` for
+  ``*_report.json`` (``gpu_compile_report.json`` -> ``gpu_compile_summary.json``)."""
+  head, name = os.path.split(report_path)
+  stem = name[:-len(".json")] if name.endswith(".json") else name
+  stem = stem[:-len("_report")] if stem.endswith("_report") else stem
+  return os.path.join(head, stem + "_summary.json")
+
+
+# ------------------------------------------------------------------- docs/gpu-gate.md tables
+# Each takes a summary or a full report.
+def kernel_table(report: dict, kernels=("decode", "prefill"), targets=("sm_90",)) -> str:
+  """One line per (kernel, dtype, head_dim) at block size 16, GQA 4 (8 for sm_80), large size (the
+  same kernel stands for GQA 1/4/8 in decode)."""
   lines = ["| target | kernel | dtype | head_dim | registers | spills (B) | shared memory (B) | grid | threads | MMA |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-  order = {"bfloat16": 0, "float16": 1, "float32": 2}
-  chosen = sorted((r for r in report.get("kernels", []) if r["spec"]["kernel"] in kernels
-                   and r["spec"]["target"] in targets and _summary_config(r["spec"])),
-                  key=lambda r: (r["spec"]["target"], kernels.index(r["spec"]["kernel"]), order[r["spec"]["dtype"]],
-                                 r["spec"]["head_dim"]))
-  for r in chosen:
-    s = r["spec"]
-    src = by_key.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
-    k = (src.get("kernels") or {}).get(_KERNEL_NAMES[s["kernel"]], {})
-    spill = sum((src.get("spills") or {}).values())
-    lines.append(f"| {s['target']} | {s['kernel']} | {s['dtype']} | {s['head_dim']} | {k.get('registers')} | "
-                 f"{spill} | {k.get('shared_memory_bytes'):,} | {k.get('grid')} | {k.get('threads')} | "
-                 f"{k.get('mma') or '-'} |" if k else f"| {s['target']} | {s['kernel']} | {s['dtype']} | "
-                 f"{s['head_dim']} | {src.get('status')} | | | | | |")
-  lines += ["", "| program | layers | kernels / step (least, most) | host launches / step | host syncs / step (least, most) "
-            "| copies / step (least), bytes | conditionals, whiles (in CUDA graphs) | temp memory | compile s "
-            "| K/V read bound (H200) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-  for p in report.get("programs", []):
+  rows = sorted((r for r in summarize(report)["attention"] if r["kernel"] in kernels and r["target"] in targets),
+                key=lambda r: (r["target"], kernels.index(r["kernel"]), _DTYPES[r["dtype"]], r["head_dim"]))
+  for r in rows:
+    lines.append(f"| {r['target']} | {r['kernel']} | {r['dtype']} | {r['head_dim']} | {r['registers']} | "
+                 f"{r['spills']} | {r['shared_memory_bytes']:,} | {r.get('grid')} | {r.get('threads')} | "
+                 f"{r.get('mma') or '-'} |" if "registers" in r else f"| {r['target']} | {r['kernel']} | "
+                 f"{r['dtype']} | {r['head_dim']} | {r['status']} | | | | | |")
+  return "\n".join(lines)
+
+
+def program_table(report: dict) -> str:
+  """One line per whole program."""
+  lines = ["| program | layers | kernels / step (least, most) | host launches / step | host syncs / step (least, most) "
+           "| copies / step (least), bytes | conditionals, whiles (in CUDA graphs) | temp memory | compile s "
+           "| K/V read bound (H200) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for p in summarize(report)["programs"]:
     if p.get("status") != "compiled":
       lines.append(f"| {p['program']} | {p.get('layers')} | {p.get('status')} | | | | | | | |")
       continue
-    st = p["per_step"]
-    bound = p.get("kv_read_lower_bound_ms_h200")
-    copy_bytes = st.get("copy_bytes")
+    least, most, copy_bytes, bound = p["least"], p["most"], p.get("copy_bytes"), p.get("kv_read_lower_bound_ms_h200")
     lines.append(
-        f"| {p['program']} | {p.get('layers')} | {st['least']['kernels']}, {st['most']['kernels']} | "
-        f"{st['least']['host_launches']}, {st['most']['host_launches']} | {st['least']['host_syncs']}, "
-        f"{st['most']['host_syncs']} | {st['least']['copies']}, "
-        f"{'-' if copy_bytes is None else f'{copy_bytes / 2**20:.1f} MiB'} | "
-        f"{st['conditionals']}, {st['whiles']} ({st['control_flow_in_command_buffers']}) | "
-        f"{p['memory']['temp_size_in_bytes'] / 2**20:.1f} MiB | {p.get('compile_s')} | "
-        f"{f'{bound} ms' if bound else '-'} |")
+        f"| {p['program']} | {p.get('layers')} | {least['kernels']}, {most['kernels']} | "
+        f"{least['host_launches']}, {most['host_launches']} | {least['host_syncs']}, {most['host_syncs']} | "
+        f"{least['copies']}, {'-' if copy_bytes is None else f'{copy_bytes / 2**20:.1f} MiB'} | "
+        f"{p['conditionals']}, {p['whiles']} ({p['control_flow_in_command_buffers']}) | "
+        f"{p['temp_bytes'] / 2**20:.1f} MiB | {p.get('compile_s')} | {f'{bound} ms' if bound else '-'} |")
   return "\n".join(lines)
+
+
+def markdown_summary(report: dict, kernels=("decode", "prefill"), targets=("sm_90",)) -> str:
+  """The kernel table and the whole-program table."""
+  return kernel_table(report, kernels, targets) + "\n\n" + program_table(report)
 
 
 def matmul_summary(report: dict, dtypes=("bfloat16",)) -> str:
   """docs/gpu-gate.md's ``layer_matmul`` table: per target, dtype (of ``dtypes``) and (M, K, N), the
   kernel's registers, spills, shared memory and grid (compiled at 32 stacked layers)."""
-  by_name = {r.get("name"): r for r in report.get("kernels", []) if r.get("name")}
   lines = ["| target | dtype | M, K, N | prologue / epilogue | registers | spills (B) | shared memory (B) | grid |",
            "|---|---|---|---|---|---|---|---|"]
-  order = {"bfloat16": 0, "float16": 1, "float32": 2}
-  rows = sorted((r for r in report.get("kernels", []) if r["spec"]["kernel"] == "layer_matmul"
-                 and r["spec"]["purpose"] == "matmul" and r["spec"]["dtype"] in dtypes),
-                key=lambda r: (r["spec"]["target"], order[r["spec"]["dtype"]], r["spec"]["k"], r["spec"]["n"],
-                               r["spec"]["m"], r["spec"]["extras"]))
+  rows = sorted((r for r in summarize(report)["layer_matmul"] if r["dtype"] in dtypes),
+                key=lambda r: (r["target"], _DTYPES[r["dtype"]], r["k"], r["n"], r["m"], r["extras"]))
   for r in rows:
-    s = r["spec"]
-    src = by_name.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
-    k = (src.get("kernels") or {}).get("layer_matmul", {})
-    spill = sum((src.get("spills") or {}).values())
-    grid = r.get("grid") or k.get("grid")
-    lines.append(f"| {s['target']} | {s['dtype']} | {s['m']}, {s['k']}, {s['n']} | {s['extras']} | "
-                 f"{k.get('registers', src.get('status'))} | {spill} | {k.get('shared_memory_bytes', 0):,} | {grid} |")
+    lines.append(f"| {r['target']} | {r['dtype']} | {r['m']}, {r['k']}, {r['n']} | {r['extras']} | "
+                 f"{r.get('registers', r['status'])} | {r['spills']} | {r.get('shared_memory_bytes', 0):,} | "
+                 f"{r.get('grid')} |")
   return "\n".join(lines)
 
 
@@ -477,93 +583,95 @@ def knob_summary(report: dict) -> str:
   bytes of the attention kernel over every knob configuration compiled (both targets, every
   block size), beside the same row without knobs (``table_row`` configurations), so a knob
   that brings a row to the register limit shows."""
-  by_name = {r.get("name"): r for r in report.get("kernels", []) if r.get("name")}
-  worst: dict[tuple, list] = {}
-  for r in report.get("kernels", []):
-    s = r["spec"]
-    if s["purpose"] not in ("knob_row", "table_row") or s["kernel"] not in ("decode", "prefill"):
-      continue
-    src = by_name.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
-    k = (src.get("kernels") or {}).get(_KERNEL_NAMES[s["kernel"]], {})
-    key = (s["kernel"], s["dtype"], s["head_dim"], s.get("knob") or "none")
-    w = worst.setdefault(key, [0, 0, 0, set()])
-    w[0] = max(w[0], k.get("registers") or 0)
-    w[1] = max(w[1], sum((src.get("spills") or {}).values()))
-    w[2] += 1
-    if src.get("status") != "compiled":
-      w[3].add(src.get("status"))
+  worst = {(w["kernel"], w["dtype"], w["head_dim"], w["knob"]): w for w in summarize(report)["knobs"]}
   knobs = sorted({k[3] for k in worst if k[3] != "none"})
   lines = ["| kernel | dtype | head_dim | registers, no knob | " + " | ".join(
                f"registers, {n}" for n in knobs) + " | spills (B) | configurations |",
            "|---|---|---|---|" + "---|" * len(knobs) + "---|---|"]
-  order = {"bfloat16": 0, "float16": 1, "float32": 2}
   rows = sorted({k[:3] for k in worst if k[3] != "none"},
-                key=lambda k: (k[0] != "decode", order[k[1]], k[2]))
+                key=lambda k: (k[0] != "decode", _DTYPES[k[1]], k[2]))
   for kernel, dt, d in rows:
     cells = [worst.get((kernel, dt, d, n)) for n in ["none"] + knobs]
-    regs = [f"{c[0]}" + (f" ({', '.join(sorted(c[3]))})" if c[3] else "") if c else "-" for c in cells]
-    spill = max(c[1] for c in cells if c)
-    count = sum(c[2] for c in cells[1:] if c)
+    regs = [f"{c['registers']}" + (f" ({', '.join(c['not_compiled'])})" if c["not_compiled"] else "")
+            if c else "-" for c in cells]
+    spill = max(c["spills"] for c in cells if c)
+    count = sum(c["configurations"] for c in cells[1:] if c)
     lines.append(f"| {kernel} | {dt} | {d} | " + " | ".join(regs) + f" | {spill} | {count} |")
   return "\n".join(lines)
 
 
 def _kernel_figures(report: dict, kernels: tuple[str, ...]) -> dict[tuple, dict]:
   """(target, kernel, dtype, head_dim) -> the attention kernel's compile figures at block size 16,
-  GQA 4 (8 on sm_80), large size, from a gate report."""
-  by_name = {r.get("name"): r for r in report.get("kernels", []) if r.get("name")}
-  out = {}
-  for r in report.get("kernels", []):
-    s = r["spec"]
-    if s["kernel"] not in kernels or not _summary_config(s):
-      continue
-    src = by_name.get(r.get("same_as"), r) if r.get("status") == "same_kernel_as" else r
-    k = (src.get("kernels") or {}).get(_KERNEL_NAMES[s["kernel"]])
-    out[(s["target"], s["kernel"], s["dtype"], s["head_dim"])] = dict(
-        k or {}, status=src.get("status"), spills=sum((src.get("spills") or {}).values()))
-  return out
+  GQA 4 (8 on sm_80), large size, from a gate report or summary."""
+  return {(r["target"], r["kernel"], r["dtype"], r["head_dim"]):
+          {k: v for k, v in r.items() if k not in ("target", "kernel", "dtype", "head_dim")}
+          for r in summarize(report)["attention"] if r["kernel"] in kernels}
 
 
 def version_comparison(old: dict, new: dict, kernels=("decode", "prefill")) -> str:
-  """A table of the decode and prefill kernels compiled by two gate reports side by side (made
-  with two JAX releases): registers, spills, shared memory and the MMA family, ``old / new``."""
+  """A table of the decode and prefill kernels compiled by two gate reports (or summaries) side by
+  side (made with two JAX releases): registers, spills, shared memory and the MMA family,
+  ``old / new``."""
   a, b = _kernel_figures(old, kernels), _kernel_figures(new, kernels)
   va, vb = old.get("jax", "?"), new.get("jax", "?")
   lines = [f"| target | kernel | dtype | head_dim | registers (JAX {va} / {vb}) | spills (B) | "
            f"shared memory (B) | MMA |", "|---|---|---|---|---|---|---|---|"]
-  order = {"bfloat16": 0, "float16": 1, "float32": 2}
 
   def pair(key, field, fmt=str):
     x, y = a.get(key, {}).get(field), b.get(key, {}).get(field)
     return " / ".join("-" if v is None else fmt(v) for v in (x, y))
 
-  for key in sorted(set(a) | set(b), key=lambda k: (k[0] != "sm_90", kernels.index(k[1]), order[k[2]], k[3])):
+  for key in sorted(set(a) | set(b), key=lambda k: (k[0] != "sm_90", kernels.index(k[1]), _DTYPES[k[2]], k[3])):
     lines.append(f"| {' | '.join(map(str, key))} | {pair(key, 'registers')} | {pair(key, 'spills')} | "
                  f"{pair(key, 'shared_memory_bytes', lambda v: f'{v:,}')} | {pair(key, 'mma')} |")
   return "\n".join(lines)
 
 
-if __name__ == "__main__":
-  import json
-  import sys
-  if sys.argv[1:2] == ["--compare"]:  # gpu_report.py --compare OLD.json NEW.json [SUMMARY.json]
-    old, new = (json.load(open(p)) for p in sys.argv[2:4])
+# The tables docs/gpu-gate.md holds between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers.
+DOC_TABLES = {"gate_knobs": knob_summary, "gate_kernels": kernel_table, "gate_programs": program_table,
+              "gate_layer_matmul": matmul_summary}
+SUMMARY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "results", "gpu_compile_summary.json")
+
+
+def main(argv=None) -> int:
+  import argparse
+  ap = argparse.ArgumentParser(description="docs/gpu-gate.md's tables from the gate's summary (or a full report).")
+  ap.add_argument("report", nargs="?", default=SUMMARY, help=f"a summary or a full report (default {SUMMARY})")
+  ap.add_argument("--update-docs", action="store_true", help="rewrite the tables in docs/gpu-gate.md")
+  ap.add_argument("--summarize", metavar="OUT", help="write the summary of a full report to OUT")
+  ap.add_argument("--compare", nargs="+", metavar="JSON",
+                  help="OLD NEW [BY_JAX_OUT]: the attention kernels of two reports or summaries side by side; "
+                       "with BY_JAX_OUT, also write the figures both columns come from")
+  a = ap.parse_args(argv)
+  if a.compare:
+    old, new = (json.load(open(p)) for p in a.compare[:2])
     print(version_comparison(old, new))
-    if len(sys.argv) > 4:  # the figures both tables come from, small enough to keep
+    if len(a.compare) > 2:  # the figures both tables come from, small enough to keep
       kernels = ("decode", "prefill")
-      summary = {r["jax"]: {" ".join(map(str, k)): v for k, v in _kernel_figures(r, kernels).items()}
-                 for r in (old, new)}
-      with open(sys.argv[4], "w") as f:
+      by_jax = {r["jax"]: {" ".join(map(str, k)): v for k, v in _kernel_figures(r, kernels).items()}
+                for r in (old, new)}
+      with open(a.compare[2], "w") as f:
         json.dump({"what": "decode and prefill kernels at block size 16, GQA 4 (sm_80: GQA 8), large size, "
                            "per JAX release: target kernel dtype head_dim -> figures",
-                   "by_jax": summary}, f, indent=1, sort_keys=True)
-    sys.exit(0)
-  with open(sys.argv[1] if len(sys.argv) > 1 else "results/gpu_compile_report.json") as f:
-    rep = json.load(f)
-  print(markdown_summary(rep))
-  if any(r["spec"].get("kernel") == "layer_matmul" for r in rep.get("kernels", [])):
-    print()
-    print(matmul_summary(rep))
-  if any(r["spec"].get("purpose") == "knob_row" for r in rep.get("kernels", [])):
-    print()
-    print(knob_summary(rep))
+                   "by_jax": by_jax}, f, indent=1, sort_keys=True)
+    return 0
+  with open(a.report) as f:
+    summary = summarize(json.load(f))
+  if a.summarize:
+    dump_summary(summary, a.summarize)
+    print(f"wrote {a.summarize}")
+  tables = {name: fn(summary) for name, fn in DOC_TABLES.items()}
+  if a.update_docs:
+    from scripts import doc_tables
+    for name, markdown in tables.items():
+      doc_tables.replace_block(name, markdown, doc_tables.GPU_GATE)
+  elif not a.summarize:
+    print("\n\n".join(tables.values()))
+  return 0
+
+
+if __name__ == "__main__":
+  import sys
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  sys.exit(main())

@@ -6,7 +6,7 @@ CUDA backend (there is no driver), the CUDA plugin still provides a compile-only
 from a ``GpuTargetConfig`` text proto (``TARGETS`` below: compute capability, shared memory,
 registers, SMs, bandwidth), and ``jax.jit(f).lower(<ShapeDtypeStructs on that topology>)
 .compile()`` runs XLA:GPU's real pipeline: Triton IR -> LLVM -> PTX -> ``ptxas``. What is read
-back (``scripts/gpu_report.py``): ptxas's register and spill report from XLA's log
+back (``scripts/gate/gpu_report.py``): ptxas's register and spill report from XLA's log
 (``TF_CPP_VMODULE=subprocess_compilation=2``), the launches from the thunk sequence
 (``--xla_dump_to``), the MMA instructions from the PTX, ``compiled.memory_analysis()``.
 
@@ -37,8 +37,14 @@ What is compiled:
 Usage (inside the CUDA environment ``scripts/gpu_gate.sh`` builds; the test environment stays
 CPU-only)::
 
-    python scripts/gpu_compile.py [--workers 2] [--out results/gpu_compile_report.json]
-        [--only kernels|programs] [--quick] [--keep-dumps DIR]
+    python scripts/gate/gpu_compile.py [--workers 2] [--out results/gpu_compile_report.json]
+        [--summary PATH] [--only kernels|programs] [--quick] [--keep-dumps DIR]
+
+The full report (every configuration with every fusion's figures, megabytes) goes to ``--out``
+(git ignores ``results/gpu_compile_report.json``); its summary (``gpu_report.summarize``: per kernel
+group and per program, what docs/gpu-gate.md's tables show) beside it, ``gpu_compile_summary.json``.
+``results/gpu_compile_summary.json`` is committed, and ``python scripts/gate/gpu_report.py
+--update-docs`` rewrites docs/gpu-gate.md's tables from it.
 
 Exit status 0 when everything the input checks accept compiled without spills and every refusal
 the table promises happened; 1 otherwise (the failures are printed and in the report).
@@ -68,7 +74,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
@@ -77,8 +83,8 @@ from scripts import checkout_layout  # noqa: E402
 checkout_layout.install()
 
 from paged_kv.pallas_kernels.jax_compat import cuda_lowering, gate_compile_options  # noqa: E402
-from scripts import gpu_report  # noqa: E402
-from scripts.gpu_compile_plan import (  # noqa: E402
+from scripts.gate import gpu_report  # noqa: E402
+from scripts.gate.gpu_compile_plan import (  # noqa: E402
     H200_BANDWIDTH, KNOBS, MATMUL_LAYERS, PROGRAMS, SIZES, KV_HEADS, TARGETS, judge, kernel_groups, target_config,
     triton_key, xla_fusion_spills)
 
@@ -555,7 +561,11 @@ def depth_extrapolation(program_results: list[dict]) -> dict | None:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workers", type=int, default=2)
-  ap.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_compile_report.json"))
+  ap.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_compile_report.json"),
+                  help="the full report (megabytes; not committed)")
+  ap.add_argument("--summary", default=None,
+                  help="the small summary docs/gpu-gate.md's tables read (default: beside --out, "
+                       "gpu_compile_summary.json; results/gpu_compile_summary.json is the committed one)")
   ap.add_argument("--only", choices=("kernels", "programs"), default=None)
   ap.add_argument("--quick", action="store_true", help="large size only (a smoke run)")
   ap.add_argument("--keep-dumps", default=None, help="keep XLA dumps and logs under this folder")
@@ -638,7 +648,9 @@ def main(argv=None) -> int:
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   with open(a.out, "w") as f:
     json.dump(report, f, indent=1, default=str)
-  print(f"{report['counts']}; wall {report['wall_s']} s; report {a.out}")
+  summary = a.summary or gpu_report.summary_path(a.out)
+  gpu_report.dump_summary(gpu_report.summarize(report), summary)
+  print(f"{report['counts']}; wall {report['wall_s']} s; report {a.out}, summary {summary}")
   for x in xla_spills:
     print(f"note: spills in XLA's own fusions of {x['what']}: {x['spills']} (bytes; reported, not failed)")
   for w, y in failures:

@@ -1,4 +1,4 @@
-"""The GPU compile gate's plan and verdicts (``scripts/gpu_compile.py`` runs it): the target GPUs,
+"""The GPU compile gate's plan and verdicts (``scripts/gate/gpu_compile.py`` runs it): the target GPUs,
 the kernel configurations to compile, how identical kernels are recognised, and what fails.
 
 Plain Python (no JAX import at module level), so ``tests/test_gpu_report.py`` checks it on any

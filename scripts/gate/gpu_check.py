@@ -4,10 +4,10 @@ Llama 3.1 8B-shaped random bfloat16 model (``engine.generate`` and a ``ServingEn
 Part of ``scripts/gpu_check.sh`` (which also runs ``bench_kernels.py``); see there. Writes
 ``results/gpu_kernels_check.json`` and ``results/gpu_engine.json``.
 
-    python scripts/gpu_check.py env     [--out results/gpu_env.json]
-    python scripts/gpu_check.py kernels [--out results/gpu_kernels_check.json]
-    python scripts/gpu_check.py engine  [--out results/gpu_engine.json] [--layers 32]
-    python scripts/gpu_check.py layouts [--out results/gpu_layouts.json] [--layers 32]
+    python scripts/gate/gpu_check.py env     [--out results/gpu_env.json]
+    python scripts/gate/gpu_check.py kernels [--out results/gpu_kernels_check.json]
+    python scripts/gate/gpu_check.py engine  [--out results/gpu_engine.json] [--layers 32]
+    python scripts/gate/gpu_check.py layouts [--out results/gpu_layouts.json] [--layers 32]
 
 ``env``: the versions this machine's Python runs (JAX, jaxlib, the CUDA plugin, flax, ...) against
 the ranges pyproject.toml declares, and its devices. Installs nothing; exit status 1 when a package
@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from scripts import checkout_layout  # noqa: E402  (the lent GPU machine does not install the checkout)
 
