@@ -26,7 +26,7 @@ from flax import nnx
 from paged_kv.models.llama import in_vocab
 from paged_kv.models.paged import make_paged_batch, paged_forward
 from paged_kv.admission import admit
-from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.config import ManagerConfig
 from paged_kv.engine import requests as _requests
 from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
