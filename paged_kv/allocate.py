@@ -8,6 +8,8 @@ first come, first served (once a row does not fit, no later row of the call take
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -73,14 +75,15 @@ def append(
     """
     seq_ids, token_ids = check_inputs(config, seq_ids, token_ids)
 
-    def general(state):
-        return append_general(config, state, seq_ids, token_ids)
-
     def one_check(state):
-        state, res, slow = append_straight(config, state, seq_ids, token_ids)
-        return repair(slow, (state, res), general)
+        # The rare path reuses the decisions made on the input (the loop's state is the input).
+        d = _decide(config, state, seq_ids)
+        slow, masked = _unless_slow(config, state, d, token_ids, False)
+        return repair(slow, _write(config, state, masked, token_ids, straight=True),
+                      lambda state: _write(config, state, d, token_ids, straight=False))
 
-    return per_platform(config.target, state, cpu=general, default=one_check)
+    return per_platform(config.target, state, cpu=lambda s: append_general(config, s, seq_ids, token_ids),
+                        default=one_check)
 
 
 def check_inputs(config: ManagerConfig, seq_ids, token_ids):
@@ -97,7 +100,7 @@ def append_general(config: ManagerConfig, state: BlockManagerState, seq_ids: jax
                    token_ids: jax.Array | None) -> tuple[BlockManagerState, AppendResult]:
     """``append`` on checked inputs in the form with its skips and loops: the CPU form, and the
     GPU form's rare path."""
-    return _append(config, state, seq_ids, token_ids, straight=False)
+    return _write(config, state, _decide(config, state, seq_ids), token_ids, straight=False)
 
 
 def append_straight(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
@@ -107,12 +110,28 @@ def append_straight(config: ManagerConfig, state: BlockManagerState, seq_ids: ja
     rare path is needed (``_needs_loops``, read before anything is written) or the caller's
     ``slow`` does; then every write is masked off, the state comes back bit for bit, and the
     caller redoes the call with ``append_general`` (``scan.repair``)."""
-    return _append(config, state, seq_ids, token_ids, straight=True, slow=slow)
+    slow, masked = _unless_slow(config, state, _decide(config, state, seq_ids), token_ids, slow)
+    return *_write(config, state, masked, token_ids, straight=True), slow
 
 
-def _append(config, state, seq_ids, token_ids, *, straight, slow=False):
-    bs, m, n_blocks = config.block_size, config.max_blocks_per_seq, config.num_blocks
-    b = seq_ids.shape[0]
+class _Decision(NamedTuple):
+    """What ``append`` decides from the state before any write: ``status`` (int32 ``[B]``), the
+    clipped row ids ``sid``, the rows that take effect (``ok``), take a block (``takes``) or copy
+    their last block (``copies``) (bool ``[B]`` each), and each row's table column, offset in
+    its block and last block (int32 ``[B]`` each)."""
+
+    status: jax.Array
+    sid: jax.Array
+    ok: jax.Array
+    takes: jax.Array
+    copies: jax.Array
+    col: jax.Array
+    offset: jax.Array
+    last_block: jax.Array
+
+
+def _decide(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array) -> _Decision:
+    bs, m = config.block_size, config.max_blocks_per_seq
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
     ok = status == Status.OK
 
@@ -150,15 +169,27 @@ def _append(config, state, seq_ids, token_ids, *, straight, slow=False):
     ok = status == Status.OK
     takes = ok & (need > 0)
     copies = copies & ok
+    return _Decision(status, sid, ok, takes, copies, col, offset, last_block)
 
+
+def _unless_slow(config, state, d: _Decision, token_ids, slow):
+    """``(slow, d masked)``: ``slow`` or'ed with ``_needs_loops``, and ``d`` with every row off
+    where it holds, so that ``_write(straight=True)`` then writes nothing."""
+    slow = slow | _needs_loops(config, state, d, token_ids)
+    keep = ~slow
+    return slow, d._replace(ok=d.ok & keep, takes=d.takes & keep, copies=d.copies & keep)
+
+
+def _write(config, state, d: _Decision, token_ids, *, straight):
+    """``append``'s writes for decisions ``d``. ``straight``: the GPU's common path, valid when
+    ``_needs_loops`` is False: the first window of the free queue, no skipped evictions, a
+    registration without rebuild check or probe loop. Every write is a scatter at indices masked
+    by ``ok``, ``takes`` or ``copies``, so with all three False (``take_front`` then takes
+    nothing) the state comes back as it was."""
+    bs, n_blocks = config.block_size, config.num_blocks
+    status, sid, ok, takes, copies, col, offset, last_block = d
+    b = sid.shape[0]
     if straight:
-        # The GPU's common path, valid when ``_needs_loops`` is False: the first window of the
-        # free queue, no skipped evictions, a registration without rebuild check or probe loop.
-        # Every write below is a scatter at indices masked by ``ok``, ``takes`` or ``copies``, so
-        # with all three False (``take_front`` then takes nothing) the state comes back as it was.
-        slow = slow | _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids)
-        keep = ~slow
-        ok, takes, copies = ok & keep, takes & keep, copies & keep
         queue, taken, _ = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b, straight=True)
     else:
         queue, taken = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b)
@@ -185,15 +216,16 @@ def _append(config, state, seq_ids, token_ids, *, straight, slow=False):
         copy_dst=jnp.where(copies, fresh, NULL_BLOCK),
         num_copies=jnp.sum(copies, dtype=jnp.int32),
     )
-    return (state, result, slow) if straight else (state, result)
+    return state, result
 
 
-def _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids):
+def _needs_loops(config, state, d: _Decision, token_ids):
     """bool scalar: whether this ``append`` needs any of its rare paths: stale entries among the
     first ``count`` of the free queue (``take_front``'s loop), a rebuild of the hash table, or an
     insertion probing past its window. Reads only (O(B) gathers and an O(B^2) comparison), so on
     a GPU one ``cond`` on it picks the form with those paths or the straight-line one: one host
     sync per call instead of one per skip or loop."""
+    sid, ok, takes, offset, last_block = d.sid, d.ok, d.takes, d.offset, d.last_block
     b = sid.shape[0]
     _, _, slow = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b, straight=True)
     if config.prefix_caching:
