@@ -268,7 +268,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
                               count=jnp.sum(n_pulls))
     count = jnp.sum(n_fresh)
     queue, taken = free_queue.take_front(queue, count, e)
-    cache = prefix_cache.evict(cache, taken, jnp.arange(e) < count)
+    cache = prefix_cache.evict(cache, taken, jnp.arange(e) < count, target=config.target)
     start = prefix_sum(n_fresh) - n_fresh
     fresh_id = jnp.where(fresh, taken[jnp.clip(start[:, None] + j - n_hit[:, None], 0, e - 1)], NULL_BLOCK)
     block = jnp.where(cached_hit, cand, jnp.where(shared, fresh_id.reshape(e)[rep], fresh_id))

@@ -8,17 +8,16 @@ first come, first served (once a row does not fit, no later row of the call take
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, inputs, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served
 from paged_kv.config import NULL_BLOCK, ManagerConfig
-from paged_kv.scan import per_platform, prefix_sum, straight_or_repair
+from paged_kv.scan import per_platform, prefix_sum, repair
 from paged_kv.state import NO_PARENT, BlockManagerState
 from paged_kv.status import Status
 
@@ -74,39 +73,65 @@ def append(
     Returns:
       The new state and an ``AppendResult``.
     """
+    seq_ids, token_ids = check_inputs(config, seq_ids, token_ids)
+
+    def one_check(state):
+        # The rare path reuses the decisions made on the input (the loop's state is the input).
+        d = _decide(config, state, seq_ids)
+        slow, masked = _unless_slow(config, state, d, token_ids, False)
+        return repair(slow, _write(config, state, masked, token_ids, straight=True),
+                      lambda state: _write(config, state, d, token_ids, straight=False))
+
+    return per_platform(config.target, state, cpu=lambda s: append_general(config, s, seq_ids, token_ids),
+                        default=one_check)
+
+
+def check_inputs(config: ManagerConfig, seq_ids, token_ids):
+    """``append``'s arguments checked and converted: int32 ``[B]`` ids and tokens (or None)."""
     seq_ids, b = inputs.batch_ids("append", "seq_ids", seq_ids)
     if token_ids is not None:
         token_ids = inputs.int_array("append", "token_ids", token_ids, ndim=1, batch=b)
     if config.prefix_caching and token_ids is None:
         raise ValueError("append: token_ids (int32 [B]) are required with prefix_caching=True")
-
-    def cpu(state):
-        return plan(config, state, seq_ids, token_ids).run(state)
-
-    def one_check(state):
-        p = plan(config, state, seq_ids, token_ids)
-        return straight_or_repair(p.slow(), state, p.run_straight, p.run)
-
-    return per_platform(state, cpu=cpu, default=one_check)
+    return seq_ids, token_ids
 
 
-class AppendPlan(NamedTuple):
-    """What ``append`` decided from the state it was planned on: ``run(state)`` applies it in
-    the CPU form (skips and loops where needed), ``run_straight(state, keep)`` in the GPU's
-    straight-line form (valid only when ``slow()`` is False; with ``keep`` False it writes
-    nothing), ``slow()`` (bool scalar) says whether a rare path is needed. Each returns
-    ``(state, AppendResult)``. Only for the state the plan was made on."""
-
-    run: Callable
-    run_straight: Callable
-    slow: Callable
+def append_general(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
+                   token_ids: jax.Array | None) -> tuple[BlockManagerState, AppendResult]:
+    """``append`` on checked inputs in the form with its skips and loops: the CPU form, and the
+    GPU form's rare path."""
+    return _write(config, state, _decide(config, state, seq_ids), token_ids, straight=False)
 
 
-def plan(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
-         token_ids: jax.Array | None) -> AppendPlan:
-    """``append``'s checks and decisions (inputs already validated), without any write."""
-    bs, m, n_blocks = config.block_size, config.max_blocks_per_seq, config.num_blocks
-    b = seq_ids.shape[0]
+def append_straight(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
+                    token_ids: jax.Array | None, slow: jax.Array | bool = False):
+    """``append`` on checked inputs in straight-line code (no ``cond`` or loop): the GPU form's
+    common path. Returns ``(state, AppendResult, slow)``: ``slow`` (bool scalar) holds when a
+    rare path is needed (``_needs_loops``, read before anything is written) or the caller's
+    ``slow`` does; then every write is masked off, the state comes back bit for bit, and the
+    caller redoes the call with ``append_general`` (``scan.repair``)."""
+    slow, masked = _unless_slow(config, state, _decide(config, state, seq_ids), token_ids, slow)
+    return *_write(config, state, masked, token_ids, straight=True), slow
+
+
+class _Decision(NamedTuple):
+    """What ``append`` decides from the state before any write: ``status`` (int32 ``[B]``), the
+    clipped row ids ``sid``, the rows that take effect (``ok``), take a block (``takes``) or copy
+    their last block (``copies``) (bool ``[B]`` each), and each row's table column, offset in
+    its block and last block (int32 ``[B]`` each)."""
+
+    status: jax.Array
+    sid: jax.Array
+    ok: jax.Array
+    takes: jax.Array
+    copies: jax.Array
+    col: jax.Array
+    offset: jax.Array
+    last_block: jax.Array
+
+
+def _decide(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array) -> _Decision:
+    bs, m = config.block_size, config.max_blocks_per_seq
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
     ok = status == Status.OK
 
@@ -144,61 +169,65 @@ def plan(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
     ok = status == Status.OK
     takes = ok & (need > 0)
     copies = copies & ok
+    return _Decision(status, sid, ok, takes, copies, col, offset, last_block)
 
-    def finish(straight, state, ok, takes, copies):
-        # ``straight``: the GPU's common path, valid when ``_needs_loops`` is False: the first
-        # window of the free queue, no skipped evictions, a registration without rebuild check or
-        # probe loop. Same result as the other form then. Every write below is a scatter at
-        # indices masked by ``ok``, ``takes`` or ``copies``, so with all three False (and
-        # ``takes`` False, ``take_front`` takes nothing) the state comes back as it was.
-        if straight:
-            queue, taken, _ = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b, loop=False)
-        else:
-            queue, taken = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b)
-        fresh = jnp.where(takes, taken[prefix_sum(takes) - 1], NULL_BLOCK)
-        block = jnp.where(takes, fresh, last_block)
-        slots = jnp.where(ok, block * bs + offset, NULL_BLOCK * bs)
 
-        ref_count = state.ref_count.at[jnp.where(copies, last_block, n_blocks)].add(-1, mode="drop")
-        ref_count = ref_count.at[jnp.where(takes, fresh, n_blocks)].set(1, mode="drop")
-        if config.prefix_caching:
-            state = _cache_appended(config, state, sid, ok, takes, copies, fresh, last_block, block,
-                                    col, offset, taken, token_ids, straight)
-        row = jnp.where(takes, sid, config.max_seqs)
-        state = state.replace(
-            queue=queue,
-            ref_count=ref_count,
-            block_tables=state.block_tables.at[row, col].set(fresh, mode="drop"),
-            num_tokens=state.num_tokens.at[jnp.where(ok, sid, config.max_seqs)].add(1, mode="drop"),
-        )
-        result = AppendResult(
-            status=status,
-            slots=slots,
-            copy_src=jnp.where(copies, last_block, NULL_BLOCK),
-            copy_dst=jnp.where(copies, fresh, NULL_BLOCK),
-            num_copies=jnp.sum(copies, dtype=jnp.int32),
-        )
-        return state, result
+def _unless_slow(config, state, d: _Decision, token_ids, slow):
+    """``(slow, d masked)``: ``slow`` or'ed with ``_needs_loops``, and ``d`` with every row off
+    where it holds, so that ``_write(straight=True)`` then writes nothing."""
+    slow = slow | _needs_loops(config, state, d, token_ids)
+    keep = ~slow
+    return slow, d._replace(ok=d.ok & keep, takes=d.takes & keep, copies=d.copies & keep)
 
-    def masked(keep):
-        # ``keep`` True (Python) is the unmasked form; the CPU form never masks.
-        return (ok, takes, copies) if keep is True else (ok & keep, takes & keep, copies & keep)
 
-    return AppendPlan(
-        run=lambda state: finish(False, state, *masked(True)),
-        run_straight=lambda state, keep: finish(True, state, *masked(keep)),
-        slow=lambda: _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids),
+def _write(config, state, d: _Decision, token_ids, *, straight):
+    """``append``'s writes for decisions ``d``. ``straight``: the GPU's common path, valid when
+    ``_needs_loops`` is False: the first window of the free queue, no skipped evictions, a
+    registration without rebuild check or probe loop. Every write is a scatter at indices masked
+    by ``ok``, ``takes`` or ``copies``, so with all three False (``take_front`` then takes
+    nothing) the state comes back as it was."""
+    bs, n_blocks = config.block_size, config.num_blocks
+    status, sid, ok, takes, copies, col, offset, last_block = d
+    b = sid.shape[0]
+    if straight:
+        queue, taken, _ = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b, straight=True)
+    else:
+        queue, taken = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b)
+    fresh = jnp.where(takes, taken[prefix_sum(takes) - 1], NULL_BLOCK)
+    block = jnp.where(takes, fresh, last_block)
+    slots = jnp.where(ok, block * bs + offset, NULL_BLOCK * bs)
+
+    ref_count = state.ref_count.at[jnp.where(copies, last_block, n_blocks)].add(-1, mode="drop")
+    ref_count = ref_count.at[jnp.where(takes, fresh, n_blocks)].set(1, mode="drop")
+    if config.prefix_caching:
+        state = _cache_appended(config, state, sid, ok, takes, copies, fresh, last_block, block,
+                                col, offset, taken, token_ids, straight)
+    row = jnp.where(takes, sid, config.max_seqs)
+    state = state.replace(
+        queue=queue,
+        ref_count=ref_count,
+        block_tables=state.block_tables.at[row, col].set(fresh, mode="drop"),
+        num_tokens=state.num_tokens.at[jnp.where(ok, sid, config.max_seqs)].add(1, mode="drop"),
     )
+    result = AppendResult(
+        status=status,
+        slots=slots,
+        copy_src=jnp.where(copies, last_block, NULL_BLOCK),
+        copy_dst=jnp.where(copies, fresh, NULL_BLOCK),
+        num_copies=jnp.sum(copies, dtype=jnp.int32),
+    )
+    return state, result
 
 
-def _needs_loops(config, state, sid, ok, takes, offset, last_block, token_ids):
+def _needs_loops(config, state, d: _Decision, token_ids):
     """bool scalar: whether this ``append`` needs any of its rare paths: stale entries among the
     first ``count`` of the free queue (``take_front``'s loop), a rebuild of the hash table, or an
     insertion probing past its window. Reads only (O(B) gathers and an O(B^2) comparison), so on
     a GPU one ``cond`` on it picks the form with those paths or the straight-line one: one host
     sync per call instead of one per skip or loop."""
+    sid, ok, takes, offset, last_block = d.sid, d.ok, d.takes, d.offset, d.last_block
     b = sid.shape[0]
-    _, _, slow = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b, loop=False)
+    _, _, slow = free_queue.take_front(state.queue, jnp.sum(takes, dtype=jnp.int32), b, straight=True)
     if config.prefix_caching:
         bs = config.block_size
         fills = ok & (offset == bs - 1)
@@ -219,7 +248,9 @@ def _cache_appended(config, state, sid, ok, takes, copies, fresh, last_block, bl
     them too), and cache blocks that this token fills."""
     n, bs = config.num_blocks, config.block_size
     b = sid.shape[0]
-    cache = prefix_cache.evict(state.cache, taken, jnp.arange(b) < jnp.sum(takes), skip=not straight)
+    # The straight-line form runs only in the GPU form: there ``evict`` runs masked, no skip.
+    cache = prefix_cache.evict(state.cache, taken, jnp.arange(b) < jnp.sum(takes),
+                               target="gpu" if straight else config.target)
     tokens = cache.tokens.at[jnp.where(copies, fresh, n)].set(cache.tokens[last_block], mode="drop")
     tokens = tokens.at[jnp.where(ok, block, n), offset].set(token_ids.astype(jnp.int32), mode="drop")
     fills = ok & (offset == bs - 1)

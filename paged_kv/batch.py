@@ -111,7 +111,7 @@ def width_buckets(max_blocks_per_seq: int) -> list[int]:
     return widths + [max_blocks_per_seq]
 
 
-def by_width(needed: jax.Array, max_blocks_per_seq: int, fn, *operands):
+def by_width(config: ManagerConfig, needed: jax.Array, fn, *operands):
     """Calls ``fn(width, *operands)`` with the smallest bucket ``width >= needed`` on a CPU, with
     the full width elsewhere (chosen when the program is lowered, per platform).
 
@@ -126,7 +126,8 @@ def by_width(needed: jax.Array, max_blocks_per_seq: int, fn, *operands):
     Args:
       needed: int32 scalar, the most table columns any row of the batch uses.
     """
-    widths = width_buckets(max_blocks_per_seq)
+    m = config.max_blocks_per_seq
+    widths = width_buckets(m)
     if len(widths) == 1:
         return fn(widths[0], *operands)
 
@@ -134,4 +135,4 @@ def by_width(needed: jax.Array, max_blocks_per_seq: int, fn, *operands):
         index = jnp.sum(needed > jnp.asarray(widths[:-1], jnp.int32))
         return lax.switch(index, [functools.partial(fn, w) for w in widths], *ops)
 
-    return per_platform(*operands, cpu=bucketed, default=functools.partial(fn, max_blocks_per_seq))
+    return per_platform(config.target, *operands, cpu=bucketed, default=functools.partial(fn, m))

@@ -17,6 +17,10 @@ NULL_BLOCK = 0
 block-table entries hold it."""
 
 
+TARGETS = ("auto", "cpu", "gpu")
+"""Values of ``ManagerConfig.target``."""
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
@@ -42,6 +46,10 @@ class ManagerConfig:
         last block) can never be a hit, so it joins the *front* of the free queue and is reused
         before any cached block (vLLM 0.33 does the same). False puts every freed block at
         the back, for comparing eviction policies.
+      target: which form of each operation is traced (``scan.per_platform``): ``"cpu"`` (skips
+        and loops that run only when needed), ``"gpu"`` (straight-line code behind one predicate
+        per call), or ``"auto"`` (both, the lowering keeps the one for its platform: a CPU's form
+        on a CPU, the GPU form elsewhere). Every form gives the same results bit for bit.
     """
 
     num_blocks: int
@@ -50,6 +58,7 @@ class ManagerConfig:
     max_blocks_per_seq: int = 128
     prefix_caching: bool = True
     uncached_to_front: bool = True
+    target: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 2)
@@ -59,6 +68,8 @@ class ManagerConfig:
         for name in ("prefix_caching", "uncached_to_front"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks * self.block_size > _INT32_MAX:

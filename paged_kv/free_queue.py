@@ -21,7 +21,7 @@ def _live(q: FreeQueue, positions: jax.Array, in_use: jax.Array) -> tuple[jax.Ar
     return ids, in_use & (q.slot[ids] == positions)
 
 
-def take_front(q: FreeQueue, count: jax.Array, max_take: int, *, loop: bool = True):
+def take_front(q: FreeQueue, count: jax.Array, max_take: int, *, straight: bool = False):
     """Removes the ``count`` front (least recently freed) blocks.
 
     Args:
@@ -30,7 +30,7 @@ def take_front(q: FreeQueue, count: jax.Array, max_take: int, *, loop: bool = Tr
         and ``count <= max_take``.
       max_take: static bound on ``count``; the window scanned per iteration.
 
-      loop: static; False scans the first window only and also returns a bool scalar, True
+      straight: static; True scans the first window only and also returns a bool scalar, True
         when that was not enough (stale entries among the first ``count``): then the queue and
         blocks returned are incomplete and the caller must take the looping form instead (the
         straight-line form of ``allocate.append`` on a GPU).
@@ -70,7 +70,7 @@ def take_front(q: FreeQueue, count: jax.Array, max_take: int, *, loop: bool = Tr
     # middle) sit among the first ``count``; only then does the loop run at all.
     carry = scan_window((q, jnp.int32(0), out0))
     more = lambda c: (c[1] < count) & (c[0].size > 0)  # noqa: E731
-    if not loop:
+    if straight:
         return carry[0], carry[2], more(carry)
     q, _, out = while_needed(more, scan_window, carry)
     return q, out
@@ -136,11 +136,13 @@ def push_unchecked(q: FreeQueue, ids: jax.Array, back: jax.Array, front: jax.Arr
     return _push_front(q, ids, front, jnp.sum(front, dtype=jnp.int32))
 
 
-def push_back_then_front(q: FreeQueue, ids: jax.Array, back: jax.Array, front: jax.Array) -> FreeQueue:
+def push_back_then_front(q: FreeQueue, ids: jax.Array, back: jax.Array, front: jax.Array, *,
+                         target: str = "auto") -> FreeQueue:
     """``push_front(push_back(q, ids, back), ids, front)``, with one room check instead of two
     on a GPU: either push compacts iff ``size + both counts > capacity`` (the first iff
     ``size + count_back`` is; if it does not, the second sees ``size + count_back``), so one
-    ``cond`` picks the checked pair or the two pushes with no check. Same result everywhere."""
+    ``cond`` picks the checked pair or the two pushes with no check. Same result everywhere.
+    ``target``: ``ManagerConfig.target``."""
 
     def checked(q):
         return push_front(push_back(q, ids, back), ids, front)
@@ -150,7 +152,7 @@ def push_back_then_front(q: FreeQueue, ids: jax.Array, back: jax.Array, front: j
         unchecked = lambda q: _push_front(_push_back(q, ids, back, cb), ids, front, cf)  # noqa: E731
         return lax.cond(q.size + cb + cf > q.ring.shape[0], checked, unchecked, q)
 
-    return per_platform(q, cpu=checked, default=one_check)
+    return per_platform(target, q, cpu=checked, default=one_check)
 
 
 def _write(q: FreeQueue, ids: jax.Array, mask: jax.Array, positions: jax.Array) -> FreeQueue:

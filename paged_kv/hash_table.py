@@ -84,12 +84,12 @@ PROBE_WINDOW = 8
 """Slots every lookup or insertion examines at once before any loop. At the table's load (at
 most 1/2, usually far less) nearly every probe sequence ends inside the first window, so the
 ``while_loop`` that continues linear probing usually runs zero iterations: on XLA:CPU each loop
-iteration costs several small kernels, which made the loops most of a one-request admission."""
+iteration costs several small kernels, enough for the loops to dominate a one-request admission."""
 
 WIDE_BATCH = 1024
 """From this many keys on, the window is a single slot (plain probing by the loop): for thousands
-of keys, gathering 8 slots each cost more than the loop iterations it saves (a 256-request
-admission, 9,216 keys: 17.1 µs per request with 1 slot, 18.6 with 2, 19.5 with 4 or 8)."""
+of keys, gathering 8 slots each costs more than the loop iterations it saves (a 256-request
+admission hashes 9,216 keys)."""
 
 
 def _window_size(num_keys: int) -> int:
@@ -111,7 +111,7 @@ def _window(
     w = _window_size(keys.shape[0])
     offsets = jnp.arange(w, dtype=jnp.int32)
     pos = (home[:, None] + offsets[None, :]) & (size - 1)
-    # Gathers of flat index vectors: XLA:CPU turned the 2-D-indexed form into a slow fusion.
+    # Gathers of flat index vectors: XLA:CPU turns the 2-D-indexed form into a slow fusion.
     stored, vals = _split(table.entries[pos.reshape(-1)].reshape(*pos.shape, 3))
     has_key = (vals >= 0) & _same(stored, keys[:, None, :])
     stop = (has_key | (vals == EMPTY)) if stop_at_key else (vals == EMPTY)
@@ -182,7 +182,7 @@ def _claim_window(table: HashTable, home: jax.Array, keys: jax.Array) -> tuple[j
 
 def claim(
     table: HashTable, keys: jax.Array, vals: jax.Array, mask: jax.Array, *, order: jax.Array | None = None,
-    find_twins: bool = True, probe: bool = True,
+    find_twins: bool = True, straight: bool = False,
 ) -> tuple[HashTable, jax.Array, jax.Array, jax.Array]:
     """Inserts every masked entry, whether or not its key is present.
 
@@ -192,7 +192,7 @@ def claim(
 
     Args:
       keys: uint32 ``[K, 2]``; vals: int32 ``[K]`` (block ids); mask: bool ``[K]``.
-      probe: static; False leaves out the loop that probes past the window and the contention
+      straight: static; True leaves out the loop that probes past the window and the contention
         between entries, for a caller that knows (``claims_past_window``) that no entry needs
         them: then every masked entry takes the first EMPTY slot of its window.
 
@@ -206,8 +206,8 @@ def claim(
         masked).
       Both found on the way, with no second probe: the walk to the first EMPTY slot passes the
       key's older entries, and equal keys walk their probe sequence in lockstep, so an entry and
-      its first twin contend for the slot the twin wins. (A lookup after the insertion made XLA
-      copy the whole table on every call.)
+      its first twin contend for the slot the twin wins. (A lookup after the insertion would make
+      XLA copy the whole table on every call.)
     """
     size = table.entries.shape[0]
     home = _home(keys, size)
@@ -238,13 +238,13 @@ def claim(
     empty = mask & settled
     pos = (home + jnp.minimum(first, w - 1)) & (size - 1)
     none = jnp.full(mask.shape, -1, jnp.int32)
-    if probe:
+    if not straight:
         table, pending, slots, twin = attempt(table, pos, mask, empty, none, none)
     else:
         # No entry contends for its slot nor lacks one in the window (the caller's promise, see
         # ``claims_past_window``; or every entry masked off), so each wins the slot it aims at:
         # one scatter of whole rows. ``attempt``'s marker scatter and the read of it that follows
-        # made XLA:GPU copy the whole table on every call (the read fused into the next scatter).
+        # make XLA:GPU copy the whole table on every call (the read fuses into the next scatter).
         table = table.replace(entries=table.entries.at[jnp.where(empty, pos, size)].set(_rows(keys, vals), mode="drop"))
         slots, twin = jnp.where(empty, pos, -1), none
 
@@ -262,7 +262,7 @@ def claim(
     # The rest (a lost claim, or no EMPTY slot inside the window) walk again from home, one slot
     # per iteration, in lockstep (so equal keys keep their order); rare, so the loop usually runs
     # zero iterations.
-    if probe:
+    if not straight:
         init = (jnp.int32(0), pending, slots, twin, older, table)
         _, _, slots, twin, older, table = while_needed(lambda c: any_true(c[1]) & (c[0] < size), body, init)
     inserted = jnp.sum(slots >= 0, dtype=jnp.int32)
@@ -314,37 +314,6 @@ def rebuild(
     table, slots, _, _ = claim(empty_table(size), all_keys, jnp.arange(n, dtype=jnp.int32), cached, order=rank,
                                find_twins=False)
     return table, slots
-
-
-def insert(
-    table: HashTable,
-    keys: jax.Array,
-    vals: jax.Array,
-    mask: jax.Array,
-    all_keys: jax.Array,
-    all_slots: jax.Array,
-) -> tuple[HashTable, jax.Array, jax.Array]:
-    """Inserts ``keys[mask] -> vals[mask]``, rebuilding the table first when it is crowded
-    (``needs_rebuild``).
-
-    Args:
-      keys: uint32 ``[K, 2]``; vals: int32 ``[K]`` (block ids); mask: bool ``[K]``.
-      all_keys: uint32 ``[N, 2]`` the key of every block; all_slots: int32 ``[N]`` each block's
-        slot or -1: what a rebuild re-inserts.
-
-    Returns:
-      The table, ``all_slots`` (changed only by a rebuild) and int32 ``[K]`` slots of the new
-      entries (-1 where not masked).
-    """
-    size = table.entries.shape[0]
-    table, all_slots = lax.cond(
-        needs_rebuild(table, jnp.sum(mask, dtype=jnp.int32)),
-        lambda args: rebuild(size, all_keys, args[1] >= 0, args[1]),
-        lambda args: args,
-        (table, all_slots),
-    )
-    table, slots, _, _ = claim(table, keys, vals, mask)
-    return table, all_slots, slots
 
 
 _UNCLAIMED = jnp.iinfo(jnp.int32).max

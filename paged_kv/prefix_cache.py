@@ -44,12 +44,12 @@ def uncache(
     return cache, jnp.sum(drop, dtype=jnp.int32)
 
 
-def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array, *, skip: bool = True) -> PrefixCache:
+def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array, *, target: str = "auto") -> PrefixCache:
     """Blocks just taken from the free queue are about to get new contents: each one's
     generation moves on (so a cached child that named it as parent no longer links to it, even if
-    it was never cached itself), and cached ones lose their hashes. ``skip`` (static): leave out
-    the hash-dropping scatters, behind a ``cond``, when no taken block is cached; False runs them
-    masked (the same result; no ``cond``), which is what a GPU runs either way."""
+    it was never cached itself), and cached ones lose their hashes. ``target``
+    (``ManagerConfig.target``): the CPU form leaves out the hash-dropping scatters, behind a
+    ``cond``, when no taken block is cached; the GPU form runs them masked (the same result)."""
     n = cache.meta.shape[0]
     cache = cache.replace(
         meta=cache.meta.at[jnp.where(mask, taken, n), GENERATION].add(1, mode="drop")
@@ -59,9 +59,6 @@ def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array, *, skip: bool =
         cache, dropped = uncache(cache, taken, mask, bump=False)
         return cache.replace(stats=add_stats(cache.stats, evictions=dropped))
 
-    if not skip:
-        return drop(cache)
-
     def skipping(cache):
         # Skipped (one gather) when no taken block is cached, the usual case while the pool has
         # room.
@@ -69,7 +66,7 @@ def evict(cache: PrefixCache, taken: jax.Array, mask: jax.Array, *, skip: bool =
 
     # On a GPU the skip's predicate would be a host sync (``admit``'s, per call), the masked
     # scatters over the taken blocks cost less.
-    return per_platform(cache, cpu=skipping, default=drop)
+    return per_platform(target, cache, cpu=skipping, default=drop)
 
 
 def class_of(cache: PrefixCache, blocks: jax.Array, rows: jax.Array | None = None) -> jax.Array:
@@ -153,7 +150,7 @@ def _register(cache, blocks, chains, salts, parent_class, mask, count, may_join,
     n = cache.meta.shape[0]
     keys = block_hash.key_of(chains)
     if not straight:
-        # The rebuild lives here rather than in ``hash_table.insert`` so that the common branch
+        # The rebuild lives here, inside ``register``'s ``cond``, so that the common branch
         # passes ``meta`` through untouched (a column written back would cost O(pool) per call).
         crowded = hash_table.needs_rebuild(cache.table, count)
         cache = lax.cond(crowded, _rebuild_table, lambda cache: cache, cache)
@@ -162,7 +159,7 @@ def _register(cache, blocks, chains, salts, parent_class, mask, count, may_join,
     # before this call and its first twin (an earlier entry of this call with the same key).
     jb = blocks[may_join]
     table, slots, twin, older = hash_table.claim(cache.table, keys, blocks, mask, find_twins=find_twins,
-                                                 probe=not straight)
+                                                 straight=straight)
     older = older[may_join]
     k = blocks.shape[0]
     facts = meta[jnp.concatenate([blocks, jnp.maximum(older, 0)])]  # one gather from meta

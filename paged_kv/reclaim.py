@@ -23,7 +23,9 @@ def release(
     blocks: jax.Array,
     valid: jax.Array,
     cache_slot: jax.Array | None = None,
-    room_known: bool = False,
+    *,
+    target: str = "auto",
+    straight: bool = False,
 ) -> tuple[jax.Array, FreeQueue]:
     """Drops one reference per valid entry; blocks reaching zero join the free queue.
 
@@ -40,8 +42,10 @@ def release(
       valid: bool ``[E]``.
       cache_slot: int32 ``[num_blocks]`` hash-table slot per block (-1: not cached), or None
         when prefix caching is off (everything goes to the back).
-      room_known: static; the caller knows the ring has room for every block released (no
-        compaction can be due), so the pushes skip their room check (``free_then_select``).
+      target: ``ManagerConfig.target``.
+      straight: static; the caller knows the ring has room for every block released (no
+        compaction can be due), so the pushes skip their room check (the GPU form of
+        ``fused.free_then_select``).
     """
     n = ref_count.shape[0]
     e = blocks.shape[0]
@@ -55,13 +59,13 @@ def release(
     last = zero & (marked[blocks] == stamp)
     rc = marked.at[zero_idx].set(0, mode="drop")
     if cache_slot is None:
-        if room_known:
+        if straight:
             return rc, free_queue.push_unchecked(queue, blocks, last, None)
         return rc, free_queue.push_back(queue, blocks, last)
     cached = cache_slot[blocks] >= 0
-    if room_known:
+    if straight:
         return rc, free_queue.push_unchecked(queue, blocks, last & cached, last & ~cached)
-    return rc, free_queue.push_back_then_front(queue, blocks, last & cached, last & ~cached)
+    return rc, free_queue.push_back_then_front(queue, blocks, last & cached, last & ~cached, target=target)
 
 
 def cache_slots(config: ManagerConfig, state: BlockManagerState) -> jax.Array | None:
@@ -70,14 +74,13 @@ def cache_slots(config: ManagerConfig, state: BlockManagerState) -> jax.Array | 
 
 
 def free(
-    config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, *, room_known: bool = False
+    config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, *, straight: bool = False
 ) -> tuple[BlockManagerState, jax.Array]:
     """Ends sequences: releases their blocks tail first and clears their rows.
 
     Args:
       seq_ids: int32 ``[B]`` sequences to free (< 0: padding).
-
-      room_known: static, see ``release`` (for ``share.free_then_select``).
+      straight: static, see ``release``.
 
     Returns:
       The new state and status int32 ``[B]`` (BAD_SEQUENCE for a row that is not running).
@@ -91,11 +94,9 @@ def free(
 
     def drop(width, ref_count, queue):
         blocks, valid = tail_first(rows[:, :width], held, ok)
-        return release(ref_count, queue, blocks, valid, slots, room_known)
+        return release(ref_count, queue, blocks, valid, slots, target=config.target, straight=straight)
 
-    ref_count, queue = by_width(
-        jnp.max(held), config.max_blocks_per_seq, drop, state.ref_count, state.queue
-    )
+    ref_count, queue = by_width(config, jnp.max(held), drop, state.ref_count, state.queue)
     s = config.max_seqs
     target = jnp.where(ok, sid, s)
     state = state.replace(

@@ -11,8 +11,6 @@ every other kernel that reads or writes a pool-sized array (see ``scripts/bench_
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -60,85 +58,49 @@ def while_needed(cond_fun, body_fun, init):
     return lax.cond(cond_fun(init), lambda c: lax.while_loop(cond_fun, body_fun, c), lambda c: c, init)
 
 
-def straight_or_repair(slow, state, straight, general):
-    """For a GPU: ``general(state)`` if ``slow`` (bool scalar) else ``straight(state, True)``,
-    with the straight-line form run unconditionally and the rare one in a loop of at most one
-    trip: on the common path one host sync (the loop's condition), as a ``cond`` would cost.
+def repair(slow, out, general):
+    """For a GPU: ``out`` (``(state, outputs)``, what the straight-line form of an operation
+    returned) unless ``slow`` (bool scalar), else ``general(state)``, the operation redone in a
+    loop of at most one trip: on the common path one host sync (the loop's condition), as a
+    ``cond`` would cost.
+
+    The straight-line form must have run with every write masked off when ``slow`` holds (the
+    index arrays are batch-sized, so the mask costs nothing): its ``state`` is then the input bit
+    for bit, and ``general`` (``state -> (state, outputs)``, the same structure) starts from it.
 
     Why not ``lax.cond(slow, general, straight)``: a ``cond`` whose branches update pool-sized
     arrays in place made XLA:GPU copy them on every call (``append``: the token array, the
-    hash-table entries and the queue's ``[num_blocks]`` slots, ~2.5 MiB per call at 16k blocks,
-    ~16 MiB at 100k), and so did a ``cond`` with a pass-through branch (it copied its outputs into
-    the donated buffers). A ``while`` carries its state in place, so the common path's
-    pool-sized scatters, outside it, copy nothing; any copy the rare form needs stays in the
-    loop body.
-
-    Args:
-      straight: ``(state, keep) -> (state, outputs)``; with ``keep`` (bool scalar) False it
-        must return ``state`` unchanged, bit for bit (every write masked off: the index arrays
-        are batch-sized, so the mask costs nothing); its outputs are then discarded.
-      general: ``state -> (state, outputs)``, the same structure; it is given the unchanged
-        state.
+    hash-table entries and the queue's ``[num_blocks]`` slots), and so did a ``cond`` with a
+    pass-through branch (it copied its outputs into the donated buffers). A ``while`` carries its
+    state in place, so the common path's pool-sized scatters, outside it, copy nothing; any copy
+    the rare form needs stays in the loop body.
     """
-    out = straight(state, ~slow)
     _, out = lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros_like(c[0]), general(c[1][0])), (slow, out))
     return out
 
 
-_STRAIGHT_LINE_ON_CPU = False
-_FORMS_FOR: str | None = None  # set by ``forms_for`` while a program of known platform is traced
-
-
-def per_platform(*operands, cpu, default):
-    """``lax.platform_dependent(*operands, cpu=cpu, default=default)``: the form tuned for
-    XLA:CPU (skips and loops that only run when needed) on a CPU, the straight-line form for a GPU
-    elsewhere, chosen when the program is lowered. On XLA:GPU every ``cond`` predicate and
-    ``while`` condition is read back on the host (a device-to-host sync; XLA 0.10.2 puts none of
-    them into CUDA graphs), while a masked kernel costs nothing next to it.
-
-    ``lax.platform_dependent`` traces both forms (it lowers only one). Inside ``forms_for(p)``
-    only the form for platform ``p`` is traced, which is what a program that knows where it runs
-    uses (the serving engine's step: it saves a warm start a fifth of its tracing). Under
-    ``straight_line_on_cpu()`` (tests) the ``default`` form is traced on every platform."""
-    if _STRAIGHT_LINE_ON_CPU:
+def per_platform(target: str, *operands, cpu, default):
+    """The form of an operation for ``target`` (``ManagerConfig.target``): ``cpu(*operands)``,
+    tuned for XLA:CPU (skips and loops that only run when needed), for ``"cpu"``;
+    ``default(*operands)``, the straight-line form for a GPU, for ``"gpu"``; for ``"auto"``
+    ``lax.platform_dependent``, which traces both and lowers the CPU form on a CPU, the other
+    elsewhere. On XLA:GPU every ``cond`` predicate and ``while`` condition is read back on the
+    host (a device-to-host sync; XLA puts none of them into CUDA graphs), while a masked kernel
+    costs nothing next to it. Both forms give the same results bit for bit."""
+    if target == "cpu":
+        return cpu(*operands)
+    if target == "gpu":
         return default(*operands)
-    if _FORMS_FOR is not None:
-        return (cpu if _FORMS_FOR == "cpu" else default)(*operands)
     return lax.platform_dependent(*operands, cpu=cpu, default=default)
 
 
-@contextlib.contextmanager
-def forms_for(platform: str | None):
-    """Trace only ``platform``'s form of every ``per_platform`` in the block (None: both, as
-    ``lax.platform_dependent``). Use it inside a jitted function whose jit key holds
-    ``platform`` (a static argument), so that a trace for one platform is never reused for
-    another; ``program_platform`` gives the platform to pass."""
-    global _FORMS_FOR
-    old, _FORMS_FOR = _FORMS_FOR, platform
-    try:
-        yield
-    finally:
-        _FORMS_FOR = old
-
-
-def program_platform(*arrays) -> str | None:
-    """The platform a program on ``arrays`` (``jax.Array`` s) is lowered for, when this process
-    can only lower it there: every device of the arrays has the default backend's platform.
-    Otherwise None (e.g. a GPU target compiled from a CPU process, as the GPU compile gate does):
-    then ``per_platform`` keeps both forms and the lowering chooses."""
+def target_of(*arrays) -> str:
+    """The ``ManagerConfig.target`` for a program on ``arrays`` (``jax.Array`` s): ``"cpu"`` or
+    ``"gpu"`` when this process can only lower it for their platform (every device of the arrays
+    has the default backend's platform), so that only that form is traced (a fifth of a warm
+    start's tracing, for the serving engine's step). Otherwise ``"auto"`` (e.g. a GPU program
+    compiled from a CPU process, as the GPU compile gate does): the lowering chooses."""
     platforms = {d.platform for a in arrays for d in a.devices()}
     if len(platforms) == 1 and platforms == {jax.default_backend()}:
-        return platforms.pop()
-    return None
-
-
-@contextlib.contextmanager
-def straight_line_on_cpu():
-    """Trace the GPU forms of ``per_platform`` on a CPU too, so that tests can compare them with
-    the CPU forms (bit for bit). Read at trace time: jit a fresh function inside the block."""
-    global _STRAIGHT_LINE_ON_CPU
-    old, _STRAIGHT_LINE_ON_CPU = _STRAIGHT_LINE_ON_CPU, True
-    try:
-        yield
-    finally:
-        _STRAIGHT_LINE_ON_CPU = old
+        return "cpu" if platforms == {"cpu"} else "gpu"
+    return "auto"

@@ -208,8 +208,8 @@ def init_state(config: ManagerConfig) -> BlockManagerState:
     """A pool with every block free, in id order (block 1 at the front), and no sequences.
 
     Built with numpy and moved to the device in one transfer per array: as eager ``jnp`` ops it
-    ran about twenty tiny programs, each compiled (or loaded from the compilation cache) on first
-    use, which cost a warm start of the main job about 0.3 s."""
+    would be about twenty tiny programs, each compiled (or loaded from the compilation cache) on
+    first use, a noticeable part of a warm start."""
     n, cap = config.num_blocks, config.queue_capacity
     ids = np.arange(n, dtype=np.int32)
     ring = np.zeros((cap,), np.int32)

@@ -25,7 +25,7 @@ def fingerprint(text: str) -> dict:
 
 
 def manager_programs() -> dict:
-    from paged_kv import admission, allocate, reclaim, share
+    from paged_kv import admission, allocate, fused, reclaim, share
     from paged_kv.config import ManagerConfig
     from paged_kv.state import init_state
     out = {}
@@ -39,7 +39,7 @@ def manager_programs() -> dict:
             "free": (lambda s, i: reclaim.free(mgr, s, i), (st, v)),
             "select": (lambda s, i, p: share.select(mgr, s, i, p), (st, v, v)),
             "fork": (lambda s, i, p: share.fork(mgr, s, i, p), (st, v, v)),
-            "free_then_select": (lambda s, f, i, p: share.free_then_select(mgr, s, f, i, p), (st, v, v, v)),
+            "free_then_select": (lambda s, f, i, p: fused.free_then_select(mgr, s, f, i, p), (st, v, v, v)),
             "admit": (lambda s, i, n, t, sa: admission.admit(mgr, s, i, n, t if pc else None, sa),
                       (st, a4, a4, jax.ShapeDtypeStruct((4, 1024), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.uint32))),
         }

@@ -18,6 +18,17 @@ def _keys(rng, n, size, clustered):
     return keys
 
 
+def _insert(table, keys, vals, mask, all_keys, all_slots):
+    """``claim``, after a rebuild when the table is crowded (as ``prefix_cache.register`` does):
+    the table, ``all_slots`` (changed only by a rebuild) and the new entries' slots."""
+    size = table.entries.shape[0]
+    table, all_slots = jax.lax.cond(ht.needs_rebuild(table, jnp.sum(mask, dtype=jnp.int32)),
+                                    lambda a: ht.rebuild(size, all_keys, a[1] >= 0, a[1]), lambda a: a,
+                                    (table, all_slots))
+    table, slots, _, _ = ht.claim(table, keys, vals, mask)
+    return table, all_slots, slots
+
+
 @pytest.mark.parametrize("clustered", [False, True])
 def test_insert_lookup_remove_match_a_dict(clustered):
     size, n_blocks = 512, 400  # block ids are never reused; live entries stay under size / 2, and
@@ -27,7 +38,7 @@ def test_insert_lookup_remove_match_a_dict(clustered):
     all_keys = np.zeros((n_blocks, 2), np.uint32)
     all_slots = jnp.full((n_blocks,), -1, jnp.int32)
     model: dict[tuple[int, int], list[int]] = {}  # key -> its blocks, oldest first
-    insert = jax.jit(ht.insert)
+    insert = jax.jit(_insert)
     lookup = jax.jit(ht.lookup)
     remove = jax.jit(ht.remove)
     next_block = 0

@@ -1,12 +1,13 @@
 """Per-row sampling (`sample_rows`, the serving step's sampler): the CPU's skips change no result,
 and no row's token depends on the other rows' parameters."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from paged_kv.engine.sampling import filter_rows, sample_rows
-from paged_kv.scan import straight_line_on_cpu
 from tests.tolerances import logprob_atol
 
 
@@ -58,8 +59,7 @@ def test_cpu_skips_give_the_gpu_forms_results_bit_for_bit():
              (jnp.array([0.0, 0.7, 1.3, 0.0]), jnp.zeros(4, jnp.int32), jnp.ones(4)),  # no filter: sort skipped
              (jnp.array([0.0, 0.7, 1.3, 0.9]), jnp.array([0, 5, 0, 3], jnp.int32), jnp.array([1.0, 1.0, 0.4, 0.9]))]
     for temp, top_k, top_p in cases:
-        cpu = jax.jit(sample_rows)(x, keys, temp, top_k, top_p)
-        with straight_line_on_cpu():  # read at trace time: a fresh jit
-            gpu = jax.jit(lambda *a: sample_rows(*a))(x, keys, temp, top_k, top_p)
+        cpu = jax.jit(functools.partial(sample_rows, target="cpu"))(x, keys, temp, top_k, top_p)
+        gpu = jax.jit(functools.partial(sample_rows, target="gpu"))(x, keys, temp, top_k, top_p)
         for a, b in zip(cpu, gpu):
             np.testing.assert_array_equal(a, b)

@@ -5,6 +5,7 @@ requests that can never fit, streaming order and statistics, per-row sampling fi
 Every run uses one ``ServingConfig`` (a 24-block pool: 23 usable blocks of 16 tokens) so the step
 compiles once for the whole module; "ample blocks" means each request running alone."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -50,8 +51,8 @@ def _workload(spread: int):
     return reqs
 
 
-def _run(model, reqs, seed=0):
-    eng = ServingEngine(model, CFG, seed=seed)
+def _run(model, reqs, seed=0, config=CFG):
+    eng = ServingEngine(model, config, seed=seed)
     outs = list(eng.run(reqs))
     return eng, outs
 
@@ -88,34 +89,16 @@ def test_outputs_independent_of_memory_pressure(model, pressured, alone):
 
 
 def test_gpu_form_of_the_step_runs_the_same(model, pressured, monkeypatch):
-    """The serving step and admission traced in their GPU forms (the manager straight-line, with
-    free, select and append as one call before the prefill forward) run the pressured workload
-    exactly as the CPU forms do: the same tokens, scores and statistics, the same final state."""
+    """The serving step and admission traced in their GPU forms (``ManagerConfig.target="gpu"``:
+    the manager straight-line) run the pressured workload exactly as the CPU forms do: the same
+    tokens, scores and statistics, the same final state."""
     from paged_kv.engine import serving_step as ss
-    from paged_kv.scan import straight_line_on_cpu
-    # Fresh functions, so fresh traces (the forms are chosen at trace time; a new ``jax.jit`` of
-    # the same function would reuse the CPU form's trace).
-    def step(model, weight_leaves, pages, state, key, rows, pf, *, shape):
-        return ss.packed_step_fn(model, weight_leaves, pages, state, key, rows, pf, shape=shape)
-
-    def admit(manager, state, free_ids, seq_ids, lens, tokens, salts, *, forms=None):
-        return ss.admit_fn(manager, state, free_ids, seq_ids, lens, tokens, salts, forms=forms)
-
     traced = []
-    inner = ss.share_free_select_append
-
-    def fused(*args):
-        traced.append(True)
-        return inner(*args)
-
-    monkeypatch.setattr(ss, "share_free_select_append", fused)
-    monkeypatch.setattr(ss, "packed_step_jit", jax.jit(step, static_argnames=("model", "shape"),
-                                                       donate_argnames=("pages", "state")))
-    monkeypatch.setattr(ss, "admit_jit", jax.jit(admit, static_argnums=0, static_argnames=("forms",),
-                                                 donate_argnums=1))
-    with straight_line_on_cpu():
-        eng, outs = _run(model, _workload(0))
-    assert traced  # the step was traced in its GPU form
+    inner = ss.free_select_append
+    monkeypatch.setattr(ss, "free_select_append", lambda mgr, *args: traced.append(mgr.target) or inner(mgr, *args))
+    gpu = dataclasses.replace(CFG, manager=dataclasses.replace(MGR, target="gpu"))
+    eng, outs = _run(model, _workload(0), config=gpu)
+    assert traced == ["gpu"]  # the step was traced once, in its GPU form
     eng_p, outs_p = pressured
     timing = ("wall_s", "step_s", "compile_s", "compile_ahead_s")
     counts = lambda st: {k: v for k, v in vars(st).items() if k not in timing}  # noqa: E731

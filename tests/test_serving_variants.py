@@ -73,27 +73,24 @@ def test_one_variant_on_cpu_gives_the_bits_of_two(model, monkeypatch):
         assert scores == two[rid][2], rid
 
 
-def test_only_the_platforms_form_is_traced():
-    """``scan.forms_for`` makes ``per_platform`` trace one form (no ``platform_index`` left in the
-    jaxpr to choose at lowering); outside it both forms are traced; the engine's step on CPU
-    arrays asks for the CPU form."""
+def test_only_the_targets_form_is_traced():
+    """``per_platform`` traces one form for target "cpu" or "gpu" (no ``platform_index`` left in
+    the jaxpr to choose at lowering) and both for "auto"; the engine's step on CPU arrays asks
+    for the CPU form."""
     from paged_kv import scan
 
-    def jaxpr(x):  # a fresh function each time: JAX caches traces by function, not by the context
-        return str(jax.make_jaxpr(lambda v: scan.per_platform(v, cpu=lambda u: u + 1, default=lambda u: u * 2))(x))
+    def jaxpr(target):
+        return str(jax.make_jaxpr(lambda v: scan.per_platform(target, v, cpu=lambda u: u + 1,
+                                                              default=lambda u: u * 2))(jnp.ones(3)))
 
-    x = jnp.ones(3)
-    assert "platform_index" in jaxpr(x)
-    with scan.forms_for("cpu"):
-        cpu = jaxpr(x)
-    with scan.forms_for("gpu"):
-        gpu = jaxpr(x)
-    assert "platform_index" not in str(cpu) and "add" in str(cpu) and "mul" not in str(cpu)
-    assert "platform_index" not in str(gpu) and "mul" in str(gpu)
-    assert scan.program_platform(x) == "cpu"
+    assert "platform_index" in jaxpr("auto")
+    cpu, gpu = jaxpr("cpu"), jaxpr("gpu")
+    assert "platform_index" not in cpu and "add" in cpu and "mul" not in cpu
+    assert "platform_index" not in gpu and "mul" in gpu
+    assert scan.target_of(jnp.ones(3)) == "cpu"
 
 
 def test_the_engine_traces_the_cpu_form(model):
     eng = ServingEngine(model, CFG)
-    assert eng.device.forms == "cpu"
-    assert {s.forms for s in eng.device._shapes.values()} == {"cpu"}
+    assert eng.device.config.manager.target == "cpu"
+    assert {s.config.manager.target for s in eng.device._shapes.values()} == {"cpu"}

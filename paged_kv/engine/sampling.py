@@ -207,15 +207,15 @@ def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     return jnp.where(x < threshold, -jnp.inf, x)
 
 
-def _skip_on_cpu_unless(pred: jax.Array, fn, otherwise, operand):
+def _skip_on_cpu_unless(target: str, pred: jax.Array, fn, otherwise, operand):
     """``fn(operand)``; on a CPU, ``otherwise(operand)`` instead when ``pred`` is False. Both give
     the same result whenever ``pred`` is False, so this only saves work (``scan.per_platform``:
     a CPU runs the ``cond`` for free, a GPU would read its predicate on the host every step)."""
-    return per_platform(operand, cpu=lambda x: jax.lax.cond(pred, fn, otherwise, x), default=fn)
+    return per_platform(target, operand, cpu=lambda x: jax.lax.cond(pred, fn, otherwise, x), default=fn)
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+                top_p: jax.Array, *, target: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Per-row sampling: float32 logits [R, V], keys [R] (typed PRNG keys, or a function of no
     arguments returning them: then they are derived only where a row draws), temperature float32 [R]
     (0: greedy), top_k int32 [R], top_p float32 [R] -> (int32 tokens [R], float32 log-probabilities
@@ -223,7 +223,8 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
 
     Each row draws with its own key, so a row's token does not depend on the other rows. On a CPU
     a step whose rows are all greedy skips the draw, and one whose rows use neither top-k nor
-    top-p skips the sort (the results are the same either way)."""
+    top-p skips the sort (the results are the same either way). ``target``: which form to trace,
+    as ``ManagerConfig.target``."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -231,13 +232,13 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
         return x / jnp.where(temperature <= 0, 1.0, temperature)[:, None]
 
     def draw(x):
-        filtered = _skip_on_cpu_unless(jnp.any((top_k > 0) | (top_p < 1.0)),
+        filtered = _skip_on_cpu_unless(target, jnp.any((top_k > 0) | (top_p < 1.0)),
                                        lambda y: filter_rows(y, temperature, top_k, top_p), scaled, x)
         row_keys = keys() if callable(keys) else keys
         drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(row_keys, filtered)
         return jnp.where(temperature <= 0, greedy, drawn).astype(jnp.int32)
 
-    tokens = _skip_on_cpu_unless(jnp.any(temperature > 0), draw, lambda x: greedy, logits)
+    tokens = _skip_on_cpu_unless(target, jnp.any(temperature > 0), draw, lambda x: greedy, logits)
     return tokens, _logprob_of(logits, tokens)
 
 

@@ -3,9 +3,10 @@ and ``DeviceStep``, which holds the device arrays and calls them.
 
 The step (one ``jax.jit``; shapes fixed by ``R = max_seqs``, ``P`` (``max_prefill_rows``, or 0
 for the decode-only variant a GPU compiles; a CPU serves every step with the P variant) and
-``C = chunk_size``): ``free`` finished or preempted rows -> ``select`` (beam reselection) -> paged
-prefill forward of one cohort chunk ``[P, C]`` -> ``append`` one token per decoding row,
-``copy_blocks`` for copy-on-write, paged decode forward ``[R]`` -> ``fork`` the samples of prompts
+``C = chunk_size``): ``free`` finished or preempted rows -> ``select`` (beam reselection) ->
+``append`` one token per decoding row (the three as one call, ``fused.free_select_append``) ->
+paged prefill forward of one cohort chunk ``[P, C]`` -> ``copy_blocks`` for copy-on-write, paged
+decode forward ``[R]`` -> ``fork`` the samples of prompts
 whose prefill ended -> per-row sampling (greedy / temperature / top-k / top-p, each row with its
 own parameters and key) and the top candidates for beams. Padding rows use sequence id -1. The
 inputs travel as two packed arrays and the outputs come back as one (``engine.step_io``).
@@ -25,18 +26,17 @@ from flax import nnx
 from paged_kv.models.llama import in_vocab
 from paged_kv.models.paged import make_paged_batch, paged_forward
 from paged_kv.admission import admit
-from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.config import ManagerConfig
 from paged_kv.engine import requests as _requests
 from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
-from paged_kv.allocate import AppendResult, append
 from paged_kv.engine.step_io import (EOS_SLOTS, Interned, StepInputs, StepOutputs, intern, output_layout, pack_inputs,
                                      pack_outputs, unpack_burst, unpack_inputs, unpack_outputs)
 from paged_kv.engine.steps import decode_appended
+from paged_kv.fused import free_select_append
 from paged_kv.reclaim import free
-from paged_kv.scan import forms_for, per_platform, program_platform
-from paged_kv.share import fork, select
-from paged_kv.share import free_select_append as share_free_select_append
+from paged_kv.scan import per_platform, target_of
+from paged_kv.share import fork
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
 
@@ -51,12 +51,9 @@ class StepShape:
     # The chunk's forward runs under a ``cond`` that skips it when every prefill row is padding
     # (set where one variant serves every step: ``single_step_variant``).
     skip_empty_chunk: bool = False
-    # The platform the step runs on when this process can only lower it there: then only that
-    # platform's form of each ``scan.per_platform`` is traced (None: both; ``scan.forms_for``).
-    forms: str | None = None
 
 
-def _unless_padding(ids: jax.Array, op, state: BlockManagerState) -> BlockManagerState:
+def _unless_padding(target: str, ids: jax.Array, op, state: BlockManagerState) -> BlockManagerState:
     """``op(state)`` when some row of ``ids`` (int32 [R]) is not padding, else ``state`` as is.
 
     Most steps free, select and fork nothing; the op on all-padding rows leaves the state
@@ -67,16 +64,15 @@ def _unless_padding(ids: jax.Array, op, state: BlockManagerState) -> BlockManage
     the op's few small gathers (the GPU compile gate counts a step's conditionals)."""
     def skip_if_padding(state):
         return jax.lax.cond(jnp.any(ids >= 0), op, lambda s: s, state)
-    return per_platform(state, cpu=skip_if_padding, default=op)
+    return per_platform(target, state, cpu=skip_if_padding, default=op)
 
 
 def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, *, shape: StepShape):
     """One step; with ``decode_steps = K > 1`` a burst of up to ``K`` (``_burst``), whose outputs
     have a leading axis of K steps and come with the number of steps run."""
-    with forms_for(shape.forms):
-        if shape.config.decode_steps == 1:
-            return _step(graphdef, weights, pages, state, key, inp, shape)
-        return _burst(graphdef, weights, pages, state, key, inp, shape)
+    if shape.config.decode_steps == 1:
+        return _step(graphdef, weights, pages, state, key, inp, shape)
+    return _burst(graphdef, weights, pages, state, key, inp, shape)
 
 
 def _burst(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, shape: StepShape):
@@ -134,32 +130,14 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
     dec_tokens = inp.dec_tokens.astype(jnp.int32) if mgr.prefix_caching else None
     pf_rows = inp.pf_rows if shape.prefill_rows else jnp.zeros((0,), jnp.int32)
 
-    def tables_of(state):
-        return jnp.where((pf_rows >= 0)[:, None], state.block_tables[jnp.clip(pf_rows, 0, r - 1)], NULL_BLOCK)
-
-    def free_and_select(state):
-        state = _unless_padding(inp.free_ids, lambda s: free(mgr, s, inp.free_ids)[0], state)
-        state = _unless_padding(inp.sel_dst, lambda s: select(mgr, s, inp.sel_dst, inp.sel_parent)[0], state)
-        # The decode rows' append comes after the prefill forward here (``appended`` below); the
-        # result is a placeholder the CPU program never reads.
-        placeholder = AppendResult(status=dec_ids, slots=dec_ids, copy_src=dec_ids, copy_dst=dec_ids,
-                                   num_copies=jnp.int32(0))
-        return state, placeholder, tables_of(state)
-
-    def free_select_append(state):
-        # On a GPU the decode rows' append (its bookkeeping only) runs before the prefill
-        # forward, with free and select: one host sync for the three
-        # (``share.free_select_append``). The prefill chunk's tables are still read between
-        # select and append, the forward does not touch the manager's state, and the pages are
-        # written in the same order (prefill, then the copies and the decode forward), so every
-        # state and output is the same as in the CPU order.
-        state, _, _, res, tables = share_free_select_append(mgr, state, inp.free_ids, inp.sel_dst, inp.sel_parent,
-                                                            dec_ids, dec_tokens, pf_rows)
-        return state, res, tables
-
+    # Free, select and the decode rows' append (its bookkeeping only) run before the prefill
+    # forward, as one call (on a GPU one host sync for the three). The prefill chunk's tables are
+    # read between select and append; the forward does not touch the manager's state, and the
+    # pages are written prefill first, then the copies and the decode forward.
     # Named scopes only label the HLO (scripts/profile_decode.py attributes time by them).
-    with jax.named_scope("manager_free_select"):
-        state, res, pf_tables = per_platform(state, cpu=free_and_select, default=free_select_append)
+    with jax.named_scope("manager_free_select_append"):
+        state, _, _, res, pf_tables = free_select_append(mgr, state, inp.free_ids, inp.sel_dst, inp.sel_parent,
+                                                         dec_ids, dec_tokens, pf_rows)
     pf_logits = None
     vocab = model.vocab_size
     bad_tokens = jnp.sum(~in_vocab(inp.dec_tokens, vocab) & inp.dec_live, dtype=jnp.int32)
@@ -190,11 +168,6 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
             else:
                 pf_logits, pages = prefill(pages)
 
-    def appended(state, res):
-        with jax.named_scope("manager_append"):
-            return append(mgr, state, dec_ids, dec_tokens)
-
-    state, res = per_platform(state, res, cpu=appended, default=lambda state, res: (state, res))
     state, pages, logits, status, copies = decode_appended(model, pages, mgr, state, rows, inp.dec_tokens, res,
                                                            impl=cfg.impl, mesh=shape.mesh)
     if pf_logits is not None:
@@ -205,7 +178,7 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
         last = (pr >= 0) & ~jnp.any(later, axis=1)
         logits = logits.at[jnp.where(last, pr, r)].set(pf_logits, mode="drop")
     with jax.named_scope("manager_fork"):
-        state = _unless_padding(inp.fork_dst, lambda s: fork(mgr, s, inp.fork_src, inp.fork_dst)[0], state)
+        state = _unless_padding(mgr.target, inp.fork_dst, lambda s: fork(mgr, s, inp.fork_src, inp.fork_dst)[0], state)
     with jax.named_scope("sampling"):
         logits = logits[jnp.clip(inp.logit_src, 0, r - 1)]
         def row_keys():
@@ -213,7 +186,7 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
                 inp.seed, inp.sample_idx, inp.token_idx)
         # The keys as a function: ``sample_rows`` derives them only where a row draws (on a CPU,
         # a greedy step skips the draw and with it the three fold-ins' loops, ~200 instructions).
-        tokens, logp = sample_rows(logits, row_keys, inp.temperature, inp.top_k, inp.top_p)
+        tokens, logp = sample_rows(logits, row_keys, inp.temperature, inp.top_k, inp.top_p, target=mgr.target)
         def top(x):
             lp, ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), cfg.top_candidates)
             return lp, ids.astype(jnp.int32)
@@ -224,7 +197,7 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
         if inp.beam is None:
             top_lp, top_ids = top(logits)
         else:  # on a CPU, skip the log-softmax and top-k of [R, V] when no row is a beam
-            top_lp, top_ids = per_platform(logits, cpu=lambda x: jax.lax.cond(jnp.any(inp.beam), top, no_top, x),
+            top_lp, top_ids = per_platform(mgr.target, logits, cpu=lambda x: jax.lax.cond(jnp.any(inp.beam), top, no_top, x),
                                            default=top)
     if cfg.record_tables:
         tables = state.block_tables
@@ -260,15 +233,13 @@ packed_step_jit = jax.jit(packed_step_fn, static_argnames=("model", "shape"), do
 """What ``DeviceStep`` calls: the step on packed inputs and outputs."""
 
 
-def admit_fn(manager: ManagerConfig, state, free_ids, seq_ids, lens, tokens, salts, *, forms: str | None = None):
-    """``forms``: as ``StepShape.forms``."""
-    with forms_for(forms):
-        state, _ = free(manager, state, free_ids)
-        state, res = admit(manager, state, seq_ids, lens, tokens if manager.prefix_caching else None, salts)
-        return state, res, state.queue.num_free
+def admit_fn(manager: ManagerConfig, state, free_ids, seq_ids, lens, tokens, salts):
+    state, _ = free(manager, state, free_ids)
+    state, res = admit(manager, state, seq_ids, lens, tokens if manager.prefix_caching else None, salts)
+    return state, res, state.queue.num_free
 
 
-admit_jit = jax.jit(admit_fn, static_argnums=0, static_argnames=("forms",), donate_argnums=1)
+admit_jit = jax.jit(admit_fn, static_argnums=0, donate_argnums=1)
 
 def prefill_pieces(cohort, chunk_size: int, max_pieces: int) -> list:
     """The prefill pieces of the next step: ``(cohort row, first position, length)`` each, at
@@ -410,15 +381,19 @@ class DeviceStep:
     """
 
     def __init__(self, config: ServingConfig, graphdef, weights, pages, state: BlockManagerState, key, mesh=None):
+        if config.manager.target == "auto":
+            # The platform the programs run on, when this process can only lower them there: then
+            # only that form of each operation is traced (``scan.target_of``), and the target,
+            # part of every jit key through the config, keeps a trace from serving another.
+            config = dataclasses.replace(config, manager=dataclasses.replace(config.manager, target=target_of(pages)))
         self.config, self.graphdef, self.weights, self.pages, self.state, self.key, self.mesh = (
             config, graphdef, weights, pages, state, key, mesh)
         p = config.max_prefill_rows
         self.single_variant = single_step_variant(pages)
         # On a CPU one program serves every step: a step without a chunk runs the prefill variant
         # with every prefill row padding, and its forward is skipped (``step_fn``).
-        one, self.forms = self.single_variant, program_platform(pages)
-        self._shapes = {q: StepShape(config, p if one else q, mesh, skip_empty_chunk=one, forms=self.forms)
-                        for q in (0, p)}
+        one = self.single_variant
+        self._shapes = {q: StepShape(config, p if one else q, mesh, skip_empty_chunk=one) for q in (0, p)}
         # The padding chunk such a step feeds (built once: the host does not rebuild it per step).
         self._no_chunk = dict(pf_rows=np.full((p,), -1, np.int32), pf_tokens=np.zeros((p, config.chunk_size), np.int32),
                               pf_start=np.zeros((p,), np.int32), pf_lens=np.zeros((p,), np.int32))
@@ -435,7 +410,7 @@ class DeviceStep:
         ``salts`` uint32 [A]). Returns host ``(status [A], cached_tokens [A], shared_tokens [A],
         num_free)``."""
         args = _requests.replicate_inputs(self.mesh, free_ids, ids, lens, toks, salts)
-        self.state, res, num_free = admit_jit(self.config.manager, self.state, *args, forms=self.forms)
+        self.state, res, num_free = admit_jit(self.config.manager, self.state, *args)
         return jax.device_get((res.status, res.cached_tokens, res.shared_tokens, num_free))
 
     def step(self, inp: StepInputs, prefill_rows: int) -> StepOutputs | list[StepOutputs]:
@@ -469,7 +444,7 @@ class DeviceStep:
         args = _requests.replicate_inputs(self.mesh, np.full((r,), -1, np.int32), np.full((a,), -1, np.int32),
                                           np.zeros((a,), np.int32), np.zeros((a, width), np.int32),
                                           np.zeros((a,), np.uint32))
-        return admit_jit.lower(self.config.manager, self.state, *args, forms=self.forms)
+        return admit_jit.lower(self.config.manager, self.state, *args)
 
     def free(self, free_ids) -> int:
         """Frees ``free_ids`` [R] (-1 pads); returns the free block count.
