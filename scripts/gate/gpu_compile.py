@@ -397,7 +397,8 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   from paged_kv.allocate import append
   from paged_kv.config import ManagerConfig
   from paged_kv.reclaim import free
-  from paged_kv.share import fork, free_select_append
+  from paged_kv.fused import free_select_append
+  from paged_kv.share import fork
   import importlib
   # The package re-exports functions named like these modules: import the modules themselves.
   eb = importlib.import_module("paged_kv.engine.beam_search")
