@@ -26,7 +26,7 @@ from paged_kv.engine.steps import block_counts, decode, prefill
 from paged_kv.reclaim import free
 from paged_kv.share import fork
 from paged_kv.state import BlockManagerState
-from paged_kv.status import Status
+from paged_kv.status import Status, code_names
 
 
 class FinishReason(enum.IntEnum):
@@ -44,6 +44,12 @@ class FinishReason(enum.IntEnum):
     """The prompt holds a token id outside ``[0, vocab_size)`` (only possible when ``generate``
     runs inside the caller's ``jit``, where ids cannot be checked on the host; otherwise it raises
     ``ValueError``): the prompt is not admitted, nothing is computed or cached, nothing generated."""
+
+    @classmethod
+    def names(cls, codes) -> list | str:
+        """``FinishReason.names(out.finish_reason)``: the name of every code, nested like
+        ``tolist()`` (0, a row that never ran, shows as "0")."""
+        return code_names(cls, codes)
 
 
 @struct.dataclass
