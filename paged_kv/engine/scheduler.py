@@ -31,7 +31,7 @@ from paged_kv.engine import families as F
 from paged_kv.engine.families import CohortRow, Family, Phase, Sample
 from paged_kv.engine.outcomes import Outcomes
 from paged_kv.engine.serving_step import build_inputs
-from paged_kv.engine.step_io import EOS_SLOTS
+from paged_kv.engine.step_io import EOS_SLOTS, Burst
 from paged_kv.engine.serving_types import EngineStats, Request, RequestOutput, RequestStats, ServingConfig
 from paged_kv.engine.serving_types import TableSnapshot, TokenDelta
 from paged_kv.status import Status
@@ -248,9 +248,9 @@ class Scheduler(Outcomes):
                 self._num_free = int(self.device.free(self._take_frees()))
             self._refresh_cache_stats()
             return self._drain(t0)
-        n_steps = self._burst_length(max_steps)
+        burst = self._burst_length(max_steps)
         inp, pf = build_inputs(cfg, self._take_frees(), self._select, self._pending, self._cohort,
-                               self._running.values(), n_steps)
+                               self._running.values(), burst.steps, burst.stop_on_finish)
         self._select = []
         prefill_rows = cfg.max_prefill_rows if pf else 0
         t1 = time.perf_counter()
@@ -270,23 +270,23 @@ class Scheduler(Outcomes):
                                                  self.manager.block_size, self.step_count)
         return self._drain(t0)
 
-    def _burst_length(self, max_steps: int | None) -> int:
+    def _burst_length(self, max_steps: int | None) -> Burst:
         """Decode steps the next call may run: 1, or up to ``decode_steps`` (and ``max_steps``)
         when no step in between needs the host: nothing is prefilled, no beam (its reselection
         is the host's) or pending reselection, every row's EOS ids fit
         the device's check, and the free blocks cover every decoding row's next blocks (its
         tokens' blocks plus one for a copy-on-write), so no ``append`` can fail inside it. With
-        requests waiting the count is negative: the burst then ends after a step in which a row
+        requests waiting, ``stop_on_finish``: the burst then ends after a step in which a row
         finished, where one call per step would try the admission again."""
         k = self.config.decode_steps
         if max_steps is not None:
             k = min(k, max_steps)
         if k <= 1 or self._cohort or self._select or not self._pending:
-            return 1
+            return Burst(1)
         bs, need = self.manager.block_size, 0
         for fam in self._running.values():
             if fam.req.is_beam or len(fam.req.params.eos_token_ids) > EOS_SLOTS:
-                return 1
+                return Burst(1)
             shared = fam.req.params.n > 1  # forked samples may share their last, partial block
             for s in fam.samples:
                 if s.row is None or s.row not in self._pending:
@@ -296,10 +296,10 @@ class Scheduler(Outcomes):
                 hi = len(fam.req.prompt) + len(s.tokens)
                 need += -(-(hi + k) // bs) - -(-(hi - 1) // bs) + shared
         if need > self._num_free:
-            return 1
+            return Burst(1)
         # Waiting requests did not fit now (``_try_admit`` ran first); only a row that finishes
         # can make room (blocks only shrink otherwise), so the burst ends after such a step.
-        return -k if self._waiting else k
+        return Burst(k, stop_on_finish=bool(self._waiting))
 
     def _note_compile(self, key, t0: float) -> None:
         # The first call of each shape compiles: its time is reported apart from the throughput.
