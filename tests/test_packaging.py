@@ -4,6 +4,7 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,9 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_carries_the_checkpoint_and_one_top_level_name(tmp_path):
-    # --no-build-isolation: the environment's setuptools builds it, so this runs offline.
+    # From a copy of the source (setuptools' build/ folder keeps modules since removed, and the
+    # checkout's must stay clean); --no-build-isolation: the environment's setuptools builds it,
+    # so this runs offline.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                            "results", "paged-kv-out"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(tmp_path), str(ROOT)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                        "-w", str(tmp_path), str(src)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (wheel,) = tmp_path.glob("paged_kv-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -651,7 +651,7 @@ def _stream_prompts(engine, reqs, tok, prompts, prep: dict):
         "streamed_tokens": printer.tokens,
         # Steady-state step time: the wall time of all steps less the first call of each shape.
         "step_ms_mean": 1000 * (st.step_s - (st.compile_s - st.compile_ahead_s)) / max(
-            st.steps - sum(1 for k in engine._seen_shapes if k[0] == "step"), 1),
+            st.steps - sum(1 for k in engine.scheduler.timed_compiles if k[0] == "step"), 1),
     }
 
 

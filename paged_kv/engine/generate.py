@@ -20,7 +20,7 @@ from flax import nnx, struct
 
 from paged_kv.models.llama import in_vocab
 from paged_kv.config import ManagerConfig
-from paged_kv.engine import requests
+from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import SamplingParams, is_eos, sample_tokens
 from paged_kv.engine.steps import block_counts, decode, prefill
 from paged_kv.reclaim import free
@@ -256,21 +256,21 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    key = requests.check_key(key)
-    graphdef, weights, facts, pages, mesh = requests.place(model, pages, mesh)
-    req = requests.check_request(facts, manager, pages, state, prompt_tokens, prompt_lens,
+    key = call_setup.check_key(key)
+    graphdef, weights, facts, pages, mesh = call_setup.place(model, pages, mesh)
+    req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
                                  top_k=params.top_k)
     # Pallas kernels over a tensor-parallel mesh: one weight array per layer, converted here once
     # per call (a copy of the layer weights; pass a `paged_kv.models.per_layer` model to convert once for
     # many calls). On one device the layers stay stacked.
-    graphdef, weights = requests.layer_layout(graphdef, weights, impl, mesh)
-    state = requests.initial_state(manager, state)
+    graphdef, weights = call_setup.layer_layout(graphdef, weights, impl, mesh)
+    state = call_setup.initial_state(manager, state)
     b = req.num_prompts
     budgets = jnp.full((b,), params.max_new_tokens, jnp.int32) if max_new_tokens is None else \
         jnp.asarray(max_new_tokens, jnp.int32)
-    state, toks, lens, budgets, key = requests.replicate_inputs(
+    state, toks, lens, budgets, key = call_setup.replicate_inputs(
         mesh, state, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), budgets, key)
     return generate_jit(graphdef, weights, pages, state, toks, lens, budgets, key, manager=manager, params=params,
                         impl=impl, chunk_size=req.chunk_size, context=req.context, mesh=mesh)

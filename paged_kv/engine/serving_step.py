@@ -26,7 +26,7 @@ from paged_kv.models.llama import in_vocab
 from paged_kv.models.paged import make_paged_batch, paged_forward
 from paged_kv.admission import admit
 from paged_kv.config import NULL_BLOCK, ManagerConfig
-from paged_kv.engine import requests as _requests
+from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
 from paged_kv.allocate import AppendResult, append
@@ -435,7 +435,7 @@ class DeviceStep:
         """Frees ``free_ids`` [R], then admits ``ids`` [A] (``lens`` [A], ``toks`` [A, W],
         ``salts`` uint32 [A]). Returns host ``(status [A], cached_tokens [A], shared_tokens [A],
         num_free)``."""
-        args = _requests.replicate_inputs(self.mesh, free_ids, ids, lens, toks, salts)
+        args = call_setup.replicate_inputs(self.mesh, free_ids, ids, lens, toks, salts)
         self.state, res, num_free = admit_jit(self.config.manager, self.state, *args, forms=self.forms)
         return jax.device_get((res.status, res.cached_tokens, res.shared_tokens, num_free))
 
@@ -444,7 +444,7 @@ class DeviceStep:
         ``decode_steps > 1`` a list, one per step the call ran (``inp.n_steps`` at most)."""
         if self.single_variant and not prefill_rows:
             inp = inp.replace(**self._no_chunk)
-        args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
+        args = call_setup.replicate_inputs(self.mesh, *pack_inputs(inp))
         self.pages, self.state, flat = packed_step_jit(self._model, self._weight_leaves, self.pages, self.state,
                                                        self.key, *args, shape=self._shapes[prefill_rows])
         # ``np.asarray`` of the one result array: a quarter of ``jax.device_get``'s cost per step.
@@ -460,14 +460,14 @@ class DeviceStep:
         inp, _ = build_inputs(self.config, np.full((self.config.manager.max_seqs,), -1, np.int32), (), {}, (), ())
         if self._shapes[prefill_rows].prefill_rows:
             inp = inp.replace(**self._no_chunk)
-        args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
+        args = call_setup.replicate_inputs(self.mesh, *pack_inputs(inp))
         return packed_step_jit.lower(self._model, self._weight_leaves, self.pages, self.state, self.key, *args,
                                      shape=self._shapes[prefill_rows])
 
     def lower_admit(self, width: int):
         """The ``admit`` program for ``max_prefill_rows`` prompts of ``width`` tokens, lowered."""
         r, a = self.config.manager.max_seqs, self.config.max_prefill_rows
-        args = _requests.replicate_inputs(self.mesh, np.full((r,), -1, np.int32), np.full((a,), -1, np.int32),
+        args = call_setup.replicate_inputs(self.mesh, np.full((r,), -1, np.int32), np.full((a,), -1, np.int32),
                                           np.zeros((a,), np.int32), np.zeros((a, width), np.int32),
                                           np.zeros((a,), np.uint32))
         return admit_jit.lower(self.config.manager, self.state, *args, forms=self.forms)
