@@ -112,6 +112,10 @@ class Scheduler:
         its sequences larger than the pool); nothing is queued and the engine is unchanged.
         """
         self.check(request)
+        return self.enqueue(request)
+
+    def enqueue(self, request: Request) -> object:
+        """Queues ``request`` without checking it (``submit`` checks first); returns its id."""
         if self._t_start is None:
             self._t_start = time.perf_counter()
         seq = self._submitted

@@ -227,8 +227,10 @@ class ServingEngine:
         self.scheduler.check(request)
 
     def submit(self, request: Request) -> object:
-        """``Scheduler.submit``: queues ``request``; returns its id."""
-        return self.scheduler.submit(request)
+        """Queues ``request`` (at the back of the waiting queue) after ``check``; returns its id.
+        ``ValueError`` when it can never run: nothing is queued and the engine is unchanged."""
+        self.check(request)
+        return self.scheduler.enqueue(request)
 
     def reject(self, request: Request, error: str) -> RequestOutput:
         """``Scheduler.reject``: the output of a request that was not accepted."""
