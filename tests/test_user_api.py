@@ -31,6 +31,11 @@ def test_status_codes_have_names_also_from_jit():
     assert pk.Status.names(np.array([[0, 2], [3, 4]])) == [["OK", "TABLE_FULL"], ["BAD_SEQUENCE", "BAD_LENGTH"]]
     assert pk.Status.names(jnp.int32(1)) == "NO_FREE_BLOCKS" and pk.Status.names([9]) == ["9"]
     assert FinishReason.names(jnp.array([[1, 2], [5, 0]])) == [["EOS", "LENGTH"], ["BAD_TOKEN", "0"]]
+    from paged_kv.engine import GenerateOutput
+
+    out = GenerateOutput(tokens=None, logprobs=None, lengths=None, finish_reason=jnp.array([[1, 3]]), stats=None,
+                         steps=None)
+    assert out.finish_reason_names() == [["EOS", "NO_BLOCKS"]]
 
 
 def test_block_manager_statuses_print_their_names():

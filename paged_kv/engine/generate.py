@@ -97,6 +97,11 @@ class GenerateOutput:
     stats: BlockStats
     steps: jax.Array
 
+    def finish_reason_names(self) -> list:
+        """``finish_reason`` by name, ``[B][n]`` (``FinishReason.names``): "EOS", "LENGTH", ...
+        Reads the device (not under ``jit``)."""
+        return FinishReason.names(self.finish_reason)
+
 
 @struct.dataclass
 class _SampleLoop:
