@@ -29,7 +29,7 @@ import json
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 from paged_kv.models.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
@@ -164,8 +164,9 @@ class HFTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], *, stop_at_eos: bool = False) -> str:
-        """Text of `ids`, special tokens skipped; with `stop_at_eos`, only the ids before the first EOS."""
-        ids = [int(i) for i in ids]
+        """Text of `ids`, special tokens and negative ids (the -1 padding of a generated row) skipped;
+        with `stop_at_eos`, only the ids before the first EOS."""
+        ids = [int(i) for i in ids if int(i) >= 0]
         for i in ids:
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} outside the vocabulary [0, {self.vocab_size})")
@@ -296,21 +297,29 @@ def render_chat_template(template: str, messages: Sequence[dict], *, add_generat
 
 
 # ---------------------------------------------------------------------------- the choice
-def load_tokenizer(directory: str | os.PathLike):
-    """(tokenizer, description) for a checkpoint directory: `ByteTokenizer` for a `tokenizer.json`
+class LoadedTokenizer(NamedTuple):
+    """What `load_tokenizer` returns: unpacks as ``tok, description = load_tokenizer(path)``."""
+
+    tokenizer: "ByteTokenizer | HFTokenizer"
+    description: str
+    """One line naming the choice (the CLI prints it)."""
+
+
+def load_tokenizer(directory: str | os.PathLike) -> LoadedTokenizer:
+    """``LoadedTokenizer(tokenizer, description)`` for a checkpoint directory: `ByteTokenizer` for a `tokenizer.json`
     of type "byte", `HFTokenizer` for a Hugging Face one, `ByteTokenizer` (UTF-8 prompts) when the
     checkpoint ships no tokenizer. The description names the choice (the CLI prints it)."""
     path = Path(directory)
     file = path / TOKENIZER_FILE
     if not file.is_file():
-        return ByteTokenizer(), f"byte-level (UTF-8; the checkpoint has no {TOKENIZER_FILE})"
+        return LoadedTokenizer(ByteTokenizer(), f"byte-level (UTF-8; the checkpoint has no {TOKENIZER_FILE})")
     # The byte tokenizer's file is a few lines; a Hugging Face one is larger than this (its byte
     # alphabet alone), often megabytes: only a small file is parsed here to tell them apart.
     small = file.stat().st_size < 64 * 1024
     if small and _read_json(file).get("type") == ByteTokenizer.type_name:
-        return ByteTokenizer.load(path), f"byte-level ({TOKENIZER_FILE} of type 'byte')"
+        return LoadedTokenizer(ByteTokenizer.load(path), f"byte-level ({TOKENIZER_FILE} of type 'byte')")
     tok = HFTokenizer.load(path)
-    return tok, tok.describe()
+    return LoadedTokenizer(tok, tok.describe())
 
 
 def stream_decoder(tokenizer):
@@ -320,5 +329,5 @@ def stream_decoder(tokenizer):
     return tokenizer.stream()
 
 
-__all__ = ["ByteStreamDecoder", "HFTokenizer", "StreamDecoder", "load_tokenizer", "render_chat_template",
+__all__ = ["ByteStreamDecoder", "HFTokenizer", "LoadedTokenizer", "StreamDecoder", "load_tokenizer", "render_chat_template",
            "stream_decoder"]

@@ -115,8 +115,14 @@ def make_mesh(tp: int | None = None, devices=None) -> Mesh:
     `jax.devices()` order). `tp` defaults to all of them; else the first `tp` are used."""
     devices = list(jax.devices() if devices is None else devices)
     tp = len(devices) if tp is None else tp
-    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or not 1 <= tp <= len(devices):
+    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
         raise ValueError(f"tp={tp!r} must be an int in [1, {len(devices)}] (the devices available)")
+    if tp > len(devices):
+        platform = devices[0].platform if devices else "cpu"
+        hint = (f"; on a CPU, make {tp} devices with jax.config.update(\"jax_num_cpu_devices\", {tp}) before "
+                "JAX starts its backend (before the first jax.devices(), array or jit call)"
+                if platform == "cpu" else "")
+        raise ValueError(f"tp={tp} needs {tp} devices; JAX has {len(devices)} ({platform}){hint}")
     return Mesh(np.array(devices[:tp]), (AXIS,))
 
 

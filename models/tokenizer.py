@@ -1,8 +1,9 @@
 """Byte-level tokenizer: no vocabulary file to download, every string encodable.
 
 Ids 0..255 are the UTF-8 bytes of the text; three special ids follow (PAD 256, BOS 257, EOS 258),
-so the vocabulary has 259 entries. `decode` drops special ids and replaces byte sequences that are
-not valid UTF-8 (a generation cut in the middle of a multi-byte character) with U+FFFD.
+so the vocabulary has 259 entries. `decode` drops special ids and negative ids (the -1 that pads
+`generate`'s and `beam_search`'s token rows after each answer's end), and replaces byte sequences
+that are not valid UTF-8 (a generation cut in the middle of a multi-byte character) with U+FFFD.
 
 A checkpoint directory carries the tokenizer as `tokenizer.json` (`ByteTokenizer.save` /
 `ByteTokenizer.load`), so it describes itself without any other file.
@@ -57,10 +58,13 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], *, stop_at_eos: bool = False) -> str:
-        """Text of the byte ids; special ids are skipped (or end the text with `stop_at_eos`)."""
+        """Text of the byte ids; special ids are skipped (or end the text with `stop_at_eos`), and so
+        are negative ids: the -1 padding of a generated row (``out.tokens[p, s]``) decodes as is."""
         out = bytearray()
         for i in ids:
             i = int(i)
+            if i < 0:  # padding after the answer's end
+                continue
             if stop_at_eos and i == self.eos_id:
                 break
             if 0 <= i < NUM_BYTES:

@@ -38,6 +38,7 @@ _EXPORTS = {
     "FreeQueue": "paged_kv.state",
     "init_state": "paged_kv.state",
     "Status": "paged_kv.status",
+    "StatusArray": "paged_kv.status",
     "Usage": "paged_kv.views",
     "num_free_blocks": "paged_kv.views",
     "shared_blocks": "paged_kv.views",
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from paged_kv.reclaim import free
     from paged_kv.share import fork, select
     from paged_kv.state import BlockManagerState, CacheStats, FreeQueue, init_state
-    from paged_kv.status import Status
+    from paged_kv.status import Status, StatusArray
     from paged_kv.views import Usage, num_free_blocks, shared_blocks, slots_for, usage
 
 

@@ -3,7 +3,8 @@
 For scripts and schedulers that do not write jitted code. Every call validates its arguments
 first and raises ``ValueError`` (bad value) or ``KeyError`` (unknown sequence) naming the value
 and the limit; a rejected call changes nothing. Running out of blocks is not an error: it comes
-back as ``Status.NO_FREE_BLOCKS`` for the rows concerned, so the caller can preempt.
+back as ``Status.NO_FREE_BLOCKS`` for the rows concerned, so the caller can preempt. Statuses come
+back as a ``StatusArray``: int32 numpy that prints the names (``StatusArray([OK, NO_FREE_BLOCKS])``).
 
 Batches are padded to power-of-two sizes with padding rows, so a long-running scheduler compiles
 each operation only a handful of times.
@@ -22,7 +23,7 @@ from paged_kv.batch import blocks_held
 from paged_kv.config import ManagerConfig
 from paged_kv.free_queue import live_entries
 from paged_kv.state import init_state
-from paged_kv.status import Status
+from paged_kv.status import Status, StatusArray
 
 _jit = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 _admit = _jit(admission.admit)
@@ -175,7 +176,7 @@ class BlockManager:
         self._check_not_running(ids, "admit")
         if not ids:
             empty = np.zeros((0,), np.int32)
-            return admission.AdmitResult(status=empty, cached_tokens=empty.copy(), shared_tokens=empty.copy())
+            return admission.AdmitResult(status=StatusArray(empty), cached_tokens=empty.copy(), shared_tokens=empty.copy())
         size = _bucket(len(ids), self.config.max_seqs)
         width = _bucket(max(len(p) for p in prompts), limit)
         tokens = np.zeros((size, width), np.int32)
@@ -189,7 +190,7 @@ class BlockManager:
         )
         k = len(ids)
         return admission.AdmitResult(
-            status=np.asarray(result.status)[:k],
+            status=StatusArray(np.asarray(result.status)[:k]),
             cached_tokens=np.asarray(result.cached_tokens)[:k],
             shared_tokens=np.asarray(result.shared_tokens)[:k],
         )
@@ -213,7 +214,7 @@ class BlockManager:
         self._check_running(ids, "append")
         if not ids:
             empty = np.zeros((0,), np.int32)
-            return allocate.AppendResult(status=empty, slots=empty.copy(), copy_src=empty.copy(),
+            return allocate.AppendResult(status=StatusArray(empty), slots=empty.copy(), copy_src=empty.copy(),
                                          copy_dst=empty.copy(), num_copies=0)
         size = _bucket(len(ids), self.config.max_seqs)
         self.state, result = _append(
@@ -221,7 +222,7 @@ class BlockManager:
         )
         k = len(ids)
         return allocate.AppendResult(
-            status=np.asarray(result.status)[:k],
+            status=StatusArray(np.asarray(result.status)[:k]),
             slots=np.asarray(result.slots)[:k],
             copy_src=np.asarray(result.copy_src)[:k],
             copy_dst=np.asarray(result.copy_dst)[:k],
@@ -240,7 +241,7 @@ class BlockManager:
         self.state, status = _fork(
             self.config, self.state, _padded([src] * len(ids), size), _padded(ids, size)
         )
-        return np.asarray(status)[: len(ids)]
+        return StatusArray(np.asarray(status)[: len(ids)])
 
     def select(self, dst_ids: Sequence[int], parent_ids: Sequence[int]) -> np.ndarray:
         """Beam reselection: ``dst_ids[i]`` takes ``parent_ids[i]``'s table, all at once."""
@@ -256,7 +257,7 @@ class BlockManager:
         self.state, status = _select(
             self.config, self.state, _padded(ids, size), _padded(parents, size)
         )
-        return np.asarray(status)[: len(ids)]
+        return StatusArray(np.asarray(status)[: len(ids)])
 
     def free(self, seq_ids: Sequence[int]) -> np.ndarray:
         """Ends sequences; their blocks join the back of the free queue, tail first."""
@@ -266,7 +267,7 @@ class BlockManager:
             return np.zeros((0,), np.int32)
         size = _bucket(len(ids), self.config.max_seqs)
         self.state, status = _free(self.config, self.state, _padded(ids, size))
-        return np.asarray(status)[: len(ids)]
+        return StatusArray(np.asarray(status)[: len(ids)])
 
     # -- views -----------------------------------------------------------------------------
 
@@ -313,4 +314,4 @@ class BlockManager:
         return {k: int(getattr(u, k)) for k in ("used", "free", "shared", "table_entries", "running")}
 
 
-__all__ = ["BlockManager", "Status"]
+__all__ = ["BlockManager", "Status", "StatusArray"]

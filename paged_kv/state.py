@@ -64,6 +64,26 @@ class CacheStats:
 
     counts: jax.Array
 
+    def as_dict(self) -> dict[str, int | float | None]:
+        """The counters as Python ints, and ``hit_rate`` (hit / query tokens; None before any
+        query). Reads the device (not under ``jit``)."""
+        out = dict(zip(STAT_NAMES, (int(v) for v in np.asarray(self.counts))))
+        out["hit_rate"] = out["hit_tokens"] / out["query_tokens"] if out["query_tokens"] else None
+        return out
+
+    def __repr__(self) -> str:
+        try:
+            if np.shape(self.counts) != (len(STAT_NAMES),):
+                raise ValueError("a batch of counters")
+            d = self.as_dict()
+        except Exception:  # noqa: BLE001 -- under jit (a tracer), or a batch of them: the plain form
+            return f"CacheStats(counts={self.counts!r})"
+        rate = "–" if d["hit_rate"] is None else f"{100 * d['hit_rate']:.1f} %"
+        return (f"CacheStats(lookups={d['lookups']}, query_tokens={d['query_tokens']}, "
+                f"hit_tokens={d['hit_tokens']} (hit rate {rate}), evictions={d['evictions']})")
+
+    __str__ = __repr__
+
 
 STAT_NAMES = ("lookups", "query_tokens", "hit_tokens", "evictions")
 with_packed_scalars(CacheStats, "counts", STAT_NAMES)

@@ -1,6 +1,7 @@
 """Read-only views of the state, for schedulers, statistics and tests.
 
-``usage`` scans the pool (O(num_blocks)): call it for reports, not inside every decode step.
+Like every operation they take ``(config, state, ...)``. ``usage`` scans the pool
+(O(num_blocks)): call it for reports, not inside every decode step.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ def usage(config: ManagerConfig, state: BlockManagerState) -> Usage:
     )
 
 
-def num_free_blocks(state: BlockManagerState) -> jax.Array:
+def num_free_blocks(config: ManagerConfig, state: BlockManagerState) -> jax.Array:
     """int32 scalar, O(1): blocks a scheduler can still allocate."""
     return state.queue.num_free
 
 
-def shared_blocks(state: BlockManagerState) -> jax.Array:
+def shared_blocks(config: ManagerConfig, state: BlockManagerState) -> jax.Array:
     """bool ``[num_blocks]``: blocks held by two or more tables."""
     return state.ref_count > 1
 

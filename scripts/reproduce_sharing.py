@@ -101,7 +101,7 @@ import paged_kv as pk  # noqa: E402
 from paged_kv.models import LlamaConfig, allocate_pages, init_model, load_hf_checkpoint, page_spec  # noqa: E402
 from paged_kv import engine
 from paged_kv.apps import traces  # noqa: E402
-from paged_kv.engine import requests as engine_requests  # noqa: E402
+from paged_kv.engine import call_setup  # noqa: E402
 from paged_kv.engine.beam_search import beam_search_loop  # noqa: E402
 from paged_kv.engine.generate import FinishReason  # noqa: E402
 
@@ -219,7 +219,7 @@ class Runner:
         toks, lens = self._prompts(reqs, 1)
         outs = np.array([r.output_len for r in reqs], np.int32)
         params = engine.BeamParams(beam_width=k, max_new_tokens=self.max_new)
-        req = engine_requests.check_request(self.beam_model.config, pool.manager, pool.pages, pool.state, toks, lens,
+        req = call_setup.check_call(self.beam_model.config, pool.manager, pool.pages, pool.state, toks, lens,
                                             rows_per_prompt=k, what="beam_width", chunk_size=CHUNK,
                                             vocab_needed=2 * k)
         self.compiles.add(("beam", pool.manager, k, len(reqs)))

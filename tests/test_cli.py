@@ -19,7 +19,7 @@ OPTIONS = ["--checkpoint", "--requests", "--max-new-tokens", "--arrival-gap", "-
            "--block-size", "--max-seqs", "--max-seq-len", "--chunk-size", "--max-prefill-rows",
            "--no-prefix-caching", "--tp", "--impl", "--show", "--out-dir", "--png", "--json", "--color",
            "--no-progress", "--compile-cache", "--no-compile-cache", "--walkthrough", "--prompt", "--prompts-file",
-           "--chat", "--n", "--beam-width", "--temperature", "--top-p", "--top-k"]
+           "--chat", "--n", "--beam-width", "--temperature", "--top-p", "--top-k", "--verbose"]
 # The CLI's persistent compilation cache goes to a folder of this test session, not the user's.
 _CACHE_HOME = tempfile.mkdtemp(prefix="paged-kv-test-cache-")
 
@@ -76,6 +76,11 @@ def test_output_paths_default_to_the_output_folder():
     (["--png", "/no/such/dir/x.png"], "does not exist"),
     (["--out-dir", "pyproject.toml"], "is not a directory"),
     (["--out-dir", "pyproject.toml/sub"], "is a file, not a directory"),
+    (["--max-new-tokens", "100000"], "--max-new-tokens 100000 does not fit --max-seq-len 256 (prompt + answer, and a "
+                                     "prompt has at least one token): at most 255"),
+    (["--prompt", "hi", "--n", "1000"], "--n 1000 needs 1000 sequences running at once; --max-seqs is 32 (raise "
+                                        "--max-seqs to 1000 or more, or lower --n)"),
+    (["--prompt", "hi", "--beam-width", "40"], "--beam-width 40 needs 40 sequences running at once; --max-seqs is 32"),
 ])
 def test_bad_option_is_one_line(args, message):
     r = _run(*args)
@@ -133,6 +138,7 @@ def test_small_end_to_end_run(tmp_path):
              "--out-dir", str(out_dir))
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(p.name for p in out_dir.iterdir()) == ["block_tables.png", "report.json"]
+    assert "done at step" not in r.stderr + r.stdout  # one line per request only with --verbose
     out = r.stdout
     assert f"report JSON: {js}" in out and f"block-table picture: {png}" in out
     for text in ("generated tokens/s", "peak blocks in use", "saved by sharing", "prefix cache", "preemptions",
@@ -287,8 +293,10 @@ def test_compilation_cache_is_filled_once_and_reused(tmp_path):
     assert first.returncode == 0, first.stderr
     entries = sorted(p.name for p in cache.iterdir())
     assert len(entries) >= 2  # the step, the admission, ...
-    second = _run(*args, "--out-dir", str(tmp_path / "b"))
+    second = _run(*args, "--verbose", "--out-dir", str(tmp_path / "b"))
     assert second.returncode == 0, second.stderr
+    assert "done at step" not in first.stdout + first.stderr  # one line per request only with --verbose
+    assert (second.stdout + second.stderr).count("done at step") == 2
     assert sorted(p.name for p in cache.iterdir()) == entries
     off = _run("--requests", "2", "--max-new-tokens", "3", "--no-progress", "--no-compile-cache",
                "--compile-cache", str(tmp_path / "unused"), "--out-dir", str(tmp_path / "c"))
@@ -415,3 +423,70 @@ def test_stream_printer_holds_later_answers_until_their_turn():
                               "[prompt 1, best beam] 'b' -> B [eos]\n"
                               "[prompt 2, answer] 'c' ->  [rejected: prompt too long]\n")
     assert pr.tokens == 8
+
+
+# -- checked before anything loads or compiles ---------------------------------------------------
+def _run_patched(prelude: str, *args, timeout=120):
+    """``main(args)`` in a fresh process after ``prelude`` (Python run first, e.g. to hide a module)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "XDG_CACHE_HOME": _CACHE_HOME}
+    code = f"{prelude}\nimport sys\nfrom paged_kv.apps.cli import main\nsys.exit(main({list(args)!r}))"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_unwritable_output_folder_is_refused_first(tmp_path):
+    """An --out-dir (or the folder it would be created in) that cannot be written is refused at
+    once, not after the run (whose report would be lost). os.access is patched: tests may run as
+    root, who can write anywhere."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    prelude = (f"import os\n_access = os.access\n"
+               f"os.access = lambda p, m, **k: False if str(p).startswith({str(ro)!r}) else _access(p, m, **k)")
+    for out_dir, why in ((ro, "is not writable"), (ro / "new", f"cannot be created: '{ro}' is not writable")):
+        t0 = time.monotonic()
+        r = _run_patched(prelude, "--out-dir", str(out_dir))
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        assert r.stderr.strip().splitlines() == [f"paged-kv: error: --out-dir '{out_dir}': {why} (see --help)"]
+        assert time.monotonic() - t0 < 30
+    r = _run_patched(prelude, "--json", str(ro / "r.json"), "--png", str(tmp_path / "t.png"))
+    assert r.returncode == 2 and f"directory of '{ro / 'r.json'}' is not writable" in r.stderr
+
+
+def test_missing_cli_extra_is_one_line():
+    for hidden in (["tqdm"], ["tqdm", "matplotlib"]):
+        prelude = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in hidden)
+        r = _run_patched(prelude, "--requests", "2")
+        assert r.returncode == 1 and r.stdout == ""
+        assert r.stderr.strip().splitlines() == [
+            f"paged-kv: error: the command line needs {' and '.join(hidden)}, which "
+            f"{'is' if len(hidden) == 1 else 'are'} not installed: pip install 'paged-kv[cli]'"], r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "x" * 300], "prompt 0 ('xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...') has 301 tokens; --max-seq-len 256 "
+                              "allows 256 per sequence (prompt + answer): raise --max-seq-len or shorten the prompt"),
+    (["--prompt", "hi", "--n", "4", "--num-blocks", "8", "--max-new-tokens", "100"],
+     "prompt 0 ('hi'): 4 answers of up to 102 tokens need up to 28 blocks of 16 tokens; --num-blocks 8 gives 7 "
+     "(raise --num-blocks, or lower --max-new-tokens or --n/--beam-width)"),
+])
+def test_prompts_that_cannot_run_are_refused_before_loading(args, message, tmp_path):
+    t0 = time.monotonic()
+    r = _run(*args, "--out-dir", str(tmp_path / "o"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [f"paged-kv: error: {message}"]
+    assert "compiling" not in r.stdout and time.monotonic() - t0 < 60  # nothing loaded, nothing compiled
+
+
+def test_answers_cut_by_the_sequence_length_are_announced_before_compiling(tmp_path):
+    """A prompt that leaves fewer than --max-new-tokens positions, and workload prompts longer than
+    --max-seq-len, are said before compiling (stopped there with Ctrl-C: nothing compiles)."""
+    rc, _, out, err, _ = _interrupt_at("compile:wait", "--prompt", "y" * 200, "--max-new-tokens", "100",
+                                       "--out-dir", str(tmp_path))
+    assert rc == 130, err
+    assert ("note: --max-seq-len 256 leaves prompt 0 fewer than --max-new-tokens 100 new tokens: their answers "
+            "stop at the sequence length (finish reason 'length')") in out
+    rc, _, out, err, _ = _interrupt_at("compile:wait", "--max-seq-len", "48", "--max-new-tokens", "8",
+                                       "--out-dir", str(tmp_path))
+    assert rc == 130, err
+    assert "note: 10 of 24 requests have prompts longer than the 48 tokens a sequence holds (--max-seq-len 48): " \
+           "they will be rejected" in out

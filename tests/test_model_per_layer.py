@@ -21,7 +21,7 @@ from paged_kv.models import paged as paged_mod
 from paged_kv.models import sharding as msharding
 from paged_kv.models.config import tiny
 from paged_kv.config import ManagerConfig
-from paged_kv.engine import requests
+from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import SamplingParams
 from paged_kv.state import init_state
 
@@ -208,8 +208,8 @@ def test_generate_converts_for_interpret_and_gives_the_stacked_models_tokens():
     assert seen == [True]
     placed, pages = msharding.shard(model, allocate_pages(spec), mesh)
     graphdef, weights = nnx.split(placed)
-    state, toks, plens, budgets, key = requests.replicate_inputs(
-        mesh, init_state(mgr), prompts, lens, jnp.full((2,), 5, jnp.int32), requests.check_key(3))
+    state, toks, plens, budgets, key = call_setup.replicate_inputs(
+        mesh, init_state(mgr), prompts, lens, jnp.full((2,), 5, jnp.int32), call_setup.check_key(3))
     want, _, _ = real(graphdef, weights, pages, state, toks, plens, budgets, key, manager=mgr, params=params,
                       impl="interpret", chunk_size=12, context=mgr.block_size * mgr.max_blocks_per_seq, mesh=mesh)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))

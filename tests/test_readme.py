@@ -42,6 +42,27 @@ def test_readme_python_blocks_run_as_printed(tmp_path):
         assert out.strip(), f"README example {i} ({first!r}) printed nothing"
 
 
+USAGE = ROOT / "docs" / "usage.md"
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks(USAGE))))
+def test_usage_python_blocks_run_as_printed(index, tmp_path):
+    """docs/usage.md's examples (beam search, streaming, tensor parallelism on 4 CPU devices, ...)
+    run as printed too, each in a fresh process: the tensor-parallel one sets
+    ``jax_num_cpu_devices`` itself, as a library user must."""
+    block = python_blocks(USAGE)[index]
+    script = tmp_path / f"usage_example_{index}.py"
+    script.write_text(block)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("XLA_FLAGS", None)  # no device count from the environment: the example sets its own
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, text=True, capture_output=True,
+                          timeout=900)
+    first = block.strip().splitlines()[0]
+    assert proc.returncode == 0, f"usage.md example {index} ({first!r}) failed:\n{proc.stderr[-3000:]}"
+    assert proc.stdout.strip(), f"usage.md example {index} ({first!r}) printed nothing"
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation other than '-' and '_' dropped,
     spaces to '-'."""

@@ -188,12 +188,35 @@ def test_beams_rank_select_and_finish():
 
 def test_streaming_deltas_add_up_to_the_outputs():
     sched, _ = make(num_blocks=5, max_seqs=2, block_size=4)
-    sched._deltas = []  # what ServingEngine.run(on_token=...) does
+    sched.host.deltas = []  # what ServingEngine.run(on_token=...) does
     sched.submit(Request((1, 2, 3, 4), SamplingParams(max_new_tokens=8), request_id="p"))
     sched.submit(Request((5, 6, 7, 8), SamplingParams(max_new_tokens=8, n=1), request_id="q"))
     outs = drain(sched)
     got: dict = {}
-    for d in sched._deltas:
+    for d in sched.host.deltas:
         got.setdefault((d.request_id, d.index), []).extend(d.tokens)
     assert got == {("p", 0): outs["p"].tokens[0], ("q", 0): outs["q"].tokens[0]}
     assert sum(o.stats.preemptions for o in outs.values()) == 1  # streamed once despite the preemption
+
+
+def test_collaborators_are_held_not_inherited():
+    """The scheduler holds its collaborators (the device, ``Outcomes``, one shared ``HostState``)
+    and the serving engine holds the scheduler; the engine's public API is what it was when it
+    inherited it (checked by name, without a model)."""
+    from paged_kv.engine.families import HostState
+    from paged_kv.engine.outcomes import Outcomes
+    from paged_kv.engine.serving import ServingEngine
+
+    assert Scheduler.__bases__ == (object,) and Outcomes.__bases__ == (object,)
+    assert ServingEngine.__bases__ == (object,)
+    sched = Scheduler(ServingConfig(ManagerConfig(num_blocks=9, block_size=4, max_seqs=4, max_blocks_per_seq=4),
+                                    chunk_size=4, max_prefill_rows=2), object(), vocab_size=10, max_positions=64)
+    assert isinstance(sched.host, HostState) and sched.outcomes.host is sched.host
+    sched.step_count = 5
+    assert sched.host.step_count == 5
+    api = {"config", "manager", "device", "vocab_size", "max_positions", "context", "step_count", "snapshot",
+           "compile_table", "idle", "num_waiting", "num_running", "blocks_in_use", "preemptions", "check", "submit",
+           "reject", "step", "stats", "pages", "state", "programs", "compile", "run"}
+    missing = [name for name in api if not hasattr(ServingEngine, name) and name not in ("device", "compile_table")]
+    assert not missing, missing
+    assert isinstance(ServingEngine.step_count, property) and ServingEngine.step_count.fset is not None

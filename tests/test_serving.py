@@ -84,7 +84,7 @@ def test_outputs_independent_of_memory_pressure(model, pressured, alone):
                 atol = tol.beam_score_atol(model, len(o.request.prompt) + len(toks), len(toks), want)
                 np.testing.assert_allclose(got, want, rtol=0, atol=atol)
     # Every block is free again at the end.
-    assert int(pk.num_free_blocks(eng_p.state)) == MGR.num_blocks - 1
+    assert int(pk.num_free_blocks(MGR, eng_p.state)) == MGR.num_blocks - 1
     assert not bool(jnp.any(eng_p.state.active))
 
 

@@ -24,7 +24,8 @@ def _inputs(rng, r=6, p=3, c=5) -> ss.StepInputs:
         pf_start=ints(p), pf_lens=ints(p), dec_tokens=ints(r), dec_live=rng.random(r) < 0.5, fork_src=ints(r),
         fork_dst=ints(r), logit_src=ints(r), temperature=rng.permutation(odd), top_k=ints(r),
         top_p=rng.random(r).astype(np.float32), seed=ints(r), sample_idx=ints(r), token_idx=ints(r),
-        beam=rng.random(r) < 0.5, left=ints(r), n_steps=ints(r), eos=ints(ss.EOS_SLOTS, r))
+        beam=rng.random(r) < 0.5, left=ints(r), n_steps=ints(r), eos=ints(ss.EOS_SLOTS, r),
+        stop_on_finish=rng.random(r) < 0.5)
 
 
 def _bits(x) -> np.ndarray:
@@ -39,6 +40,26 @@ def test_inputs_round_trip_bit_for_bit():
         a, b = np.asarray(getattr(inp, f)), np.asarray(getattr(back, f))
         assert a.dtype == b.dtype and a.shape == b.shape, f
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f)
+
+
+def test_a_new_field_round_trips_from_its_one_declaration():
+    """Packing is declared once (``ROW_LAYOUT``: field, dtype, rows): a layout with a new float,
+    bool and multi-row field packs and unpacks bit for bit with no other change, and every
+    ``StepInputs`` field is declared (else importing step_io fails)."""
+    rng = np.random.default_rng(2)
+    layout = ss.ROW_LAYOUT + (("min_p", np.float32, 1), ("greedy", np.bool_, 1), ("stop_ids", np.int32, 3))
+    inp = _inputs(rng)
+    values = {f: getattr(inp, f) for f, _, _ in ss.ROW_LAYOUT}
+    values.update(min_p=np.array([0.0, -0.0, np.nan, 1e-45, 0.5, np.inf], np.float32),
+                  greedy=rng.random(6) < 0.5, stop_ids=rng.integers(-1, 99, (3, 6)).astype(np.int32))
+    back = jax.jit(lambda rows: ss.unpack_rows(rows, layout))(ss.pack_rows(values, layout))
+    assert set(back) == set(values)
+    for f, v in values.items():
+        a, b = np.asarray(v), np.asarray(back[f])
+        assert a.dtype == b.dtype and a.shape == b.shape, f
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f)
+    declared = {f for f, _, _ in ss.ROW_LAYOUT} | set(ss.PREFILL_FIELDS)
+    assert declared == set(ss.StepInputs.__dataclass_fields__)
 
 
 @pytest.mark.parametrize("record_tables", [True, False])

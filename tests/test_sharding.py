@@ -126,8 +126,11 @@ def test_degrees_and_errors():
     assert sharding.valid_degrees(llama31_8b()) == [1, 2, 4, 8, 16, 32]
     with pytest.raises(ValueError, match="tp=0"):
         sharding.check_degree(cfg, 0)
-    with pytest.raises(ValueError, match=r"tp=2 must be an int in \[1, 1\]"):
+    with pytest.raises(ValueError, match=r"tp=2 needs 2 devices; JAX has 1 \(cpu\); on a CPU, make 2 devices with "
+                                         r"jax.config.update\(\"jax_num_cpu_devices\", 2\) before JAX starts"):
         sharding.make_mesh(2)
+    with pytest.raises(ValueError, match=r"tp=0 must be an int in \[1, 1\]"):
+        sharding.make_mesh(0)
 
 
 def test_bad_mesh_rejected_before_tracing():

@@ -146,6 +146,26 @@ def test_byte_tokenizer_stays_for_the_builtin_model(tmp_path):
     assert isinstance(t, ByteTokenizer) and desc == "byte-level (tokenizer.json of type 'byte')"
     t, desc = load_tokenizer(tmp_path)  # no tokenizer.json at all
     assert isinstance(t, ByteTokenizer) and "has no tokenizer.json" in desc
+    loaded = load_tokenizer(BUILTIN_CHECKPOINT)  # a NamedTuple: by name as well as unpacked
+    assert isinstance(loaded.tokenizer, ByteTokenizer) and loaded.description == desc.replace(desc, loaded[1])
+
+
+def test_decode_skips_the_padding_of_a_generated_row():
+    """`generate` pads each answer's row with -1 after its end: both tokenizers decode such a row
+    as is (the padding is not text), and still refuse an id beyond the vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    byte = ByteTokenizer()
+    row = byte.encode("moo") + [byte.eos_id, -1, -1]
+    assert byte.decode(row) == "moo" and byte.decode(np.array(row)) == "moo"
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "the": 1, "cow": 2, "moo": 3}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = HFTokenizer(backend, bos_id=None, eos_ids=())
+    ids = tok.encode("the cow moo", add_bos=False)
+    assert ids == [1, 2, 3] and tok.decode(ids + [-1, -1]) == tok.decode(ids)
+    for t in (byte, tok):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            t.decode([1, t.vocab_size])
 
 
 # ---------------------------------------------------------------------------- chat templates

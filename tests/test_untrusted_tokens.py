@@ -28,7 +28,7 @@ from paged_kv.models import allocate_pages, init_model, load_hf_checkpoint, page
 from paged_kv.models.llama import SAFE_TOKEN, in_vocab, safe_tokens
 from paged_kv.models.tokenizer import ByteTokenizer
 from paged_kv.engine import BeamParams, FinishReason, SamplingParams, beam_search, generate, pad_prompts
-from paged_kv.engine import requests as req_mod
+from paged_kv.engine import call_setup as req_mod
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
 
 gen_mod = importlib.import_module("paged_kv.engine.generate")  # the package rebinds the name to the function
@@ -386,7 +386,7 @@ def test_generate_and_beam_search_under_jit_flag_bad_rows():
     np.testing.assert_array_equal(np.asarray(out.logprobs[1]), np.asarray(ref.logprobs[0]))
     # Only the good prompt's full block was cached (the bad prompt was never admitted).
     assert int(np.sum(np.asarray(state.cache.slot) >= 0)) - int(np.sum(cache_before >= 0)) == 1
-    assert int(pk.num_free_blocks(state)) == GEN_MGR.num_blocks - 1
+    assert int(pk.num_free_blocks(GEN_MGR, state)) == GEN_MGR.num_blocks - 1
 
     # Beam search (without prefix caching: half the compile time; the flag does not depend on it).
     mgr = dataclasses.replace(GEN_MGR, prefix_caching=False)
@@ -397,4 +397,4 @@ def test_generate_and_beam_search_under_jit_flag_bad_rows():
     assert beams.out_of_blocks.tolist() == [False, False]
     assert beams.lengths[0].tolist() == [0, 0] and beams.lengths[1, 0] > 0
     assert not bool(jnp.any(jnp.isnan(pages)))
-    assert int(pk.num_free_blocks(state)) == mgr.num_blocks - 1
+    assert int(pk.num_free_blocks(mgr, state)) == mgr.num_blocks - 1

@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="colour the terminal block tables by reference count")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--verbose", action="store_true",
+                   help="the built-in workload: one line per finished request (step, cache hits, preemptions, "
+                        "first-token time) above the report")
     g = p.add_argument_group("compilation")
     g.add_argument("--compile-cache", metavar="DIR", default=None,
                    help="JAX's persistent compilation cache: a later run loads the compiled programs instead of "
@@ -320,6 +323,18 @@ def build_workload(tokenizer, num_requests: int, max_new_tokens: int, arrival_ga
 def _short(text: str, limit: int = 60) -> str:
     text = text.replace(PREAMBLE, "<Q&A preamble> ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _workload_notes(reqs, prompts, context: int, args) -> list[str]:
+    """The built-in workload's requests that cannot run (said before compiling; they are still
+    submitted, and rejected with the engine's reason)."""
+    if prompts is not None:
+        return []
+    long = [q for q in reqs if len(q.prompt) > context]
+    if not long:
+        return []
+    return [f"{len(long)} of {len(reqs)} requests have prompts longer than the {context} tokens a sequence holds "
+            f"(--max-seq-len {args.max_seq_len}): they will be rejected"]
 
 
 def _describe(req) -> str:
@@ -439,15 +454,16 @@ class _UsageError(Exception):
     """A bad combination of options found after parsing: exit 2, like argparse."""
 
 
-def _load_tokenizer(ckpt: Path, vocab_size: int):
+def _load_tokenizer(ckpt: Path, vocab_size: int, loaded=None):
     """(tokenizer, answers as text, note, description): what the checkpoint ships
-    (``paged_kv.models.hf_tokenizer.load_tokenizer``): its Hugging Face ``tokenizer.json``, its byte-level
-    one, or none (the byte tokenizer for the prompts, answers printed as text where every id is a
-    byte, else as token ids). ``ValueError`` for a tokenizer file that cannot be read."""
+    (``paged_kv.models.hf_tokenizer.load_tokenizer``, or ``loaded``, what it returned): its Hugging
+    Face ``tokenizer.json``, its byte-level one, or none (the byte tokenizer for the prompts, answers
+    printed as text where every id is a byte, else as token ids). ``ValueError`` for a tokenizer
+    file that cannot be read."""
     from paged_kv.models.hf_tokenizer import load_tokenizer
     from paged_kv.models.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
-    tok, desc = load_tokenizer(ckpt)
+    tok, desc = loaded if loaded is not None else load_tokenizer(ckpt)
     note = None
     if isinstance(tok, ByteTokenizer) and not (ckpt / TOKENIZER_FILE).is_file() and vocab_size != tok.vocab_size:
         note = (f"no {TOKENIZER_FILE} and a vocabulary of {vocab_size} ids: prompts go in as UTF-8 bytes, answers "
@@ -635,7 +651,7 @@ def _stream_prompts(engine, reqs, tok, prompts, prep: dict):
         "streamed_tokens": printer.tokens,
         # Steady-state step time: the wall time of all steps less the first call of each shape.
         "step_ms_mean": 1000 * (st.step_s - (st.compile_s - st.compile_ahead_s)) / max(
-            st.steps - sum(1 for k in engine._seen_shapes if k[0] == "step"), 1),
+            st.steps - sum(1 for k in engine.scheduler.timed_compiles if k[0] == "step"), 1),
     }
 
 
@@ -690,19 +706,33 @@ def _run(args, ckpt: Path) -> int:
     from paged_kv.engine.serving import ServingConfig, ServingEngine
     from paged_kv.apps.progress import CompileProgress
 
+    from paged_kv.models.hf_tokenizer import load_tokenizer
+
+    # Your prompts are encoded (and rendered through the chat template) and checked against the
+    # options first, before the model loads; against the model's own context after, still before
+    # anything compiles.
+    loaded = load_tokenizer(ckpt)
+    prep: dict = {}
+    prompts = _user_prompts(args, loaded.tokenizer, prep)
+    per_seq = -(-args.max_seq_len // args.block_size) * args.block_size  # whole blocks
+    notes = []
+    if prompts is not None:
+        notes = _check_prompts(args, prompts, args.block_size, per_seq, f"--max-seq-len {args.max_seq_len}")
     _phase("load")
     try:
         model = load_hf_checkpoint(ckpt)
     except (CheckpointError, OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot load checkpoint {str(ckpt)!r}: {_first_line(e)}") from None
     vocab = model.config.vocab_size
-    tok, as_text, note, tok_desc = _load_tokenizer(ckpt, vocab)
+    tok, as_text, note, tok_desc = _load_tokenizer(ckpt, vocab, loaded)
     if vocab < tok.vocab_size:
         raise ValueError(f"the model's vocabulary has {vocab} ids; the tokenizer ({tok_desc}) has {tok.vocab_size}")
     eos_ids = tuple(tok.eos_ids)
-    prep: dict = {}
-    prompts = _user_prompts(args, tok, prep)  # encoded (and rendered through the chat template) before compiling
-    context = min(args.max_seq_len, model.config.max_position_embeddings)
+    max_pos = model.config.max_position_embeddings
+    if prompts is not None and max_pos < per_seq:
+        notes = _check_prompts(args, prompts, args.block_size, max_pos,
+                               f"the model's context (max_position_embeddings={max_pos})")
+    context = min(args.max_seq_len, max_pos)
     mgr = pk.ManagerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                            max_blocks_per_seq=-(-context // args.block_size),
                            prefix_caching=not args.no_prefix_caching)
@@ -732,8 +762,8 @@ def _run(args, ckpt: Path) -> int:
           + (f", tensor-parallel over {args.tp} devices" if mesh is not None else ""), flush=True)
     print(f"tokenizer: {tok_desc}; EOS ids {', '.join(map(str, eos_ids)) or 'none'}"
           + ("; prompts rendered through the chat template" if args.chat else ""), flush=True)
-    if note:
-        print(f"note: {note}", flush=True)
+    for line in ([note] if note else []) + notes + _workload_notes(reqs, prompts, min(per_seq, max_pos), args):
+        print(f"note: {line}", flush=True)
     # Every program compiles here, ahead of the first step, one visible line each ("compiling step
     # variant k/2 ... s", ticking on a terminal): serving then never stops for XLA, and the report
     # gives each program's compile seconds apart from serving time.
@@ -769,6 +799,8 @@ def _run(args, ckpt: Path) -> int:
         bar.update(1)
         if out.error is not None:
             bar.write(f"request {out.request_id:>3} rejected: {out.error}")
+            continue
+        if not args.verbose:
             continue
         st = out.stats
         ttft = "–" if st.time_to_first_token_s is None else f"{st.time_to_first_token_s:.2f} s"
@@ -834,14 +866,73 @@ def _report(args, engine, outputs, ckpt: Path, tok, as_text: bool, extra: dict, 
 
 
 def _out_dir_problem(out: Path) -> str | None:
-    """Why ``out`` cannot be the output folder (it or an ancestor is a file), else None. It is
-    created only when the files are written."""
+    """Why ``out`` cannot be the output folder (it or an ancestor is a file, or the folder it is or
+    would be created in is not writable), else None. It is created only when the files are written,
+    so this is checked first: a run must not end with its report lost."""
     for p in (out.resolve(), *out.resolve().parents):
         if p.exists():
-            if p.is_dir():
-                return None
-            return "is not a directory" if p == out.resolve() else f"{str(p)!r} is a file, not a directory"
+            if not p.is_dir():
+                return "is not a directory" if p == out.resolve() else f"{str(p)!r} is a file, not a directory"
+            if not os.access(p, os.W_OK | os.X_OK):
+                return ("is not writable" if p == out.resolve()
+                        else f"cannot be created: {str(p)!r} is not writable")
+            return None
     return None
+
+
+def _missing_cli_dependencies() -> list[str]:
+    """The command line's own dependencies (the ``cli`` extra) that are not installed. Looked up,
+    not imported: matplotlib alone takes ~0.4 s to import."""
+    import importlib.util
+
+    missing = []
+    for name in ("tqdm", "matplotlib"):
+        try:
+            found = sys.modules[name] is not None if name in sys.modules else \
+                importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _check_widths(args) -> None:
+    """``--n`` / ``--beam-width`` against ``--max-seqs`` (every answer of a prompt runs as a row of
+    its own, all at once), before anything is loaded."""
+    for opt, w in (("--n", args.n), ("--beam-width", args.beam_width)):
+        if w > args.max_seqs:
+            raise ValueError(f"{opt} {w} needs {w} sequences running at once; --max-seqs is {args.max_seqs} "
+                             f"(raise --max-seqs to {w} or more, or lower {opt})")
+
+
+def _check_prompts(args, prompts, block_size: int, context: int, limit: str) -> list[str]:
+    """Your prompts against the pool and the sequence length, in the command line's terms
+    (``ValueError`` naming the option), before anything compiles; returns notes for answers that
+    ``--max-seq-len`` will cut short. ``context``: tokens a sequence can hold; ``limit``: what
+    sets it (``--max-seq-len N`` or the model's context)."""
+    blocks = args.num_blocks - 1  # block 0 is reserved
+    width = max(args.n, args.beam_width)
+    cut = []
+    for i, (text, ids) in enumerate(prompts):
+        n = len(ids)
+        if n > context:
+            raise ValueError(f"prompt {i} ({_short(text, 40)!r}) has {n} tokens; {limit} allows {context} per "
+                             f"sequence (prompt + answer): raise --max-seq-len or shorten the prompt")
+        longest = min(n + args.max_new_tokens - 1, context)
+        need = width * -(-longest // block_size)
+        if need > blocks:
+            who = f"{width} answers of" if width > 1 else "an answer of"
+            raise ValueError(f"prompt {i} ({_short(text, 40)!r}): {who} up to {longest} tokens need up to {need} "
+                             f"blocks of {block_size} tokens; --num-blocks {args.num_blocks} gives {blocks} "
+                             f"(raise --num-blocks, or lower --max-new-tokens or --n/--beam-width)")
+        if n + args.max_new_tokens > context:
+            cut.append(i)
+    if not cut:
+        return []
+    return [f"{limit} leaves prompt{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut[:8]))}"
+            f"{' ...' if len(cut) > 8 else ''} fewer than --max-new-tokens {args.max_new_tokens} new tokens: "
+            "their answers stop at the sequence length (finish reason 'length')"]
 
 
 def main(argv=None) -> int:
@@ -852,9 +943,14 @@ def main(argv=None) -> int:
         parser.error(f"--block-size {args.block_size} must be a power of two")
     if args.num_blocks < 2:
         parser.error(f"--num-blocks {args.num_blocks} must be >= 2 (block 0 is reserved)")
+    if args.max_new_tokens >= args.max_seq_len:
+        parser.error(f"--max-new-tokens {args.max_new_tokens} does not fit --max-seq-len {args.max_seq_len} "
+                     f"(prompt + answer, and a prompt has at least one token): at most {args.max_seq_len - 1}")
     for path in (args.png, args.json):
         if path and not Path(path).resolve().parent.is_dir():
             parser.error(f"directory of {path!r} does not exist")
+        if path and not os.access(Path(path).resolve().parent, os.W_OK | os.X_OK):
+            parser.error(f"directory of {path!r} is not writable")
     if not (args.png and args.json):  # some file goes to --out-dir: it must be (or become) a folder
         problem = _out_dir_problem(Path(args.out_dir))
         if problem:
@@ -878,8 +974,16 @@ def main(argv=None) -> int:
                              "(the built-in workload has its own sampling options)")
         else:
             _sampling_params(args)
+            _check_widths(args)
     except ValueError as e:
         parser.error(str(e))
+    if not args.walkthrough:
+        missing = _missing_cli_dependencies()
+        if missing:
+            print(f"paged-kv: error: the command line needs {' and '.join(missing)}, which "
+                  f"{'is' if len(missing) == 1 else 'are'} not installed: pip install 'paged-kv[cli]'",
+                  file=sys.stderr)
+            return 1
     if args.walkthrough:
         from paged_kv.apps.walkthrough import main as walkthrough
 

@@ -31,15 +31,15 @@ with ``paged_kv.models.sharding.shard``), the block-manager state and prompts ar
 loops run unchanged (the kernels per device under ``shard_map``).
 
 Modules: ``sampling`` (parameters, sampler), ``steps`` (chunked prefill and the decode step with
-their block-manager side), ``generate``, ``beam_search``, ``requests`` (request checks), and the
-serving loop: ``serving`` (``ServingEngine``, wiring), ``serving_types`` (its config, request,
+their block-manager side), ``generate``, ``beam_search``, ``call_setup`` (checks and placement of a
+call), and the serving loop: ``serving`` (``ServingEngine``, wiring), ``serving_types`` (its config, request,
 output and statistics types), ``scheduler`` + ``outcomes`` + ``families`` (the host policy,
 testable without a model), ``serving_step`` (the jitted step and its inputs and outputs).
 """
 
 from paged_kv.engine.beam_search import BeamOutput, beam_search, beam_search_jit, beam_search_loop
 from paged_kv.engine.generate import BlockStats, FinishReason, GenerateOutput, generate, generate_jit, generate_loop
-from paged_kv.engine.requests import pad_prompts
+from paged_kv.engine.call_setup import pad_prompts
 from paged_kv.engine.sampling import BeamParams, SamplingParams, filter_logits, sample_tokens
 from paged_kv.engine.serving import Request, RequestOutput, ServingConfig, ServingEngine, TokenDelta
 

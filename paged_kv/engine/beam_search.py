@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from paged_kv.config import ManagerConfig
-from paged_kv.engine import requests
+from paged_kv.engine import call_setup
 from paged_kv.engine.generate import BlockStats, bad_prompts
 from paged_kv.engine.sampling import BeamParams, is_eos
 from paged_kv.engine.steps import block_counts, decode, prefill
@@ -238,18 +238,18 @@ def beam_search(model, pages: jax.Array, prompt_tokens, prompt_lens, params: Bea
     """
     if not isinstance(params, BeamParams):
         raise ValueError(f"params must be a BeamParams, got {type(params).__name__}")
-    graphdef, weights, facts, pages, mesh = requests.place(model, pages, mesh)
+    graphdef, weights, facts, pages, mesh = call_setup.place(model, pages, mesh)
     k = params.beam_width
-    req = requests.check_request(facts, manager, pages, state, prompt_tokens, prompt_lens,
+    req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=k, what="beam_width", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
                                  vocab_needed=k * (1 + max(len(params.eos_token_ids), 1)))
     # Pallas kernels over a mesh: one weight array per layer (as in `generate`).
-    graphdef, weights = requests.layer_layout(graphdef, weights, impl, mesh)
-    state = requests.initial_state(manager, state)
+    graphdef, weights = call_setup.layer_layout(graphdef, weights, impl, mesh)
+    state = call_setup.initial_state(manager, state)
     budgets = jnp.full((req.num_prompts,), params.max_new_tokens, jnp.int32) if max_new_tokens is None else \
         jnp.asarray(max_new_tokens, jnp.int32)
-    state, toks, lens, budgets = requests.replicate_inputs(mesh, state, jnp.asarray(prompt_tokens, jnp.int32),
+    state, toks, lens, budgets = call_setup.replicate_inputs(mesh, state, jnp.asarray(prompt_tokens, jnp.int32),
                                                            jnp.asarray(prompt_lens, jnp.int32), budgets)
     return beam_search_jit(graphdef, weights, pages, state, toks, lens, manager=manager, params=params, impl=impl,
                            chunk_size=req.chunk_size, context=req.context, mesh=mesh, budgets=budgets)

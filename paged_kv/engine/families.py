@@ -8,13 +8,14 @@ sample / beam while it runs. A *cohort row* is one prompt of an ``admit`` call b
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import math
 
 import numpy as np
 
-from paged_kv.engine import requests as _requests
+from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import BeamParams, SamplingParams, check_vocab
 from paged_kv.engine.serving_types import EngineStats, Request, RequestOutput, RequestStats, ServingConfig, TableSnapshot
 
@@ -84,6 +85,39 @@ class CohortRow:
 
 
 
+@dataclasses.dataclass
+class HostState:
+    """The serving scheduler's host state, one object that ``Scheduler`` (admission, steps) and
+    ``Outcomes`` (what a step's outputs do) both hold: neither reaches into the other's attributes.
+
+    Attributes:
+      waiting: families waiting for admission, in order (preempted ones at the front).
+      running: running families by submission number (``Family.seq``).
+      free_rows: rows no family holds, sorted; row_owner: row -> (family, sample/beam index).
+      pending: row -> the token it feeds at the next step (the rows that decode).
+      results: beam row -> its top ``(logprobs, ids)``, until every beam of its family has them.
+      select: ``(dst, parent)`` beam reselections for the next step; to_free: rows to free then.
+      cohort: the ``CohortRow`` s being prefilled.
+      stats: the engine's ``EngineStats``; finished: outputs not yet returned by ``step``.
+      deltas: streamed ``TokenDelta`` s of the step, or None when nobody streams.
+      step_count: steps run so far (the engine's clock).
+    """
+
+    free_rows: list[int]
+    waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
+    running: dict[int, Family] = dataclasses.field(default_factory=dict)
+    row_owner: dict[int, tuple[Family, int]] = dataclasses.field(default_factory=dict)
+    pending: dict[int, int] = dataclasses.field(default_factory=dict)
+    results: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    select: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    to_free: list[int] = dataclasses.field(default_factory=list)
+    cohort: list[CohortRow] = dataclasses.field(default_factory=list)
+    stats: EngineStats = dataclasses.field(default_factory=EngineStats)
+    finished: list[RequestOutput] = dataclasses.field(default_factory=list)
+    deltas: list | None = None
+    step_count: int = 0
+
+
 # ---------------------------------------------------------------------------- admission rules
 def budget(request: Request, context: int) -> int:
     """Tokens the request may generate per sample: ``max_new_tokens``, capped by the context."""
@@ -144,7 +178,7 @@ def check_request(request: Request, config: ServingConfig, *, context: int, voca
     mgr, cfg = config.manager, config
     # Token ids outside the vocabulary would embed as garbage and poison the KV blocks (and
     # the prefix cache) other requests read: reject them with the id, position and limit.
-    _requests.token_ids(request.prompt, vocab_size=vocab_size)
+    call_setup.token_ids(request.prompt, vocab_size=vocab_size)
     n = len(request.prompt)
     if n > context:
         raise ValueError(

@@ -20,13 +20,13 @@ from flax import nnx, struct
 
 from paged_kv.models.llama import in_vocab
 from paged_kv.config import ManagerConfig
-from paged_kv.engine import requests
+from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import SamplingParams, is_eos, sample_tokens
 from paged_kv.engine.steps import block_counts, decode, prefill
 from paged_kv.reclaim import free
 from paged_kv.share import fork
 from paged_kv.state import BlockManagerState
-from paged_kv.status import Status
+from paged_kv.status import Status, code_names
 
 
 class FinishReason(enum.IntEnum):
@@ -44,6 +44,12 @@ class FinishReason(enum.IntEnum):
     """The prompt holds a token id outside ``[0, vocab_size)`` (only possible when ``generate``
     runs inside the caller's ``jit``, where ids cannot be checked on the host; otherwise it raises
     ``ValueError``): the prompt is not admitted, nothing is computed or cached, nothing generated."""
+
+    @classmethod
+    def names(cls, codes) -> list | str:
+        """``FinishReason.names(out.finish_reason)``: the name of every code, nested like
+        ``tolist()`` (0, a row that never ran, shows as "0")."""
+        return code_names(cls, codes)
 
 
 @struct.dataclass
@@ -90,6 +96,11 @@ class GenerateOutput:
     finish_reason: jax.Array
     stats: BlockStats
     steps: jax.Array
+
+    def finish_reason_names(self) -> list:
+        """``finish_reason`` by name, ``[B][n]`` (``FinishReason.names``): "EOS", "LENGTH", ...
+        Reads the device (not under ``jit``)."""
+        return FinishReason.names(self.finish_reason)
 
 
 @struct.dataclass
@@ -250,21 +261,21 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    key = requests.check_key(key)
-    graphdef, weights, facts, pages, mesh = requests.place(model, pages, mesh)
-    req = requests.check_request(facts, manager, pages, state, prompt_tokens, prompt_lens,
+    key = call_setup.check_key(key)
+    graphdef, weights, facts, pages, mesh = call_setup.place(model, pages, mesh)
+    req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
                                  top_k=params.top_k)
     # Pallas kernels over a tensor-parallel mesh: one weight array per layer, converted here once
     # per call (a copy of the layer weights; pass a `paged_kv.models.per_layer` model to convert once for
     # many calls). On one device the layers stay stacked.
-    graphdef, weights = requests.layer_layout(graphdef, weights, impl, mesh)
-    state = requests.initial_state(manager, state)
+    graphdef, weights = call_setup.layer_layout(graphdef, weights, impl, mesh)
+    state = call_setup.initial_state(manager, state)
     b = req.num_prompts
     budgets = jnp.full((b,), params.max_new_tokens, jnp.int32) if max_new_tokens is None else \
         jnp.asarray(max_new_tokens, jnp.int32)
-    state, toks, lens, budgets, key = requests.replicate_inputs(
+    state, toks, lens, budgets, key = call_setup.replicate_inputs(
         mesh, state, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), budgets, key)
     return generate_jit(graphdef, weights, pages, state, toks, lens, budgets, key, manager=manager, params=params,
                         impl=impl, chunk_size=req.chunk_size, context=req.context, mesh=mesh)

@@ -4,10 +4,9 @@ samples and families finish, rows are released, tokens are queued for streaming,
 ``append`` preempts the newest running request (by recompute: it goes back to the front of the
 waiting queue with its generated tokens).
 
-``Outcomes`` is a base class of ``engine.scheduler.Scheduler``, split out to keep each file
-readable: it uses the scheduler's host state (``_pending``, ``_row_owner``, ``_results``,
-``_select``, ``_to_free``, ``_free_rows``, ``_running``, ``_waiting``, ``_cohort``, ``_stats``,
-``_deltas``, ``_finished``) and holds none of its own.
+``Outcomes`` is one of ``engine.scheduler.Scheduler``'s collaborators: both hold the same
+``families.HostState`` (queues, rows, pending tokens, statistics, streamed deltas), and the
+scheduler hands each step's outputs to ``Outcomes.process``.
 """
 
 from __future__ import annotations
@@ -17,29 +16,38 @@ import time
 import numpy as np
 
 from paged_kv.engine import families as F
-from paged_kv.engine.families import Beam, Family, Phase, Sample
+from paged_kv.engine.families import Beam, Family, HostState, Phase, Sample
 from paged_kv.engine.serving_step import StepOutputs
 from paged_kv.engine.serving_types import TokenDelta
 from paged_kv.status import Status
 
 
 class Outcomes:
-    """Processing of ``StepOutputs`` (host numpy) for ``Scheduler``."""
+    """Processing of ``StepOutputs`` (host numpy) for ``Scheduler``, on the ``HostState`` both hold.
 
-    def _process(self, out: StepOutputs, pf) -> None:
+    Args:
+      host: the scheduler's ``HostState`` (shared, not copied).
+      vocab_size: the model's vocabulary (beam ranking's tie breaking).
+    """
+
+    def __init__(self, host: HostState, vocab_size: int):
+        self.host, self.vocab_size = host, vocab_size
+
+    def process(self, out: StepOutputs, pf) -> None:
+        """One step's outputs (``pf``: its prefill pieces, ``build_inputs``' second result, or None)."""
         now = time.perf_counter()
-        st = self._stats
+        st = self.host.stats
         produced: list[int] = []  # rows whose logits are valid this step
         # Decoding rows.
         failed = []
         status = out.status.tolist()  # Python ints once, not a numpy scalar per row
-        for row in list(self._pending):
+        for row in list(self.host.pending):
             if status[row] == Status.OK:
-                del self._pending[row]
+                del self.host.pending[row]
                 produced.append(row)
             elif status[row] == Status.TABLE_FULL:  # cannot happen within the budget; end the row
-                del self._pending[row]
-                fam, _ = self._row_owner[row]
+                del self.host.pending[row]
+                fam, _ = self.host.row_owner[row]
                 self._end_row_table_full(fam, row)
             else:
                 failed.append(row)
@@ -52,24 +60,24 @@ class Outcomes:
                 if not end:
                     continue
                 if cr.discard:
-                    self._to_free.append(cr.row)
-                    self._free_rows.append(cr.row)
-                    self._free_rows.sort()
+                    self.host.to_free.append(cr.row)
+                    self.host.free_rows.append(cr.row)
+                    self.host.free_rows.sort()
                     continue
                 produced.append(cr.row)
                 produced.extend(cr.fork_to)
                 cr.family.prefilling.discard(cr.row)
-            if all(cr.done >= len(cr.tokens) for cr in self._cohort):
-                self._cohort = []
+            if all(cr.done >= len(cr.tokens) for cr in self.host.cohort):
+                self.host.cohort = []
         beam_fams = {}
         tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
         for row in produced:
-            owner = self._row_owner.get(row)
+            owner = self.host.row_owner.get(row)
             if owner is None or owner[0].phase is not Phase.RUNNING:
                 continue  # released while processing this step (its request ended)
             fam = owner[0]
             if fam.req.is_beam:
-                self._results[row] = (out.top_logprobs[row], out.top_ids[row])
+                self.host.results[row] = (out.top_logprobs[row], out.top_ids[row])
                 beam_fams[fam.seq] = fam
             else:
                 self._emit_sample(fam, row, tokens[row], logprobs[row], now)
@@ -80,7 +88,7 @@ class Outcomes:
 
     def _first_token(self, fam: Family, now: float) -> None:
         if fam.stats.first_token_step is None:
-            fam.stats.first_token_step = self.step_count
+            fam.stats.first_token_step = self.host.step_count
             fam.stats.time_to_first_token_s = now - fam.t_submit
 
     def _emit_sample(self, fam: Family, row: int, tok: int, logp: float, now: float) -> None:
@@ -88,7 +96,7 @@ class Outcomes:
         self._first_token(fam, now)
         s.tokens.append(tok)
         s.logprobs.append(logp)
-        self._stats.generated_tokens += 1
+        self.host.stats.generated_tokens += 1
         eos = tok in fam.req.params.eos_token_ids
         if eos or len(s.tokens) >= fam.budget:
             s.finish = "eos" if eos else "length"
@@ -99,15 +107,15 @@ class Outcomes:
                 self._finish(fam, now)
         else:
             self._stream_sample(fam, s)
-            self._pending[row] = tok
+            self.host.pending[row] = tok
 
     def _stream_sample(self, fam: Family, s: Sample) -> None:
         """Queue the sample's tokens not yet streamed (with its finish reason once it ended)."""
-        if self._deltas is None:
+        if self.host.deltas is None:
             return
         new = tuple(s.tokens[s.streamed:])
         if new or s.finish is not None:
-            self._deltas.append(TokenDelta(fam.rid, fam.samples.index(s), new, s.finish))
+            self.host.deltas.append(TokenDelta(fam.rid, fam.samples.index(s), new, s.finish))
             s.streamed = len(s.tokens)
 
     def _end_row_table_full(self, fam: Family, row: int) -> None:
@@ -123,28 +131,28 @@ class Outcomes:
             self._finish(fam, now)
 
     def _release_row(self, fam: Family, row: int) -> None:
-        self._to_free.append(row)
-        self._pending.pop(row, None)
-        self._results.pop(row, None)
-        self._row_owner.pop(row, None)
+        self.host.to_free.append(row)
+        self.host.pending.pop(row, None)
+        self.host.results.pop(row, None)
+        self.host.row_owner.pop(row, None)
         if row in fam.rows:
             fam.rows.remove(row)
-        self._free_rows.append(row)
-        self._free_rows.sort()
+        self.host.free_rows.append(row)
+        self.host.free_rows.sort()
 
     # -- beam search (host side; the algorithm of engine.beam_search) -------------------------
     def _maybe_choose(self, fam: Family, now: float) -> None:
         p = fam.req.params
         k = p.beam_width
         live = fam.beams if fam.beams else [Beam(tokens=[], score=0.0, row=fam.rows[0])]
-        if any(b.row not in self._results for b in live):
+        if any(b.row not in self.host.results for b in live):
             return  # some beam still waits for its forward (prefill or a retried append)
         self._first_token(fam, now)
-        finished, keep, length = F.rank_beams(live, [self._results.pop(b.row) for b in live], p, self.vocab_size)
+        finished, keep, length = F.rank_beams(live, [self.host.results.pop(b.row) for b in live], p, self.vocab_size)
         if length >= fam.budget:
             finished += [(val, live[i].tokens + [tok], length) for val, i, tok in keep]
         F.merge_pool(fam, finished, p.length_penalty)
-        self._stats.generated_tokens += len(keep)
+        self.host.stats.generated_tokens += len(keep)
         if length >= fam.budget or len(fam.pool) >= k or len(keep) < k:
             fam.beams = [Beam(live[i].tokens + [tok], val) for val, i, tok in keep]
             self._finish_beams(fam, now, final=False)
@@ -153,8 +161,8 @@ class Outcomes:
         parents = [live[i].row for _, i, _ in keep]
         fam.beams = [Beam(live[i].tokens + [tok], val, row=fam.rows[j]) for j, (val, i, tok) in enumerate(keep)]
         for j, b in enumerate(fam.beams):
-            self._select.append((b.row, parents[j]))
-            self._pending[b.row] = b.tokens[-1]
+            self.host.select.append((b.row, parents[j]))
+            self.host.pending[b.row] = b.tokens[-1]
 
     def _finish_beams(self, fam: Family, now: float, *, final: bool) -> None:
         if final:  # out of table: the live beams are hypotheses of their current length
@@ -169,19 +177,19 @@ class Outcomes:
         for row in list(fam.rows):  # reserved rows never used (a sample family finishing early)
             self._release_row(fam, row)
         fam.phase = Phase.DONE
-        self._running.pop(fam.seq, None)
-        fam.stats.finish_step = self.step_count
+        self.host.running.pop(fam.seq, None)
+        fam.stats.finish_step = self.host.step_count
         fam.stats.latency_s = now - fam.t_submit
-        self._stats.finished += 1
+        self.host.stats.finished += 1
         out = F.family_output(fam)
-        if self._deltas is not None and fam.req.is_beam:
-            self._deltas.extend(TokenDelta(fam.rid, j, tuple(t), reason)
+        if self.host.deltas is not None and fam.req.is_beam:
+            self.host.deltas.extend(TokenDelta(fam.rid, j, tuple(t), reason)
                                 for j, (t, reason) in enumerate(zip(out.tokens, out.finish_reasons)))
-        self._finished.append(out)
+        self.host.finished.append(out)
 
     def _preempt_newest(self) -> None:
         """Preempt the newest running request that is not in the middle of its prefill."""
-        cands = [f for f in self._running.values() if not f.prefilling]
+        cands = [f for f in self.host.running.values() if not f.prefilling]
         if not cands:
             return
         fam = max(cands, key=lambda f: f.seq)
@@ -191,13 +199,13 @@ class Outcomes:
             s.row = None
         for b in fam.beams:
             b.row = None
-        self._select = [(d, p) for d, p in self._select if self._row_owner.get(d, (None,))[0] is not None]
+        self.host.select = [(d, p) for d, p in self.host.select if self.host.row_owner.get(d, (None,))[0] is not None]
         fam.phase = Phase.WAITING
         fam.stats.preemptions += 1
-        self._stats.preemptions += 1
-        self._running.pop(fam.seq)
+        self.host.stats.preemptions += 1
+        self.host.running.pop(fam.seq)
         # Front of the queue, but behind older preempted requests already there.
         i = 0
-        while i < len(self._waiting) and self._waiting[i].stats.preemptions > 0 and self._waiting[i].seq < fam.seq:
+        while i < len(self.host.waiting) and self.host.waiting[i].stats.preemptions > 0 and self.host.waiting[i].seq < fam.seq:
             i += 1
-        self._waiting.insert(i, fam)
+        self.host.waiting.insert(i, fam)

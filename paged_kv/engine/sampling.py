@@ -148,21 +148,19 @@ def check_vocab(eos_token_ids: tuple[int, ...], top_k: int, vocab_size: int) -> 
 def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Temperature, then top-k, then top-p on float32 logits ``[..., V]``; dropped tokens get -inf.
 
-    Ties at a top-k/top-p threshold are all kept (the threshold is a logit value).
+    Ties at a top-k/top-p threshold are all kept (the threshold is a logit value). The filters
+    are ``filter_rows``' (the serving loop's per-row form), with every row's parameters the same;
+    with neither filter on, nothing is sorted.
     """
     x = logits.astype(jnp.float32) / params.temperature
     v = x.shape[-1]
-    if 0 < params.top_k < v:
-        kth = jax.lax.top_k(x, params.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, -jnp.inf, x)
-    if params.top_p < 1.0:
-        desc = -jnp.sort(-x, axis=-1)
-        probs = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
-        keep = (before < params.top_p) | (jnp.arange(v) == 0)  # always keeps the best token
-        threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x < threshold, -jnp.inf, x)
-    return x
+    if not (0 < params.top_k < v or params.top_p < 1.0):
+        return x
+    rows = x.reshape(-1, v)
+    r = rows.shape[0]
+    out = filter_rows(rows, jnp.ones((r,), jnp.float32), jnp.full((r,), params.top_k, jnp.int32),
+                      jnp.full((r,), params.top_p, jnp.float32))
+    return out.reshape(x.shape)
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:

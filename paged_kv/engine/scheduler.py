@@ -15,29 +15,29 @@ one step's ``StepInputs`` (numpy, static shapes), calls ``device.step`` once, an
 
 so the policy can be driven by a fake device in tests, without a model (``tests/test_scheduler.py``).
 What happens to a step's outputs (tokens to samples, beam ranking, finishing, streaming,
-preemption) is in ``engine.outcomes``, a base class of ``Scheduler``.
+preemption) is ``engine.outcomes.Outcomes``, a collaborator the scheduler holds: both work on one
+``families.HostState`` (``Scheduler.host``).
 See ``paged_kv.engine.serving`` for the rules themselves (admission, cohorts, preemption, streaming).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 
 import numpy as np
 
 from paged_kv.engine import families as F
-from paged_kv.engine.families import CohortRow, Family, Phase, Sample
+from paged_kv.engine.families import CohortRow, Family, HostState, Phase, Sample
 from paged_kv.engine.outcomes import Outcomes
 from paged_kv.engine.serving_step import build_inputs
-from paged_kv.engine.step_io import EOS_SLOTS
+from paged_kv.engine.step_io import EOS_SLOTS, Burst
 from paged_kv.engine.serving_types import EngineStats, Request, RequestOutput, RequestStats, ServingConfig
-from paged_kv.engine.serving_types import TableSnapshot, TokenDelta
+from paged_kv.engine.serving_types import TableSnapshot
 from paged_kv.status import Status
 
 
-class Scheduler(Outcomes):
+class Scheduler:
     """Host scheduler of a serving engine (module docstring).
 
     Args:
@@ -53,26 +53,46 @@ class Scheduler(Outcomes):
         self.context = min(mgr.max_tokens_per_seq, max_positions)
         # Every admit call has this fixed width (one compile): the context rounded up to blocks.
         self._admit_width = min(mgr.max_tokens_per_seq, -(-self.context // mgr.block_size) * mgr.block_size)
-        self._waiting: collections.deque[Family] = collections.deque()
-        self._running: dict[int, Family] = {}  # by seq
-        self._free_rows: list[int] = list(range(mgr.max_seqs))
-        self._row_owner: dict[int, tuple[Family, int]] = {}
-        self._pending: dict[int, int] = {}  # row -> token to feed next step
-        self._results: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # beam row -> top (logprobs, ids)
-        self._select: list[tuple[int, int]] = []  # (dst, parent) for the next step
-        self._to_free: list[int] = []
-        self._cohort: list[CohortRow] = []
+        self.host = HostState(free_rows=list(range(mgr.max_seqs)))
+        self.outcomes = Outcomes(self.host, vocab_size)
         self._num_free = mgr.num_blocks - 1
         self._submitted = 0
-        self._finished: list[RequestOutput] = []
-        self._stats = EngineStats()
         self._t_start: float | None = None
-        self.step_count = 0
         self.snapshot: TableSnapshot | None = None
         self._seen_shapes: set = set()  # shapes whose first call was timed as compiling
         self._compiled_ahead: set = set()  # shapes ServingEngine.compile compiled before any call
-        self.compile_table: list[dict] = []  # per program: compile seconds and why (ServingEngine.compile)
-        self._deltas: list[TokenDelta] | None = None  # collected only while run() streams
+
+    @property
+    def step_count(self) -> int:
+        """Steps run so far: the engine's clock (``run`` moves it forward to the next arrival when
+        nothing runs)."""
+        return self.host.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.host.step_count = value
+
+    @property
+    def timed_compiles(self) -> frozenset:
+        """The program shapes whose first call was timed as compiling (not compiled ahead)."""
+        return frozenset(self._seen_shapes)
+
+    def start_clock(self) -> None:
+        """Starts the engine's wall clock, unless it runs already."""
+        if self._t_start is None:
+            self._t_start = time.perf_counter()
+
+    def note_compiled_ahead(self, prefill_rows: int, seconds: float) -> None:
+        """``ServingEngine.compile`` compiled the step variants and the admission ahead of any
+        call (``seconds`` in all): their first calls are not timed as compiling again."""
+        self._compiled_ahead.update({("step", 0), ("step", prefill_rows), ("admit", prefill_rows, self._admit_width)})
+        self.host.stats.compile_s += seconds
+        self.host.stats.compile_ahead_s += seconds
+
+    @property
+    def admit_width(self) -> int:
+        """Tokens of every admission's prompt array (fixed: one compile)."""
+        return self._admit_width
 
     # ------------------------------------------------------------------ submission
     def check(self, request: Request) -> None:
@@ -92,6 +112,10 @@ class Scheduler(Outcomes):
         its sequences larger than the pool); nothing is queued and the engine is unchanged.
         """
         self.check(request)
+        return self.enqueue(request)
+
+    def enqueue(self, request: Request) -> object:
+        """Queues ``request`` without checking it (``submit`` checks first); returns its id."""
         if self._t_start is None:
             self._t_start = time.perf_counter()
         seq = self._submitted
@@ -103,12 +127,12 @@ class Scheduler(Outcomes):
         fam.stats.arrival_step = self.step_count
         if not request.is_beam:
             fam.samples = [Sample() for _ in range(request.params.n)]
-        self._waiting.append(fam)
+        self.host.waiting.append(fam)
         return rid
 
     def reject(self, request: Request, error: str) -> RequestOutput:
         """The output of a request that was not accepted (counted in the statistics)."""
-        self._stats.rejected += 1
+        self.host.stats.rejected += 1
         return RequestOutput(request_id=request.request_id, request=request, tokens=[], logprobs=None, scores=None,
                              finish_reasons=[], stats=RequestStats(prompt_tokens=len(request.prompt),
                                                                    arrival_step=self.step_count), error=error)
@@ -116,15 +140,15 @@ class Scheduler(Outcomes):
     @property
     def idle(self) -> bool:
         """No request is waiting or running."""
-        return not self._waiting and not self._running
+        return not self.host.waiting and not self.host.running
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.host.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.host.running)
 
     @property
     def blocks_in_use(self) -> int:
@@ -133,23 +157,23 @@ class Scheduler(Outcomes):
 
     @property
     def preemptions(self) -> int:
-        return self._stats.preemptions
+        return self.host.stats.preemptions
 
     # ------------------------------------------------------------------ admission
     def _try_admit(self) -> None:
-        if self._cohort or not self._waiting:
+        if self.host.cohort or not self.host.waiting:
             return
         mgr, cfg = self.manager, self.config
-        picked = F.pick_admissions(self._waiting, mgr, cfg.max_prefill_rows, num_free=self._num_free,
-                                   running_rows=sum(len(f.rows) for f in self._running.values()),
-                                   free_rows=len(self._free_rows), anything_running=bool(self._running))
+        picked = F.pick_admissions(self.host.waiting, mgr, cfg.max_prefill_rows, num_free=self._num_free,
+                                   running_rows=sum(len(f.rows) for f in self.host.running.values()),
+                                   free_rows=len(self.host.free_rows), anything_running=bool(self.host.running))
         if not picked:
             return
         # Rows for each family; the admitted row of a new family is its first row.
         plan = []  # (family, row, index, tokens)
         fam_rows: dict[int, list[int]] = {}
         for fam, entries in picked:
-            rows = [self._free_rows.pop(0) for _ in range(F.rows_needed(fam, entries))]
+            rows = [self.host.free_rows.pop(0) for _ in range(F.rows_needed(fam, entries))]
             fam_rows[fam.seq] = rows
             for j, (idx, toks, _) in enumerate(entries):
                 plan.append((fam, rows[j], idx, toks))
@@ -194,17 +218,17 @@ class Scheduler(Outcomes):
                                     start=min(start, len(t) - 1), fork_to=fork_to, reads_cohort=int(shared[i]) > 0))
         for fam, _ in picked:
             if fam.seq in failed:
-                self._free_rows.extend(r for r in fam_rows[fam.seq] if r not in kept_rows)
+                self.host.free_rows.extend(r for r in fam_rows[fam.seq] if r not in kept_rows)
                 continue
-            self._waiting.remove(fam)
+            self.host.waiting.remove(fam)
             fam.phase = Phase.RUNNING
             fam.rows = fam_rows[fam.seq]
             fam.stats.admissions += 1
-            self._stats.admissions += 1
-            self._running[fam.seq] = fam
+            self.host.stats.admissions += 1
+            self.host.running[fam.seq] = fam
             for j, row in enumerate(fam.rows):
-                self._row_owner[row] = (fam, j)
-        self._free_rows.sort()
+                self.host.row_owner[row] = (fam, j)
+        self.host.free_rows.sort()
         for c in cohort:
             if c.discard:
                 continue
@@ -217,17 +241,17 @@ class Scheduler(Outcomes):
                 c.family.samples[c.index].row = c.row
                 for j, dst in enumerate(c.fork_to, start=1):  # forked when the prefill ends
                     c.family.samples[j].row = dst
-        if not cohort and not self._running:
+        if not cohort and not self.host.running:
             # Even alone the head did not fit: it never will (check() should have caught it).
-            fam = self._waiting.popleft()
-            self._finished.append(self.reject(fam.req, "request does not fit the block pool"))
-        self._cohort = cohort
+            fam = self.host.waiting.popleft()
+            self.host.finished.append(self.reject(fam.req, "request does not fit the block pool"))
+        self.host.cohort = cohort
 
     def _take_frees(self) -> np.ndarray:
         r = self.manager.max_seqs
         ids = np.full((r,), -1, np.int32)
-        ids[:len(self._to_free)] = self._to_free
-        self._to_free = []
+        ids[:len(self.host.to_free)] = self.host.to_free
+        self.host.to_free = []
         return ids
 
     # ------------------------------------------------------------------ one step
@@ -243,20 +267,20 @@ class Scheduler(Outcomes):
             self._t_start = t0
         self._try_admit()
         cfg = self.config
-        if not (self._cohort or self._pending):
-            if self._to_free:
+        if not (self.host.cohort or self.host.pending):
+            if self.host.to_free:
                 self._num_free = int(self.device.free(self._take_frees()))
             self._refresh_cache_stats()
             return self._drain(t0)
-        n_steps = self._burst_length(max_steps)
-        inp, pf = build_inputs(cfg, self._take_frees(), self._select, self._pending, self._cohort,
-                               self._running.values(), n_steps)
-        self._select = []
+        burst = self._burst_length(max_steps)
+        inp, pf = build_inputs(cfg, self._take_frees(), self.host.select, self.host.pending, self.host.cohort,
+                               self.host.running.values(), burst.steps, burst.stop_on_finish)
+        self.host.select = []
         prefill_rows = cfg.max_prefill_rows if pf else 0
         t1 = time.perf_counter()
         outs = self.device.step(inp, prefill_rows)
         self._note_compile(("step", prefill_rows), t1)
-        st = self._stats
+        st = self.host.stats
         for i, out in enumerate(outs if isinstance(outs, list) else [outs]):
             self.step_count += 1
             st.steps += 1
@@ -264,65 +288,65 @@ class Scheduler(Outcomes):
             st.bad_tokens += int(out.bad_tokens)
             self._num_free = int(out.num_free)
             st.peak_blocks_used = max(st.peak_blocks_used, self.manager.num_blocks - 1 - self._num_free)
-            self._process(out, pf if i == 0 else None)
+            self.outcomes.process(out, pf if i == 0 else None)
             if cfg.record_tables:
-                self.snapshot = F.record_sharing(st, self.snapshot, self._running.values(), self._row_owner, out,
+                self.snapshot = F.record_sharing(st, self.snapshot, self.host.running.values(), self.host.row_owner, out,
                                                  self.manager.block_size, self.step_count)
         return self._drain(t0)
 
-    def _burst_length(self, max_steps: int | None) -> int:
+    def _burst_length(self, max_steps: int | None) -> Burst:
         """Decode steps the next call may run: 1, or up to ``decode_steps`` (and ``max_steps``)
         when no step in between needs the host: nothing is prefilled, no beam (its reselection
         is the host's) or pending reselection, every row's EOS ids fit
         the device's check, and the free blocks cover every decoding row's next blocks (its
         tokens' blocks plus one for a copy-on-write), so no ``append`` can fail inside it. With
-        requests waiting the count is negative: the burst then ends after a step in which a row
+        requests waiting, ``stop_on_finish``: the burst then ends after a step in which a row
         finished, where one call per step would try the admission again."""
         k = self.config.decode_steps
         if max_steps is not None:
             k = min(k, max_steps)
-        if k <= 1 or self._cohort or self._select or not self._pending:
-            return 1
+        if k <= 1 or self.host.cohort or self.host.select or not self.host.pending:
+            return Burst(1)
         bs, need = self.manager.block_size, 0
-        for fam in self._running.values():
+        for fam in self.host.running.values():
             if fam.req.is_beam or len(fam.req.params.eos_token_ids) > EOS_SLOTS:
-                return 1
+                return Burst(1)
             shared = fam.req.params.n > 1  # forked samples may share their last, partial block
             for s in fam.samples:
-                if s.row is None or s.row not in self._pending:
+                if s.row is None or s.row not in self.host.pending:
                     continue
                 # The cache holds the prompt and every token but the one fed next (at most this
                 # many; one fewer after a re-admission): blocks for k more, one more to copy.
                 hi = len(fam.req.prompt) + len(s.tokens)
                 need += -(-(hi + k) // bs) - -(-(hi - 1) // bs) + shared
         if need > self._num_free:
-            return 1
+            return Burst(1)
         # Waiting requests did not fit now (``_try_admit`` ran first); only a row that finishes
         # can make room (blocks only shrink otherwise), so the burst ends after such a step.
-        return -k if self._waiting else k
+        return Burst(k, stop_on_finish=bool(self.host.waiting))
 
     def _note_compile(self, key, t0: float) -> None:
         # The first call of each shape compiles: its time is reported apart from the throughput.
         if key not in self._seen_shapes and key not in self._compiled_ahead:
             self._seen_shapes.add(key)
-            self._stats.compile_s += time.perf_counter() - t0
+            self.host.stats.compile_s += time.perf_counter() - t0
 
     def _drain(self, t0: float) -> list[RequestOutput]:
         now = time.perf_counter()
-        self._stats.step_s += now - t0
+        self.host.stats.step_s += now - t0
         if self._t_start is not None:
-            self._stats.wall_s = now - self._t_start
-        done, self._finished = self._finished, []
+            self.host.stats.wall_s = now - self._t_start
+        done, self.host.finished = self.host.finished, []
         return done
 
     # ------------------------------------------------------------------ statistics
     def _refresh_cache_stats(self) -> None:
         cs = self.device.cache_stats()
-        st = self._stats
+        st = self.host.stats
         st.cache_lookups, st.cache_query_tokens = int(cs.lookups), int(cs.query_tokens)
         st.cache_hit_tokens, st.cache_evictions = int(cs.hit_tokens), int(cs.evictions)
 
     def stats(self) -> EngineStats:
         """Engine statistics so far (prefix-cache counters read from the device)."""
         self._refresh_cache_stats()
-        return dataclasses.replace(self._stats)
+        return dataclasses.replace(self.host.stats)

@@ -100,7 +100,7 @@ import jax
 
 from paged_kv.models.paged import allocate_pages, kv_bytes_per_block, page_spec
 from paged_kv.models.protocol import model_facts
-from paged_kv.engine import requests as _requests
+from paged_kv.engine import call_setup
 from paged_kv.engine.scheduler import Scheduler
 from paged_kv.engine.serving_step import DeviceStep, StepInputs, StepOutputs
 from paged_kv.engine.serving_types import (IMPLS, EngineStats, Request, RequestOutput, RequestStats, ServingConfig,  # noqa: F401
@@ -108,9 +108,9 @@ from paged_kv.engine.serving_types import (IMPLS, EngineStats, Request, RequestO
 from paged_kv.state import init_state
 
 
-class ServingEngine(Scheduler):
-    """A host scheduler (``Scheduler``) around one jitted step (``DeviceStep``); see the module
-    docstring.
+class ServingEngine:
+    """A host scheduler (``Scheduler``, held as ``scheduler``) around one jitted step
+    (``DeviceStep``, held as ``device``); see the module docstring.
 
     Example::
 
@@ -141,24 +141,108 @@ class ServingEngine(Scheduler):
         if not is_int(seed) or not 0 <= seed < 2**31:
             raise ValueError(f"seed={seed!r} must be an int in [0, 2**31)")
         mgr = config.manager
-        graphdef, weights = _requests.split_model(model)
+        graphdef, weights = call_setup.split_model(model)
         # The model's facts (paged_kv.models.protocol): checked here, before anything is compiled.
         base_config = model_facts((graphdef, weights))
         pages = allocate_pages(page_spec(base_config, mgr.num_blocks, mgr.block_size))
         if mesh is None:
             model_config = base_config
         else:
-            graphdef, weights, model_config, pages, mesh = _requests.place((graphdef, weights), pages, mesh)
+            graphdef, weights, model_config, pages, mesh = call_setup.place((graphdef, weights), pages, mesh)
         # Pallas kernels over a mesh: one weight array per layer (no slice of a stacked weight in
         # the step, which XLA:GPU would copy every step). The engine then holds only the per-layer
         # copy; the stacked arrays live on only while the caller keeps `model`. On one device the
         # layers stay stacked (`paged_kv.pallas_kernels.layer_matmul` reads them in place).
-        graphdef, weights = _requests.layer_layout(graphdef, weights, config.impl, mesh)
+        graphdef, weights = call_setup.layer_layout(graphdef, weights, config.impl, mesh)
         self.graphdef, self.weights, self.model_config, self.mesh = graphdef, weights, model_config, mesh
-        state, self.key = _requests.replicate_inputs(mesh, init_state(mgr), jax.random.key(seed))
+        state, self.key = call_setup.replicate_inputs(mesh, init_state(mgr), jax.random.key(seed))
         self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size)
-        super().__init__(config, DeviceStep(config, graphdef, weights, pages, state, self.key, mesh),
-                         vocab_size=model_config.vocab_size, max_positions=model_config.max_positions)
+        self.device = DeviceStep(config, graphdef, weights, pages, state, self.key, mesh)
+        self.scheduler = Scheduler(config, self.device, vocab_size=model_config.vocab_size,
+                                   max_positions=model_config.max_positions)
+        self.compile_table: list[dict] = []  # per program: compile seconds and why (``compile``)
+
+    # ------------------------------------------------------------------ the scheduler's API
+    # The engine's public API is the scheduler's, with compilation and ``run`` on top.
+    @property
+    def config(self) -> ServingConfig:
+        return self.scheduler.config
+
+    @property
+    def manager(self):
+        """The block manager's ``ManagerConfig``."""
+        return self.scheduler.manager
+
+    @property
+    def vocab_size(self) -> int:
+        return self.scheduler.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.scheduler.max_positions
+
+    @property
+    def context(self) -> int:
+        """Tokens a sequence can hold (the pool's per-sequence limit and the model's positions)."""
+        return self.scheduler.context
+
+    @property
+    def step_count(self) -> int:
+        """Steps run so far."""
+        return self.scheduler.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.scheduler.step_count = value
+
+    @property
+    def snapshot(self) -> TableSnapshot | None:
+        """The block tables of the step where sharing saved the most (``record_tables``)."""
+        return self.scheduler.snapshot
+
+    @property
+    def idle(self) -> bool:
+        """No request is waiting or running."""
+        return self.scheduler.idle
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks held by running sequences after the last step (host copy; no device read)."""
+        return self.scheduler.blocks_in_use
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
+
+    def check(self, request: Request) -> None:
+        """``Scheduler.check``: ``ValueError`` when ``request`` can never run on this engine."""
+        self.scheduler.check(request)
+
+    def submit(self, request: Request) -> object:
+        """Queues ``request`` (at the back of the waiting queue) after ``check``; returns its id.
+        ``ValueError`` when it can never run: nothing is queued and the engine is unchanged."""
+        self.check(request)
+        return self.scheduler.enqueue(request)
+
+    def reject(self, request: Request, error: str) -> RequestOutput:
+        """``Scheduler.reject``: the output of a request that was not accepted."""
+        return self.scheduler.reject(request, error)
+
+    def step(self, max_steps: int | None = None) -> list[RequestOutput]:
+        """``Scheduler.step``: one scheduler iteration; returns the requests that finished."""
+        return self.scheduler.step(max_steps)
+
+    def stats(self) -> EngineStats:
+        """Engine statistics so far (prefix-cache counters read from the device)."""
+        return self.scheduler.stats()
 
     @property
     def pages(self):
@@ -196,8 +280,8 @@ class ServingEngine(Scheduler):
         return steps + [
             ("admit",
              f"each admission: frees, prefix-cache lookup and block allocation for up to {p} prompts of "
-             f"{self._admit_width} tokens (fixed shape: one compile)",
-             lambda: self.device.lower_admit(self._admit_width)),
+             f"{self.scheduler.admit_width} tokens (fixed shape: one compile)",
+             lambda: self.device.lower_admit(self.scheduler.admit_width)),
         ]
 
     def compile(self, progress: Callable[[int, int, str, float | None], None] | None = None) -> list[dict]:
@@ -213,8 +297,7 @@ class ServingEngine(Scheduler):
         and loading)."""
         import time
 
-        if self._t_start is None:
-            self._t_start = time.perf_counter()
+        self.scheduler.start_clock()
         progs = self.programs()
         table = []
         for k, (name, why, lower) in enumerate(progs, start=1):
@@ -226,11 +309,7 @@ class ServingEngine(Scheduler):
             table.append({"program": name, "seconds": round(dt, 3), "why": why})
             if progress is not None:
                 progress(k, len(progs), name, dt)
-        p = self.config.max_prefill_rows  # the keys step() and admission time first calls by
-        self._compiled_ahead.update({("step", 0), ("step", p), ("admit", p, self._admit_width)})
-        total = sum(t["seconds"] for t in table)
-        self._stats.compile_s += total
-        self._stats.compile_ahead_s += total
+        self.scheduler.note_compiled_ahead(self.config.max_prefill_rows, sum(t["seconds"] for t in table))
         self.compile_table = table
         return table
 
@@ -289,18 +368,19 @@ class ServingEngine(Scheduler):
         def stepped(limit: int | None = None) -> list[RequestOutput]:
             done = self.step(limit)
             if on_token is not None:
-                deltas, self._deltas = self._deltas, []
+                host = self.scheduler.host
+                deltas, host.deltas = host.deltas, []
                 for d in deltas:
                     on_token(d)
             return done
 
         def serve() -> Iterator[RequestOutput]:
             if on_token is not None:
-                self._deltas = []
+                self.scheduler.host.deltas = []
             try:
                 yield from loop()
             finally:
-                self._deltas = None
+                self.scheduler.host.deltas = None
 
         def loop() -> Iterator[RequestOutput]:
             pending = collections.deque(sorted(requests, key=lambda q: q.arrival))

@@ -27,7 +27,7 @@ from paged_kv.models.llama import in_vocab
 from paged_kv.models.paged import make_paged_batch, paged_forward
 from paged_kv.admission import admit
 from paged_kv.config import ManagerConfig
-from paged_kv.engine import requests as _requests
+from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
 from paged_kv.engine.step_io import (EOS_SLOTS, Interned, StepInputs, StepOutputs, intern, output_layout, pack_inputs,
@@ -81,17 +81,17 @@ def _burst(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInp
     Step 0 takes ``inp`` as it is; every later step decodes only: no free, select, fork or
     prefill piece, each row feeding the token it sampled, with ``token_idx`` one further (so the
     same sampling keys as one call per step). A row stops after an EOS id (``inp.eos``), at its
-    budget (``inp.left``) or on a status other than OK. The loop ends after ``|inp.n_steps|``
-    steps, when no row decodes, after a step in which a row finished when ``inp.n_steps`` is
-    negative (requests wait for rows), or after a step where some row found no free block (the host
+    budget (``inp.left``) or on a status other than OK. The loop ends after ``inp.n_steps``
+    steps, when no row decodes, after a step in which a row finished when ``inp.stop_on_finish``
+    (requests wait for rows), or after a step where some row found no free block (the host
     preempts; the scheduler runs bursts only when the blocks suffice). Returns ``(pages, state,
     (outputs with a leading [K] axis, steps run))``; entries past the steps run are zeros."""
     cfg = shape.config
     k, r = cfg.decode_steps, cfg.manager.max_seqs
-    n = jnp.clip(jnp.abs(inp.n_steps[0]), 1, k)
-    # Negative: requests are waiting, so the burst ends after a step in which a row finished (its
-    # row and blocks may admit one at the next call, as they would at the next step).
-    stop_on_finish = inp.n_steps[0] < 0
+    n = jnp.clip(inp.n_steps[0], 1, k)
+    # Requests are waiting: the burst ends after a step in which a row finished (its row and
+    # blocks may admit one at the next call, as they would at the next step).
+    stop_on_finish = inp.stop_on_finish[0]
     pad = jnp.full((r,), -1, jnp.int32)
     no_pf = jnp.full_like(inp.pf_rows, -1)
 
@@ -283,7 +283,7 @@ def prefill_pieces(cohort, chunk_size: int, max_pieces: int) -> list:
 
 
 def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pending: dict, cohort,
-                 running, n_steps: int = 1) -> tuple[StepInputs, tuple | None]:
+                 running, n_steps: int = 1, stop_on_finish: bool = False) -> tuple[StepInputs, tuple | None]:
     """A step's ``StepInputs`` (numpy) from the scheduler's host state.
 
     Args:
@@ -292,8 +292,8 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
       cohort: the ``CohortRow`` s being prefilled (``prefill_pieces`` cuts this step's pieces from
         them; empty or all done: no prefill chunk, P = 0).
       running: the running ``Family`` s (per-row sampling parameters and key parts).
-      n_steps: decode steps the call may run (a burst when > 1: ``ServingConfig.decode_steps``;
-        negative: ``-n_steps`` steps at most, ending after a step in which a row finished).
+      n_steps: decode steps the call may run (a burst when > 1: ``ServingConfig.decode_steps``);
+      stop_on_finish: the burst ends after a step in which a row finished (requests wait).
     Returns ``(inputs, pf)``: ``pf`` is None without a chunk, else ``(rows [P], tokens [P, C],
     start [P], lens [P], ends, owners)`` over the pieces (padding after them): ``ends[i]`` is true
     when piece ``i`` ends its row's prompt and ``owners[i]`` is its ``CohortRow``.
@@ -357,7 +357,8 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pend
                      pf_tokens=pf_arrays[1], pf_start=pf_arrays[2], pf_lens=pf_arrays[3], dec_tokens=dec_tokens,
                      dec_live=dec_live, fork_src=fork_src, fork_dst=fork_dst, logit_src=logit_src,
                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, sample_idx=sample_idx,
-                     token_idx=token_idx, beam=beam, left=left, eos=eos, n_steps=i32(n_steps))
+                     token_idx=token_idx, beam=beam, left=left, eos=eos, n_steps=i32(n_steps),
+                     stop_on_finish=np.full((r,), stop_on_finish, bool))
     return inp, pf
 
 
@@ -409,7 +410,7 @@ class DeviceStep:
         """Frees ``free_ids`` [R], then admits ``ids`` [A] (``lens`` [A], ``toks`` [A, W],
         ``salts`` uint32 [A]). Returns host ``(status [A], cached_tokens [A], shared_tokens [A],
         num_free)``."""
-        args = _requests.replicate_inputs(self.mesh, free_ids, ids, lens, toks, salts)
+        args = call_setup.replicate_inputs(self.mesh, free_ids, ids, lens, toks, salts)
         self.state, res, num_free = admit_jit(self.config.manager, self.state, *args)
         return jax.device_get((res.status, res.cached_tokens, res.shared_tokens, num_free))
 
@@ -418,7 +419,7 @@ class DeviceStep:
         ``decode_steps > 1`` a list, one per step the call ran (``inp.n_steps`` at most)."""
         if self.single_variant and not prefill_rows:
             inp = inp.replace(**self._no_chunk)
-        args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
+        args = call_setup.replicate_inputs(self.mesh, *pack_inputs(inp))
         self.pages, self.state, flat = packed_step_jit(self._model, self._weight_leaves, self.pages, self.state,
                                                        self.key, *args, shape=self._shapes[prefill_rows])
         # ``np.asarray`` of the one result array: a quarter of ``jax.device_get``'s cost per step.
@@ -434,14 +435,14 @@ class DeviceStep:
         inp, _ = build_inputs(self.config, np.full((self.config.manager.max_seqs,), -1, np.int32), (), {}, (), ())
         if self._shapes[prefill_rows].prefill_rows:
             inp = inp.replace(**self._no_chunk)
-        args = _requests.replicate_inputs(self.mesh, *pack_inputs(inp))
+        args = call_setup.replicate_inputs(self.mesh, *pack_inputs(inp))
         return packed_step_jit.lower(self._model, self._weight_leaves, self.pages, self.state, self.key, *args,
                                      shape=self._shapes[prefill_rows])
 
     def lower_admit(self, width: int):
         """The ``admit`` program for ``max_prefill_rows`` prompts of ``width`` tokens, lowered."""
         r, a = self.config.manager.max_seqs, self.config.max_prefill_rows
-        args = _requests.replicate_inputs(self.mesh, np.full((r,), -1, np.int32), np.full((a,), -1, np.int32),
+        args = call_setup.replicate_inputs(self.mesh, np.full((r,), -1, np.int32), np.full((a,), -1, np.int32),
                                           np.zeros((a,), np.int32), np.zeros((a, width), np.int32),
                                           np.zeros((a,), np.uint32))
         return admit_jit.lower(self.config.manager, self.state, *args)

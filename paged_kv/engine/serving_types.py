@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from paged_kv.config import ManagerConfig
-from paged_kv.engine import requests as _requests
+from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import BeamParams, SamplingParams
 
 IMPLS = ("auto", "pallas", "interpret", "reference")
@@ -106,7 +106,7 @@ class Request:
 
     def __post_init__(self):
         # Vectorised checks (no per-token Python loop): ints, not bools or floats, in [0, 2**31).
-        object.__setattr__(self, "prompt", tuple(_requests.token_ids(self.prompt).tolist()))
+        object.__setattr__(self, "prompt", tuple(call_setup.token_ids(self.prompt).tolist()))
         if not isinstance(self.params, (SamplingParams, BeamParams)):
             raise ValueError(f"params must be SamplingParams or BeamParams, got {type(self.params).__name__}")
         if not is_int(self.salt) or not 0 <= self.salt < 2**32:

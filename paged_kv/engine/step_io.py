@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +35,10 @@ class StepInputs:
         or None: the top candidates of every row are computed.
       left: int32 [R] tokens each decoding row may still generate, this step's included (its
         budget); eos: int32 [EOS_SLOTS, R] its request's EOS ids (-1 pads); n_steps: int32 [R]
-        (every entry the same) decode steps this call may run (``ServingConfig.decode_steps``):
-        the rows stop on the device at an EOS or their budget; negative when requests wait, so
-        that the call ends after a step in which a row finished. Read only when
-        ``decode_steps > 1``.
+        (every entry the same, >= 1) decode steps this call may run (``ServingConfig.decode_steps``):
+        the rows stop on the device at an EOS or their budget; stop_on_finish: bool [R] (every
+        entry the same) true when requests wait, so that the call ends after a step in which a
+        row finished (its row and blocks may admit one). Both read only when ``decode_steps > 1``.
     """
 
     free_ids: jax.Array
@@ -62,6 +63,15 @@ class StepInputs:
     left: jax.Array | None = None
     eos: jax.Array | None = None
     n_steps: jax.Array | None = None
+    stop_on_finish: jax.Array | None = None
+
+
+class Burst(NamedTuple):
+    """How many decode steps the next call may run, and whether it ends after a step in which a
+    row finished (``StepInputs.n_steps`` and ``stop_on_finish``)."""
+
+    steps: int = 1
+    stop_on_finish: bool = False
 
 
 EOS_SLOTS = 4
@@ -103,31 +113,73 @@ class StepOutputs:
 # prefill chunk as another, and reads the outputs back as one int32 vector. Float fields travel
 # as their bits (``view`` / ``bitcast_convert_type``), so nothing is rounded.
 
-ROW_FIELDS = ("free_ids", "sel_dst", "sel_parent", "dec_tokens", "dec_live", "fork_src", "fork_dst", "logit_src",
-              "temperature", "top_k", "top_p", "seed", "sample_idx", "token_idx", "beam", "left", "n_steps")
-"""The ``StepInputs`` fields of shape [R], in the order of the packed rows array's first axis."""
+ROW_LAYOUT: tuple[tuple[str, type, int], ...] = (
+    ("free_ids", np.int32, 1), ("sel_dst", np.int32, 1), ("sel_parent", np.int32, 1), ("dec_tokens", np.int32, 1),
+    ("dec_live", np.bool_, 1), ("fork_src", np.int32, 1), ("fork_dst", np.int32, 1), ("logit_src", np.int32, 1),
+    ("temperature", np.float32, 1), ("top_k", np.int32, 1), ("top_p", np.float32, 1), ("seed", np.int32, 1),
+    ("sample_idx", np.int32, 1), ("token_idx", np.int32, 1), ("beam", np.bool_, 1), ("left", np.int32, 1),
+    ("n_steps", np.int32, 1), ("stop_on_finish", np.bool_, 1), ("eos", np.int32, EOS_SLOTS))
+"""The packed rows array, declared once: ``(field, dtype, rows)`` per ``StepInputs`` field of shape
+[R] (rows 1) or [rows, R], in the order of the array's first axis. ``pack_rows`` and
+``unpack_rows`` both follow it, so a new field is one entry here (int32, bool or float32)."""
+
+PREFILL_FIELDS = ("pf_tokens", "pf_rows", "pf_start", "pf_lens")
+"""The fields of the packed prefill array: int32 [P, C] tokens, then three int32 [P] columns."""
+
+ROW_FIELDS = tuple(name for name, _, _ in ROW_LAYOUT if name != "eos")
+"""The [R] fields of ``ROW_LAYOUT``, in order."""
+
+
+def pack_rows(values, layout=ROW_LAYOUT) -> np.ndarray:
+    """int32 ``[sum(rows), R]``: each field of ``layout`` (``values[name]``, or an attribute) as
+    int32 rows; float32 travels as its bits (nothing is rounded), bool as 0/1."""
+    get = values.__getitem__ if isinstance(values, dict) else functools.partial(getattr, values)
+    parts = []
+    for name, dtype, n in layout:
+        x = np.asarray(get(name), dtype)
+        x = x.view(np.int32) if dtype == np.float32 else x.astype(np.int32)
+        parts.append(x.reshape(n, -1))
+    return np.concatenate(parts)
+
+
+def unpack_rows(rows: jax.Array, layout=ROW_LAYOUT) -> dict[str, jax.Array]:
+    """The traced inverse of ``pack_rows``: field name -> array of its dtype ([R], or [rows, R])."""
+    out, at = {}, 0
+    for name, dtype, n in layout:
+        x = rows[at:at + n]
+        at += n
+        if dtype == np.float32:
+            x = jax.lax.bitcast_convert_type(x, jnp.float32)
+        elif dtype == np.bool_:
+            x = x != 0
+        out[name] = x[0] if n == 1 else x
+    return out
+
+
+def _check_layout() -> None:
+    fields = set(StepInputs.__dataclass_fields__)
+    declared = {name for name, _, _ in ROW_LAYOUT} | set(PREFILL_FIELDS)
+    if fields != declared:  # at import: a StepInputs field the packing does not carry fails loudly
+        raise AssertionError(f"StepInputs fields not in ROW_LAYOUT/PREFILL_FIELDS: {sorted(fields - declared)}; "
+                             f"declared but not fields: {sorted(declared - fields)}")
+
+
+_check_layout()
 
 
 def pack_inputs(inp: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-    """Host ``StepInputs`` -> (int32 [len(ROW_FIELDS) + EOS_SLOTS, R]: the row fields then the EOS
-    ids, int32 [P, C + 3]: each prefill row's tokens, then its row, start and length)."""
-    rows = np.concatenate([np.stack([np.asarray(getattr(inp, f)).view(np.int32) if getattr(inp, f).dtype == np.float32
-                                     else np.asarray(getattr(inp, f), np.int32) for f in ROW_FIELDS]),
-                           np.asarray(inp.eos, np.int32).reshape(EOS_SLOTS, -1)])
+    """Host ``StepInputs`` -> (``pack_rows``: int32 [rows of ``ROW_LAYOUT``, R], int32 [P, C + 3]:
+    each prefill row's tokens, then its row, start and length)."""
     pf = np.concatenate([np.asarray(inp.pf_tokens, np.int32),
                          np.stack([inp.pf_rows, inp.pf_start, inp.pf_lens], axis=1).astype(np.int32)], axis=1)
-    return rows, pf
+    return pack_rows(inp), pf
 
 
 def unpack_inputs(rows: jax.Array, pf: jax.Array) -> StepInputs:
     """The traced inverse of ``pack_inputs``."""
-    f = dict(zip(ROW_FIELDS, rows[:len(ROW_FIELDS)]))
-    f["eos"] = rows[len(ROW_FIELDS):]
-    for name in ("temperature", "top_p"):
-        f[name] = jax.lax.bitcast_convert_type(f[name], jnp.float32)
-    f["dec_live"], f["beam"] = f["dec_live"] != 0, f["beam"] != 0
     c = pf.shape[1] - 3
-    return StepInputs(pf_tokens=pf[:, :c], pf_rows=pf[:, c], pf_start=pf[:, c + 1], pf_lens=pf[:, c + 2], **f)
+    return StepInputs(pf_tokens=pf[:, :c], pf_rows=pf[:, c], pf_start=pf[:, c + 1], pf_lens=pf[:, c + 2],
+                      **unpack_rows(rows))
 
 
 def output_layout(config: ServingConfig) -> list[tuple[str, tuple[int, ...], type]]:
@@ -209,5 +261,5 @@ def intern(value) -> Interned:
     return _INTERNED.setdefault(value, Interned(value))
 
 
-__all__ = ["EOS_SLOTS", "Interned", "ROW_FIELDS", "StepInputs", "StepOutputs", "intern", "output_layout", "pack_inputs",
-           "pack_outputs", "unpack_burst", "unpack_inputs", "unpack_outputs"]
+__all__ = ["Burst", "EOS_SLOTS", "Interned", "PREFILL_FIELDS", "ROW_FIELDS", "ROW_LAYOUT", "StepInputs", "StepOutputs", "intern", "output_layout", "pack_inputs",
+           "pack_outputs", "pack_rows", "unpack_burst", "unpack_inputs", "unpack_outputs", "unpack_rows"]

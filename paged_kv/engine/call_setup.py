@@ -1,4 +1,7 @@
-"""Checks on a generation request, run in Python before anything is traced or compiled.
+"""Setting up a call of ``generate`` / ``beam_search`` (and the serving engine): checks of its
+inputs, run in Python before anything is traced or compiled (``check_call`` returns the
+``CallShape`` the loops are compiled for), and the placement of the model, pages and inputs on a
+mesh (``place``, ``layer_layout``, ``replicate_inputs``).
 
 Every problem raises ``ValueError`` naming the value and the limit. Shapes are always checked;
 values (prompt lengths, which rows are free) are checked when they are concrete arrays, and
@@ -237,8 +240,9 @@ def pad_prompts(prompts, width: int | None = None, multiple: int = 1, *,
 
 
 @dataclasses.dataclass(frozen=True)
-class Request:
-    """A checked request: static sizes the loops are compiled for."""
+class CallShape:
+    """A checked call's static sizes, the ones the loops are compiled for (not a serving
+    ``Request``)."""
 
     num_prompts: int
     width: int
@@ -251,9 +255,9 @@ class Request:
         return self.num_prompts * self.rows_per_prompt
 
 
-def check_request(facts: ModelFacts, manager: ManagerConfig, pages, state, prompt_tokens, prompt_lens, *,
+def check_call(facts: ModelFacts, manager: ManagerConfig, pages, state, prompt_tokens, prompt_lens, *,
                   rows_per_prompt: int, what: str, budgets=None, chunk_size=None, impl: str = "auto",
-                  eos_token_ids=(), top_k: int = 0, vocab_needed: int = 1) -> Request:
+                  eos_token_ids=(), top_k: int = 0, vocab_needed: int = 1) -> CallShape:
     """Validates a generate/beam-search call. ``rows_per_prompt`` is n or the beam width.
 
     Shapes and dtypes are always checked (``prompt_tokens`` int ``[B, L]``, ``prompt_lens`` int
@@ -330,7 +334,7 @@ def check_request(facts: ModelFacts, manager: ManagerConfig, pages, state, promp
         chunk_size = min(width, 256)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 1")
-    return Request(num_prompts=b, width=width, rows_per_prompt=rows_per_prompt, context=context,
+    return CallShape(num_prompts=b, width=width, rows_per_prompt=rows_per_prompt, context=context,
                    chunk_size=int(min(chunk_size, width)))
 
 
