@@ -4,6 +4,7 @@ deterministic, and usable inside a user's own ``lax`` loop."""
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -74,8 +75,7 @@ def test_same_inputs_same_bits():
 
     (s1, o1), (s2, o2) = run(), run()
     np.testing.assert_array_equal(o1, o2)
-    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(s1, s2, strict=True)
 
 
 def test_runs_inside_a_user_fori_loop_with_donation():

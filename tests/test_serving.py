@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,8 +108,7 @@ def test_gpu_form_of_the_step_runs_the_same(model, pressured, monkeypatch):
     for o in outs:
         assert o.tokens == want[o.request_id].tokens, o.request_id
         assert o.scores == want[o.request_id].scores, o.request_id
-    for a, b in zip(jax.tree.leaves(eng.state), jax.tree.leaves(eng_p.state)):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(eng.state, eng_p.state, strict=True)
 
 
 def test_outputs_continue_prompts(alone):

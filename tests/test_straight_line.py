@@ -11,6 +11,7 @@ rebuild, probes past the window, evictions) happen, and the directed tests below
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,13 +25,8 @@ from tests import test_block_manager_properties as props
 
 
 def assert_same(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert np.array_equal(x, y), (x, y)
+    """Same tree structure, and every leaf equal bit for bit with the same shape and dtype."""
+    chex.assert_trees_all_equal(a, b, strict=True)
 
 
 @functools.cache
