@@ -303,7 +303,7 @@ class Llama(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dt, std))
 
-    def __call__(self, tokens: Array, positions: Array, cache, attend):
+    def __call__(self, tokens: Array, positions: Array, cache, attend: AttentionBackend):
         """tokens, positions int32[B, T] -> (hidden[B, T, d] in config dtype, cache).
 
         `attend`: a `paged_kv.models.protocol.AttentionBackend` (a plain attention callable is

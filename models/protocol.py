@@ -60,7 +60,8 @@ class AttentionBackend:
       layer_matmul: None, or a ``LayerMatmul`` for the projections of a model that scans over
         stacked weights: it reads ``w[layer]`` in place where the scan would slice (and XLA:GPU
         copy) it (``paged_kv.pallas_kernels.layer_matmul``: the Pallas kernels on one GPU). None:
-        project with XLA's matmuls (``x @ w`` on the layer's own weights).
+        project with XLA's matmuls (``x @ w`` on the layer's own weights). Not with
+        ``static_layer`` (the two plans ask for different weight layouts): ValueError.
 
     A frozen dataclass of Python values; ``attend`` usually closes over the step's traced batch
     metadata, so a backend is built inside the traced forward, once per step.
@@ -69,6 +70,11 @@ class AttentionBackend:
     attend: Callable[..., tuple[Array, Any]]
     static_layer: bool = False
     layer_matmul: LayerMatmul | None = None
+
+    def __post_init__(self):
+        if self.static_layer and self.layer_matmul is not None:
+            raise ValueError("AttentionBackend: static_layer (one weight array per layer, unrolled) and "
+                             "layer_matmul (a scan over stacked weights) exclude each other")
 
     def __call__(self, layer: int | Array, q: Array, k: Array, v: Array, cache: Any,
                  **options) -> tuple[Array, Any]:
