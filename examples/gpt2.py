@@ -3,7 +3,9 @@
 Learned absolute positions, pre-LayerNorm blocks, GELU (tanh) MLP, multi-head attention and an
 output head tied to the token embedding, as in Radford et al. (2019). It implements
 `paged_kv.models.protocol.PagedModel`: the six facts as attributes, `__call__(tokens, positions, cache,
-attend)` and `logits(hidden)`. Einsum letters: b batch, t tokens, d width, h heads, e head dim.
+attend)` and `logits(hidden)`. It calls `attend` (a `paged_kv.models.protocol.AttentionBackend`)
+once per layer with a Python int and leaves its plan (`static_layer`, `layer_matmul`) aside: one
+weight array per layer, XLA's matmuls. Einsum letters: b batch, t tokens, d width, h heads, e head dim.
 """
 
 from __future__ import annotations

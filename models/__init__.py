@@ -4,9 +4,10 @@ contiguous baseline cache, and loads/saves Hugging Face Llama checkpoints.
 Any model that implements `paged_kv.models.protocol.PagedModel` runs through the paged cache and the engines;
 the Llama is one (docs/own_model.md, examples/gpt2.py).
 
-Modules: `protocol` (the model protocol: PagedModel, ModelFacts, model_facts), `config` (LlamaConfig, presets, RoPE frequencies), `llama` (NNX modules), `paged` (paged
-forward, PagedBatch metadata, jitted steps, page sizing), `contiguous` (baseline cache path),
-`hf_io` (safetensors checkpoints of the llama, qwen2, qwen3 and mistral families, every tensor checked
+Modules: `protocol` (the model protocol: PagedModel, AttentionBackend, ModelFacts, model_facts),
+`config` (LlamaConfig, presets, RoPE frequencies), `llama` (NNX modules), `paged` (paged forward,
+PagedBatch metadata, jitted steps, page sizing), `contiguous` (baseline cache path), `hf_io`
+(safetensors checkpoints of the llama, qwen2, qwen3 and mistral families, every tensor checked
 before loading), `tokenizer` (bytes) and `hf_tokenizer` (a checkpoint's own `tokenizer.json`, special
 ids, chat template, streamed decoding), `generate` (host greedy loops for tests and benchmarks), `sharding`
 (tensor parallelism over a `jax.sharding.Mesh`: placing a model and its pages, sharded loading, KV
@@ -18,7 +19,7 @@ from paged_kv.models.contiguous import contiguous_forward, contiguous_step, init
 from paged_kv.models.generate import greedy_generate_contiguous, greedy_generate_paged
 from paged_kv.models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
 from paged_kv.models import sharding
-from paged_kv.models.protocol import ModelFacts, PagedModel, model_facts
+from paged_kv.models.protocol import AttentionBackend, ModelFacts, PagedModel, model_facts
 from paged_kv.models.llama import Llama, abstract_model, in_vocab, init_model, is_per_layer, per_layer, safe_tokens, stacked
 from paged_kv.models.paged import (
     KVPageSpec,
@@ -37,8 +38,8 @@ from paged_kv.models.paged import (
 )
 
 __all__ = [
-    "CheckpointError", "KVPageSpec", "Llama", "Llama3RopeScaling", "LlamaConfig", "ModelFacts", "PagedBatch",
-    "PagedModel", "model_facts",
+    "AttentionBackend", "CheckpointError", "KVPageSpec", "Llama", "Llama3RopeScaling", "LlamaConfig", "ModelFacts",
+    "PagedBatch", "PagedModel", "model_facts",
     "abstract_model", "allocate_pages", "compute_slots", "contiguous_forward", "contiguous_step",
     "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "in_vocab", "init_contiguous_cache",
     "init_model", "is_per_layer", "kv_bytes_per_block", "layout_for_impl", "kv_bytes_per_token", "llama31_8b", "llama32_1b",

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paged_kv.models.protocol import attend_options, check_model, model_facts
+from paged_kv.models.protocol import AttentionBackend, attend_options, check_model, model_facts
 
 
 def init_contiguous_cache(model, batch: int, max_len: int, dtype=None) -> jax.Array:
@@ -25,7 +25,9 @@ def init_contiguous_cache(model, batch: int, max_len: int, dtype=None) -> jax.Ar
     return jnp.zeros((f.num_layers, 2, batch, max_len, f.num_kv_heads, f.head_dim), dtype)
 
 
-def _make_attend(q_start, q_lens):
+def _make_attend(q_start, q_lens) -> AttentionBackend:
+    """The `attend` over the contiguous cache (XLA einsums, traced layer ids, the default plan)."""
+
     def attend(layer, q, k, v, cache, **options):
         options = attend_options(options)
         b, t, qh, e = q.shape
@@ -59,7 +61,7 @@ def _make_attend(q_start, q_lens):
         out = jnp.where(valid[:, :, None, None], out, 0.0)
         return out.astype(q.dtype), cache
 
-    return attend
+    return AttentionBackend(attend)
 
 
 def contiguous_forward(model, cache: jax.Array, tokens: jax.Array, q_start: jax.Array, q_lens: jax.Array,

@@ -1,18 +1,23 @@
 """Llama 3 family decoder in Flax NNX, with the KV cache as an explicit argument.
 
 The module holds weights only. Where K/V are stored and how attention reads them is supplied by the
-caller as an `attend` function, so the same weights run over the paged KV cache (`paged_kv.models.paged`) and
-over an ordinary contiguous cache (`paged_kv.models.contiguous`):
+caller as `attend`, a `paged_kv.models.protocol.AttentionBackend`, so the same weights run over the
+paged KV cache (`paged_kv.models.paged`) and over an ordinary contiguous cache
+(`paged_kv.models.contiguous`):
 
     attend(layer, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache) -> (out[B, T, QH, D], cache)
 
-`layer` is an int32 scalar traced by the scan over layers, or a Python int when the callback sets
-`attend.static_layer = True` (the Pallas kernels over a tensor-parallel mesh: the layers then run
-unrolled, best on `per_layer` weights, since XLA:GPU copies the weight slices a scan over stacked
-layers reads). When the callback brings `attend.layer_matmul` (the Pallas kernels on one GPU) the
-scan hands it every projection, `DecoderLayer.call_stacked`: it reads the layer's weights out of
-the stacked arrays in place, so nothing is sliced. The kernels take the layer as an operand, so
-every layer shares one compiled kernel either way.
+The layer loop follows the layout (below) and the backend's plan, and every layer runs the one
+`DecoderLayer.__call__`, whose `LayerAccess` says how it reads its weights:
+  stacked, scanned: one `jax.lax.scan` over the layer axis, `layer` a traced int32 scalar; the
+    scan slices each layer's weights (`attend.layer_matmul` None: the CPU), or the projections
+    read the stacked weights in place through `attend.layer_matmul` (the Pallas kernels on one
+    GPU, where XLA:GPU would copy the slices).
+  unrolled: Python-int layer ids, on the `per_layer` layout (what the engines run when
+    `attend.static_layer`: the Pallas kernels over a tensor-parallel mesh), or on static slices
+    of the stacked weights when a stacked model meets such a backend.
+The kernels take the layer as an operand, so every layer shares one compiled kernel either way;
+`paged_kv.models.paged.layout_for_impl` is where the layout is chosen.
 
 q and k arrive with RoPE applied; `attend` stores k/v into `cache` and attends. Dimension names in
 einsum strings: b batch, t query tokens, d model width, h query heads, k kv heads, g heads per kv
@@ -45,16 +50,18 @@ Family switches (`LlamaConfig`; each parameter exists only when its switch is on
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from paged_kv.models.config import LlamaConfig, rope_inv_freq
+from paged_kv.models.protocol import AttentionBackend, LayerMatmul, as_backend
 
 Array = jax.Array
-AttendFn = Callable[[Array, Array, Array, Array, Any], tuple[Array, Any]]
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std: float):
@@ -72,11 +79,58 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * self.normalize(x)
 
     def normalize(self, x: Array) -> Array:
-        """x / sqrt(mean(x^2) + eps) in x's dtype, before the scale (the scan on stacked weights
-        hands the scale to the projection after the norm: `DecoderLayer.call_stacked`)."""
+        """x / sqrt(mean(x^2) + eps) in x's dtype, before the scale (with in-place projections
+        the scale goes to the projection after the norm: `LayerAccess.norm`)."""
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return normed.astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAccess:
+    """How one `DecoderLayer` call reads its weights.
+
+    layer: the layer id handed to `attend`, a Python int (unrolled) or an int32 scalar (traced by
+      the scan over layers).
+    matmul: None when the module holds this layer's own weights (a `per_layer` module, or a
+      slice of the stacked ones): projections are XLA einsums on them. Else the module holds the
+      stacked weights `[L, ...]` and every projection goes through `matmul`
+      (`AttentionBackend.layer_matmul`), which reads `w[layer]` in place; so do the norms'
+      weights before the projections (`norm`), and the small per-head q/k norm scales are
+      sliced (`weight`).
+    """
+
+    layer: Any
+    matmul: LayerMatmul | None = None
+
+    def norm(self, norm: RMSNorm, x: Array) -> tuple[Array, Array | None]:
+        """`(input of the projections after `norm`, the scale they apply)`: `(norm(x), None)` on
+        the layer's own weights; `(norm.normalize(x), norm.scale [L, d])` with in-place matmuls
+        (the scale multiplies the `x` tile in the kernel: the same product, no slice)."""
+        if self.matmul is None:
+            return norm(x), None
+        return norm.normalize(x), norm.scale[...]
+
+    def weight(self, w: Array) -> Array:
+        """This layer's `w`: `w` itself on the layer's own weights, `w[layer]` when stacked."""
+        return w if self.matmul is None else w[self.layer]
+
+    def project(self, spec: str, x: Array, w: Array, *, bias: Array | None = None,
+                scale: Array | None = None) -> Array:
+        """`x[B, T, *K] @ w[*K, *N] + bias[*N]` -> `[B, T, *N]` in x's dtype: `jnp.einsum(spec)` on
+        the layer's own `w`; on stacked `w[L, *K, *N]` (`bias [L, *N]`, `scale [L, K]`, the
+        preceding norm's weight) `matmul` on the flattened `[B*T, prod(K)] @ [L, prod(K),
+        prod(N)]`, layer `layer` read in place. `spec` names the einsum (`scale` is None there:
+        `norm` applied it)."""
+        if self.matmul is None:
+            y = jnp.einsum(spec, x, w)
+            return y if bias is None else y + bias
+        b, t, *k = x.shape
+        n = w.shape[0]
+        out = w.shape[1 + len(k):]
+        y = self.matmul(x.reshape(b * t, math.prod(k)), w.reshape(n, math.prod(k), math.prod(out)), self.layer,
+                        scale=scale, bias=None if bias is None else bias.reshape(n, -1))
+        return y.reshape(b, t, *out)
 
 
 def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
@@ -114,57 +168,27 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(e, config.rms_norm_eps, dt)
         self.qkv_bias, self.has_o_bias, self.qk_norm = config.qkv_bias, config.o_bias, config.qk_norm
 
-    def __call__(self, x, positions, inv_freq, layer, cache, attend: AttendFn):
+    def __call__(self, x: Array, norm_scale: Array | None, positions: Array, inv_freq: Array, cache,
+                 attend: AttentionBackend, access: LayerAccess):
+        """x[B, T, d] (after the input norm; `norm_scale` its weight when the projections apply it,
+        `LayerAccess.norm`) -> (out[B, T, d] in x's dtype, cache): q/k/v, RoPE, `attend` at layer
+        `access.layer`, the output projection."""
+        bias = (lambda name: getattr(self, name)[...]) if self.qkv_bias else (lambda name: None)
         # Named scopes only label the HLO (scripts/profile_decode.py attributes time by them).
         with jax.named_scope("qkv_proj"):
-            q = jnp.einsum("btd,dhe->bthe", x, self.q_proj[...])
-            k = jnp.einsum("btd,dke->btke", x, self.k_proj[...])
-            v = jnp.einsum("btd,dke->btke", x, self.v_proj[...])
-            if self.qkv_bias:
-                q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
+            q = access.project("btd,dhe->bthe", x, self.q_proj[...], bias=bias("q_bias"), scale=norm_scale)
+            k = access.project("btd,dke->btke", x, self.k_proj[...], bias=bias("k_bias"), scale=norm_scale)
+            v = access.project("btd,dke->btke", x, self.v_proj[...], bias=bias("v_bias"), scale=norm_scale)
+            if self.qk_norm:  # per-head scales [D] ([L, D] stacked: a small slice each)
+                q = access.weight(self.q_norm.scale[...]) * self.q_norm.normalize(q)
+                k = access.weight(self.k_norm.scale[...]) * self.k_norm.normalize(k)
         with jax.named_scope("rope"):
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
-        out, cache = attend(layer, q, k, v, cache)
+        out, cache = attend(access.layer, q, k, v, cache)
         with jax.named_scope("o_proj"):
-            out = jnp.einsum("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...])
-            return (out + self.o_bias[...] if self.has_o_bias else out), cache
-
-    def call_stacked(self, x, norm_scale, positions, inv_freq, layer, cache, attend: AttendFn, matmul):
-        """`__call__` on stacked weights (every parameter `[L, ...]`), for layer `layer` (an int32
-        scalar, traced by the scan): the projections go through `matmul(x[M, K], w[L, K, N],
-        layer, scale=, bias=)` (`attend.layer_matmul`, `paged_kv.models.protocol.PagedModel`), which reads
-        `w[layer]` in place.
-        `x` is the input norm's normalized input before its weight; `norm_scale` `[L, d]` is that
-        weight, applied by the q/k/v projections. Same arithmetic as `__call__` after the norm."""
-        b, t, d = x.shape
-        e = self.q_proj.shape[-1]
-        x2 = x.reshape(b * t, d)
-
-        def proj(w, bias):  # w [L, d, H, E], bias [L, H, E] -> [b, t, H, E]
-            n = w.shape[0]
-            out = matmul(x2, w.reshape(n, d, -1), layer, scale=norm_scale,
-                         bias=None if bias is None else bias.reshape(n, -1))
-            return out.reshape(b, t, w.shape[2], e)
-
-        with jax.named_scope("qkv_proj"):
-            q = proj(self.q_proj[...], self.q_bias[...] if self.qkv_bias else None)
-            k = proj(self.k_proj[...], self.k_bias[...] if self.qkv_bias else None)
-            v = proj(self.v_proj[...], self.v_bias[...] if self.qkv_bias else None)
-            if self.qk_norm:  # per-head scales [L, E]: a small slice each
-                q = self.q_norm.scale[...][layer] * self.q_norm.normalize(q)
-                k = self.k_norm.scale[...][layer] * self.k_norm.normalize(k)
-        with jax.named_scope("rope"):
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
-        out, cache = attend(layer, q, k, v, cache)
-        with jax.named_scope("o_proj"):
-            w = self.o_proj[...]  # [L, H, E, d]
-            out = matmul(out.astype(x.dtype).reshape(b * t, -1), w.reshape(w.shape[0], -1, d), layer,
-                         bias=self.o_bias[...] if self.has_o_bias else None)
-            return out.reshape(b, t, d), cache
+            return access.project("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...],
+                                  bias=self.o_bias[...] if self.has_o_bias else None), cache
 
 
 class MLP(nnx.Module):
@@ -182,30 +206,18 @@ class MLP(nnx.Module):
         self.mlp_bias = config.mlp_bias
 
     @jax.named_scope("mlp")
-    def __call__(self, x):
-        gate = jnp.einsum("btd,df->btf", x, self.gate[...])
-        up = jnp.einsum("btd,df->btf", x, self.up[...])
-        if self.mlp_bias:
-            gate, up = gate + self.gate_bias[...], up + self.up_bias[...]
-        down = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...])
-        return down + self.down_bias[...] if self.mlp_bias else down
-
-    def call_stacked(self, x, norm_scale, layer, matmul):
-        """`__call__` on stacked weights for layer `layer` (see `Attention.call_stacked`): `x` the
-        post-attention norm's normalized input, `norm_scale` `[L, d]` its weight."""
-        with jax.named_scope("mlp"):
-            b, t, d = x.shape
-            x2 = x.reshape(b * t, d)
-            bias = (lambda name: getattr(self, name)[...]) if self.mlp_bias else (lambda name: None)
-            gate = matmul(x2, self.gate[...], layer, scale=norm_scale, bias=bias("gate_bias"))
-            up = matmul(x2, self.up[...], layer, scale=norm_scale, bias=bias("up_bias"))
-            down = matmul(jax.nn.silu(gate) * up, self.down[...], layer, bias=bias("down_bias"))
-            return down.reshape(b, t, d)
+    def __call__(self, x: Array, norm_scale: Array | None, access: LayerAccess) -> Array:
+        """x[B, T, d] (after the post-attention norm; `norm_scale` as in `Attention.__call__`) ->
+        [B, T, d] in x's dtype."""
+        bias = (lambda name: getattr(self, name)[...]) if self.mlp_bias else (lambda name: None)
+        gate = access.project("btd,df->btf", x, self.gate[...], bias=bias("gate_bias"), scale=norm_scale)
+        up = access.project("btd,df->btf", x, self.up[...], bias=bias("up_bias"), scale=norm_scale)
+        return access.project("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...], bias=bias("down_bias"))
 
 
 class DecoderLayer(nnx.Module):
     """One decoder layer (pre-norm attention and MLP, each residual). In `Llama` its parameters
-    carry a leading layer axis and it is called on one slice inside the scan over layers."""
+    carry a leading layer axis (the stacked layout) or it is one of a list (`per_layer`)."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
         dt = config.jnp_dtype
@@ -214,20 +226,15 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config, rngs=rngs, init_std=init_std)
 
-    def __call__(self, x, positions, inv_freq, layer, cache, attend: AttendFn):
-        h, cache = self.attn(self.input_norm(x), positions, inv_freq, layer, cache, attend)
+    def __call__(self, x: Array, positions: Array, inv_freq: Array, cache, attend: AttentionBackend,
+                 access: LayerAccess):
+        """x[B, T, d] -> (x[B, T, d], cache) for layer `access.layer`, its weights read as `access`
+        says (its own, or the stacked ones in place)."""
+        h, scale = access.norm(self.input_norm, x)
+        h, cache = self.attn(h, scale, positions, inv_freq, cache, attend, access)
         x = x + h
-        return x + self.mlp(self.post_attn_norm(x)), cache
-
-    def call_stacked(self, x, positions, inv_freq, layer, cache, attend: AttendFn, matmul):
-        """`__call__` with every parameter stacked `[L, ...]`, for layer `layer` (int32 scalar):
-        the weights are read in place by `matmul` (`attend.layer_matmul`), so the scan
-        over layers slices no weight; each norm's weight is applied by the projections after it."""
-        h, cache = self.attn.call_stacked(self.input_norm.normalize(x), self.input_norm.scale[...], positions,
-                                          inv_freq, layer, cache, attend, matmul)
-        x = x + h
-        return x + self.mlp.call_stacked(self.post_attn_norm.normalize(x), self.post_attn_norm.scale[...], layer,
-                                         matmul), cache
+        h, scale = access.norm(self.post_attn_norm, x)
+        return x + self.mlp(h, scale, access), cache
 
 
 SAFE_TOKEN = 0
@@ -296,62 +303,50 @@ class Llama(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dt, std))
 
-    def __call__(self, tokens: Array, positions: Array, cache, attend: AttendFn):
+    def __call__(self, tokens: Array, positions: Array, cache, attend: AttentionBackend):
         """tokens, positions int32[B, T] -> (hidden[B, T, d] in config dtype, cache).
+
+        `attend`: a `paged_kv.models.protocol.AttentionBackend` (a plain attention callable is
+        taken as one with the defaults). The layers run unrolled with Python-int ids on the
+        `per_layer` layout, or when the backend asks for static layers (`static_layer`); else one
+        scan over the stacked layers, reading the weights in place when the backend brings a
+        `layer_matmul`.
 
         A token id outside ``[0, vocab_size)`` is looked up as ``SAFE_TOKEN`` (see ``safe_tokens``):
         its hidden state and K/V are those of that token, never NaN. Callers flag such rows with
         ``in_vocab``; the host-side entry points reject them before anything runs.
         """
+        attend = as_backend(attend)
         inv_freq = jnp.asarray(rope_inv_freq(self.config))
         x = jnp.take(self.embed[...], safe_tokens(tokens, self.config.vocab_size), axis=0)
-        if is_per_layer(self):
-            # One array per weight per layer (`per_layer`): nothing to slice inside the program.
-            # Layer ids are Python ints, which every `attend` accepts.
-            for i, layer in enumerate(self.layers):
-                x, cache = layer(x, positions, inv_freq, i, cache, attend)
+        if is_per_layer(self) or attend.static_layer:
+            # Python-int ids. On stacked weights each layer is a static slice, which XLA:GPU
+            # copies on every step: `paged_kv.models.paged.layout_for_impl` gives such a backend's
+            # callers the per-layer layout instead, which has nothing to slice.
+            for i in range(self.config.num_layers):
+                x, cache = self.layer(i)(x, positions, inv_freq, cache, attend, LayerAccess(i))
             return self.final_norm(x), cache
         layer_def, stacked = nnx.split(self.layers)
+        matmul = attend.layer_matmul
+        # In place: the scan carries only the layer id, and the stacked weights stay whole, loop
+        # invariants of the scan that XLA:GPU never copies. Else the scan slices them (its xs).
+        whole = None if matmul is None else nnx.merge(layer_def, stacked)
 
         def body(carry, xs):
-            # xs: this layer's weights (the scan slices the stacked ones) and its id, an int32
-            # scalar that `attend` uses to index the cache's layer axis in place.
-            x, cache = carry
-            weights, i = xs
-            x, cache = nnx.merge(layer_def, weights)(x, positions, inv_freq, i, cache, attend)
-            return (x, cache), None
+            # xs: this layer's weights (None in place) and its id, an int32 scalar that `attend`
+            # uses to index the cache's layer axis in place.
+            (x, cache), (weights, i) = carry, xs
+            layer = whole if weights is None else nnx.merge(layer_def, weights)
+            return layer(x, positions, inv_freq, cache, attend, LayerAccess(i, matmul)), None
 
-        matmul = getattr(attend, "layer_matmul", None)
-        if matmul is not None:
-            # The attend callback brings a matmul that reads one layer out of a stacked weight
-            # (the Pallas kernel on a GPU): the scan then carries only the layer id, and the
-            # weights stay whole, loop invariants of the scan that XLA:GPU never copies.
-            ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-            layers = nnx.merge(layer_def, stacked)
-
-            def stacked_body(carry, i):
-                x, cache = carry
-                return layers.call_stacked(x, positions, inv_freq, i, cache, attend, matmul), None
-
-            (x, cache), _ = jax.lax.scan(stacked_body, (x, cache), ids)
-            return self.final_norm(x), cache
-        if getattr(attend, "static_layer", False):
-            # The attend callback asks for the layers unrolled (the Pallas kernels over a mesh, where
-            # a scan's dynamic weight slices would be copied): the same layers, each on its static
-            # slice of the stacked weights. XLA:GPU copies such static slices too, each step;
-            # the engines avoid that by running a `per_layer` model instead (the branch above).
-            for i in range(self.config.num_layers):
-                weights = jax.tree.map(lambda w: w[i], stacked)
-                (x, cache), _ = body((x, cache), (weights, i))
-        else:
-            ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-            (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, ids))
+        ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked if matmul is None else None, ids))
         return self.final_norm(x), cache
 
     def layer(self, i: int) -> DecoderLayer:
         """Layer `i` (a Python int) as its own `DecoderLayer`: slice `[i]` of every stacked weight
-        (a copy; for inspection, e.g. weight-derived error bounds), or the layer itself in the
-        `per_layer` layout."""
+        (a copy outside `jit`, for inspection such as weight-derived error bounds; static slices
+        in a traced forward), or the layer itself in the `per_layer` layout."""
         if not 0 <= i < self.config.num_layers:
             raise IndexError(f"layer {i} out of range [0, {self.config.num_layers})")
         if is_per_layer(self):

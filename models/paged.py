@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from paged_kv import pallas_kernels as pk
-from paged_kv.models.protocol import attend_options, check_model, model_facts
+from paged_kv.models.protocol import AttentionBackend, LayerMatmul, attend_options, check_model, model_facts
 
 NULL_BLOCK = pk.NULL_BLOCK
 IMPLS = tuple(pk.IMPLS)
@@ -87,19 +87,20 @@ def make_paged_batch(block_tables, q_start, q_lens, num_tokens: int, block_size:
 
 
 # ---------------------------------------------------------------------------- forward
-def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim: int | None = None):
-    """The `attend` callback of `paged_kv.models.protocol.PagedModel` over the paged cache: writes k/v at
-    `batch.slots`, then paged decode or prefill attention with the call's options (scale, soft_cap,
-    alibi_slopes; anything else raises ValueError naming it).
+def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
+                 head_dim: int | None = None) -> AttentionBackend:
+    """The `attend` of `paged_kv.models.protocol.PagedModel` over the paged cache, as an
+    `AttentionBackend`: its callable writes k/v at `batch.slots`, then runs paged decode or prefill
+    attention with the call's options (scale, soft_cap, alibi_slopes; anything else raises
+    ValueError naming it).
 
-    Its attributes (`paged_kv.models.protocol.PagedModel`): `layer_matmul` (`layer_matmul_for`) is the
-    Pallas projection that reads a stacked weight's layer in place when `impl` resolves to a
-    Pallas kernel (a GPU) on one device, so a model's scan over stacked layers copies no weight
-    slice; None otherwise. `static_layer` (`static_layer_impl`) is True for the Pallas kernels
-    over a mesh: a model that scans then runs its layers unrolled with Python ints
-    (`paged_kv.models.llama.Llama` does), since XLA:GPU copies the weight slices a scan takes and GSPMD
-    cannot partition the Pallas projection. The kernels take the layer as an int32 operand
-    either way, so every layer calls one compiled kernel per kind."""
+    Its plan: `layer_matmul` is `layer_matmul_for(impl, head_dim, mesh)` (the Pallas projection
+    that reads a stacked weight's layer in place, on one GPU), `static_layer` is
+    `static_layer_impl(impl, head_dim, mesh)` (the Pallas kernels over a mesh); `layout_for_impl`
+    names the layout each gives the Llama. The kernels take the layer as an int32 operand either
+    way, so every layer calls one compiled kernel per kind."""
+    plan = dict(static_layer=static_layer_impl(impl, head_dim, mesh),
+                layer_matmul=layer_matmul_for(impl, head_dim, mesh))
 
     def attend_local(layer, q, k, v, pages, batch, slopes, *, scale=None, soft_cap=None):
         b, t, _, _ = q.shape
@@ -126,9 +127,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
             slopes = options.pop("alibi_slopes", None)
             return attend_local(layer, q, k, v, pages, batch, slopes, **options)
 
-        attend.static_layer = static_layer_impl(impl, head_dim, mesh)
-        attend.layer_matmul = layer_matmul_for(impl, head_dim, mesh)
-        return attend
+        return AttentionBackend(attend, **plan)
 
     from paged_kv.models.sharding import AXIS, PAGE_SPEC
 
@@ -145,14 +144,12 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None, head_dim
                            out_specs=(heads, PAGE_SPEC), check_vma=False)
         return fn(q, k, v, pages, batch, slopes)
 
-    attend.static_layer = static_layer_impl(impl, head_dim, mesh)
-    attend.layer_matmul = layer_matmul_for(impl, head_dim, mesh)
-    return attend
+    return AttentionBackend(attend, **plan)
 
 
 def static_layer_impl(impl: str, head_dim: int | None = None, mesh=None) -> bool:
-    """True when a model's layers should run unrolled on `per_layer` weights (the `attend`
-    callback's `static_layer`): `impl` (as `paged_kv.pallas_kernels.resolve_impl` resolves it: "auto" is
+    """True when a model's layers should run unrolled on `per_layer` weights (the paged
+    `AttentionBackend`'s `static_layer`): `impl` (as `paged_kv.pallas_kernels.resolve_impl` resolves it: "auto" is
     "pallas" on a GPU) runs the Pallas kernels and `mesh` is set (tensor parallelism). There the
     projections stay XLA matmuls, which GSPMD partitions, and an unrolled forward on per-layer
     arrays is the layout in which XLA:GPU copies no weight. On one device the Pallas kernels scan
@@ -160,8 +157,8 @@ def static_layer_impl(impl: str, head_dim: int | None = None, mesh=None) -> bool
     return mesh is not None and pk.resolve_impl(impl, head_dim) != "reference"
 
 
-def layer_matmul_for(impl: str, head_dim: int | None = None, mesh=None):
-    """The `attend` callback's `layer_matmul` (`paged_kv.models.protocol.PagedModel`): on one device with
+def layer_matmul_for(impl: str, head_dim: int | None = None, mesh=None) -> LayerMatmul | None:
+    """The paged `AttentionBackend`'s `layer_matmul` (`paged_kv.models.protocol`): on one device with
     the Pallas kernels, `paged_kv.pallas_kernels.layer_matmul` in that impl ("pallas" or "interpret"), so
     the scan over stacked layers reads each layer's weights in place (XLA:GPU would copy the
     slices a scan takes, every step); None otherwise (the reference kernels on a CPU scan with
@@ -184,11 +181,17 @@ def _layer_matmul(x, w, layer, *, scale=None, bias=None, impl: str):
 
 def layout_for_impl(model, impl: str, mesh=None):
     """`model` (a `paged_kv.models.protocol.PagedModel` or its `(graphdef, state)` split; same kind back)
-    in the layer layout that suits `impl` and `mesh`: a stacked `paged_kv.models.Llama` becomes
-    `paged_kv.models.llama.per_layer` when the layers run unrolled (`static_layer_impl`: Pallas kernels
-    over a tensor-parallel mesh), so the compiled step has no per-layer slice of a stacked
-    weight to copy; anything else is returned as is (the scan keeps the stacked weights, read in
-    place by `paged_kv.pallas_kernels.layer_matmul` on a GPU; other models have their own layout).
+    in the layer layout that suits `impl` and `mesh`. The three ways a `paged_kv.models.Llama` runs
+    its layers, and where each is chosen (the engines call this once, outside `jit`, through
+    `paged_kv.engine.requests.layer_layout`; the backend's plan comes from `_make_attend`):
+
+      impl resolves to   mesh   layout      loop      projections
+      "reference" (CPU)  any    stacked     scan      XLA einsums on the scan's weight slices
+      Pallas             none   stacked     scan      `layer_matmul_for`: in place on the stacked weights
+      Pallas             tp     per_layer   unrolled  XLA einsums (GSPMD partitions them)
+
+    So a stacked Llama becomes `paged_kv.models.llama.per_layer` exactly when `static_layer_impl`
+    holds; anything else is returned as is (other models have their own layout).
 
     Converting copies the decoder-layer weights once (see `per_layer`): callers that keep the
     result should drop the stacked model. Weights that are tracers (a call under the caller's own

@@ -29,6 +29,64 @@ FACTS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_positions"
 REQUIRED = ("__call__", "logits") + FACTS
 
 
+class LayerMatmul(Protocol):
+    """A projection that reads one layer of a stacked weight in place.
+
+    ``(x[M, K], w[L, K, N], layer, scale=None | [L, K], bias=None | [L, N]) -> [M, N]`` in x's
+    dtype: ``(scale[layer] * x) @ w[layer] + bias[layer]``, float32 accumulation. ``layer`` is a
+    Python int or an int32 scalar (traced), one of ``0 .. L - 1``; ``x``, ``w``, ``scale`` and
+    ``bias`` share one float dtype. ``scale`` is the weight of a norm that precedes the
+    projection, so a model hands its norms' weights over too and slices nothing.
+    """
+
+    def __call__(self, x: Array, w: Array, layer: int | Array, *, scale: Array | None = None,
+                 bias: Array | None = None) -> Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """What a ``PagedModel``'s ``__call__`` receives as ``attend``: the attention callable, and how
+    the backend would have the layers run (an execution plan the model may follow or ignore; both
+    are correct, following it is faster on a GPU).
+
+    Fields:
+      attend: ``(layer, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache, **options) ->
+        (out[B, T, QH, D], cache)``, as ``PagedModel`` describes; calling the backend calls it.
+      static_layer: True when the backend prefers the layers unrolled with Python-int layer ids
+        over one weight array per layer (paged-kv's Pallas kernels over a tensor-parallel mesh:
+        GSPMD partitions XLA's matmuls there, and XLA:GPU copies every slice of a stacked weight,
+        static or traced, on every step). False: a traced id, say from a ``lax.scan`` over
+        stacked layers, is as good. The id is accepted either way.
+      layer_matmul: None, or a ``LayerMatmul`` for the projections of a model that scans over
+        stacked weights: it reads ``w[layer]`` in place where the scan would slice (and XLA:GPU
+        copy) it (``paged_kv.pallas_kernels.layer_matmul``: the Pallas kernels on one GPU). None:
+        project with XLA's matmuls (``x @ w`` on the layer's own weights). Not with
+        ``static_layer`` (the two plans ask for different weight layouts): ValueError.
+
+    A frozen dataclass of Python values; ``attend`` usually closes over the step's traced batch
+    metadata, so a backend is built inside the traced forward, once per step.
+    """
+
+    attend: Callable[..., tuple[Array, Any]]
+    static_layer: bool = False
+    layer_matmul: LayerMatmul | None = None
+
+    def __post_init__(self):
+        if self.static_layer and self.layer_matmul is not None:
+            raise ValueError("AttentionBackend: static_layer (one weight array per layer, unrolled) and "
+                             "layer_matmul (a scan over stacked weights) exclude each other")
+
+    def __call__(self, layer: int | Array, q: Array, k: Array, v: Array, cache: Any,
+                 **options) -> tuple[Array, Any]:
+        return self.attend(layer, q, k, v, cache, **options)
+
+
+def as_backend(attend) -> AttentionBackend:
+    """``attend`` itself when it is an ``AttentionBackend``; a plain attention callable gets the
+    defaults (traced layer ids are fine, XLA's matmuls)."""
+    return attend if isinstance(attend, AttentionBackend) else AttentionBackend(attend)
+
+
 @runtime_checkable
 class PagedModel(Protocol):
     """A decoder that paged-kv can run: a Flax NNX module (the engines jit it as its
@@ -49,16 +107,9 @@ class PagedModel(Protocol):
       for each layer ``i`` in order, computes q, k, v (positional encoding already applied) and calls
       ``out, cache = attend(i, q[B, T, QH, D], k[B, T, KVH, D], v[B, T, KVH, D], cache, **options)``.
       ``i`` is a Python int, or an int32 scalar (traced, say inside a ``lax.scan`` over layers);
-      paged-kv's ``attend`` accepts both. When its attribute ``static_layer`` is True (it runs the
-      Pallas kernels over a tensor-parallel mesh) it asks for the layers unrolled with Python
-      ints: the kernels take either, but XLA:GPU copies each layer's weight slices out of a scan
-      over stacked weights (``paged_kv.models.llama.per_layer`` is the layout that avoids it). Its
-      attribute ``layer_matmul``, when not None, is a projection that reads one layer of a
-      stacked weight in place, for a model that scans: ``layer_matmul(x[M, K], w[L, K, N],
-      layer, scale=None | [L, K], bias=None | [L, N]) -> [M, N]`` in x's dtype, i.e.
-      ``(scale[layer] * x) @ w[layer] + bias[layer]`` (``paged_kv.pallas_kernels.layer_matmul``: the
-      Pallas kernels on one GPU, where a scan's weight slices would be copied). A model may
-      ignore both attributes.
+      paged-kv's ``attend`` accepts both. ``attend`` is an ``AttentionBackend``: besides being
+      called it says how the backend would run the layers (``static_layer``, ``layer_matmul``), and
+      a model may ignore that.
       ``attend`` stores k/v in ``cache`` and returns the causal attention output ``out[B, T, QH, D]``
       (dtype of the pages). ``cache`` is opaque: thread it through and return it. Rows past a
       sequence's valid tokens (padding) may carry any ids and positions, including ids
@@ -88,7 +139,7 @@ class PagedModel(Protocol):
     dtype: Any
 
     def __call__(self, tokens: Array, positions: Array, cache: Any,
-                 attend: Callable[..., tuple[Array, Any]]) -> tuple[Array, Any]: ...
+                 attend: AttentionBackend) -> tuple[Array, Any]: ...
 
     def logits(self, hidden: Array) -> Array: ...
 
@@ -182,5 +233,5 @@ def attend_options(options: dict) -> dict:
     return options
 
 
-__all__ = ["ATTEND_OPTIONS", "FACTS", "ModelFacts", "PagedModel", "attend_options", "check_model",
-           "check_partition_specs", "model_facts", "partition_specs"]
+__all__ = ["ATTEND_OPTIONS", "FACTS", "AttentionBackend", "LayerMatmul", "ModelFacts", "PagedModel", "as_backend",
+           "attend_options", "check_model", "check_partition_specs", "model_facts", "partition_specs"]

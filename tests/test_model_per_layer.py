@@ -6,6 +6,7 @@ one-device Pallas scan, `tests/test_model_stacked_matmul.py`, keep the stacked m
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
@@ -20,6 +21,7 @@ from paged_kv.models import (abstract_model, allocate_pages, hf_state_dict, init
 from paged_kv.models import paged as paged_mod
 from paged_kv.models import sharding as msharding
 from paged_kv.models.config import tiny
+from paged_kv.models.protocol import AttentionBackend
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import SamplingParams
@@ -59,8 +61,7 @@ def _static(attend):
     def attend_static(layer, *args, **options):
         assert isinstance(layer, int)
         return attend(layer, *args, **options)
-    attend_static.static_layer = True
-    return attend_static
+    return AttentionBackend(attend_static, static_layer=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -110,7 +111,8 @@ def test_per_layer_interpret_kernels_bit_identical():
     batch = make_paged_batch(jnp.asarray([[1], [2]], jnp.int32), [0, 0], [16, 9], 16, BLOCK)
     spec = page_spec(cfg, 3, BLOCK)
     attend = paged_mod._make_attend(batch, "interpret", False, None, cfg.head_dim)
-    attend.static_layer, attend.layer_matmul = True, None  # unrolled on XLA's matmuls, as on a mesh
+    # Unrolled on XLA's matmuls, as on a mesh.
+    attend = dataclasses.replace(attend, static_layer=True, layer_matmul=None)
     hidden, want_pages = model(tokens, batch.positions, allocate_pages(spec), attend)
     want = (model.logits(hidden[jnp.arange(2), jnp.asarray([15, 8])]), want_pages)
     got = paged_forward(per_layer(model), allocate_pages(spec), batch, tokens, impl="interpret", last_only=True)

@@ -4,6 +4,7 @@ updating the pages in place (no page-sized copy in its HLO)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -18,6 +19,7 @@ from paged_kv.models import allocate_pages, init_model, make_paged_batch, page_s
 from paged_kv.models import paged as paged_mod
 from paged_kv.models.config import tiny
 from paged_kv.models.llama import DecoderLayer, stack_layers
+from paged_kv.models.protocol import AttentionBackend
 
 BLOCK = 16
 
@@ -41,16 +43,15 @@ def test_layers_are_stacked_with_the_seeds_weights():
 
 def _forward(model, tokens, batch, pages, static: bool, matmul=None):
     """Jitted logits and pages of `model` on the reference kernels: scanned, or unrolled with
-    Python-int layer ids (`static`); `matmul` becomes the attend callback's `layer_matmul` (the
+    Python-int layer ids (`static`); `matmul` becomes the backend's `layer_matmul` (the
     scan's in-place projections, tests/test_model_stacked_matmul.py)."""
     attend = paged_mod._make_attend(batch, "reference", False, None, model.config.head_dim)
-    attend.layer_matmul = matmul
+    attend = dataclasses.replace(attend, layer_matmul=matmul)
     if static:
         def attend_static(layer, *args, **options):
             assert isinstance(layer, int)  # the unrolled path hands Python ints
             return attend(layer, *args, **options)
-        attend_static.static_layer = True
-        fn = attend_static
+        fn = AttentionBackend(attend_static, static_layer=True)
     else:
         fn = attend
     graphdef, state = nnx.split(model)

@@ -1,5 +1,5 @@
-"""The scan over stacked layers with the projections read in place (`attend.layer_matmul`,
-`paged_kv.models.llama.DecoderLayer.call_stacked`): what the Pallas kernels run on one GPU. Against the
+"""The scan over stacked layers with the projections read in place (`AttentionBackend.layer_matmul`,
+`paged_kv.models.llama.LayerAccess`): what the Pallas kernels run on one GPU. Against the
 ordinary scan (XLA's weight slices) on the same weights, for the plain Llama and for every
 family switch (biases, q/k norms); the engines' Pallas path scans (one traced body: seven
 projections) instead of converting to the per-layer layout; the layer handed to the matmul is
@@ -97,7 +97,7 @@ def test_pallas_impls_scan_with_seven_projections_per_layer(monkeypatch):
 
 
 def test_layer_matmul_only_without_a_mesh_and_for_pallas():
-    """The attend callback brings the in-place matmul for the Pallas impls on one device; the
+    """The paged backend brings the in-place matmul for the Pallas impls on one device; the
     reference kernels (a CPU) scan with XLA's slices, and a tensor-parallel mesh unrolls on
     per-layer weights (`static_layer`), where GSPMD partitions the XLA matmuls."""
     assert paged_mod.layer_matmul_for("reference") is None
