@@ -120,7 +120,7 @@ def by_width(config: ManagerConfig, needed: jax.Array, fn, *operands):
     ``lax.switch`` over a few static widths makes their cost follow the longest sequence in the
     batch instead. On a GPU the full ``[B, max_blocks_per_seq]`` width is one cheap elementwise
     pass, while the switch is a ``conditional`` whose branch index the host reads back (a
-    device-to-host sync per call, measured by ``scripts/gpu_compile.py``): there the full width
+    device-to-host sync per call, measured by the GPU compile gate, ``scripts/gate/gpu_compile.py``): there the full width
     is taken directly. Every width ``>= needed`` gives the same result.
 
     Args:

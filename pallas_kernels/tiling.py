@@ -8,8 +8,8 @@ H100/H200 (232,448 B of opt-in shared memory per block, 255 registers per thread
 float32 tile at head_dim 256 asks for 286,720 B and does not compile, and a 64-row float32
 prefill tile at head_dim 128 spills registers. The table gives, per (kernel, dtype, head_dim),
 the largest tile that compiled without spills for every block size and GQA group the gate
-checks (``scripts/gpu_compile.py`` compiles every row for sm_90 and sm_80; the rows are what
-it measured, see ``results/gpu_compile_report.json``).
+checks (``scripts/gate/gpu_compile.py`` compiles every row for sm_90 and sm_80; the rows are what
+it measured, see ``results/gpu_compile_summary.json``).
 
 A row says how many keys one K/V tile holds; the kernels turn it into ``blocks_per_tile =
 keys_per_tile // block_size``. A block larger than the row's tile would make the tile a whole
