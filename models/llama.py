@@ -405,8 +405,7 @@ def per_layer(model):
 
     Why: with the Pallas kernels over a mesh the forward is unrolled over layers, and XLA:GPU copies every
     static slice `w[i]` of a stacked weight before its matmul, on every step (the GPU compile
-    gate at 32 layers: the serving decode step's copies per step 158 stacked, 31 per layer;
-    `results/gpu_compile_report_per_layer.json`).
+    gate at 32 layers: the serving decode step's copies per step 158 stacked, 31 per layer).
     Per-layer arrays leave nothing to slice inside the program. The forward of a per-layer model
     is always unrolled (Python-int layer ids, which any `attend` accepts); the CPU engines and the
     one-GPU Pallas engines keep the stacked model and its scan.
