@@ -183,7 +183,7 @@ def layout_for_impl(model, impl: str, mesh=None):
     """`model` (a `paged_kv.models.protocol.PagedModel` or its `(graphdef, state)` split; same kind back)
     in the layer layout that suits `impl` and `mesh`. The three ways a `paged_kv.models.Llama` runs
     its layers, and where each is chosen (the engines call this once, outside `jit`, through
-    `paged_kv.engine.requests.layer_layout`; the backend's plan comes from `_make_attend`):
+    `paged_kv.engine.call_setup.layer_layout`; the backend's plan comes from `_make_attend`):
 
       impl resolves to   mesh   layout      loop      projections
       "reference" (CPU)  any    stacked     scan      XLA einsums on the scan's weight slices

@@ -222,9 +222,11 @@ def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array
 
     Args:
       model: an NNX module implementing ``paged_kv.models.protocol.PagedModel`` (``paged_kv.models.Llama``, or your
-        own) or its ``(graphdef, state)`` split. When ``impl`` resolves to Pallas, a stacked Llama
-        is converted to ``paged_kv.models.per_layer`` for the call (one copy of the layer weights per call,
-        alive while the call runs); pass ``paged_kv.models.per_layer(model)`` to pay that once.
+        own) or its ``(graphdef, state)`` split. When ``impl`` resolves to Pallas and ``mesh`` is
+        given, a stacked Llama is converted to ``paged_kv.models.per_layer`` for the call (one copy
+        of the layer weights per call, alive while the call runs; pass
+        ``paged_kv.models.per_layer(model)`` to pay that once); otherwise it runs as given
+        (``paged_kv.models.paged.layout_for_impl`` has the table).
       pages: the KV pages ``[layers, 2, kv_heads, manager.num_blocks, manager.block_size, head_dim]``
         (donated).
       prompt_tokens: int32 ``[B, L]`` zero-padded prompts (see ``pad_prompts``); ids at positions

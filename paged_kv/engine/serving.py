@@ -128,8 +128,10 @@ class ServingEngine:
         """Args:
           model: an NNX module implementing ``paged_kv.models.protocol.PagedModel`` (``paged_kv.models.Llama``, or
             your own) or its ``(graphdef, state)`` split. When ``config.impl`` resolves to Pallas
-            a stacked Llama's layer weights are copied once into one array per layer
-            (``paged_kv.models.per_layer``); drop your own reference to ``model`` to free the stacked copy.
+            and ``mesh`` is given, a stacked Llama's layer weights are copied once into one array
+            per layer (``paged_kv.models.per_layer``; drop your own reference to ``model`` to free
+            the stacked copy); otherwise the model runs as given
+            (``paged_kv.models.paged.layout_for_impl`` has the table).
           config: the ``ServingConfig``.
           seed: the engine's sampling seed (with each request's seed, it fixes sampled tokens).
           mesh: a ``jax.sharding.Mesh`` with a "tp" axis (``paged_kv.models.sharding.make_mesh``) to run
