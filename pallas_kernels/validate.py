@@ -27,6 +27,14 @@ _INT32 = jnp.dtype(jnp.int32)
 PAGES_LAYOUT = "[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]"
 
 
+# ``paged_kv.inputs.is_int`` is the same check for the core and the engine: this package imports
+# nothing from the rest of the repository (models import it from here), so each side keeps one
+# definition (tests/test_module_layout.py checks they agree).
+def is_int(v: Any) -> bool:
+  """A Python or NumPy integer scalar; bools (Python or NumPy) are not ints here."""
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def is_power_of_two(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
 
@@ -68,7 +76,7 @@ def check_layer(layer: Any, num_layers: int):
     if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
       raise ValueError(f"layer must be an integer scalar, got {layer.dtype} shape {layer.shape}")
     return layer.astype(jnp.int32)
-  if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
+  if not is_int(layer):
     raise ValueError(f"layer must be a static Python int or an integer scalar array, got "
                      f"{type(layer).__name__} {layer!r}")
   if not 0 <= int(layer) < num_layers:

@@ -16,9 +16,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from paged_kv.models.paged import IMPLS, page_spec
+from paged_kv.models.paged import page_spec
 from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv.config import ManagerConfig
+from paged_kv.inputs import is_int
+from paged_kv.pallas_kernels import IMPLS
 from paged_kv.state import BlockManagerState, init_state
 
 
@@ -61,7 +63,7 @@ def _first_bad_element(items) -> tuple[int, object] | None:
     """Position and value of the first element that is not a Python/NumPy int (bools excluded).
     Python-level loop: only run on the error path."""
     for pos, t in enumerate(items):
-        if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
+        if not is_int(t):
             return pos, t
     return None
 
@@ -218,10 +220,9 @@ def pad_prompts(prompts, width: int | None = None, multiple: int = 1, *,
     if prompts is None or isinstance(prompts, (str, bytes)) or np.isscalar(prompts):
         raise ValueError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
     for name, v, lo in (("width", width, 1), ("multiple", multiple, 1)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
+        if v is not None and (not is_int(v) or v < lo):
             raise ValueError(f"{name}={v!r} must be an int >= {lo}")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
-                                   or vocab_size < 1):
+    if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
         raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 1")
     try:
         prompts = [token_ids(p, what=f"prompt {i}", vocab_size=vocab_size) for i, p in enumerate(prompts)]
@@ -332,7 +333,7 @@ def check_call(facts: ModelFacts, manager: ManagerConfig, pages, state, prompt_t
             raise ValueError(f"{what} uses sequence rows [0, {rows}); rows {busy[:8]} are already running")
     if chunk_size is None:
         chunk_size = min(width, 256)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+    if not is_int(chunk_size) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 1")
     return CallShape(num_prompts=b, width=width, rows_per_prompt=rows_per_prompt, context=context,
                    chunk_size=int(min(chunk_size, width)))

@@ -104,7 +104,8 @@ from paged_kv.engine import call_setup
 from paged_kv.engine.scheduler import Scheduler
 from paged_kv.engine.serving_step import DeviceStep, StepInputs, StepOutputs
 from paged_kv.engine.serving_types import (IMPLS, EngineStats, Request, RequestOutput, RequestStats, ServingConfig,  # noqa: F401
-                                           TableSnapshot, TokenDelta, is_int)
+                                           TableSnapshot, TokenDelta)
+from paged_kv.inputs import is_int
 from paged_kv.state import init_state
 
 
