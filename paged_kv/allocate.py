@@ -13,6 +13,7 @@ from typing import NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+from numpy.typing import ArrayLike
 
 from paged_kv import block_hash, free_queue, hash_table, inputs, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served
@@ -86,7 +87,8 @@ def append(
                         default=one_check)
 
 
-def check_inputs(config: ManagerConfig, seq_ids, token_ids):
+def check_inputs(config: ManagerConfig, seq_ids: ArrayLike,
+                 token_ids: ArrayLike | None) -> tuple[jax.Array, jax.Array | None]:
     """``append``'s arguments checked and converted: int32 ``[B]`` ids and tokens (or None)."""
     seq_ids, b = inputs.batch_ids("append", "seq_ids", seq_ids)
     if token_ids is not None:
@@ -104,7 +106,8 @@ def append_general(config: ManagerConfig, state: BlockManagerState, seq_ids: jax
 
 
 def append_straight(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
-                    token_ids: jax.Array | None, slow: jax.Array | bool = False):
+                    token_ids: jax.Array | None, slow: jax.Array | bool = False
+                    ) -> tuple[BlockManagerState, AppendResult, jax.Array]:
     """``append`` on checked inputs in straight-line code (no ``cond`` or loop): the GPU form's
     common path. Returns ``(state, AppendResult, slow)``: ``slow`` (bool scalar) holds when a
     rare path is needed (``_needs_loops``, read before anything is written) or the caller's

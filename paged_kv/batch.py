@@ -7,6 +7,7 @@ negative ids are padding, so callers can keep ``B`` fixed and never retrace.
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,8 @@ from paged_kv.config import ManagerConfig
 from paged_kv.scan import per_platform, prefix_sum
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
+
+T = TypeVar("T")
 
 
 def check_rows(
@@ -111,7 +114,7 @@ def width_buckets(max_blocks_per_seq: int) -> list[int]:
     return widths + [max_blocks_per_seq]
 
 
-def by_width(config: ManagerConfig, needed: jax.Array, fn, *operands):
+def by_width(config: ManagerConfig, needed: jax.Array, fn: Callable[..., T], *operands: Any) -> T:
     """Calls ``fn(width, *operands)`` with the smallest bucket ``width >= needed`` on a CPU, with
     the full width elsewhere (chosen when the program is lowered, per platform).
 

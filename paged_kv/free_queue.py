@@ -21,7 +21,8 @@ def _live(q: FreeQueue, positions: jax.Array, in_use: jax.Array) -> tuple[jax.Ar
     return ids, in_use & (q.slot[ids] == positions)
 
 
-def take_front(q: FreeQueue, count: jax.Array, max_take: int, *, straight: bool = False):
+def take_front(q: FreeQueue, count: jax.Array, max_take: int, *, straight: bool = False
+               ) -> tuple[FreeQueue, jax.Array] | tuple[FreeQueue, jax.Array, jax.Array]:
     """Removes the ``count`` front (least recently freed) blocks.
 
     Args:

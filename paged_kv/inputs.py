@@ -1,4 +1,5 @@
-"""Trace-time checks of the functional operations' array arguments.
+"""Input checks shared by the core and the engine: host-side scalar checks (``is_int``,
+``is_real``) and trace-time checks of the functional operations' array arguments.
 
 Shapes and dtypes are static under ``jit``, so a float id, a mis-shaped length array or an
 unsigned id that would wrap to padding is refused with a ``ValueError`` before anything is traced,
@@ -10,11 +11,27 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def _array(op: str, name: str, x: Any):
+# ``pallas_kernels.validate.is_int`` is the same check for the kernels and models: the kernels
+# import nothing from the rest of the repository and the core imports neither kernels nor
+# models, so each side keeps one definition (tests/test_module_layout.py checks they agree).
+def is_int(v: Any) -> bool:
+    """A Python or NumPy integer scalar; bools (Python or NumPy) are not ints here, so ``True``
+    is refused where an id, a count or a seed is expected."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def is_real(v: Any) -> bool:
+    """A Python or NumPy int or float scalar (not a bool). NaN and inf pass: callers that need a
+    finite value check ``math.isfinite`` too."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def _array(op: str, name: str, x: Any) -> np.ndarray | jax.Array:
     if x is None:
         raise ValueError(f"{op}: {name} is None; expected an int32 array")
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
@@ -26,7 +43,7 @@ def _array(op: str, name: str, x: Any):
 
 
 def int_array(op: str, name: str, x: Any, *, ndim: int, batch: int | None = None,
-              unsigned_ok: bool = False):
+              unsigned_ok: bool = False) -> np.ndarray | jax.Array:
     """``x`` as given (or as a NumPy array, for a list), after checking that it has ``ndim``
     dimensions, ``batch`` rows if given, and an integer dtype: signed (ids, lengths, tokens; an
     unsigned id of 2**32 - 1 would wrap to -1, padding) or, with ``unsigned_ok``, any integer
@@ -54,7 +71,7 @@ def int_array(op: str, name: str, x: Any, *, ndim: int, batch: int | None = None
     return x
 
 
-def batch_ids(op: str, name: str, x: Any):
+def batch_ids(op: str, name: str, x: Any) -> tuple[np.ndarray | jax.Array, int]:
     """A batch of sequence ids: int32 ``[B]``; returns it and ``B``."""
     x = int_array(op, name, x, ndim=1)
     return x, x.shape[0]

@@ -22,6 +22,7 @@ from paged_kv import admission, allocate, prefix_cache, reclaim, share, views
 from paged_kv.batch import blocks_held
 from paged_kv.config import ManagerConfig
 from paged_kv.free_queue import live_entries
+from paged_kv.inputs import is_int
 from paged_kv.state import init_state
 from paged_kv.status import Status, StatusArray
 
@@ -44,10 +45,6 @@ def _padded(values: Sequence[int], size: int) -> np.ndarray:
     out = np.full((size,), -1, np.int32)
     out[: len(values)] = values
     return out
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def _show(v) -> str:
@@ -101,7 +98,7 @@ class BlockManager:
         return set(np.flatnonzero(np.asarray(self.state.active)).tolist())
 
     def _check_id(self, sid, what: str) -> int:
-        if not _is_int(sid):
+        if not is_int(sid):
             raise ValueError(f"{what}: sequence id {_show(sid)} is not an int")
         if not 0 <= sid < self.config.max_seqs:
             raise ValueError(f"{what}: sequence id {sid} out of range [0, {self.config.max_seqs})")
@@ -121,7 +118,7 @@ class BlockManager:
 
     @staticmethod
     def _check_token(tok, where: str) -> int:
-        if not _is_int(tok) or not 0 <= tok < 2**31:
+        if not is_int(tok) or not 0 <= tok < 2**31:
             raise ValueError(f"{where} (token ids are ints in [0, 2**31))")
         return int(tok)
 
@@ -156,7 +153,7 @@ class BlockManager:
         if len(salts) != len(ids):
             raise ValueError(f"admit: {len(ids)} sequence ids but {len(salts)} salts")
         for sid, salt in zip(ids, salts):
-            if not _is_int(salt) or not 0 <= salt < 2**32:
+            if not is_int(salt) or not 0 <= salt < 2**32:
                 raise ValueError(f"admit: salt {_show(salt)} of sequence {sid} is not an int in [0, 2**32)")
         limit = self.config.max_tokens_per_seq
         for sid, prompt in zip(ids, prompts):
@@ -285,7 +282,7 @@ class BlockManager:
 
     def ref_count(self, block: int) -> int:
         """Reference count of physical block ``block``."""
-        if not _is_int(block):
+        if not is_int(block):
             raise ValueError(f"ref_count: block {_show(block)} is not an int")
         if not 0 <= block < self.config.num_blocks:
             raise ValueError(f"ref_count: block {block} out of range [0, {self.config.num_blocks})")

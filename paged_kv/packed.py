@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import jax.numpy as jnp
 
+T = TypeVar("T")
 
-def with_packed_scalars(cls, packed: str, names: tuple[str, ...]):
+
+def with_packed_scalars(cls: type[T], packed: str, names: tuple[str, ...]) -> type[T]:
     """Gives ``cls`` read-only properties ``names`` for the entries of its int32 vector field
     ``packed``, and a ``replace`` that accepts them as keywords.
 

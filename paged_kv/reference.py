@@ -181,7 +181,8 @@ class ReferenceBlockManager:
                 self.stats["hit_tokens"] += n_hit * bs
         return [tuple(o) for o in out]
 
-    def append(self, seq_ids: Sequence[int], token_ids: Sequence[int] | None = None):
+    def append(self, seq_ids: Sequence[int], token_ids: Sequence[int] | None = None
+               ) -> tuple[list[Status], list[int], list[int], list[int]]:
         """Returns (statuses, slots, copy_src, copy_dst), one entry per row."""
         cfg, bs, seen, blocked = self.config, self.config.block_size, set(), False
         token_ids = [0] * len(seq_ids) if token_ids is None else list(token_ids)

@@ -11,9 +11,15 @@ every other kernel that reads or writes a pool-sized array (see ``scripts/bench_
 
 from __future__ import annotations
 
+from typing import Any, Callable, TypeVar
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+T = TypeVar("T")
+StateT = TypeVar("StateT")
+OutT = TypeVar("OutT")
 
 TRIANGLE_MAX = 256
 """Up to this many elements on the summed axis, ``prefix_sum`` is one masked reduction over a
@@ -48,7 +54,7 @@ def any_true(mask: jax.Array) -> jax.Array:
     return jnp.argmax(jnp.pad(flat, (0, 1), constant_values=True)) < flat.shape[0]
 
 
-def while_needed(cond_fun, body_fun, init):
+def while_needed(cond_fun: Callable[[T], jax.Array], body_fun: Callable[[T], T], init: T) -> T:
     """``lax.while_loop(cond_fun, body_fun, init)``, entered only when ``cond_fun(init)`` holds.
 
     For loops that usually run zero iterations (probing past a window, skipping stale queue
@@ -58,7 +64,8 @@ def while_needed(cond_fun, body_fun, init):
     return lax.cond(cond_fun(init), lambda c: lax.while_loop(cond_fun, body_fun, c), lambda c: c, init)
 
 
-def repair(slow, out, general):
+def repair(slow: jax.Array, out: tuple[StateT, OutT],
+           general: Callable[[StateT], tuple[StateT, OutT]]) -> tuple[StateT, OutT]:
     """For a GPU: ``out`` (``(state, outputs)``, what the straight-line form of an operation
     returned) unless ``slow`` (bool scalar), else ``general(state)``, the operation redone in a
     loop of at most one trip: on the common path one host sync (the loop's condition), as a
@@ -79,7 +86,7 @@ def repair(slow, out, general):
     return out
 
 
-def per_platform(target: str, *operands, cpu, default):
+def per_platform(target: str, *operands: Any, cpu: Callable[..., T], default: Callable[..., T]) -> T:
     """The form of an operation for ``target`` (``ManagerConfig.target``): ``cpu(*operands)``,
     tuned for XLA:CPU (skips and loops that only run when needed), for ``"cpu"``;
     ``default(*operands)``, the straight-line form for a GPU, for ``"gpu"``; for ``"auto"``
@@ -94,7 +101,7 @@ def per_platform(target: str, *operands, cpu, default):
     return lax.platform_dependent(*operands, cpu=cpu, default=default)
 
 
-def target_of(*arrays) -> str:
+def target_of(*arrays: jax.Array) -> str:
     """The ``ManagerConfig.target`` for a program on ``arrays`` (``jax.Array`` s): ``"cpu"`` or
     ``"gpu"`` when this process can only lower it for their platform (every device of the arrays
     has the default backend's platform), so that only that form is traced (a fifth of a warm

@@ -13,6 +13,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.hash_table import EMPTY as HASH_EMPTY
@@ -89,7 +90,7 @@ STAT_NAMES = ("lookups", "query_tokens", "hit_tokens", "evictions")
 with_packed_scalars(CacheStats, "counts", STAT_NAMES)
 
 
-def add_stats(stats: CacheStats, **increments) -> CacheStats:
+def add_stats(stats: CacheStats, **increments: ArrayLike) -> CacheStats:
     """``stats`` with int32 scalar ``increments`` added to the named counters (one vector add)."""
     delta = jnp.stack([jnp.asarray(increments.pop(k, 0), jnp.int32) for k in STAT_NAMES])
     if increments:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import enum
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 
-def code_names(kind: type[enum.IntEnum], codes) -> list | str:
+def code_names(kind: type[enum.IntEnum], codes: ArrayLike) -> list | str:
     """The names of ``kind`` for every code of ``codes`` (an int, or an array of any shape from
     ``jit``: nested lists like ``tolist()``); a code ``kind`` does not define shows as its number."""
     def name(c: int) -> str:
@@ -49,7 +50,7 @@ class Status(enum.IntEnum):
     """A padding row (sequence id < 0): ignored."""
 
     @classmethod
-    def names(cls, codes) -> list | str:
+    def names(cls, codes: ArrayLike) -> list | str:
         """``Status.names(out.status)``: the name of every code (``code_names``)."""
         return code_names(cls, codes)
 

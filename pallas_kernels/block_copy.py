@@ -44,7 +44,8 @@ def _copy_kernel(src_ref, dst_ref, pages_ref, out_ref, *, head_rows: int):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "head_rows", "num_warps"))
-def copy_blocks_pallas(pages, src, dst, *, interpret=False, head_rows=None, num_warps=4):
+def copy_blocks_pallas(pages: jax.Array, src: jax.Array, dst: jax.Array, *, interpret: bool = False,
+                       head_rows: int | None = None, num_warps: int = 4) -> jax.Array:
   """Pallas block copy; arguments as :func:`paged_kv.pallas_kernels.copy_blocks`."""
   num_layers, _, num_kv_heads, num_blocks, block_size, head_dim = pages.shape
   rows = num_layers * 2 * num_kv_heads

@@ -38,13 +38,14 @@ from paged_kv.pallas_kernels.reference import sanitize_block_tables, score_knobs
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def online_softmax_init(rows: int, head_dim: int):
+def online_softmax_init(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(output accumulator, running max, running denominator) before the first key tile."""
   return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
           jnp.zeros((rows,), jnp.float32))
 
 
-def online_softmax_step(carry, s, v, mask):
+def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, v: jax.Array,
+                        mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Folds one tile of scores ``s [rows, keys]`` (float32, scaled) and values ``v [keys, D]`` into
   the running softmax ``carry``; masked scores count as absent. Shared by the decode and prefill
   kernels (flash attention's rescaling: old terms are scaled by exp(m_old - m_new))."""
@@ -103,7 +104,7 @@ def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale
   l_ref[...] = l
 
 
-def layer_operand(layer, num_layers: int):
+def layer_operand(layer: int | jax.Array, num_layers: int) -> jax.Array:
   """The layer id as the kernels' int32 ``[1]`` operand, clamped to ``[0, num_layers)``.
 
   ``layer`` is a Python int or an integer scalar array (traced, e.g. inside a scan over layers).
@@ -123,7 +124,7 @@ def layer_operand(layer, num_layers: int):
   return jnp.full((1,), min(max(int(layer), 0), num_layers - 1), jnp.int32)
 
 
-def merge_splits(o, m, l):
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
   """Log-sum-exp merge of split partials: o [..., S, R, D], m and l [..., S, R] -> [..., R, D]."""
   m_max = m.max(axis=-2, keepdims=True)
   w = jnp.exp(m - m_max)  # 0 for empty splits (m = MASK_VALUE) unless all are empty
@@ -133,7 +134,7 @@ def merge_splits(o, m, l):
 
 
 def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads: int,
-                     blocks_per_tile: int | None = None, num_splits: int | None = None):
+                     blocks_per_tile: int | None = None, num_splits: int | None = None) -> tuple[int, int, int]:
   """Static tiling: (blocks_per_tile, tiles_per_split, num_splits).
 
   ``blocks_per_tile`` defaults to a 128-key tile (the 2-byte rows of
@@ -159,9 +160,11 @@ def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads:
     jax.jit,
     static_argnames=("scale", "interpret", "blocks_per_tile", "num_splits",
                      "num_warps", "num_stages", "soft_cap"))
-def paged_decode_attention_pallas(q, pages, layer, block_tables, lengths, *, scale,
-                                  interpret=False, blocks_per_tile=None, num_splits=None,
-                                  num_warps=None, num_stages=None, soft_cap=None, alibi_slopes=None):
+def paged_decode_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+                                  lengths: jax.Array, *, scale: float, interpret: bool = False,
+                                  blocks_per_tile: int | None = None, num_splits: int | None = None,
+                                  num_warps: int | None = None, num_stages: int | None = None,
+                                  soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> jax.Array:
   """Pallas paged decode attention; arguments as :func:`paged_kv.pallas_kernels.paged_decode_attention`.
 
   ``blocks_per_tile``, ``num_warps``, ``num_stages``: None takes the tiling table's choice

@@ -28,8 +28,9 @@ def resolve_impl(impl: str, head_dim: int | None = None) -> str:
   return impl
 
 
-def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None, impl="auto",
-                           soft_cap=None, alibi_slopes=None):
+def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+                           lengths: jax.Array, *, scale: float | None = None, impl: str = "auto",
+                           soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> jax.Array:
   """Attention of one new query token per sequence over its paged K/V.
 
   Args:
@@ -69,8 +70,9 @@ def paged_decode_attention(q, pages, layer, block_tables, lengths, *, scale=None
       q, pages, layer, block_tables, lengths, scale=scale, interpret=impl == "interpret", **knobs)
 
 
-def paged_prefill_attention(q, pages, layer, block_tables, q_start, q_lens, *, scale=None,
-                            impl="auto", soft_cap=None, alibi_slopes=None):
+def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+                            q_start: jax.Array, q_lens: jax.Array, *, scale: float | None = None, impl: str = "auto",
+                            soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> jax.Array:
   """Causal attention of a chunk of query tokens per sequence over its paged K/V.
 
   Query ``t`` of sequence ``b`` sits at absolute position ``q_start[b] + t``, is valid for
@@ -104,7 +106,8 @@ def paged_prefill_attention(q, pages, layer, block_tables, q_start, q_lens, *, s
       interpret=impl == "interpret", **knobs)
 
 
-def write_kv(pages, layer, k, v, slots, *, impl="auto"):
+def write_kv(pages: jax.Array, layer: int | jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, *,
+             impl: str = "auto") -> jax.Array:
   """Writes K/V rows at slot indices: ``pages[layer, 0|1, h, s // bs, s % bs] = k|v[n, h]``.
 
   Args:
@@ -127,7 +130,7 @@ def write_kv(pages, layer, k, v, slots, *, impl="auto"):
   return kv_write.write_kv_pallas(pages, layer, k, v, slots, interpret=impl == "interpret")
 
 
-def copy_blocks(pages, src, dst, *, impl="auto"):
+def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str = "auto") -> jax.Array:
   """Copies whole blocks in every layer, K and V, every KV head: ``pages[..., dst[i], :, :] =
   pages[..., src[i], :, :]``.
 
@@ -160,7 +163,8 @@ def copy_blocks(pages, src, dst, *, impl="auto"):
   return block_copy.copy_blocks_pallas(pages, src, dst, interpret=impl == "interpret")
 
 
-def layer_matmul(x, w, layer, *, scale=None, bias=None, impl="auto"):
+def layer_matmul(x: jax.Array, w: jax.Array, layer: int | jax.Array, *, scale: jax.Array | None = None,
+                 bias: jax.Array | None = None, impl: str = "auto") -> jax.Array:
   """One layer's projection out of a stacked weight: ``(scale[layer] * x) @ w[layer] + bias[layer]``.
 
   Args:

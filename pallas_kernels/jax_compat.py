@@ -27,7 +27,7 @@ import contextlib
 import re
 import warnings
 from types import ModuleType
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
@@ -51,7 +51,8 @@ def cuda_lowering(device_kind: str = DEFAULT_CUDA_DEVICE_KIND) -> Iterator[None]
     yield
 
 
-def export_cuda(fn, *args, donate_argnums=()) -> jax.export.Exported:
+def export_cuda(fn: Callable[..., Any], *args: jax.Array | jax.ShapeDtypeStruct,
+                donate_argnums: int | tuple[int, ...] = ()) -> jax.export.Exported:
   """``jax.jit(fn)`` exported for CUDA with its Triton custom calls allowed, on any machine (no
   GPU needed): ``.mlir_module()`` is the StableHLO text, ``.out_avals`` the output shapes.
   ``args`` are arrays or ``jax.ShapeDtypeStruct``\\ s."""

@@ -38,7 +38,8 @@ def _write_kernel(layer_ref, slot_ref, k_ref, v_ref, pages_ref, out_ref):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
-def write_kv_pallas(pages, layer, k, v, slots, *, interpret=False, num_warps=1):
+def write_kv_pallas(pages: jax.Array, layer: int | jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, *,
+                    interpret: bool = False, num_warps: int = 1) -> jax.Array:
   """Pallas KV write; arguments as :func:`paged_kv.pallas_kernels.write_kv`."""
   num_layers, _, num_kv_heads, num_blocks, block_size, head_dim = pages.shape
   num_slots = num_blocks * block_size

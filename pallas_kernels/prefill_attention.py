@@ -79,9 +79,11 @@ def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref,
     jax.jit,
     static_argnames=("scale", "interpret", "rows_per_tile", "blocks_per_tile",
                      "num_warps", "num_stages", "soft_cap"))
-def paged_prefill_attention_pallas(q, pages, layer, block_tables, q_start, q_lens, *, scale,
-                                   interpret=False, rows_per_tile=None, blocks_per_tile=None,
-                                   num_warps=None, num_stages=None, soft_cap=None, alibi_slopes=None):
+def paged_prefill_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+                                   q_start: jax.Array, q_lens: jax.Array, *, scale: float, interpret: bool = False,
+                                   rows_per_tile: int | None = None, blocks_per_tile: int | None = None,
+                                   num_warps: int | None = None, num_stages: int | None = None,
+                                   soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> jax.Array:
   """Pallas paged prefill attention; arguments as :func:`paged_kv.pallas_kernels.paged_prefill_attention`.
 
   Tile parameters left None take the tiling table's choice

@@ -37,7 +37,8 @@ def sanitize_slots(slots: jax.Array, num_slots: int) -> jax.Array:
   return jnp.where(ok, slots, NULL_BLOCK).astype(jnp.int32)
 
 
-def score_knobs(s, soft_cap, slopes, key_pos, query_pos):
+def score_knobs(s: jax.Array, soft_cap: float | None, slopes: jax.Array | None, key_pos: jax.Array,
+                query_pos: jax.Array) -> jax.Array:
   """The optional score transforms, in float32, in the order every implementation applies them:
   ``s`` (already scaled) is soft-capped, ``cap * tanh(s / cap)`` (Gemma 2), then the ALiBi bias
   ``slope * (key_pos - query_pos)`` is added; masking comes after both. ``slopes``,
@@ -133,8 +134,9 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
-def paged_decode_attention_reference(q, pages, layer, block_tables, lengths, *, scale,
-                                     soft_cap=None, alibi_slopes=None):
+def paged_decode_attention_reference(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+                                     lengths: jax.Array, *, scale: float, soft_cap: float | None = None,
+                                     alibi_slopes: jax.Array | None = None) -> jax.Array:
   """q [B, Hq, D] -> [B, Hq, D]; attends to positions [0, lengths[b]) (the query at lengths - 1)."""
   out = _paged_attention(q[:, None], pages, layer, block_tables, (lengths - 1)[:, None],
                          (lengths > 0)[:, None], scale, soft_cap, alibi_slopes)
@@ -142,8 +144,10 @@ def paged_decode_attention_reference(q, pages, layer, block_tables, lengths, *, 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
-def paged_prefill_attention_reference(q, pages, layer, block_tables, q_start, q_lens, *, scale,
-                                      soft_cap=None, alibi_slopes=None):
+def paged_prefill_attention_reference(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+                                      q_start: jax.Array, q_lens: jax.Array, *, scale: float,
+                                      soft_cap: float | None = None,
+                                      alibi_slopes: jax.Array | None = None) -> jax.Array:
   """q [B, T, Hq, D] -> [B, T, Hq, D]; query t attends to positions [0, q_start + t]."""
   tpos = jnp.arange(q.shape[1], dtype=jnp.int32)
   last_pos = jnp.maximum(q_start, 0)[:, None] + tpos[None, :]  # negative starts clamp to 0
@@ -153,7 +157,8 @@ def paged_prefill_attention_reference(q, pages, layer, block_tables, q_start, q_
 
 
 @jax.jit
-def write_kv_reference(pages, layer, k, v, slots):
+def write_kv_reference(pages: jax.Array, layer: int | jax.Array, k: jax.Array, v: jax.Array,
+                       slots: jax.Array) -> jax.Array:
   """pages[layer, 0|1, h, slot // bs, slot % bs] = k|v[n, h] for every row n."""
   num_layers, _, hkv, num_blocks, block_size, d = pages.shape
   slots = sanitize_slots(slots, num_blocks * block_size)
@@ -164,7 +169,7 @@ def write_kv_reference(pages, layer, k, v, slots):
 
 
 @jax.jit
-def copy_blocks_reference(pages, src, dst):
+def copy_blocks_reference(pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
   """pages[:, :, :, dst[i]] = pages[:, :, :, src[i]] (all sources read before any write)."""
   num_blocks = pages.shape[3]
   src = sanitize_block_tables(src, num_blocks)
@@ -172,7 +177,8 @@ def copy_blocks_reference(pages, src, dst):
   return pages.at[:, :, :, dst].set(pages[:, :, :, src])
 
 
-def layer_matmul_reference(x, w, layer, scale=None, bias=None):
+def layer_matmul_reference(x: jax.Array, w: jax.Array, layer: int | jax.Array, scale: jax.Array | None = None,
+                           bias: jax.Array | None = None) -> jax.Array:
   """``(scale[layer] * x) @ w[layer] + bias[layer]`` with XLA ops: x ``[M, K]``, w ``[L, K, N]``,
   scale ``[L, K]``, bias ``[L, N]`` (both optional); float32 accumulation, result in x's dtype
   (the bias added after the cast, as the model adds it)."""

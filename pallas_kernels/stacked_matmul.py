@@ -95,7 +95,9 @@ def _kernel(layer_ref, x_ref, w_ref, *rest, m: int, bk: int, has_scale: bool, ha
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages"))
-def layer_matmul_pallas(x, w, layer, scale=None, bias=None, *, interpret=False, num_warps=4, num_stages=2):
+def layer_matmul_pallas(x: jax.Array, w: jax.Array, layer: int | jax.Array, scale: jax.Array | None = None,
+                        bias: jax.Array | None = None, *, interpret: bool = False, num_warps: int = 4,
+                        num_stages: int = 2) -> jax.Array:
   """Pallas version of :func:`paged_kv.pallas_kernels.layer_matmul` (same arguments)."""
   m, k = x.shape
   num_layers, _, n = w.shape

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Sequence
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
+from numpy.typing import ArrayLike
 
 # (dtype, block_size, head_dim, group) shared by the decode and prefill kernel tests: every block
 # size, head dim and GQA ratio appears at least once per dtype, without the full product
@@ -36,8 +41,8 @@ class PagedCase:
   layer: int
 
 
-def make_paged_case(rng: np.random.Generator, lengths, *, block_size: int, head_dim: int,
-                    num_kv_heads: int, dtype=jnp.float32, num_layers: int = 2, layer: int = 1,
+def make_paged_case(rng: np.random.Generator, lengths: Sequence[int] | np.ndarray, *, block_size: int, head_dim: int,
+                    num_kv_heads: int, dtype: DTypeLike = jnp.float32, num_layers: int = 2, layer: int = 1,
                     share: bool = True, extra_columns: int = 1, spare_blocks: int = 2) -> PagedCase:
   """Pages and block tables for sequences of the given lengths (see module docstring).
 
@@ -61,11 +66,12 @@ def make_paged_case(rng: np.random.Generator, lengths, *, block_size: int, head_
   return PagedCase(pages, jnp.asarray(tables), lengths, layer)
 
 
-def random_queries(rng: np.random.Generator, shape, dtype=jnp.float32) -> jnp.ndarray:
+def random_queries(rng: np.random.Generator, shape: tuple[int, ...], dtype: DTypeLike = jnp.float32) -> jax.Array:
   return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
 
 
-def contiguous_kv(pages, layer: int, table, length: int):
+def contiguous_kv(pages: ArrayLike, layer: int, table: ArrayLike, length: int
+                  ) -> tuple[np.ndarray, np.ndarray] | np.ndarray:
   """K, V of one sequence as float64 [Hkv, length, D], walking the table position by position."""
   pages = np.asarray(pages, np.float64)
   block_size = pages.shape[4]
@@ -77,8 +83,8 @@ def contiguous_kv(pages, layer: int, table, length: int):
   return kv[0], kv[1]
 
 
-def dense_attention(q, pages, layer: int, table, num_visible: int, scale: float, *,
-                    soft_cap: float | None = None, alibi_slopes=None):
+def dense_attention(q: ArrayLike, pages: ArrayLike, layer: int, table: ArrayLike, num_visible: int, scale: float, *,
+                    soft_cap: float | None = None, alibi_slopes: ArrayLike | None = None) -> np.ndarray:
   """q [Hq, D] of one query over the first ``num_visible`` positions -> float64 [Hq, D].
 
   The query sits at position ``num_visible - 1``. ``soft_cap``: scores become ``cap * tanh(s /

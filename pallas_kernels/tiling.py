@@ -24,7 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Iterator
+
+import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 # Shared memory limits the rows were checked against (opt-in bytes per thread block).
 SMEM_LIMITS = {"sm_90": 232_448, "sm_80": 166_912}
@@ -73,7 +77,7 @@ class Knobs:
   alibi: bool = False
 
   @classmethod
-  def of(cls, soft_cap=None, alibi_slopes=None) -> "Knobs":
+  def of(cls, soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> "Knobs":
     """From a kernel call's arguments (``soft_cap`` a float or None, ``alibi_slopes`` an array or
     None)."""
     return cls(soft_cap=soft_cap is not None, alibi=alibi_slopes is not None)
@@ -153,7 +157,7 @@ TABLES = {"decode": DECODE_TABLE, "prefill": PREFILL_TABLE}
 KNOB_TABLES: dict[tuple[str, str, int, Knobs], AttentionTile] = {}
 
 
-def table_row(kernel: str, dtype, head_dim: int, knobs: Knobs = NO_KNOBS) -> AttentionTile:
+def table_row(kernel: str, dtype: DTypeLike, head_dim: int, knobs: Knobs = NO_KNOBS) -> AttentionTile:
   """The row for ``kernel`` ("decode" or "prefill") with ``knobs``; ``ValueError`` naming the
   limit if none."""
   table = TABLES[kernel]
@@ -170,7 +174,7 @@ def table_row(kernel: str, dtype, head_dim: int, knobs: Knobs = NO_KNOBS) -> Att
   return table[key]
 
 
-def check_attention_fits(kernel: str, dtype, head_dim: int, block_size: int, group: int = 1,
+def check_attention_fits(kernel: str, dtype: DTypeLike, head_dim: int, block_size: int, group: int = 1,
                          knobs: Knobs = NO_KNOBS) -> AttentionTile:
   """Raises ``ValueError`` when no checked tile serves this configuration; returns the row.
 
@@ -207,7 +211,7 @@ def tile_blocks(keys_per_tile: int, block_size: int, max_blocks: int) -> int:
   return max(bpt, MIN_DOT // block_size)
 
 
-def decode_tiling(dtype, head_dim: int, block_size: int, group: int, max_blocks: int,
+def decode_tiling(dtype: DTypeLike, head_dim: int, block_size: int, group: int, max_blocks: int,
                   knobs: Knobs = NO_KNOBS) -> Tiling:
   """Tile of the decode kernel for one configuration (``group = num_q_heads // num_kv_heads``)."""
   row = table_row("decode", dtype, head_dim, knobs)
@@ -216,7 +220,7 @@ def decode_tiling(dtype, head_dim: int, block_size: int, group: int, max_blocks:
                 rows_per_tile=rows, num_warps=row.num_warps, num_stages=row.num_stages)
 
 
-def prefill_tiling(dtype, head_dim: int, block_size: int, group: int, num_tokens: int,
+def prefill_tiling(dtype: DTypeLike, head_dim: int, block_size: int, group: int, num_tokens: int,
                    max_blocks: int, knobs: Knobs = NO_KNOBS) -> Tiling:
   """Tile of the prefill kernel: ``num_tokens * group`` query rows, at most the row's tile."""
   row = table_row("prefill", dtype, head_dim, knobs)
@@ -225,7 +229,7 @@ def prefill_tiling(dtype, head_dim: int, block_size: int, group: int, num_tokens
                 rows_per_tile=rows, num_warps=row.num_warps, num_stages=row.num_stages)
 
 
-def all_rows():
+def all_rows() -> Iterator[tuple[str, str, int, AttentionTile]]:
   """(kernel, dtype name, head_dim, row) for every table row: what the gate compiles."""
   for kernel, table in TABLES.items():
     for (dt, d), row in sorted(table.items()):

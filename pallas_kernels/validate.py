@@ -27,6 +27,14 @@ _INT32 = jnp.dtype(jnp.int32)
 PAGES_LAYOUT = "[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]"
 
 
+# ``paged_kv.inputs.is_int`` is the same check for the core and the engine: this package imports
+# nothing from the rest of the repository (models import it from here), so each side keeps one
+# definition (tests/test_module_layout.py checks they agree).
+def is_int(v: Any) -> bool:
+  """A Python or NumPy integer scalar; bools (Python or NumPy) are not ints here."""
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def is_power_of_two(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
 
@@ -54,7 +62,7 @@ def check_pages(pages: Any) -> tuple[int, int, int, int, int]:
   return num_layers, num_kv_heads, num_blocks, block_size, head_dim
 
 
-def check_layer(layer: Any, num_layers: int):
+def check_layer(layer: Any, num_layers: int) -> int | jax.Array:
   """The layer id, for every ``impl``: a static Python int in ``[0, num_layers)`` (returned as
   int), or an integer scalar ``jax.Array`` (e.g. traced inside a scan over layers; returned as
   int32). The Pallas kernels take the layer as an int32 operand, not as a compiled-in block
@@ -68,7 +76,7 @@ def check_layer(layer: Any, num_layers: int):
     if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
       raise ValueError(f"layer must be an integer scalar, got {layer.dtype} shape {layer.shape}")
     return layer.astype(jnp.int32)
-  if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
+  if not is_int(layer):
     raise ValueError(f"layer must be a static Python int or an integer scalar array, got "
                      f"{type(layer).__name__} {layer!r}")
   if not 0 <= int(layer) < num_layers:
@@ -97,7 +105,7 @@ def check_soft_cap(soft_cap: Any) -> float | None:
   return float(soft_cap)
 
 
-def check_alibi_slopes(alibi_slopes: Any, num_q_heads: int):
+def check_alibi_slopes(alibi_slopes: Any, num_q_heads: int) -> Any:
   """None, or a float ``[num_q_heads]`` array of ALiBi slopes (one per query head)."""
   if alibi_slopes is None:
     return None
@@ -158,8 +166,8 @@ def _check_query(q: Any, ndim: int, pages: Any, num_kv_heads: int, head_dim: int
   return shape
 
 
-def check_decode(q, pages, layer, block_tables, lengths, scale, impl, soft_cap=None,
-                 alibi_slopes=None):
+def check_decode(q: Any, pages: Any, layer: Any, block_tables: Any, lengths: Any, scale: Any, impl: Any,
+                 soft_cap: Any = None, alibi_slopes: Any = None) -> tuple[int | jax.Array, float, str, float | None]:
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -178,8 +186,8 @@ def check_decode(q, pages, layer, block_tables, lengths, scale, impl, soft_cap=N
   return layer, check_scale(scale, head_dim), impl, soft_cap
 
 
-def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap=None,
-                  alibi_slopes=None):
+def check_prefill(q: Any, pages: Any, layer: Any, block_tables: Any, q_start: Any, q_lens: Any, scale: Any, impl: Any,
+                  soft_cap: Any = None, alibi_slopes: Any = None) -> tuple[int | jax.Array, float, str, float | None]:
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -202,7 +210,7 @@ def check_prefill(q, pages, layer, block_tables, q_start, q_lens, scale, impl, s
   return layer, check_scale(scale, head_dim), impl, soft_cap
 
 
-def check_write_kv(pages, layer, k, v, slots, impl):
+def check_write_kv(pages: Any, layer: Any, k: Any, v: Any, slots: Any, impl: Any) -> tuple[int | jax.Array, str]:
   impl = check_impl(impl)
   num_layers, num_kv_heads, _, _, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -218,7 +226,7 @@ def check_write_kv(pages, layer, k, v, slots, impl):
   return layer, impl
 
 
-def check_copy_blocks(pages, src, dst, impl):
+def check_copy_blocks(pages: Any, src: Any, dst: Any, impl: Any) -> str:
   impl = check_impl(impl)
   _, _, num_blocks, _, head_dim = check_pages(pages)
   c = _check_int32("src", src, ndim=1)
@@ -284,7 +292,7 @@ def check_copy_lists(src: Any, dst: Any, num_blocks: int) -> None:
           "(a chain or a swap needs two calls)")
 
 
-def check_layer_matmul(x: Any, w: Any, layer: Any, scale: Any, bias: Any, impl: Any):
+def check_layer_matmul(x: Any, w: Any, layer: Any, scale: Any, bias: Any, impl: Any) -> tuple[int | jax.Array, str]:
   """Checks :func:`paged_kv.pallas_kernels.layer_matmul`'s arguments; returns ``(layer, impl)``.
 
   x ``[M, K]`` and w ``[L, K, N]`` of one float dtype; scale ``[L, K]`` and bias ``[L, N]`` of

@@ -132,3 +132,29 @@ def test_serving_names_still_importable_from_serving_and_engine():
     hf_io = importlib.import_module("paged_kv.models.hf_io")
     fmt = importlib.import_module("paged_kv.models.hf_format")
     assert hf_io.CheckpointError is fmt.CheckpointError and hf_io.check_checkpoint is fmt.check_checkpoint
+
+
+def test_one_definition_of_the_shared_checks():
+    """``IMPLS`` is defined once (pallas_kernels/validate.py; the other layers import it) and
+    ``is_int`` once per side of the import rule: paged_kv/inputs.py for the core and the engine,
+    pallas_kernels/validate.py for the kernels and models. The two ``is_int`` agree."""
+    defs = {"IMPLS": [], "is_int": [], "_is_int": []}
+    for folder in ("paged_kv", "models", "pallas_kernels"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef) and node.name in defs:
+                    defs[node.name].append(str(path.relative_to(ROOT)))
+                elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+                    for target in node.targets:
+                        if isinstance(target, ast.Name) and target.id == "IMPLS":
+                            defs["IMPLS"].append(str(path.relative_to(ROOT)))
+    assert defs == {"IMPLS": ["pallas_kernels/validate.py"], "_is_int": [],
+                    "is_int": ["paged_kv/inputs.py", "pallas_kernels/validate.py"]}, defs
+
+    import numpy as np
+
+    core = importlib.import_module("paged_kv.inputs").is_int
+    kernels = importlib.import_module("paged_kv.pallas_kernels.validate").is_int
+    for v in (0, -3, 2**40, np.int8(1), np.uint32(7), np.int64(-1), True, False, np.bool_(True),
+              1.0, np.float32(2), "1", None, np.array(1), [1]):
+        assert core(v) == kernels(v) == (isinstance(v, (int, np.integer)) and not isinstance(v, bool)), v

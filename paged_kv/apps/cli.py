@@ -36,8 +36,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 from paged_kv.checkpoints import BUILTIN as BUILTIN_CHECKPOINT
+
+if TYPE_CHECKING:  # the engine and models load on first use: `--help` imports no JAX
+    from paged_kv.engine.serving import Request
+    from paged_kv.models.hf_tokenizer import HFTokenizer
+    from paged_kv.models.tokenizer import ByteTokenizer
 
 DEFAULT_OUT_DIR = "paged-kv-out"
 """Where the main job writes its files unless told otherwise (relative to the current directory)."""
@@ -292,14 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def output_paths(args) -> tuple[Path, Path]:
+def output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
     """(PNG path, JSON path): ``--png``/``--json`` where given, else files in ``--out-dir``."""
     out = Path(args.out_dir)
     return (Path(args.png) if args.png else out / PNG_NAME,
             Path(args.json) if args.json else out / JSON_NAME)
 
 
-def build_workload(tokenizer, num_requests: int, max_new_tokens: int, arrival_gap: int, eos_id):
+def build_workload(tokenizer: ByteTokenizer | HFTokenizer, num_requests: int, max_new_tokens: int, arrival_gap: int,
+                   eos_id: int | Sequence[int]) -> list[Request]:
     """The ready-made requests (ids ``0 .. num_requests - 1``, arrival ``i * arrival_gap``).
     ``eos_id``: the EOS id, or a sequence of them (every one ends an answer)."""
     from paged_kv.engine import BeamParams, SamplingParams
@@ -935,7 +942,7 @@ def _check_prompts(args, prompts, block_size: int, context: int, limit: str) -> 
             "their answers stop at the sequence length (finish reason 'length')"]
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     install_interrupt_handler()
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from numpy.typing import ArrayLike
 
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
@@ -155,7 +156,8 @@ def _reselect(loop: _BeamLoop, manager: ManagerConfig, parents, tokens, finished
 
 def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
                      prompt_tokens: jax.Array, prompt_lens: jax.Array, *, manager: ManagerConfig, params: BeamParams,
-                     impl: str, chunk_size: int, context: int, mesh=None, budgets: jax.Array | None = None):
+                     impl: str, chunk_size: int, context: int, mesh: jax.sharding.Mesh | None = None,
+                     budgets: jax.Array | None = None) -> tuple[BeamOutput, jax.Array, BlockManagerState]:
     """The traceable body of ``beam_search`` (arguments already checked; ``budgets``: optional
     int32 ``[B]`` per-prompt ``max_new_tokens``). Returns ``(BeamOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
@@ -216,9 +218,11 @@ beam_search_jit = jax.jit(beam_search_loop, static_argnames=("graphdef", "manage
                           donate_argnames=("pages", "state"))
 
 
-def beam_search(model, pages: jax.Array, prompt_tokens, prompt_lens, params: BeamParams, *, manager: ManagerConfig,
-                state: BlockManagerState | None = None, max_new_tokens=None, impl: str = "auto",
-                chunk_size: int | None = None, mesh=None):
+def beam_search(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Array, prompt_tokens: ArrayLike,
+                prompt_lens: ArrayLike, params: BeamParams, *, manager: ManagerConfig,
+                state: BlockManagerState | None = None, max_new_tokens: ArrayLike | None = None, impl: str = "auto",
+                chunk_size: int | None = None,
+                mesh: jax.sharding.Mesh | None = None) -> tuple[BeamOutput, jax.Array, BlockManagerState]:
     """Beam search of width ``params.beam_width`` for each prompt, on the device in one jitted loop.
 
     Arguments as in ``generate`` (no key: beam search is deterministic; ``mesh`` likewise runs it

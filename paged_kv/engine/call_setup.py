@@ -11,14 +11,18 @@ skipped when the call is itself being traced inside the caller's ``jit``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Sequence
 
 import jax
 import numpy as np
+from numpy.typing import ArrayLike
 from flax import nnx
 
-from paged_kv.models.paged import IMPLS, page_spec
+from paged_kv.models.paged import page_spec
 from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv.config import ManagerConfig
+from paged_kv.inputs import is_int
+from paged_kv.pallas_kernels import IMPLS
 from paged_kv.state import BlockManagerState, init_state
 
 
@@ -43,7 +47,7 @@ def _dtype_of(x) -> np.dtype | None:
         return None
 
 
-def check_int_dtype(name: str, x) -> None:
+def check_int_dtype(name: str, x: ArrayLike) -> None:
     """``ValueError`` unless ``x`` (an array, a tracer or nested lists) holds integers (not bool).
 
     Works on tracers too: only the dtype is read."""
@@ -61,12 +65,12 @@ def _first_bad_element(items) -> tuple[int, object] | None:
     """Position and value of the first element that is not a Python/NumPy int (bools excluded).
     Python-level loop: only run on the error path."""
     for pos, t in enumerate(items):
-        if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
+        if not is_int(t):
             return pos, t
     return None
 
 
-def token_ids(tokens, *, what: str = "prompt", vocab_size: int | None = None) -> np.ndarray:
+def token_ids(tokens: ArrayLike, *, what: str = "prompt", vocab_size: int | None = None) -> np.ndarray:
     """Checks one prompt's token ids on the host; returns them as int32 ``[L]`` (L >= 1).
 
     ``tokens``: a sequence of Python/NumPy ints, or a 1-D integer NumPy/JAX array (concrete).
@@ -114,7 +118,7 @@ def token_ids(tokens, *, what: str = "prompt", vocab_size: int | None = None) ->
     return arr.astype(np.int32)
 
 
-def check_padded_tokens(prompt_tokens, prompt_lens, vocab_size: int) -> None:
+def check_padded_tokens(prompt_tokens: ArrayLike, prompt_lens: ArrayLike, vocab_size: int) -> None:
     """Host check of padded prompts (concrete int ``[B, L]`` and lengths ``[B]``, already shape-
     and length-checked): every id at a position ``< prompt_lens[b]`` must be in ``[0, vocab_size)``.
     Padding positions are not checked (the model looks any out-of-range id up as a safe one)."""
@@ -130,7 +134,7 @@ def check_padded_tokens(prompt_tokens, prompt_lens, vocab_size: int) -> None:
 SEED_LIMIT = 2**32
 
 
-def check_key(key):
+def check_key(key: ArrayLike) -> jax.Array | np.ndarray:
     """A PRNG key for ``generate``: a typed key (``jax.random.key``, shape ``()``), a raw uint32
     ``[2]`` key (``jax.random.PRNGKey``), or an int seed in ``[0, 2**32)`` (made into a key; the
     only case that touches the device). ``ValueError`` for anything else (bools, floats, negative
@@ -153,7 +157,7 @@ def check_key(key):
                      + (f" of dtype {dtype} and shape {tuple(np.shape(key))}" if dtype is not None else f" {key!r:.40}"))
 
 
-def split_model(model):
+def split_model(model: nnx.Module | tuple[nnx.GraphDef, nnx.State]) -> tuple[nnx.GraphDef, nnx.State]:
     """``(graphdef, weights)`` from an NNX module or an already split pair."""
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nnx.GraphDef):
         return model
@@ -162,7 +166,8 @@ def split_model(model):
     raise ValueError(f"model must be an nnx.Module or a (graphdef, state) pair, got {type(model).__name__}")
 
 
-def place(model, pages, mesh):
+def place(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Array, mesh: jax.sharding.Mesh | None
+          ) -> tuple[nnx.GraphDef, nnx.State, ModelFacts, jax.Array, jax.sharding.Mesh | None]:
     """Resolve the mesh of a call and put the model and pages on it.
 
     ``mesh`` None: the mesh the pages are already sharded over (``paged_kv.models.sharding.shard``), or none
@@ -183,7 +188,8 @@ def place(model, pages, mesh):
     return graphdef, weights, model_facts((graphdef, weights)), pages, mesh
 
 
-def layer_layout(graphdef, weights, impl: str, mesh=None):
+def layer_layout(graphdef: nnx.GraphDef, weights: nnx.State, impl: str,
+                 mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """``(graphdef, weights)`` in the layer layout for ``impl`` and ``mesh``
     (``paged_kv.models.paged.layout_for_impl``): a stacked Llama becomes one array per layer when the
     kernels are Pallas over a tensor-parallel mesh, so the jitted programs hold no slice of a
@@ -196,7 +202,7 @@ def layer_layout(graphdef, weights, impl: str, mesh=None):
     return layout_for_impl((graphdef, weights), impl, mesh)
 
 
-def replicate_inputs(mesh, *arrays):
+def replicate_inputs(mesh: jax.sharding.Mesh | None, *arrays: Any) -> tuple[Any, ...]:
     """Arrays (block-manager state, prompts, keys) replicated over ``mesh``, or as given without one.
     Over several processes every process must pass the same values."""
     if mesh is None:
@@ -205,7 +211,7 @@ def replicate_inputs(mesh, *arrays):
     return sharding.replicate(arrays, mesh)
 
 
-def pad_prompts(prompts, width: int | None = None, multiple: int = 1, *,
+def pad_prompts(prompts: Sequence[ArrayLike], width: int | None = None, multiple: int = 1, *,
                 vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token lists -> (int32 ``[B, W]`` zero-padded tokens, int32 ``[B]`` lengths).
 
@@ -218,10 +224,9 @@ def pad_prompts(prompts, width: int | None = None, multiple: int = 1, *,
     if prompts is None or isinstance(prompts, (str, bytes)) or np.isscalar(prompts):
         raise ValueError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
     for name, v, lo in (("width", width, 1), ("multiple", multiple, 1)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
+        if v is not None and (not is_int(v) or v < lo):
             raise ValueError(f"{name}={v!r} must be an int >= {lo}")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
-                                   or vocab_size < 1):
+    if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
         raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 1")
     try:
         prompts = [token_ids(p, what=f"prompt {i}", vocab_size=vocab_size) for i, p in enumerate(prompts)]
@@ -255,9 +260,10 @@ class CallShape:
         return self.num_prompts * self.rows_per_prompt
 
 
-def check_call(facts: ModelFacts, manager: ManagerConfig, pages, state, prompt_tokens, prompt_lens, *,
-                  rows_per_prompt: int, what: str, budgets=None, chunk_size=None, impl: str = "auto",
-                  eos_token_ids=(), top_k: int = 0, vocab_needed: int = 1) -> CallShape:
+def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, state: BlockManagerState | None,
+               prompt_tokens: ArrayLike, prompt_lens: ArrayLike, *, rows_per_prompt: int, what: str,
+               budgets: ArrayLike | None = None, chunk_size: int | None = None, impl: str = "auto",
+               eos_token_ids: tuple[int, ...] = (), top_k: int = 0, vocab_needed: int = 1) -> CallShape:
     """Validates a generate/beam-search call. ``rows_per_prompt`` is n or the beam width.
 
     Shapes and dtypes are always checked (``prompt_tokens`` int ``[B, L]``, ``prompt_lens`` int
@@ -332,11 +338,11 @@ def check_call(facts: ModelFacts, manager: ManagerConfig, pages, state, prompt_t
             raise ValueError(f"{what} uses sequence rows [0, {rows}); rows {busy[:8]} are already running")
     if chunk_size is None:
         chunk_size = min(width, 256)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+    if not is_int(chunk_size) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 1")
     return CallShape(num_prompts=b, width=width, rows_per_prompt=rows_per_prompt, context=context,
                    chunk_size=int(min(chunk_size, width)))
 
 
-def initial_state(manager: ManagerConfig, state):
+def initial_state(manager: ManagerConfig, state: BlockManagerState | None) -> BlockManagerState:
     return init_state(manager) if state is None else state

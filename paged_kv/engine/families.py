@@ -12,11 +12,14 @@ import collections
 import dataclasses
 import enum
 import math
+from typing import Iterable, Sequence
 
 import numpy as np
 
+from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import BeamParams, SamplingParams, check_vocab
+from paged_kv.engine.step_io import StepOutputs
 from paged_kv.engine.serving_types import EngineStats, Request, RequestOutput, RequestStats, ServingConfig, TableSnapshot
 
 
@@ -137,7 +140,7 @@ def admission_rows(fam: Family) -> list[tuple[int, list[int], list[int]]]:
     return [(i, p + s.tokens, []) for i, s in enumerate(fam.samples) if s.finish is None]
 
 
-def rows_needed(fam: Family, entries) -> int:
+def rows_needed(fam: Family, entries: list) -> int:
     """Rows an admission of ``fam`` takes: its width (a new request reserves the rows its samples
     fork into; beams always hold ``k``), or one per unfinished sample of a preempted one."""
     if fam.req.is_beam:
@@ -145,8 +148,8 @@ def rows_needed(fam: Family, entries) -> int:
     return len(entries) if any(s.tokens for s in fam.samples) else fam.width
 
 
-def pick_admissions(waiting, manager, max_prefill_rows: int, *, num_free: int, running_rows: int, free_rows: int,
-                    anything_running: bool) -> list[tuple[Family, list]]:
+def pick_admissions(waiting: Iterable[Family], manager: ManagerConfig, max_prefill_rows: int, *, num_free: int,
+                    running_rows: int, free_rows: int, anything_running: bool) -> list[tuple[Family, list]]:
     """The waiting families one ``admit`` call takes, from the front of the queue (first come,
     first served), with their ``admission_rows``: while they fit the free rows, ``max_prefill_rows``
     prompts, and their prompts' blocks (counted as if nothing were cached) within the free blocks
@@ -217,7 +220,8 @@ def check_request(request: Request, config: ServingConfig, *, context: int, voca
 
 
 # ---------------------------------------------------------------------------- beam search (host)
-def rank_beams(live: list[Beam], results, params: BeamParams, vocab_size: int):
+def rank_beams(live: list[Beam], results: Sequence[tuple[np.ndarray, np.ndarray]], params: BeamParams,
+               vocab_size: int) -> tuple[list[tuple[float, list[int], int]], list[tuple[float, int, int]], int]:
     """One beam-search step over the device's top candidates (``engine.beam_search``'s rules).
 
     Args:
@@ -244,7 +248,7 @@ def rank_beams(live: list[Beam], results, params: BeamParams, vocab_size: int):
     return finished, keep, length
 
 
-def merge_pool(fam: Family, finished, penalty: float) -> None:
+def merge_pool(fam: Family, finished: Iterable[tuple[float, list[int], int]], penalty: float) -> None:
     """Adds ``(sum_logprobs, tokens, length)`` hypotheses to the family's best-``k`` pool, scored
     ``sum_logprobs / length ** penalty``."""
     k = fam.req.params.beam_width
@@ -273,7 +277,8 @@ def family_output(fam: Family) -> RequestOutput:
     return out
 
 
-def record_sharing(st: EngineStats, snapshot: TableSnapshot | None, running, row_owner, out, block_size: int,
+def record_sharing(st: EngineStats, snapshot: TableSnapshot | None, running: Iterable[Family],
+                   row_owner: dict[int, tuple[Family, int]], out: StepOutputs, block_size: int,
                    step: int) -> TableSnapshot | None:
     """Adds one step's block sharing of the ``n > 1`` / beam families to ``st``; returns the
     snapshot of the family saving the most blocks so far (``out``: host ``StepOutputs`` with

@@ -17,6 +17,7 @@ import enum
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from numpy.typing import ArrayLike
 
 from paged_kv.models.llama import in_vocab
 from paged_kv.config import ManagerConfig
@@ -46,7 +47,7 @@ class FinishReason(enum.IntEnum):
     ``ValueError``): the prompt is not admitted, nothing is computed or cached, nothing generated."""
 
     @classmethod
-    def names(cls, codes) -> list | str:
+    def names(cls, codes: ArrayLike) -> list | str:
         """``FinishReason.names(out.finish_reason)``: the name of every code, nested like
         ``tolist()`` (0, a row that never ran, shows as "0")."""
         return code_names(cls, codes)
@@ -72,7 +73,7 @@ class BlockStats:
         z = jnp.zeros((n,), jnp.int32)
         return BlockStats(used=z, shared=z, copies=z)
 
-    def record(self, step, used, shared, copies) -> "BlockStats":
+    def record(self, step: jax.Array, used: jax.Array, shared: jax.Array, copies: jax.Array) -> "BlockStats":
         return BlockStats(used=self.used.at[step].set(used, mode="drop"),
                           shared=self.shared.at[step].set(shared, mode="drop"),
                           copies=self.copies.at[step].set(copies, mode="drop"))
@@ -152,7 +153,8 @@ def _emit(loop: _SampleLoop, logits, key, rows, release, manager: ManagerConfig,
 
 def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
                   prompt_tokens: jax.Array, prompt_lens: jax.Array, budgets: jax.Array, key: jax.Array, *,
-                  manager: ManagerConfig, params: SamplingParams, impl: str, chunk_size: int, context: int, mesh=None):
+                  manager: ManagerConfig, params: SamplingParams, impl: str, chunk_size: int, context: int,
+                  mesh: jax.sharding.Mesh | None = None) -> tuple[GenerateOutput, jax.Array, BlockManagerState]:
     """The traceable body of ``generate`` (arguments already checked). Returns
     ``(GenerateOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
@@ -215,9 +217,11 @@ generate_jit = jax.jit(generate_loop, static_argnames=("graphdef", "manager", "p
 block-manager state are donated."""
 
 
-def generate(model, pages: jax.Array, prompt_tokens, prompt_lens, key: jax.Array, params: SamplingParams, *,
-             manager: ManagerConfig, state: BlockManagerState | None = None, max_new_tokens=None,
-             impl: str = "auto", chunk_size: int | None = None, mesh=None):
+def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Array, prompt_tokens: ArrayLike,
+             prompt_lens: ArrayLike, key: ArrayLike, params: SamplingParams, *, manager: ManagerConfig,
+             state: BlockManagerState | None = None, max_new_tokens: ArrayLike | None = None,
+             impl: str = "auto", chunk_size: int | None = None,
+             mesh: jax.sharding.Mesh | None = None) -> tuple[GenerateOutput, jax.Array, BlockManagerState]:
     """Samples ``params.n`` answers for each prompt, all on the device in one jitted loop.
 
     Args:

@@ -33,7 +33,7 @@ class Outcomes:
     def __init__(self, host: HostState, vocab_size: int):
         self.host, self.vocab_size = host, vocab_size
 
-    def process(self, out: StepOutputs, pf) -> None:
+    def process(self, out: StepOutputs, pf: tuple | None) -> None:
         """One step's outputs (``pf``: its prefill pieces, ``build_inputs``' second result, or None)."""
         now = time.perf_counter()
         st = self.host.stats

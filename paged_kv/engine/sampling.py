@@ -17,17 +17,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from paged_kv.inputs import is_int, is_real
 from paged_kv.scan import per_platform
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 INT32_LIMIT = 2**31
@@ -40,21 +32,21 @@ is equally likely and the value is almost certainly a mistake. Use 0 for greedy 
 
 def _check_count(name: str, value, minimum: int) -> None:
     """An int (not a bool, not a float) in ``[minimum, 2**31)`` (int32 on the device)."""
-    if not _is_int(value) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
     if value >= INT32_LIMIT:
         raise ValueError(f"{name}={value!r} must be an int in [{minimum}, 2**31)")
 
 
 def _eos_tuple(value) -> tuple[int, ...]:
-    if _is_int(value):
+    if is_int(value):
         value = (value,)
     try:
         eos = tuple(value)
     except TypeError:
         raise ValueError(f"eos_token_ids={value!r} must be an int or a sequence of ints") from None
     for t in eos:
-        if not _is_int(t) or t < 0:
+        if not is_int(t) or t < 0:
             raise ValueError(f"eos_token_ids: {t!r} must be an int >= 0")
     return tuple(int(t) for t in eos)
 
@@ -88,12 +80,12 @@ class SamplingParams:
     def __post_init__(self):
         _check_count("max_new_tokens", self.max_new_tokens, 1)
         t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
+        if not is_real(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature={t!r} must be a finite float >= 0 (0: greedy)")
         if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
             raise ValueError(f"temperature={t!r} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
         _check_count("top_k", self.top_k, 0)
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:  # NaN fails the comparison too
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:  # NaN fails the comparison too
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
         _check_count("n", self.n, 1)
         object.__setattr__(self, "temperature", float(self.temperature))
@@ -128,7 +120,7 @@ class BeamParams:
     def __post_init__(self):
         _check_count("beam_width", self.beam_width, 1)
         _check_count("max_new_tokens", self.max_new_tokens, 1)
-        if not _is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
+        if not is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty={self.length_penalty!r} must be a finite float")
         object.__setattr__(self, "beam_width", int(self.beam_width))
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))

@@ -30,7 +30,7 @@ import numpy as np
 from paged_kv.engine import families as F
 from paged_kv.engine.families import CohortRow, Family, HostState, Phase, Sample
 from paged_kv.engine.outcomes import Outcomes
-from paged_kv.engine.serving_step import build_inputs
+from paged_kv.engine.serving_step import DeviceStep, build_inputs
 from paged_kv.engine.step_io import EOS_SLOTS, Burst
 from paged_kv.engine.serving_types import EngineStats, Request, RequestOutput, RequestStats, ServingConfig
 from paged_kv.engine.serving_types import TableSnapshot
@@ -46,7 +46,7 @@ class Scheduler:
       vocab_size, max_positions: the model's facts (request checks, beam tie breaking).
     """
 
-    def __init__(self, config: ServingConfig, device, *, vocab_size: int, max_positions: int):
+    def __init__(self, config: ServingConfig, device: DeviceStep, *, vocab_size: int, max_positions: int):
         mgr = config.manager
         self.config, self.manager, self.device = config, mgr, device
         self.vocab_size, self.max_positions = vocab_size, max_positions

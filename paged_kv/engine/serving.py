@@ -97,6 +97,7 @@ import dataclasses
 from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
+from flax import nnx
 
 from paged_kv.models.paged import allocate_pages, kv_bytes_per_block, page_spec
 from paged_kv.models.protocol import model_facts
@@ -104,8 +105,10 @@ from paged_kv.engine import call_setup
 from paged_kv.engine.scheduler import Scheduler
 from paged_kv.engine.serving_step import DeviceStep, StepInputs, StepOutputs
 from paged_kv.engine.serving_types import (IMPLS, EngineStats, Request, RequestOutput, RequestStats, ServingConfig,  # noqa: F401
-                                           TableSnapshot, TokenDelta, is_int)
-from paged_kv.state import init_state
+                                           TableSnapshot, TokenDelta)
+from paged_kv.inputs import is_int
+from paged_kv.config import ManagerConfig
+from paged_kv.state import BlockManagerState, init_state
 
 
 class ServingEngine:
@@ -124,7 +127,8 @@ class ServingEngine:
         print(engine.stats().tokens_per_s)
     """
 
-    def __init__(self, model, config: ServingConfig, *, seed: int = 0, mesh=None):
+    def __init__(self, model: nnx.Module | tuple[nnx.GraphDef, nnx.State], config: ServingConfig, *, seed: int = 0,
+                 mesh: jax.sharding.Mesh | None = None):
         """Args:
           model: an NNX module implementing ``paged_kv.models.protocol.PagedModel`` (``paged_kv.models.Llama``, or
             your own) or its ``(graphdef, state)`` split. When ``config.impl`` resolves to Pallas
@@ -171,7 +175,7 @@ class ServingEngine:
         return self.scheduler.config
 
     @property
-    def manager(self):
+    def manager(self) -> ManagerConfig:
         """The block manager's ``ManagerConfig``."""
         return self.scheduler.manager
 
@@ -247,12 +251,12 @@ class ServingEngine:
         return self.scheduler.stats()
 
     @property
-    def pages(self):
+    def pages(self) -> jax.Array:
         """The KV pages (a ``jax.Array``; replaced by every step, which donates it)."""
         return self.device.pages
 
     @property
-    def state(self):
+    def state(self) -> BlockManagerState:
         """The block-manager state (``BlockManagerState`` of device arrays; donated by every call)."""
         return self.device.state
 

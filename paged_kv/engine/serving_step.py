@@ -18,6 +18,8 @@ scheduler a fake device with the same four methods and no model.
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable, Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,9 +27,10 @@ from flax import nnx
 
 from paged_kv.models.llama import in_vocab
 from paged_kv.models.paged import make_paged_batch, paged_forward
-from paged_kv.admission import admit
+from paged_kv.admission import AdmitResult, admit
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
+from paged_kv.engine.families import CohortRow, Family
 from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
 from paged_kv.engine.step_io import (EOS_SLOTS, Interned, StepInputs, StepOutputs, intern, output_layout, pack_inputs,
@@ -37,7 +40,7 @@ from paged_kv.fused import free_select_append
 from paged_kv.reclaim import free
 from paged_kv.scan import per_platform, target_of
 from paged_kv.share import fork
-from paged_kv.state import BlockManagerState
+from paged_kv.state import BlockManagerState, CacheStats
 from paged_kv.status import Status
 
 
@@ -67,7 +70,9 @@ def _unless_padding(target: str, ids: jax.Array, op, state: BlockManagerState) -
     return per_platform(target, state, cpu=skip_if_padding, default=op)
 
 
-def step_fn(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInputs, *, shape: StepShape):
+def step_fn(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState, key: jax.Array,
+            inp: StepInputs, *, shape: StepShape
+            ) -> tuple[jax.Array, BlockManagerState, StepOutputs | tuple[StepOutputs, jax.Array]]:
     """One step; with ``decode_steps = K > 1`` a burst of up to ``K`` (``_burst``), whose outputs
     have a leading axis of K steps and come with the number of steps run."""
     if shape.config.decode_steps == 1:
@@ -215,8 +220,9 @@ step_jit = jax.jit(step_fn, static_argnames=("graphdef", "shape"), donate_argnam
 """The step on ``StepInputs`` / ``StepOutputs`` pytrees (18 input and 11 output arrays)."""
 
 
-def packed_step_fn(model: Interned, weight_leaves, pages, state: BlockManagerState, key, rows, pf, *,
-                   shape: StepShape):
+def packed_step_fn(model: Interned, weight_leaves: tuple[jax.Array, ...], pages: jax.Array, state: BlockManagerState,
+                   key: jax.Array, rows: jax.Array, pf: jax.Array | None, *,
+                   shape: StepShape) -> tuple[jax.Array, BlockManagerState, jax.Array]:
     """``step_fn`` on ``pack_inputs``' arrays, returning ``(pages, state, pack_outputs(...))``.
     ``model`` holds ``(graphdef, treedef of the weights)`` and ``weight_leaves`` the weights' arrays
     (a tuple flattens in C++; an ``nnx.State`` in Python, every call)."""
@@ -233,7 +239,8 @@ packed_step_jit = jax.jit(packed_step_fn, static_argnames=("model", "shape"), do
 """What ``DeviceStep`` calls: the step on packed inputs and outputs."""
 
 
-def admit_fn(manager: ManagerConfig, state, free_ids, seq_ids, lens, tokens, salts):
+def admit_fn(manager: ManagerConfig, state: BlockManagerState, free_ids: jax.Array, seq_ids: jax.Array,
+             lens: jax.Array, tokens: jax.Array, salts: jax.Array) -> tuple[BlockManagerState, AdmitResult, jax.Array]:
     state, _ = free(manager, state, free_ids)
     state, res = admit(manager, state, seq_ids, lens, tokens if manager.prefix_caching else None, salts)
     return state, res, state.queue.num_free
@@ -241,7 +248,7 @@ def admit_fn(manager: ManagerConfig, state, free_ids, seq_ids, lens, tokens, sal
 
 admit_jit = jax.jit(admit_fn, static_argnums=0, donate_argnums=1)
 
-def prefill_pieces(cohort, chunk_size: int, max_pieces: int) -> list:
+def prefill_pieces(cohort: Sequence[CohortRow], chunk_size: int, max_pieces: int) -> list:
     """The prefill pieces of the next step: ``(cohort row, first position, length)`` each, at
     most ``max_pieces`` (the ``P`` rows of the step's ``[P, C]`` chunk batch).
 
@@ -282,8 +289,9 @@ def prefill_pieces(cohort, chunk_size: int, max_pieces: int) -> list:
     return pieces
 
 
-def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs, pending: dict, cohort,
-                 running, n_steps: int = 1, stop_on_finish: bool = False) -> tuple[StepInputs, tuple | None]:
+def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs: Sequence[tuple[int, int]], pending: dict,
+                 cohort: Sequence[CohortRow], running: Iterable[Family], n_steps: int = 1,
+                 stop_on_finish: bool = False) -> tuple[StepInputs, tuple | None]:
     """A step's ``StepInputs`` (numpy) from the scheduler's host state.
 
     Args:
@@ -381,7 +389,8 @@ class DeviceStep:
     scheduler never sees a ``jax.Array``.
     """
 
-    def __init__(self, config: ServingConfig, graphdef, weights, pages, state: BlockManagerState, key, mesh=None):
+    def __init__(self, config: ServingConfig, graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array,
+                 state: BlockManagerState, key: jax.Array, mesh: jax.sharding.Mesh | None = None):
         if config.manager.target == "auto":
             # The platform the programs run on, when this process can only lower them there: then
             # only that form of each operation is traced (``scan.target_of``), and the target,
@@ -406,7 +415,8 @@ class DeviceStep:
         p = self.config.max_prefill_rows
         return (p,) if self.single_variant else (0, p)
 
-    def admit(self, free_ids, ids, lens, toks, salts):
+    def admit(self, free_ids: np.ndarray, ids: np.ndarray, lens: np.ndarray, toks: np.ndarray, salts: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Frees ``free_ids`` [R], then admits ``ids`` [A] (``lens`` [A], ``toks`` [A, W],
         ``salts`` uint32 [A]). Returns host ``(status [A], cached_tokens [A], shared_tokens [A],
         num_free)``."""
@@ -429,7 +439,7 @@ class DeviceStep:
         return unpack_burst(self.config, flat[:-1], int(flat[-1]))  # a burst: the steps it ran
 
     # -- ahead-of-time compilation (``ServingEngine.compile``) -------------------------------
-    def lower_step(self, prefill_rows: int):
+    def lower_step(self, prefill_rows: int) -> jax.stages.Lowered:
         """The step variant with ``prefill_rows`` (0 or P) lowered on example inputs of its exact
         shapes and placement; ``.compile()`` fills the cache the ``step`` calls hit."""
         inp, _ = build_inputs(self.config, np.full((self.config.manager.max_seqs,), -1, np.int32), (), {}, (), ())
@@ -439,7 +449,7 @@ class DeviceStep:
         return packed_step_jit.lower(self._model, self._weight_leaves, self.pages, self.state, self.key, *args,
                                      shape=self._shapes[prefill_rows])
 
-    def lower_admit(self, width: int):
+    def lower_admit(self, width: int) -> jax.stages.Lowered:
         """The ``admit`` program for ``max_prefill_rows`` prompts of ``width`` tokens, lowered."""
         r, a = self.config.manager.max_seqs, self.config.max_prefill_rows
         args = call_setup.replicate_inputs(self.mesh, np.full((r,), -1, np.int32), np.full((a,), -1, np.int32),
@@ -447,7 +457,7 @@ class DeviceStep:
                                           np.zeros((a,), np.uint32))
         return admit_jit.lower(self.config.manager, self.state, *args)
 
-    def free(self, free_ids) -> int:
+    def free(self, free_ids: np.ndarray) -> int:
         """Frees ``free_ids`` [R] (-1 pads); returns the free block count.
 
         Runs the decode-only step variant with no row decoding (its first op is this ``free``;
@@ -457,7 +467,7 @@ class DeviceStep:
         out = self.step(inp, 0)
         return int((out[-1] if isinstance(out, list) else out).num_free)
 
-    def cache_stats(self):
+    def cache_stats(self) -> CacheStats:
         """The prefix cache's counters (host ints: lookups, query_tokens, hit_tokens, evictions)."""
         return jax.device_get(self.state.cache.stats)
 

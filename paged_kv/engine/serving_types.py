@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import BeamParams, SamplingParams
-
-IMPLS = ("auto", "pallas", "interpret", "reference")
+from paged_kv.inputs import is_int
+from paged_kv.pallas_kernels import IMPLS
 
 
 MAX_DECODE_STEPS = 256  # a burst's outputs are K steps' worth; this bounds that buffer
@@ -74,10 +72,6 @@ class ServingConfig:
             raise ValueError(f"impl={self.impl!r} must be one of {IMPLS}")
         if not isinstance(self.record_tables, bool):
             raise ValueError(f"record_tables={self.record_tables!r} must be a bool")
-
-
-def is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Hashable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -130,7 +130,8 @@ ROW_FIELDS = tuple(name for name, _, _ in ROW_LAYOUT if name != "eos")
 """The [R] fields of ``ROW_LAYOUT``, in order."""
 
 
-def pack_rows(values, layout=ROW_LAYOUT) -> np.ndarray:
+def pack_rows(values: StepInputs | dict[str, np.ndarray], layout: tuple[tuple[str, type, int], ...] = ROW_LAYOUT
+              ) -> np.ndarray:
     """int32 ``[sum(rows), R]``: each field of ``layout`` (``values[name]``, or an attribute) as
     int32 rows; float32 travels as its bits (nothing is rounded), bool as 0/1."""
     get = values.__getitem__ if isinstance(values, dict) else functools.partial(getattr, values)
@@ -142,7 +143,7 @@ def pack_rows(values, layout=ROW_LAYOUT) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def unpack_rows(rows: jax.Array, layout=ROW_LAYOUT) -> dict[str, jax.Array]:
+def unpack_rows(rows: jax.Array, layout: tuple[tuple[str, type, int], ...] = ROW_LAYOUT) -> dict[str, jax.Array]:
     """The traced inverse of ``pack_rows``: field name -> array of its dtype ([R], or [rows, R])."""
     out, at = {}, 0
     for name, dtype, n in layout:
@@ -243,7 +244,7 @@ class Interned:
 
     __slots__ = ("value", "_hash")
 
-    def __init__(self, value):
+    def __init__(self, value: Hashable):
         self.value, self._hash = value, hash(value)
 
     def __hash__(self):
@@ -256,7 +257,7 @@ class Interned:
 _INTERNED: dict = {}
 
 
-def intern(value) -> Interned:
+def intern(value: Hashable) -> Interned:
     """The canonical ``Interned`` holder of ``value`` (hashable)."""
     return _INTERNED.setdefault(value, Interned(value))
 

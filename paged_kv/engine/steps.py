@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 from paged_kv.models.paged import PagedBatch, copy_blocks, make_paged_batch, paged_forward
 from paged_kv.admission import admit
-from paged_kv.allocate import append
+from paged_kv.allocate import AppendResult, append
 from paged_kv.batch import blocks_held
 from paged_kv.config import ManagerConfig
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
 
 
-def prefill(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
-            prompt_tokens: jax.Array, prompt_lens: jax.Array, *, chunk_size: int, impl: str, mesh=None):
+def prefill(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: BlockManagerState,
+            seq_ids: jax.Array, prompt_tokens: jax.Array, prompt_lens: jax.Array, *, chunk_size: int, impl: str,
+            mesh: jax.sharding.Mesh | None = None) -> tuple[BlockManagerState, jax.Array, jax.Array, jax.Array]:
     """Admit and prefill prompts. Returns (state, pages, logits float32 [B, V] at each prompt's
     last token, admission status int32 [B]). Rows that were not admitted get garbage logits and
     write only into the null block. ``mesh``: see ``paged_kv.models.paged.paged_forward``."""
@@ -67,8 +69,10 @@ def prefill(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerS
     return state, pages, logits, res.status
 
 
-def decode(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
-           tokens: jax.Array, live: jax.Array, *, impl: str, mesh=None):
+def decode(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: BlockManagerState,
+           seq_ids: jax.Array, tokens: jax.Array, live: jax.Array, *, impl: str,
+           mesh: jax.sharding.Mesh | None = None
+           ) -> tuple[BlockManagerState, jax.Array, jax.Array, jax.Array, jax.Array]:
     """One token per live row (``seq_ids[r]`` running, ``tokens[r]`` the token to feed).
 
     Returns (state, pages, logits float32 [R, V], append status int32 [R] (PADDING where not
@@ -82,8 +86,10 @@ def decode(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerSt
     return decode_appended(model, pages, config, state, seq_ids, tokens, res, impl=impl, mesh=mesh)
 
 
-def decode_appended(model, pages: jax.Array, config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
-                    tokens: jax.Array, res, *, impl: str, mesh=None):
+def decode_appended(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: BlockManagerState,
+                    seq_ids: jax.Array, tokens: jax.Array, res: AppendResult, *, impl: str,
+                    mesh: jax.sharding.Mesh | None = None
+                    ) -> tuple[BlockManagerState, jax.Array, jax.Array, jax.Array, jax.Array]:
     """``decode`` after its ``append``: ``res`` (an ``AppendResult`` of ``[R]`` rows) is what
     ``append`` of ``seq_ids`` (``-1`` where not live) returned and ``state`` the state after it.
     The same returns as ``decode``."""
