@@ -17,12 +17,18 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from paged_kv.models.config import LlamaConfig
-from paged_kv.models.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, check_checkpoint, read_hf_config  # noqa: F401
-from paged_kv.models.hf_format import hf_tensors as _hf_tensors, state_node
+from paged_kv.models.hf_format import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    check_checkpoint,
+    hf_tensors as _hf_tensors,
+    read_hf_config,
+    state_node,
+)
 from paged_kv.models.llama import Llama, abstract_model, is_per_layer, stacked
 from paged_kv.models.sharding import load_sharded
-
-
 
 
 def _stack_into(state: nnx.State, pending: dict) -> None:

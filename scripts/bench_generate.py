@@ -59,8 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import paged_kv as pk  # noqa: E402
-from paged_kv.models import allocate_pages, greedy_generate_contiguous, load_hf_checkpoint, page_spec  # noqa: E402
 from paged_kv import engine  # noqa: E402
+from paged_kv.models import allocate_pages, greedy_generate_contiguous, load_hf_checkpoint, page_spec  # noqa: E402
 from paged_kv.pallas_kernels import resolve_impl  # noqa: E402
 from scripts.doc_tables import BENCHMARKS, markers, replace_block, shown_command  # noqa: E402
 from scripts.extras import require  # noqa: E402

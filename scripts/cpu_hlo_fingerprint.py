@@ -51,8 +51,8 @@ def manager_programs() -> dict:
 
 def serving_step_programs() -> dict:
     import paged_kv as pk
-    from paged_kv.models import load_hf_checkpoint
     from paged_kv.engine.serving import ServingConfig, ServingEngine
+    from paged_kv.models import load_hf_checkpoint
     mgr = pk.ManagerConfig(num_blocks=24, block_size=16, max_seqs=16, max_blocks_per_seq=16)
     cfg = ServingConfig(mgr, chunk_size=32, max_prefill_rows=4, top_candidates=8, impl="reference")
     eng = ServingEngine(load_hf_checkpoint("checkpoints/tiny-llama"), cfg, seed=0)

@@ -46,8 +46,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import paged_kv as pk  # noqa: E402
-from paged_kv.models import LlamaConfig, allocate_pages, init_model, page_spec  # noqa: E402
 from paged_kv import engine  # noqa: E402
+from paged_kv.models import LlamaConfig, allocate_pages, init_model, page_spec  # noqa: E402
 from scripts.doc_tables import BENCHMARKS, replace_block, shown_command  # noqa: E402
 
 # The model of scripts/bench_generate.py (HF_CONFIG there).

@@ -98,12 +98,12 @@ from flax import nnx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import paged_kv as pk  # noqa: E402
-from paged_kv.models import LlamaConfig, allocate_pages, init_model, load_hf_checkpoint, page_spec  # noqa: E402
 from paged_kv import engine
 from paged_kv.apps import traces  # noqa: E402
 from paged_kv.engine import call_setup  # noqa: E402
 from paged_kv.engine.beam_search import beam_search_loop  # noqa: E402
 from paged_kv.engine.generate import FinishReason  # noqa: E402
+from paged_kv.models import LlamaConfig, allocate_pages, init_model, load_hf_checkpoint, page_spec  # noqa: E402
 
 PAPER = {  # vLLM paper, section 6.3 (OPT-13B): saving range over n or k = 2, 4, 6, in percent
     ("sharegpt", "parallel"): (16.2, 30.5), ("sharegpt", "beam"): (44.3, 66.3),
@@ -414,7 +414,7 @@ def main(argv=None):
     meta = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv]),
         "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
         "jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "elapsed_s": round(elapsed, 1),
         "token_rule": "tokens = ceil(UTF-8 bytes / 4) (approximates a BPE tokenizer); prompt token ids = the "

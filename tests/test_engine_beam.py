@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 import paged_kv as pk
-from paged_kv.models import allocate_pages, contiguous_step, init_contiguous_cache, init_model, page_spec, tiny
 from paged_kv import engine
 from paged_kv.engine import BeamParams
+from paged_kv.models import allocate_pages, contiguous_step, init_contiguous_cache, init_model, page_spec, tiny
 from tests import tolerances as tol
 
 BS = 8

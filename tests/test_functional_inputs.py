@@ -10,7 +10,7 @@ import pytest
 import paged_kv as pk
 
 CFG = pk.ManagerConfig(num_blocks=16, block_size=4, max_seqs=4, max_blocks_per_seq=4)
-I = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
+I = lambda *v: jnp.asarray(v, jnp.int32)
 
 
 def _ops():

@@ -12,9 +12,23 @@ import transformers
 from flax import nnx
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from paged_kv.models import (KVPageSpec, LlamaConfig, PagedBatch, abstract_model, allocate_pages, kv_bytes_per_block,
-                    kv_bytes_per_token, llama31_8b, llama32_1b, page_spec, page_spec_for_budget, paged_decode_step,
-                    paged_prefill_step, rope_inv_freq, tiny)
+from paged_kv.models import (
+    KVPageSpec,
+    LlamaConfig,
+    PagedBatch,
+    abstract_model,
+    allocate_pages,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    llama31_8b,
+    llama32_1b,
+    page_spec,
+    page_spec_for_budget,
+    paged_decode_step,
+    paged_prefill_step,
+    rope_inv_freq,
+    tiny,
+)
 from paged_kv.pallas_kernels.jax_compat import export_cuda
 from tests import tolerances as tol
 

@@ -25,8 +25,14 @@ import torch
 import transformers
 from flax import nnx
 
-from paged_kv.models import (LlamaConfig, allocate_pages, greedy_generate_paged, load_hf_checkpoint, page_spec,
-                    save_hf_checkpoint)
+from paged_kv.models import (
+    LlamaConfig,
+    allocate_pages,
+    greedy_generate_paged,
+    load_hf_checkpoint,
+    page_spec,
+    save_hf_checkpoint,
+)
 from tests import tolerances as tol
 from tests.model_helpers import paged_prefill_logits
 

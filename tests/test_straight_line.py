@@ -12,10 +12,10 @@ import dataclasses
 import functools
 
 import chex
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import hypothesis.strategies as st
 import pytest
 from hypothesis.stateful import rule
 
@@ -179,7 +179,7 @@ def test_append_paths_agree_through_fills_evictions_and_rebuilds(monkeypatch):
     and both targets stay identical throughout; the GPU form's check goes both ways."""
     slow = []
     _recording(monkeypatch, allocate, "_needs_loops", slow)
-    append = lambda *args: pk.append(*args)  # noqa: E731  (a fresh function: a fresh trace, patched)
+    append = lambda *args: pk.append(*args)  # a fresh function: a fresh trace, patched
     config = pk.ManagerConfig(num_blocks=12, block_size=2, max_seqs=4, max_blocks_per_seq=6)
     state = pk.init_state(config)
     rng = np.random.default_rng(0)
@@ -217,7 +217,7 @@ def test_free_select_append_agrees_through_crowded_rings_and_slow_appends(monkey
     inner = fused.repair
     monkeypatch.setattr(fused, "repair", lambda slow, *args: inner(_record(seen, slow), *args))
     _recording(monkeypatch, fused, "_crowded", crowded)
-    free_select_append = lambda *args: fused.free_select_append(*args)  # noqa: E731  (a fresh trace)
+    free_select_append = lambda *args: fused.free_select_append(*args)  # a fresh trace
     config = pk.ManagerConfig(num_blocks=14, block_size=2, max_seqs=4, max_blocks_per_seq=6, prefix_caching=True)
     state = pk.init_state(config)
     rng = np.random.default_rng(1)

@@ -104,7 +104,7 @@ def test_not_an_array():
 
 def test_truncated_file_including_a_cut_multibyte_character(tmp_path):
     data = TEXT.encode("utf-8")
-    cut = data.index("✓".encode("utf-8")) + 1  # inside the 3-byte character
+    cut = data.index("✓".encode()) + 1  # inside the 3-byte character
     path = tmp_path / "cut.json"
     path.write_bytes(data[:cut])
     r = traces.read_json_array_file(path)

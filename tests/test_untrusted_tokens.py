@@ -24,12 +24,19 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
+from paged_kv.engine import (
+    BeamParams,
+    FinishReason,
+    SamplingParams,
+    beam_search,
+    call_setup as req_mod,
+    generate,
+    pad_prompts,
+)
+from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
 from paged_kv.models import allocate_pages, init_model, load_hf_checkpoint, page_spec, tiny
 from paged_kv.models.llama import SAFE_TOKEN, in_vocab, safe_tokens
 from paged_kv.models.tokenizer import ByteTokenizer
-from paged_kv.engine import BeamParams, FinishReason, SamplingParams, beam_search, generate, pad_prompts
-from paged_kv.engine import call_setup as req_mod
-from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
 
 gen_mod = importlib.import_module("paged_kv.engine.generate")  # the package rebinds the name to the function
 beam_mod = importlib.import_module("paged_kv.engine.beam_search")

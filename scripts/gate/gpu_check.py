@@ -145,8 +145,18 @@ def check_layouts(layers: int, impl: str = "pallas", smoke: bool = False, steps:
   per-layer model unrolled (XLA's matmuls, autotuned; what a mesh runs). Compile seconds, the
   median step time over ``steps`` calls, and the largest logit difference."""
   import statistics
+
   from flax import nnx
-  from paged_kv.models import allocate_pages, init_model, llama31_8b, make_paged_batch, page_spec, paged_decode_step, per_layer
+
+  from paged_kv.models import (
+    allocate_pages,
+    init_model,
+    llama31_8b,
+    make_paged_batch,
+    page_spec,
+    paged_decode_step,
+    per_layer,
+  )
   cfg = llama31_8b("bfloat16").replace(num_layers=layers)
   batch, context, bs = 64, 1024, 16
   if smoke:
@@ -183,10 +193,10 @@ def check_layouts(layers: int, impl: str = "pallas", smoke: bool = False, steps:
 
 
 def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict:
-  from paged_kv.models import init_model, llama31_8b, page_spec, allocate_pages
   from paged_kv import ManagerConfig, engine
   from paged_kv.engine.sampling import SamplingParams
   from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
+  from paged_kv.models import allocate_pages, init_model, llama31_8b, page_spec
 
   cfg = llama31_8b("bfloat16")
   if layers != cfg.num_layers:
@@ -247,6 +257,7 @@ CHECKED_PACKAGES = ("jax", "jaxlib", "flax", "chex", "optax", "numpy", "safetens
 def declared_ranges(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, str]:
   """{package: version specifier} of the runtime dependencies pyproject.toml declares."""
   import tomllib
+
   from packaging.requirements import Requirement
   deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
   return {r.name: str(r.specifier) for r in map(Requirement, deps)}
@@ -260,6 +271,7 @@ def check_env(installed: dict[str, str | None] | None = None) -> dict:
   outside the declared range (carry the missing ones as wheels; the device tool's README says how).
   ``installed`` ({package: version or None}) replaces the installed versions, for tests."""
   from importlib import metadata
+
   from packaging.specifiers import SpecifierSet
 
   def version(name: str) -> str | None:

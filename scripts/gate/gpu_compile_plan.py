@@ -193,7 +193,7 @@ def knob_specs() -> list[dict]:
   return specs
 
 
-def knob_facts(knob: str | None) -> "tiling.Knobs":
+def knob_facts(knob: str | None) -> tiling.Knobs:
   """The tiling table's view of a knob name (``KNOBS`` key or None)."""
   from paged_kv.pallas_kernels import tiling
   kw = KNOBS.get(knob, {}) if knob else {}
