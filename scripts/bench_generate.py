@@ -58,13 +58,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import paged_kv as pk  # noqa: E402
-from paged_kv import engine  # noqa: E402
-from paged_kv.models import allocate_pages, greedy_generate_contiguous, load_hf_checkpoint, page_spec  # noqa: E402
-from paged_kv.pallas_kernels import resolve_impl  # noqa: E402
-from scripts.doc_tables import BENCHMARKS, markers, replace_block, shown_command  # noqa: E402
-from scripts.extras import require  # noqa: E402
-from tests import tolerances  # noqa: E402
+import paged_kv as pk
+from paged_kv import engine
+from paged_kv.models import allocate_pages, greedy_generate_contiguous, load_hf_checkpoint, page_spec
+from paged_kv.pallas_kernels import resolve_impl
+from scripts.doc_tables import BENCHMARKS, markers, replace_block, shown_command
+from scripts.extras import require
+from tests import tolerances
 
 HF_CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10_000.0,

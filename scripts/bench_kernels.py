@@ -31,15 +31,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from scripts import checkout_layout  # noqa: E402  (the lent GPU machine does not install the checkout)
+from scripts import checkout_layout  # the lent GPU machine does not install the checkout
 
 checkout_layout.install()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from paged_kv import pallas_kernels as pk  # noqa: E402
+from paged_kv import pallas_kernels as pk
 
 
 def median_time(fn, *args, repeats: int, warmup: int = 2) -> float:

@@ -40,15 +40,15 @@ DUMP = tempfile.mkdtemp(prefix="paged_kv_hlo_")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*generate.*")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import paged_kv as pk  # noqa: E402
-from paged_kv import engine  # noqa: E402
-from paged_kv.models import LlamaConfig, allocate_pages, init_model, page_spec  # noqa: E402
-from scripts.doc_tables import BENCHMARKS, replace_block, shown_command  # noqa: E402
+import paged_kv as pk
+from paged_kv import engine
+from paged_kv.models import LlamaConfig, allocate_pages, init_model, page_spec
+from scripts.doc_tables import BENCHMARKS, replace_block, shown_command
 
 # The model of scripts/bench_generate.py (HF_CONFIG there).
 CONFIG = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,

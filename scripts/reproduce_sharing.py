@@ -88,22 +88,22 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.extras import require  # noqa: E402
+from scripts.extras import require
 
 require("bench", "tqdm", "matplotlib")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tqdm import tqdm
 
-import paged_kv as pk  # noqa: E402
+import paged_kv as pk
 from paged_kv import engine
-from paged_kv.apps import traces  # noqa: E402
-from paged_kv.engine import call_setup  # noqa: E402
-from paged_kv.engine.beam_search import beam_search_loop  # noqa: E402
-from paged_kv.engine.generate import FinishReason  # noqa: E402
-from paged_kv.models import LlamaConfig, allocate_pages, init_model, load_hf_checkpoint, page_spec  # noqa: E402
+from paged_kv.apps import traces
+from paged_kv.engine import call_setup
+from paged_kv.engine.beam_search import beam_search_loop
+from paged_kv.engine.generate import FinishReason
+from paged_kv.models import LlamaConfig, allocate_pages, init_model, load_hf_checkpoint, page_spec
 
 PAPER = {  # vLLM paper, section 6.3 (OPT-13B): saving range over n or k = 2, 4, 6, in percent
     ("sharegpt", "parallel"): (16.2, 30.5), ("sharegpt", "beam"): (44.3, 66.3),

@@ -41,17 +41,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from scripts import checkout_layout  # noqa: E402  (the lent GPU machine does not install the checkout)
+from scripts import checkout_layout  # the lent GPU machine does not install the checkout
 
 checkout_layout.install()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from paged_kv import pallas_kernels as pk  # noqa: E402
-from paged_kv.pallas_kernels import testing as kt  # noqa: E402
-from tests import tolerances as tol  # noqa: E402
+from paged_kv import pallas_kernels as pk
+from paged_kv.pallas_kernels import testing as kt
+from tests import tolerances as tol
 
 # Roundings to the storage dtype (as in tests/test_kernels_decode.py): the kernel rounds the
 # softmax weights before P V and the output, the reference only the output.

@@ -78,13 +78,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from scripts import checkout_layout  # noqa: E402
+from scripts import checkout_layout
 
 checkout_layout.install()
 
-from paged_kv.pallas_kernels.jax_compat import cuda_lowering, gate_compile_options  # noqa: E402
-from scripts.gate import gpu_report  # noqa: E402
-from scripts.gate.gpu_compile_plan import (  # noqa: E402
+from paged_kv.pallas_kernels.jax_compat import cuda_lowering, gate_compile_options
+from scripts.gate import gpu_report
+from scripts.gate.gpu_compile_plan import (
   H200_BANDWIDTH,
   KNOBS,
   KV_HEADS,
