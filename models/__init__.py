@@ -51,8 +51,9 @@ __all__ = [
     "PagedBatch", "PagedModel", "model_facts",
     "abstract_model", "allocate_pages", "compute_slots", "contiguous_forward", "contiguous_step",
     "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "in_vocab", "init_contiguous_cache",
-    "init_model", "is_per_layer", "kv_bytes_per_block", "layout_for_impl", "kv_bytes_per_token", "llama31_8b", "llama32_1b",
+    "init_model", "is_per_layer", "kv_bytes_per_block", "layout_for_impl", "kv_bytes_per_token", "llama31_8b",
+    "llama32_1b",
     "load_hf_checkpoint", "make_paged_batch", "page_spec", "page_spec_for_budget", "paged_decode_step",
-    "paged_forward", "paged_prefill_step", "per_layer", "rope_inv_freq", "safe_tokens", "save_hf_checkpoint", "sharding",
-    "stacked", "tiny",
+    "paged_forward", "paged_prefill_step", "per_layer", "rope_inv_freq", "safe_tokens", "save_hf_checkpoint",
+    "sharding", "stacked", "tiny",
 ]

@@ -18,7 +18,7 @@ Families (`model_type`), all the same decoder with a few switches (`FAMILIES`):
 A checkpoint this decoder cannot compute exactly (a sliding window shorter than the context, a
 RoPE type other than `default`/`llama3`, another architecture or activation) is refused with a
 one-line `ValueError` naming the field and its value.
-"""
+"""  # noqa: E501 (a Markdown table row does not wrap)
 
 from __future__ import annotations
 

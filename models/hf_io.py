@@ -123,7 +123,8 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
         node, layer = state_node(state, state_path)
         if id(node) not in host:  # one device-to-host copy per (stacked) variable
             host[id(node)] = np.asarray(node.get_value())
-        w = host[id(node)] if layer is None else host[id(node)][layer]  # bfloat16 arrives as ml_dtypes.bfloat16, which safetensors writes as BF16
+        # bfloat16 arrives as ml_dtypes.bfloat16, which safetensors writes as BF16
+        w = host[id(node)] if layer is None else host[id(node)][layer]
         w = np.ascontiguousarray(_to_hf_layout(name, w))
         assert w.shape == hf_shape, (name, w.shape, hf_shape)
         out[name] = w

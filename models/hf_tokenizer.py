@@ -330,5 +330,5 @@ def stream_decoder(tokenizer):
     return tokenizer.stream()
 
 
-__all__ = ["ByteStreamDecoder", "HFTokenizer", "LoadedTokenizer", "StreamDecoder", "load_tokenizer", "render_chat_template",
-           "stream_decoder"]
+__all__ = ["ByteStreamDecoder", "HFTokenizer", "LoadedTokenizer", "StreamDecoder", "load_tokenizer",
+           "render_chat_template", "stream_decoder"]

@@ -120,7 +120,7 @@ def bench_decode(configs, *, hq, hkv, d, bs, dtype, impl, repeats, copy_bw, with
   start = time.perf_counter()
   scale = d ** -0.5
   key = jax.random.PRNGKey(0)
-  ours = jax.jit(lambda q, p, t, l: pk.paged_decode_attention(q, p, 0, t, l, scale=scale, impl=impl))
+  ours = jax.jit(lambda q, p, t, lens: pk.paged_decode_attention(q, p, 0, t, lens, scale=scale, impl=impl))
   dense = jax.jit(functools.partial(contiguous_decode, scale=scale))
   for batch, context, mixed in configs:
     if time.perf_counter() - start > budget_s:
@@ -175,7 +175,7 @@ def bench_copy_blocks(*, layers, hkv, d, bs, num_blocks, copies, dtype, impls, r
   dst = jnp.asarray(ids[copies:], jnp.int32)
   for impl in impls:
     pages = jnp.zeros(shape, dtype)
-    f = jax.jit(lambda p, s_, d_: pk.copy_blocks(p, s_, d_, impl=impl), donate_argnums=0)
+    f = jax.jit(functools.partial(pk.copy_blocks, impl=impl), donate_argnums=0)
     t, pages = median_time_threaded(f, pages, src, dst, repeats=repeats)
     moved = 2 * copies * block_bytes
     row = dict(kernel="copy_blocks", impl=impl, layers=layers, copies=copies,

@@ -75,8 +75,8 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
 
     run(serving.ServingEngine(model, cfg))  # compiles every program
     original = getattr(jit_owner, jit_name)
-    results = []
-    for _ in range(repeats):
+
+    def measure() -> dict:  # one run (a function, so each run's closures see its own lists)
         device = []
 
         def timed_step(*args, **kw):
@@ -129,7 +129,7 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
         st = engine.stats()
         med = lambda i: 1000 * statistics.median(x[i] for x in steps)
         mean = lambda i: 1000 * statistics.fmean(x[i] for x in steps)
-        results.append({
+        return {
             "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": st.steps,
             "step_ms_median": med(0), "device_ms_median": 1000 * statistics.median(x[1] for x in steps),
             "host_ms_median": 1000 * statistics.median(x[0] - x[1] for x in steps),
@@ -139,7 +139,9 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
             "host_fraction_of_step": sum(x[0] - x[1] for x in steps) / sum(x[0] for x in steps),
             "compile_s_in_run": st.compile_s,
             "outputs": [o.tokens[0] for o in outs],
-        })
+        }
+
+    results = [measure() for _ in range(repeats)]
     best = max(results, key=lambda x: x["tokens_per_s"])
     best["repeats_tokens_per_s"] = [round(x["tokens_per_s"], 1) for x in results]
     return best

@@ -232,8 +232,8 @@ def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
 def _interrupt_at(phase, *args, delay=0.0):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "PAGED_KV_TEST_PHASE": phase}
     # No cache: the signal must come while XLA really compiles.
-    p = subprocess.Popen([sys.executable, "-m", "paged_kv", "--no-compile-cache", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-m", "paged_kv", "--no-compile-cache", *args], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     guard = threading.Timer(300, p.kill)
     guard.start()
     try:

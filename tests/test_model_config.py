@@ -1,4 +1,5 @@
-"""LlamaConfig validation, HF conversion, presets, RoPE frequencies, KV page sizing, CUDA lowering at\nLlama 3.1 8B / 3.2 1B shapes."""
+"""LlamaConfig validation, HF conversion, presets, RoPE frequencies, KV page sizing, CUDA lowering at
+Llama 3.1 8B / 3.2 1B shapes."""
 
 import dataclasses
 import re
@@ -63,7 +64,8 @@ def test_frozen_and_hashable():
     assert cfg.head_dim == 16 and cfg.num_groups == 2
 
 
-@pytest.mark.parametrize("make", [tiny, llama31_8b, llama32_1b, lambda: tiny(rope_scaling=None, tie_word_embeddings=True)])
+@pytest.mark.parametrize("make", [tiny, llama31_8b, llama32_1b,
+                                  lambda: tiny(rope_scaling=None, tie_word_embeddings=True)])
 def test_hf_config_round_trip(make):
     cfg = make()
     assert LlamaConfig.from_hf_config(cfg.to_hf_config()) == cfg

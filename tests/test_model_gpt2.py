@@ -188,7 +188,8 @@ class BadOption(nnx.Module):
 
 def test_missing_members_are_named_before_compiling():
     bad = NoHead()
-    with pytest.raises(ValueError, match="NoHead does not implement the paged model protocol: missing logits, head_dim"):
+    with pytest.raises(ValueError,
+                       match="NoHead does not implement the paged model protocol: missing logits, head_dim"):
         model_facts(bad)
     with pytest.raises(ValueError, match="missing logits, head_dim"):
         page_spec(bad, 4, BS)

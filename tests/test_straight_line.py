@@ -200,7 +200,8 @@ def test_evict_and_register_without_skips_are_identity_when_nothing_to_do():
     cache = pk.init_state(pk.ManagerConfig(num_blocks=12, block_size=2, max_seqs=4, max_blocks_per_seq=6)).cache
     taken = jnp.array([1, 2, 3], jnp.int32)
     none = jnp.zeros((3,), bool)
-    assert_same(prefix_cache.evict(cache, taken, none, target="gpu"), prefix_cache.evict(cache, taken, none, target="cpu"))
+    assert_same(prefix_cache.evict(cache, taken, none, target="gpu"),
+                prefix_cache.evict(cache, taken, none, target="cpu"))
     chains = jnp.ones((3, 2), jnp.uint32)
     parent = jnp.zeros((3, 2), jnp.int32)
     salts = jnp.zeros((3,), jnp.uint32)
@@ -227,11 +228,13 @@ def test_free_select_append_agrees_through_crowded_rings_and_slow_appends(monkey
         if step % 8 == 0:
             state, _ = _jit(pk.free)(config, state, rows)
             prompts = rng.integers(0, 3, (config.max_seqs, 4)).astype(np.int32)
-            state, _ = _jit(pk.admit)(config, state, rows, jnp.asarray(rng.integers(1, 5, config.max_seqs).astype(np.int32)),
-                                      jnp.asarray(prompts), jnp.zeros((config.max_seqs,), jnp.uint32))
+            lens = jnp.asarray(rng.integers(1, 5, config.max_seqs).astype(np.int32))
+            state, _ = _jit(pk.admit)(config, state, rows, lens, jnp.asarray(prompts),
+                                      jnp.zeros((config.max_seqs,), jnp.uint32))
         parents = jnp.asarray(rng.integers(0, config.max_seqs, config.max_seqs).astype(np.int32))
         dst = rows if step % 3 else none
-        frees = jnp.asarray(np.where(rng.random(config.max_seqs) < 0.15, np.arange(config.max_seqs), -1).astype(np.int32))
+        frees = jnp.asarray(np.where(rng.random(config.max_seqs) < 0.15, np.arange(config.max_seqs), -1)
+                            .astype(np.int32))
         toks = jnp.asarray(rng.integers(0, 3, config.max_seqs).astype(np.int32))
         state = both_targets(free_select_append, config, state, frees, dst, parents, rows, toks,
                              jnp.array([0, 2], jnp.int32))[0]

@@ -241,7 +241,8 @@ def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict
   wall = time.perf_counter() - t
   st = eng.stats()
   out["serving"] = dict(requests=len(done), ok=sum(o.ok for o in done), wall_s=round(wall, 2), steps=eng.step_count,
-                        tokens_per_s=round(st.tokens_per_s, 1), mean_step_ms=round(1e3 * wall / max(eng.step_count, 1), 2))
+                        tokens_per_s=round(st.tokens_per_s, 1),
+                        mean_step_ms=round(1e3 * wall / max(eng.step_count, 1), 2))
   print("serving:", out["serving"], flush=True)
   kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * batch * (prompt + new // 2)
   out["kv_bytes_per_decode_step_mid_generation"] = kv
@@ -307,11 +308,12 @@ def main() -> int:
   a = ap.parse_args()
   if jax.default_backend() != "gpu":
     print(f"warning: backend is {jax.default_backend()}, not gpu", file=sys.stderr)
-  run = {"env": check_env, "kernels": lambda: check_kernels(a.impl, a.smoke), "engine": lambda: check_engine(a.layers, a.impl, a.smoke),
+  run = {"env": check_env, "kernels": lambda: check_kernels(a.impl, a.smoke),
+         "engine": lambda: check_engine(a.layers, a.impl, a.smoke),
          "layouts": lambda: check_layouts(a.layers, a.impl, a.smoke)}[a.what]
   res = run()
-  out = Path(a.out or ROOT / "results" / {"env": "gpu_env.json", "kernels": "gpu_kernels_check.json", "engine": "gpu_engine.json",
-                                          "layouts": "gpu_layouts.json"}[a.what])
+  out = Path(a.out or ROOT / "results" / {"env": "gpu_env.json", "kernels": "gpu_kernels_check.json",
+                                          "engine": "gpu_engine.json", "layouts": "gpu_layouts.json"}[a.what])
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(res, indent=1, default=str) + "\n")
   print(f"wrote {out}")

@@ -493,7 +493,8 @@ def summarize(report: dict) -> dict:
   return dict({"what": "The GPU compile gate's summary (scripts/gate/gpu_report.py summarize): per kernel "
                        "group and per program what docs/gpu-gate.md's tables show. The gate writes its "
                        "full report beside it."}, **{k: report.get(k) for k in _HEADER},
-              groups=sorted(groups.values(), key=lambda g: (str(g["target"]), g["kernel"], g["purpose"])), attention=sorted(attention, key=order),
+              groups=sorted(groups.values(), key=lambda g: (str(g["target"]), g["kernel"], g["purpose"])),
+              attention=sorted(attention, key=order),
       layer_matmul=sorted(matmul, key=order), knobs=sorted(knobs.values(), key=order), programs=programs)
 
 
