@@ -14,21 +14,29 @@ ids, chat template, streamed decoding), `generate` (host greedy loops for tests 
 capacity per device).
 """
 
+from paged_kv.models import sharding
 from paged_kv.models.config import Llama3RopeScaling, LlamaConfig, llama31_8b, llama32_1b, rope_inv_freq, tiny
 from paged_kv.models.contiguous import contiguous_forward, contiguous_step, init_contiguous_cache
 from paged_kv.models.generate import greedy_generate_contiguous, greedy_generate_paged
 from paged_kv.models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
-from paged_kv.models import sharding
-from paged_kv.models.protocol import AttentionBackend, ModelFacts, PagedModel, model_facts
-from paged_kv.models.llama import Llama, abstract_model, in_vocab, init_model, is_per_layer, per_layer, safe_tokens, stacked
+from paged_kv.models.llama import (
+    Llama,
+    abstract_model,
+    in_vocab,
+    init_model,
+    is_per_layer,
+    per_layer,
+    safe_tokens,
+    stacked,
+)
 from paged_kv.models.paged import (
     KVPageSpec,
-    layout_for_impl,
     PagedBatch,
     allocate_pages,
     compute_slots,
     kv_bytes_per_block,
     kv_bytes_per_token,
+    layout_for_impl,
     make_paged_batch,
     page_spec,
     page_spec_for_budget,
@@ -36,14 +44,16 @@ from paged_kv.models.paged import (
     paged_forward,
     paged_prefill_step,
 )
+from paged_kv.models.protocol import AttentionBackend, ModelFacts, PagedModel, model_facts
 
 __all__ = [
     "AttentionBackend", "CheckpointError", "KVPageSpec", "Llama", "Llama3RopeScaling", "LlamaConfig", "ModelFacts",
     "PagedBatch", "PagedModel", "model_facts",
     "abstract_model", "allocate_pages", "compute_slots", "contiguous_forward", "contiguous_step",
     "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "in_vocab", "init_contiguous_cache",
-    "init_model", "is_per_layer", "kv_bytes_per_block", "layout_for_impl", "kv_bytes_per_token", "llama31_8b", "llama32_1b",
+    "init_model", "is_per_layer", "kv_bytes_per_block", "layout_for_impl", "kv_bytes_per_token", "llama31_8b",
+    "llama32_1b",
     "load_hf_checkpoint", "make_paged_batch", "page_spec", "page_spec_for_budget", "paged_decode_step",
-    "paged_forward", "paged_prefill_step", "per_layer", "rope_inv_freq", "safe_tokens", "save_hf_checkpoint", "sharding",
-    "stacked", "tiny",
+    "paged_forward", "paged_prefill_step", "per_layer", "rope_inv_freq", "safe_tokens", "save_hf_checkpoint",
+    "sharding", "stacked", "tiny",
 ]

@@ -18,13 +18,14 @@ Families (`model_type`), all the same decoder with a few switches (`FAMILIES`):
 A checkpoint this decoder cannot compute exactly (a sliding window shorter than the context, a
 RoPE type other than `default`/`llama3`, another architecture or activation) is refused with a
 one-line `ValueError` naming the field and its value.
-"""
+"""  # noqa: E501 (a Markdown table row does not wrap)
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -152,12 +153,12 @@ class LlamaConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
-    def replace(self, **changes) -> "LlamaConfig":
+    def replace(self, **changes) -> LlamaConfig:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ Hugging Face
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], *, dtype: str | None = None) -> "LlamaConfig":
+    def from_hf_config(cls, hf: Mapping[str, Any], *, dtype: str | None = None) -> LlamaConfig:
         """Build from a Hugging Face `config.json` dict of a `LlamaForCausalLM`, `Qwen2ForCausalLM`,
         `Qwen3ForCausalLM` or `MistralForCausalLM` (module docstring).
 

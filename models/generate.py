@@ -8,7 +8,7 @@ table must hold enough blocks for the prompt plus the new tokens.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np

@@ -17,12 +17,18 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from paged_kv.models.config import LlamaConfig
-from paged_kv.models.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, check_checkpoint, read_hf_config  # noqa: F401
-from paged_kv.models.hf_format import hf_tensors as _hf_tensors, state_node
+from paged_kv.models.hf_format import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    check_checkpoint,
+    hf_tensors as _hf_tensors,
+    read_hf_config,
+    state_node,
+)
 from paged_kv.models.llama import Llama, abstract_model, is_per_layer, stacked
 from paged_kv.models.sharding import load_sharded
-
-
 
 
 def _stack_into(state: nnx.State, pending: dict) -> None:
@@ -117,7 +123,8 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
         node, layer = state_node(state, state_path)
         if id(node) not in host:  # one device-to-host copy per (stacked) variable
             host[id(node)] = np.asarray(node.get_value())
-        w = host[id(node)] if layer is None else host[id(node)][layer]  # bfloat16 arrives as ml_dtypes.bfloat16, which safetensors writes as BF16
+        # bfloat16 arrives as ml_dtypes.bfloat16, which safetensors writes as BF16
+        w = host[id(node)] if layer is None else host[id(node)][layer]
         w = np.ascontiguousarray(_to_hf_layout(name, w))
         assert w.shape == hf_shape, (name, w.shape, hf_shape)
         out[name] = w

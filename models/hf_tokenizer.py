@@ -27,9 +27,10 @@ import codecs
 import functools
 import json
 import os
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from paged_kv.models.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
@@ -79,7 +80,7 @@ class StreamDecoder:
     `decode` shows it), so that all the pieces joined equal `decode` of all the ids. Special tokens
     print nothing."""
 
-    def __init__(self, tokenizer: "HFTokenizer"):
+    def __init__(self, tokenizer: HFTokenizer):
         from tokenizers.decoders import DecodeStream
 
         self._tok = tokenizer
@@ -209,7 +210,7 @@ class HFTokenizer:
 
     # ------------------------------------------------------------------ files
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "HFTokenizer":
+    def load(cls, directory: str | os.PathLike) -> HFTokenizer:
         """From a checkpoint directory holding a Hugging Face `tokenizer.json` (module docstring)."""
         from tokenizers import Tokenizer
 
@@ -300,7 +301,7 @@ def render_chat_template(template: str, messages: Sequence[dict], *, add_generat
 class LoadedTokenizer(NamedTuple):
     """What `load_tokenizer` returns: unpacks as ``tok, description = load_tokenizer(path)``."""
 
-    tokenizer: "ByteTokenizer | HFTokenizer"
+    tokenizer: ByteTokenizer | HFTokenizer
     description: str
     """One line naming the choice (the CLI prints it)."""
 
@@ -329,5 +330,5 @@ def stream_decoder(tokenizer):
     return tokenizer.stream()
 
 
-__all__ = ["ByteStreamDecoder", "HFTokenizer", "LoadedTokenizer", "StreamDecoder", "load_tokenizer", "render_chat_template",
-           "stream_decoder"]
+__all__ = ["ByteStreamDecoder", "HFTokenizer", "LoadedTokenizer", "StreamDecoder", "load_tokenizer",
+           "render_chat_template", "stream_decoder"]

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from paged_kv import pallas_kernels as pk
 from paged_kv.models.protocol import AttentionBackend, LayerMatmul, attend_options, check_model, model_facts

@@ -11,7 +11,8 @@ missing or wrong.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -185,7 +186,7 @@ def model_facts(model) -> ModelFacts:
     if missing:
         raise ValueError(f"model {name} does not implement the paged model protocol: missing "
                          f"{', '.join(missing)} (see paged_kv.models.protocol.PagedModel)")
-    if not callable(getattr(model, "logits")):
+    if not callable(model.logits):
         raise ValueError(f"model {name}: logits must be a method logits(hidden) -> float32 logits")
     values = {}
     for fact in FACTS[:-1]:

@@ -415,7 +415,8 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = Non
             try:
                 shape = tuple(h.get_slice(name).get_shape())
             except Exception as err:
-                raise hf_format.CheckpointError(f"tensor {name!r} listed for {file.name!r} cannot be read: {err}") from err
+                raise hf_format.CheckpointError(
+                    f"tensor {name!r} listed for {file.name!r} cannot be read: {err}") from err
             if shape != hf_shape:
                 raise hf_format.CheckpointError(f"tensor {name!r} in {file.name!r} has shape {shape}, "
                                             f"expected {hf_shape} for this config")
@@ -433,9 +434,9 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = Non
                 if key not in cache:  # several local devices may hold the same (replicated) block
                     if stacked:  # the block's layers, each read as its own HF tensor's slice
                         l0, l1 = _range(index[0], model_shape[0]) if len(index) else (0, model_shape[0])
-                        block = np.stack([np.asarray(_read_slice(members[l][1], members[l][0], tuple(index)[1:],
+                        block = np.stack([np.asarray(_read_slice(members[layer][1], members[layer][0], tuple(index)[1:],
                                                                  model_shape[1:], config, r, counter))
-                                          for l in range(l0, l1)])
+                                          for layer in range(l0, l1)])
                     else:
                         name, h = members[0]
                         block = np.asarray(_read_slice(h, name, index, model_shape, config, r, counter))

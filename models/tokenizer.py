@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 TOKENIZER_FILE = "tokenizer.json"
 NUM_BYTES = 256
@@ -86,7 +86,7 @@ class ByteTokenizer:
         return path / TOKENIZER_FILE
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ByteTokenizer":
+    def load(cls, path: str | os.PathLike) -> ByteTokenizer:
         """From a checkpoint directory holding `tokenizer.json`, or from the file itself."""
         path = Path(path)
         if path.is_dir():

@@ -187,7 +187,8 @@ def main() -> None:
                 flush=True,
             )
 
-    print("\n| workload | prefix caching | batch | append, jitted call (µs) | select call (µs) | step in fori_loop (µs) | Python reference step (µs) | ref / loop |")
+    print("\n| workload | prefix caching | batch | append, jitted call (µs) | select call (µs) "
+          "| step in fori_loop (µs) | Python reference step (µs) | ref / loop |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['prefix_caching']} | {r['batch']} | {r['jit_call_us']:.1f} | "

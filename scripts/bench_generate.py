@@ -58,13 +58,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import paged_kv as pk  # noqa: E402
-from paged_kv.models import allocate_pages, greedy_generate_contiguous, load_hf_checkpoint, page_spec  # noqa: E402
-from paged_kv import engine  # noqa: E402
-from paged_kv.pallas_kernels import resolve_impl  # noqa: E402
-from scripts.doc_tables import BENCHMARKS, markers, replace_block, shown_command  # noqa: E402
-from scripts.extras import require  # noqa: E402
-from tests import tolerances  # noqa: E402
+import paged_kv as pk
+from paged_kv import engine
+from paged_kv.models import allocate_pages, greedy_generate_contiguous, load_hf_checkpoint, page_spec
+from paged_kv.pallas_kernels import resolve_impl
+from scripts.doc_tables import BENCHMARKS, markers, replace_block, shown_command
+from scripts.extras import require
+from tests import tolerances
 
 HF_CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10_000.0,
@@ -206,7 +206,8 @@ def run(model, hf, batch: int, prompt: int, new: int, block_size: int, repeats: 
 
     def transformers_generate(toks):
         with torch.no_grad():
-            out = hf.generate(torch.tensor(toks, dtype=torch.long), attention_mask=torch.ones(toks.shape, dtype=torch.long),
+            out = hf.generate(torch.tensor(toks, dtype=torch.long),
+                              attention_mask=torch.ones(toks.shape, dtype=torch.long),
                               do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
         box["transformers"] = out[:, prompt:].numpy()
 
@@ -235,12 +236,13 @@ def render_table(result: dict) -> str:
              f"jax {meta['jax']}, torch {meta['torch']} with {meta['torch_threads']} threads, transformers "
              f"{meta['transformers']}):",
              "",
-             "| prompt | batch | on-device tok/s | contiguous host loop tok/s | transformers tok/s | on-device / transformers "
-             "| near-tie steps | divergences (all at near-ties) |",
+             "| prompt | batch | on-device tok/s | contiguous host loop tok/s | transformers tok/s "
+             "| on-device / transformers | near-tie steps | divergences (all at near-ties) |",
              "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         a = r["agreement"]
-        div = ", ".join(f"{n} {a[n]['diverging']}/{a[n]['sequences']}" for n in ("contiguous", "transformers") if n in a)
+        div = ", ".join(f"{n} {a[n]['diverging']}/{a[n]['sequences']}"
+                        for n in ("contiguous", "transformers") if n in a)
         ok = "yes" if a["real_divergences"] == 0 else f"**no: {a['real_divergences']} real**"
         lines.append(f"| {r['prompt']} | {r['batch']} | {r['on_device_tok_s']:,.0f} | "
                      f"{r['contiguous_host_loop_tok_s']:,.0f} | {r.get('transformers_tok_s', float('nan')):,.0f} | "

@@ -31,15 +31,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from scripts import checkout_layout  # noqa: E402  (the lent GPU machine does not install the checkout)
+from scripts import checkout_layout  # the lent GPU machine does not install the checkout
 
 checkout_layout.install()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from paged_kv import pallas_kernels as pk  # noqa: E402
+from paged_kv import pallas_kernels as pk
 
 
 def median_time(fn, *args, repeats: int, warmup: int = 2) -> float:
@@ -120,7 +120,7 @@ def bench_decode(configs, *, hq, hkv, d, bs, dtype, impl, repeats, copy_bw, with
   start = time.perf_counter()
   scale = d ** -0.5
   key = jax.random.PRNGKey(0)
-  ours = jax.jit(lambda q, p, t, l: pk.paged_decode_attention(q, p, 0, t, l, scale=scale, impl=impl))
+  ours = jax.jit(lambda q, p, t, lens: pk.paged_decode_attention(q, p, 0, t, lens, scale=scale, impl=impl))
   dense = jax.jit(functools.partial(contiguous_decode, scale=scale))
   for batch, context, mixed in configs:
     if time.perf_counter() - start > budget_s:
@@ -155,7 +155,7 @@ def bench_decode(configs, *, hq, hkv, d, bs, dtype, impl, repeats, copy_bw, with
         t_jax = median_time(op, qs, kp, vp, tables, lengths, repeats=repeats)
         row["jax_pallas_ms"] = t_jax * 1e3
         row["ours_over_jax_pallas"] = t_ours / t_jax
-      except Exception as e:  # noqa: BLE001 - report and keep going
+      except Exception as e:  # report and keep going
         row["jax_pallas_error"] = f"{type(e).__name__}: {str(e)[:200]}"
       del kp, vp
     rows.append(row)
@@ -175,7 +175,7 @@ def bench_copy_blocks(*, layers, hkv, d, bs, num_blocks, copies, dtype, impls, r
   dst = jnp.asarray(ids[copies:], jnp.int32)
   for impl in impls:
     pages = jnp.zeros(shape, dtype)
-    f = jax.jit(lambda p, s_, d_: pk.copy_blocks(p, s_, d_, impl=impl), donate_argnums=0)
+    f = jax.jit(functools.partial(pk.copy_blocks, impl=impl), donate_argnums=0)
     t, pages = median_time_threaded(f, pages, src, dst, repeats=repeats)
     moved = 2 * copies * block_bytes
     row = dict(kernel="copy_blocks", impl=impl, layers=layers, copies=copies,

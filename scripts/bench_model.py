@@ -25,9 +25,17 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paged_kv.models import (LlamaConfig, allocate_pages, contiguous_step, init_contiguous_cache, init_model,  # noqa: E402
-                    make_paged_batch, page_spec, paged_decode_step)
-from paged_kv.pallas_kernels import resolve_impl  # noqa: E402
+from paged_kv.models import (
+    LlamaConfig,
+    allocate_pages,
+    contiguous_step,
+    init_contiguous_cache,
+    init_model,
+    make_paged_batch,
+    page_spec,
+    paged_decode_step,
+)
+from paged_kv.pallas_kernels import resolve_impl
 
 
 def bench_config(dtype: str) -> LlamaConfig:

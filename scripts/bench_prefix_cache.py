@@ -214,7 +214,7 @@ def mixed(uncached_to_front, waves=40, batch=256, families=200, system_len=1024,
         lens = system_len + tail
         state, result = admit(cfg, state, ids, jnp.asarray(lens, jnp.int32), jnp.asarray(toks))
         assert (np.asarray(result.status) == 0).all(), np.asarray(result.status)
-        for t in range(gen):
+        for _ in range(gen):
             state, r = append(cfg, state, ids, jnp.asarray(rng.integers(0, 32_000, batch), jnp.int32))
         state, _ = free(cfg, state, ids)
         progress(w, waves, f"{label}, uncached_to_front={uncached_to_front}")
@@ -283,7 +283,8 @@ def main() -> None:
           f" | {many['admit_us_per_request']:.2f} ({many['admit_us_total']:.0f} in all) | {many['hit_rate']:.3f} |")
     print(f"| Python reference, one per call | 0 / 512 | {ref['admit_us_median']:.1f} | |")
     print("\nMixed workloads under memory pressure (Zipf-popular system prompts)")
-    print("| workload | pool | freed uncached blocks go to | hit rate (all prompt tokens) | system-prompt tokens hit | cached blocks evicted |")
+    print("| workload | pool | freed uncached blocks go to | hit rate (all prompt tokens) "
+          "| system-prompt tokens hit | cached blocks evicted |")
     print("|---|---|---|---|---|---|")
     for m in mix:
         where = "front (default)" if m["uncached_to_front"] else "back"

@@ -62,9 +62,17 @@ from flax import nnx
 if "PYTHONPATH" not in os.environ:  # measure this checkout unless told otherwise
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import paged_kv.models  # noqa: E402
-from paged_kv.models import LlamaConfig, allocate_pages, init_model, layout_for_impl, make_paged_batch, page_spec, paged_decode_step  # noqa: E402
-from paged_kv.models.llama import abstract_model  # noqa: E402
+import paged_kv.models
+from paged_kv.models import (
+    LlamaConfig,
+    allocate_pages,
+    init_model,
+    layout_for_impl,
+    make_paged_batch,
+    page_spec,
+    paged_decode_step,
+)
+from paged_kv.models.llama import abstract_model
 
 BATCH, CONTEXT, BLOCK = 8, 256, 16
 

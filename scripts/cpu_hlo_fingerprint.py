@@ -25,34 +25,38 @@ def fingerprint(text: str) -> dict:
 
 
 def manager_programs() -> dict:
-    from paged_kv import admission, allocate, fused, reclaim, share
     from paged_kv.config import ManagerConfig
-    from paged_kv.state import init_state
     out = {}
     for pc in (True, False):
         mgr = ManagerConfig(num_blocks=1025, block_size=16, max_seqs=64, max_blocks_per_seq=64, prefix_caching=pc)
-        st = jax.eval_shape(lambda: init_state(mgr))
-        v = jax.ShapeDtypeStruct((64,), jnp.int32)
-        a4 = jax.ShapeDtypeStruct((4,), jnp.int32)
-        progs = {
-            "append": (lambda s, i, t: allocate.append(mgr, s, i, t if pc else None), (st, v, v)),
-            "free": (lambda s, i: reclaim.free(mgr, s, i), (st, v)),
-            "select": (lambda s, i, p: share.select(mgr, s, i, p), (st, v, v)),
-            "fork": (lambda s, i, p: share.fork(mgr, s, i, p), (st, v, v)),
-            "free_then_select": (lambda s, f, i, p: fused.free_then_select(mgr, s, f, i, p), (st, v, v, v)),
-            "admit": (lambda s, i, n, t, sa: admission.admit(mgr, s, i, n, t if pc else None, sa),
-                      (st, a4, a4, jax.ShapeDtypeStruct((4, 1024), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.uint32))),
-        }
-        for name, (fn, args) in progs.items():
+        for name, (fn, args) in _manager_progs(mgr, pc).items():
             text = jax.jit(fn, donate_argnums=0).lower(*args).compile().as_text()
             out[f"{name}/{'prefix_caching' if pc else 'plain'}"] = fingerprint(text)
     return out
 
 
+def _manager_progs(mgr, pc: bool) -> dict:
+    """{name: (function, abstract arguments)} of the manager's programs under ``mgr``."""
+    from paged_kv import admission, allocate, fused, reclaim, share
+    from paged_kv.state import init_state
+    st = jax.eval_shape(lambda: init_state(mgr))
+    v = jax.ShapeDtypeStruct((64,), jnp.int32)
+    a4 = jax.ShapeDtypeStruct((4,), jnp.int32)
+    return {
+        "append": (lambda s, i, t: allocate.append(mgr, s, i, t if pc else None), (st, v, v)),
+        "free": (lambda s, i: reclaim.free(mgr, s, i), (st, v)),
+        "select": (lambda s, i, p: share.select(mgr, s, i, p), (st, v, v)),
+        "fork": (lambda s, i, p: share.fork(mgr, s, i, p), (st, v, v)),
+        "free_then_select": (lambda s, f, i, p: fused.free_then_select(mgr, s, f, i, p), (st, v, v, v)),
+        "admit": (lambda s, i, n, t, sa: admission.admit(mgr, s, i, n, t if pc else None, sa),
+                  (st, a4, a4, jax.ShapeDtypeStruct((4, 1024), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.uint32))),
+    }
+
+
 def serving_step_programs() -> dict:
     import paged_kv as pk
-    from paged_kv.models import load_hf_checkpoint
     from paged_kv.engine.serving import ServingConfig, ServingEngine
+    from paged_kv.models import load_hf_checkpoint
     mgr = pk.ManagerConfig(num_blocks=24, block_size=16, max_seqs=16, max_blocks_per_seq=16)
     cfg = ServingConfig(mgr, chunk_size=32, max_prefill_rows=4, top_candidates=8, impl="reference")
     eng = ServingEngine(load_hf_checkpoint("checkpoints/tiny-llama"), cfg, seed=0)

@@ -40,15 +40,15 @@ DUMP = tempfile.mkdtemp(prefix="paged_kv_hlo_")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*generate.*")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import paged_kv as pk  # noqa: E402
-from paged_kv.models import LlamaConfig, allocate_pages, init_model, page_spec  # noqa: E402
-from paged_kv import engine  # noqa: E402
-from scripts.doc_tables import BENCHMARKS, replace_block, shown_command  # noqa: E402
+import paged_kv as pk
+from paged_kv import engine
+from paged_kv.models import LlamaConfig, allocate_pages, init_model, page_spec
+from scripts.doc_tables import BENCHMARKS, replace_block, shown_command
 
 # The model of scripts/bench_generate.py (HF_CONFIG there).
 CONFIG = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
@@ -145,12 +145,14 @@ def classify(op_name: str) -> str:
 
 def render_table(result: dict) -> str:
     m = result["meta"]
-    lines = [f"Batch {m['batch']}, prompt {m['prompt']}, {m['new_tokens']} new tokens (`{shown_command(m['command'])}`, "
-             f"jax {m['jax']}, {m['cpu_count']} CPU cores). Thread-milliseconds: XLA:CPU runs independent "
+    lines = [f"Batch {m['batch']}, prompt {m['prompt']}, {m['new_tokens']} new tokens "
+             f"(`{shown_command(m['command'])}`, jax {m['jax']}, {m['cpu_count']} CPU cores). "
+             f"Thread-milliseconds: XLA:CPU runs independent "
              f"instructions on several cores at once, so they add up to more than the wall time.",
              "", "| part of a decode step | thread-ms per step | share |", "|---|---:|---:|"]
     lines += [f"| {r['part']} | {r['ms_per_step']:.3f} | {100 * r['share']:.1f} % |" for r in result["parts"]]
-    lines += ["", f"| part of the prefill ({m['batch']} x {m['prompt']} tokens) | thread-ms | share |", "|---|---:|---:|"]
+    lines += ["", f"| part of the prefill ({m['batch']} x {m['prompt']} tokens) | thread-ms | share |",
+              "|---|---:|---:|"]
     lines += [f"| {r['part']} | {r['ms']:.1f} | {100 * r['share']:.1f} % |" for r in result["prefill_parts"]]
     return "\n".join(lines)
 
@@ -166,7 +168,8 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "profile_decode.json"))
-    ap.add_argument("--update-docs", action="store_true", help="rewrite docs/benchmarks.md's profile table from the result")
+    ap.add_argument("--update-docs", action="store_true",
+                    help="rewrite docs/benchmarks.md's profile table from the result")
     ap.add_argument("--render-docs", action="store_true", help="only rewrite docs/benchmarks.md's table from --out")
     args = ap.parse_args()
     if args.render_docs:

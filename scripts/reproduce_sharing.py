@@ -88,22 +88,22 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.extras import require  # noqa: E402
+from scripts.extras import require
 
 require("bench", "tqdm", "matplotlib")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tqdm import tqdm
 
-import paged_kv as pk  # noqa: E402
-from paged_kv.models import LlamaConfig, allocate_pages, init_model, load_hf_checkpoint, page_spec  # noqa: E402
+import paged_kv as pk
 from paged_kv import engine
-from paged_kv.apps import traces  # noqa: E402
-from paged_kv.engine import call_setup  # noqa: E402
-from paged_kv.engine.beam_search import beam_search_loop  # noqa: E402
-from paged_kv.engine.generate import FinishReason  # noqa: E402
+from paged_kv.apps import traces
+from paged_kv.engine import call_setup
+from paged_kv.engine.beam_search import beam_search_loop
+from paged_kv.engine.generate import FinishReason
+from paged_kv.models import LlamaConfig, allocate_pages, init_model, load_hf_checkpoint, page_spec
 
 PAPER = {  # vLLM paper, section 6.3 (OPT-13B): saving range over n or k = 2, 4, 6, in percent
     ("sharegpt", "parallel"): (16.2, 30.5), ("sharegpt", "beam"): (44.3, 66.3),
@@ -274,8 +274,10 @@ def load_beam_model(tmp: Path):
 
 # ------------------------------------------------------------------------------ main
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1-minute smoke run (few short requests, n=k=2), output under /tmp")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="1-minute smoke run (few short requests, n=k=2), output under /tmp")
     ap.add_argument("--requests", type=int, default=600,
                     help="requests per trace for parallel sampling (a multiple of every --rows / n keeps batches full)")
     ap.add_argument("--beam-requests", type=int, nargs=2, default=(40, 60), metavar=("SHAREGPT", "ALPACA"),
@@ -285,7 +287,8 @@ def parse_args(argv=None):
     ap.add_argument("--rows", type=int, default=240,
                     help="sequences per parallel-sampling batch (divisible by every n) and per 'without sharing' batch")
     ap.add_argument("--beam-batch", type=int, default=10,
-                    help="prompts per beam-search batch (small: every row's attention walks the batch's longest context)")
+                    help="prompts per beam-search batch "
+                         "(small: every row's attention walks the batch's longest context)")
     ap.add_argument("--max-prompt", type=int, default=1024, help="drop ShareGPT prompts longer than this (tokens)")
     ap.add_argument("--max-total", type=int, default=2048, help="drop requests with prompt + output longer (tokens)")
     ap.add_argument("--seed", type=int, default=0)
@@ -331,7 +334,7 @@ def main(argv=None):
                             "limits": {"max_prompt": args.max_prompt, "max_total": args.max_total},
                             "sampled": len(alpaca)}
     beam_reqs = {}
-    for i, (name, reqs) in enumerate(trace_reqs.items()):
+    for name, reqs in trace_reqs.items():
         num = min(args.beam_requests[0 if name == "sharegpt" else 1], len(reqs))
         beam_reqs[name] = traces.sample_requests(reqs, num, args.seed + 1)
         trace_meta[name]["lengths"] = traces.length_summary(reqs)
@@ -352,7 +355,7 @@ def main(argv=None):
     # "beam k" the trained model's beam search of width k. Sized for the largest batch without
     # sharing (a run with sharing never holds more).
     pool_blocks: dict = {}
-    for name, method, nk, batches in plan:
+    for _trace, method, nk, batches in plan:
         need = max(blocks_without_sharing(b, nk) for b in batches)
         for key in ("micro", f"beam k={nk}") if method == "beam" else ("micro",):
             pool_blocks[key] = max(pool_blocks.get(key, 0), need)
@@ -414,7 +417,7 @@ def main(argv=None):
     meta = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv]),
         "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
         "jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "elapsed_s": round(elapsed, 1),
         "token_rule": "tokens = ceil(UTF-8 bytes / 4) (approximates a BPE tokenizer); prompt token ids = the "
@@ -462,7 +465,8 @@ def _downsample(a, b, points: int = 400) -> dict:
 
 
 def print_table(rows):
-    head = f"{'trace':<24} {'method':<18} {'n/k':>3} {'reqs':>5} {'ours %':>7} {'paper %':>11} {'blocks w/ / w/o (mean)':>24}"
+    head = (f"{'trace':<24} {'method':<18} {'n/k':>3} {'reqs':>5} {'ours %':>7} {'paper %':>11} "
+            f"{'blocks w/ / w/o (mean)':>24}")
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         lo, hi = r["paper_range_pct"]
@@ -510,7 +514,8 @@ def plot(result, path: Path):
             seen.add("paper")
             bars = ax.bar(xs, [r["saving_pct"] for r in group], width=0.7,
                           color="tab:blue" if method == "parallel" else "tab:orange",
-                          label=None if method in seen else f"ours: {'parallel sampling' if method == 'parallel' else 'beam search'}")
+                          label=None if method in seen else
+                          f"ours: {'parallel sampling' if method == 'parallel' else 'beam search'}")
             seen.add(method)
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
             sym = "n" if method == "parallel" else "k"

@@ -53,13 +53,13 @@ def workload(r: int):
 def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_steps: int = 1,
                   requests: int | None = None) -> dict:
     import jax
+
     import paged_kv as pk
     from paged_kv.engine import serving
     from paged_kv.engine.sampling import SamplingParams
 
     try:  # after the split the step lives in serving_step and the inputs are built by a function
-        from paged_kv.engine import scheduler as sched_mod
-        from paged_kv.engine import serving_step as step_mod
+        from paged_kv.engine import scheduler as sched_mod, serving_step as step_mod
         jit_owner = step_mod  # the engine calls the packed step where there is one
         jit_name = "packed_step_jit" if hasattr(step_mod, "packed_step_jit") else "step_jit"
     except ImportError:
@@ -75,8 +75,8 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
 
     run(serving.ServingEngine(model, cfg))  # compiles every program
     original = getattr(jit_owner, jit_name)
-    results = []
-    for _ in range(repeats):
+
+    def measure() -> dict:  # one run (a function, so each run's closures see its own lists)
         device = []
 
         def timed_step(*args, **kw):
@@ -127,9 +127,9 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
                 sched_mod.build_inputs = orig_build
         tokens = sum(len(t) for o in outs for t in o.tokens)
         st = engine.stats()
-        med = lambda i: 1000 * statistics.median(x[i] for x in steps)  # noqa: E731
-        mean = lambda i: 1000 * statistics.fmean(x[i] for x in steps)  # noqa: E731
-        results.append({
+        med = lambda i: 1000 * statistics.median(x[i] for x in steps)
+        mean = lambda i: 1000 * statistics.fmean(x[i] for x in steps)
+        return {
             "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": st.steps,
             "step_ms_median": med(0), "device_ms_median": 1000 * statistics.median(x[1] for x in steps),
             "host_ms_median": 1000 * statistics.median(x[0] - x[1] for x in steps),
@@ -139,7 +139,9 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
             "host_fraction_of_step": sum(x[0] - x[1] for x in steps) / sum(x[0] for x in steps),
             "compile_s_in_run": st.compile_s,
             "outputs": [o.tokens[0] for o in outs],
-        })
+        }
+
+    results = [measure() for _ in range(repeats)]
     best = max(results, key=lambda x: x["tokens_per_s"])
     best["repeats_tokens_per_s"] = [round(x["tokens_per_s"], 1) for x in results]
     return best
@@ -147,9 +149,10 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
 
 def timed_generate(model, r: int, repeats: int, requests: int | None = None) -> dict:
     import jax
+
     import paged_kv as pk
-    from paged_kv.models.paged import allocate_pages, page_spec
     from paged_kv import engine as eng
+    from paged_kv.models.paged import allocate_pages, page_spec
 
     r = requests or r  # generate runs every request at once
     blocks = r * -(-(PROMPT + NEW) // 16) + 1
@@ -185,7 +188,7 @@ def ab_decode_steps(model, args) -> None:
                                                            args.requests)["tokens_per_s"])
             runs["generate"].append(timed_generate(model, r, 1, args.requests)["tokens_per_s"])
         a, b, g = runs[f"serving_k{k1}"], runs[f"serving_k{k2}"], runs["generate"]
-        med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
+        med = lambda xs: round(statistics.median(xs), 3)
         rows[str(r)] = {"tokens_per_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
                         f"k{k1}_to_generate": med([x / y for x, y in zip(a, g)]),
                         f"k{k2}_to_generate": med([x / y for x, y in zip(b, g)]),
@@ -223,8 +226,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "serving_overhead.json"))
     args = ap.parse_args()
     import jax
-    import paged_kv
 
+    import paged_kv
     from paged_kv.models import load_hf_checkpoint
 
     model = load_hf_checkpoint(ROOT / "checkpoints" / "tiny-llama")

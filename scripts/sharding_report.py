@@ -33,14 +33,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from paged_kv.models import LlamaConfig, abstract_model, llama31_8b, page_spec, sharding  # noqa: E402
-from paged_kv.models.hf_io import read_hf_config  # noqa: E402
-from paged_kv.models.paged import PagedBatch, paged_decode_step  # noqa: E402
+from paged_kv.models import LlamaConfig, abstract_model, llama31_8b, page_spec, sharding
+from paged_kv.models.hf_io import read_hf_config
+from paged_kv.models.paged import PagedBatch, paged_decode_step
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<shape>\(?[^=]*?\)?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from scripts.extras import require  # noqa: E402
+from scripts.extras import require
 
 
 def run_main(tree: Path, cache: Path | None, out: Path) -> dict:

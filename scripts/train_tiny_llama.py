@@ -33,6 +33,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,9 @@ from flax import nnx
 
 from paged_kv.models import LlamaConfig, greedy_generate_contiguous, init_model, save_hf_checkpoint
 from paged_kv.models.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:  # annotations only: optax is imported (by _optax) only to train
+    import optax
 
 TRAIN_SEED_OFFSET = 0
 VAL_SEED_OFFSET = 1_000_003

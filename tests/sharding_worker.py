@@ -73,11 +73,19 @@ def run_engine(model, mesh, pages, beam: bool = True):
 
 
 def four(ckpt: str):
-    from flax import nnx
-
     import time
+
+    from flax import nnx
     t0 = time.time()
-    from paged_kv.models import allocate_pages, init_model, load_hf_checkpoint, make_paged_batch, page_spec, sharding, tiny
+    from paged_kv.models import (
+        allocate_pages,
+        init_model,
+        load_hf_checkpoint,
+        make_paged_batch,
+        page_spec,
+        sharding,
+        tiny,
+    )
     from paged_kv.models.paged import copy_blocks, paged_decode_step, paged_prefill_step
     assert jax.device_count() == 4
     res = {}

@@ -6,8 +6,8 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -191,8 +191,8 @@ def test_every_request_rejected_exits_1_and_prints_dashes(tmp_path):
 
 
 def test_answers_that_are_not_bytes_print_as_token_ids():
-    from paged_kv.models.tokenizer import ByteTokenizer
     from paged_kv.apps.cli import _shown_tokens
+    from paged_kv.models.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     assert _shown_tokens(tok, [72, 105, 258, 300], 90) == "'Hi'"  # stops at EOS before the bad id
@@ -232,8 +232,8 @@ def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
 def _interrupt_at(phase, *args, delay=0.0):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "PAGED_KV_TEST_PHASE": phase}
     # No cache: the signal must come while XLA really compiles.
-    p = subprocess.Popen([sys.executable, "-m", "paged_kv", "--no-compile-cache", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-m", "paged_kv", "--no-compile-cache", *args], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     guard = threading.Timer(300, p.kill)
     guard.start()
     try:
@@ -343,8 +343,8 @@ def test_your_prompts_stream_through_the_checkpoint_tokenizer(bpe_ckpt, tmp_path
     answers each: the header names the tokenizer, the answers stream one after another in prompt
     order, and the streamed text of every answer is the decode of its tokens (the report JSON
     records them)."""
-    from paged_kv.models.hf_tokenizer import HFTokenizer
     from paged_kv.apps.cli import printable
+    from paged_kv.models.hf_tokenizer import HFTokenizer
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\nQ: Where does the owl live? A:\n\n")
@@ -396,10 +396,10 @@ def test_stream_printer_holds_later_answers_until_their_turn():
     request prints its error; EOS ids print nothing; a character split over two deltas prints once."""
     import io
 
-    from paged_kv.models.tokenizer import ByteTokenizer
     from paged_kv.apps.cli import _StreamPrinter
     from paged_kv.engine import BeamParams, SamplingParams
     from paged_kv.engine.serving import Request, TokenDelta
+    from paged_kv.models.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     reqs = [Request([1], SamplingParams(n=2), request_id=0), Request([1], BeamParams(beam_width=2), request_id=1),

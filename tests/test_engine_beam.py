@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 import paged_kv as pk
-from paged_kv.models import allocate_pages, contiguous_step, init_contiguous_cache, init_model, page_spec, tiny
 from paged_kv import engine
 from paged_kv.engine import BeamParams
+from paged_kv.models import allocate_pages, contiguous_step, init_contiguous_cache, init_model, page_spec, tiny
 from tests import tolerances as tol
 
 BS = 8
@@ -44,7 +44,7 @@ def reference_beam_search(model, prompt, k, max_new, length_penalty, eos_ids):
         top = np.argsort(-cand, kind="stable")[:c]
         v = logp.shape[1]
         length = step + 1
-        norm = lambda s: float(s) / length ** length_penalty
+        norm = lambda s, length=length: float(s) / length ** length_penalty
         finished = [(norm(cand[i]), float(cand[i]), beams[i // v][1] + [int(i % v)])
                     for r, i in enumerate(top) if i % v in eos_ids and r < k]
         pool = merge(pool, finished)

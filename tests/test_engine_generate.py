@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from paged_kv.models import allocate_pages, greedy_generate_contiguous, init_model, page_spec, tiny
 from paged_kv import engine
 from paged_kv.engine import FinishReason, SamplingParams
+from paged_kv.models import allocate_pages, greedy_generate_contiguous, init_model, page_spec, tiny
 from tests import tolerances as tol
 
 BS = 8

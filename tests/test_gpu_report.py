@@ -62,7 +62,7 @@ condition:
   true_branch:
     038: kCopy [source | sink] kCopy
 004: kCustomKernel [prev=003 (1) | next=005 (1)] paged_decode_attention grid: [64, 8, 1] threads: [128, 1, 1]  shared_memory: 73728 bytes
-"""
+"""  # noqa: E501, W291 (XLA's thunk dump as printed: long lines, trailing blanks)
 
 
 def test_thunk_tree_sections_and_launch_figures():
@@ -98,7 +98,7 @@ condition:
   body:
     004: kCustomKernel [source | sink] paged_decode_attention grid: [64, 8, 1] threads: [128, 1, 1]  shared_memory: 73728 bytes
     005: kGemm [source | sink] kGemm
-"""
+"""  # noqa: E501 (XLA's thunk dump as printed)
   step, scope = gpu_report.step_thunks(gpu_report.parse_thunks(text))
   assert scope == "body of the decode loop"
   assert [t["kind"] for t in step] == ["kCustomKernel", "kGemm"]
@@ -206,7 +206,8 @@ def test_knob_summary_takes_the_worst_configuration_per_knob():
                      res("c", "alibi", 255, spill=24, bs=64), res("d", "alibi", 0, same="c", bs=32),
                      res("e", "soft_cap", 250)]}
   table = gpu_report.knob_summary(rep).splitlines()
-  assert table[0].startswith("| kernel | dtype | head_dim | registers, no knob | registers, alibi | registers, soft_cap")
+  assert table[0].startswith("| kernel | dtype | head_dim | registers, no knob | registers, alibi "
+                             "| registers, soft_cap")
   assert table[2] == "| decode | float32 | 256 | 200 | 255 | 250 | 24 | 4 |"
 
 
@@ -250,7 +251,7 @@ condition:
             006: kCustomKernel [source | sink] layer_matmul grid: [1, 8, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
             007: kCustomKernel [source | sink] paged_decode_attention grid: [8, 2, 2] threads: [128, 1, 1]  shared_memory: 0 bytes
     008: kCustomKernel [source | sink] sample grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
-"""
+"""  # noqa: E501 (XLA's thunk dump as printed)
 _SCAN_META = """\
 thunk_metadata {
   thunk_info {
@@ -270,7 +271,7 @@ thunk_metadata {
 _SCAN_HLO = """\
   %while.2 = (s32[], f32[4]) while((s32[], f32[4]) %t), condition=%c2, body=%b2
   %while.6 = (s32[], f32[4]) while((s32[], f32[4]) %u), condition=%c6, body=%b6, backend_config={"known_trip_count":{"n":"3"}}
-"""
+"""  # noqa: E501 (HLO as printed)
 
 
 def test_known_trip_count_loops_run_that_often_without_host_syncs():
@@ -315,7 +316,7 @@ condition:
   %while.2 = (s32[], bf16[3,8,16]) while((s32[], bf16[3,8,16]) %t), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"3"}}
   %copy.4 = bf16[1,8,16]{2,1,0} copy(bf16[1,8,16]{2,1,0} %s)
   ROOT %copy.7 = (f32[4]{0}, pred[4]{0}) copy(%u)
-"""
+"""  # noqa: E501 (HLO as printed)
   shapes = gpu_report.hlo_shapes(hlo)
   assert shapes["copy.1"] == [("s32", 64 * 256)] and shapes["copy.7"] == [("f32", 4), ("pred", 4)]
   roots = gpu_report.parse_thunks(thunks, gpu_report.while_trip_counts(meta, hlo))

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from paged_kv import pallas_kernels as pk
-from paged_kv.pallas_kernels import decode_attention
+from paged_kv.pallas_kernels import decode_attention, testing as kt
 from paged_kv.pallas_kernels.jax_compat import jax_paged_attention
-from paged_kv.pallas_kernels import testing as kt
 from tests import tolerances as tol
 
 CASES = kt.KERNEL_CASES

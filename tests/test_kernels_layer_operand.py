@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_kv.pallas_kernels.jax_compat import export_cuda
 
 from paged_kv import pallas_kernels as pk
-from paged_kv.pallas_kernels import decode_attention
-from paged_kv.pallas_kernels import testing as kt
+from paged_kv.pallas_kernels import decode_attention, testing as kt
+from paged_kv.pallas_kernels.jax_compat import export_cuda
 from tests import tolerances as tol
 
 LAYERS = 3

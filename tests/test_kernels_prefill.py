@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from paged_kv import pallas_kernels as pk
-from paged_kv.pallas_kernels import prefill_attention
-from paged_kv.pallas_kernels import testing as kt
+from paged_kv.pallas_kernels import prefill_attention, testing as kt
 from tests import tolerances as tol
 
 CASES = kt.KERNEL_CASES

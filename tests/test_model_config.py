@@ -1,4 +1,5 @@
-"""LlamaConfig validation, HF conversion, presets, RoPE frequencies, KV page sizing, CUDA lowering at\nLlama 3.1 8B / 3.2 1B shapes."""
+"""LlamaConfig validation, HF conversion, presets, RoPE frequencies, KV page sizing, CUDA lowering at
+Llama 3.1 8B / 3.2 1B shapes."""
 
 import dataclasses
 import re
@@ -12,9 +13,23 @@ import transformers
 from flax import nnx
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from paged_kv.models import (KVPageSpec, LlamaConfig, PagedBatch, abstract_model, allocate_pages, kv_bytes_per_block,
-                    kv_bytes_per_token, llama31_8b, llama32_1b, page_spec, page_spec_for_budget, paged_decode_step,
-                    paged_prefill_step, rope_inv_freq, tiny)
+from paged_kv.models import (
+    KVPageSpec,
+    LlamaConfig,
+    PagedBatch,
+    abstract_model,
+    allocate_pages,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    llama31_8b,
+    llama32_1b,
+    page_spec,
+    page_spec_for_budget,
+    paged_decode_step,
+    paged_prefill_step,
+    rope_inv_freq,
+    tiny,
+)
 from paged_kv.pallas_kernels.jax_compat import export_cuda
 from tests import tolerances as tol
 
@@ -49,7 +64,8 @@ def test_frozen_and_hashable():
     assert cfg.head_dim == 16 and cfg.num_groups == 2
 
 
-@pytest.mark.parametrize("make", [tiny, llama31_8b, llama32_1b, lambda: tiny(rope_scaling=None, tie_word_embeddings=True)])
+@pytest.mark.parametrize("make", [tiny, llama31_8b, llama32_1b,
+                                  lambda: tiny(rope_scaling=None, tie_word_embeddings=True)])
 def test_hf_config_round_trip(make):
     cfg = make()
     assert LlamaConfig.from_hf_config(cfg.to_hf_config()) == cfg

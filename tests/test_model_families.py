@@ -25,8 +25,14 @@ import torch
 import transformers
 from flax import nnx
 
-from paged_kv.models import (LlamaConfig, allocate_pages, greedy_generate_paged, load_hf_checkpoint, page_spec,
-                    save_hf_checkpoint)
+from paged_kv.models import (
+    LlamaConfig,
+    allocate_pages,
+    greedy_generate_paged,
+    load_hf_checkpoint,
+    page_spec,
+    save_hf_checkpoint,
+)
 from tests import tolerances as tol
 from tests.model_helpers import paged_prefill_logits
 
@@ -99,7 +105,8 @@ def references(checkpoints):
     refs = {}
     for case, (hf, _) in checkpoints.items():
         with torch.no_grad():
-            out = hf.generate(torch.tensor(toks, dtype=torch.long), attention_mask=torch.ones(toks.shape, dtype=torch.long),
+            out = hf.generate(torch.tensor(toks, dtype=torch.long),
+                              attention_mask=torch.ones(toks.shape, dtype=torch.long),
                               do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)
         refs[case] = out[:, PROMPT_LEN:].numpy()
         assert len(set(refs[case].ravel().tolist())) > 8, f"{case}: degenerate reference continuation"

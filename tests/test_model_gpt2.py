@@ -23,13 +23,22 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import paged_kv as pk
-from examples.gpt2 import GPT2, GPT2Config, from_transformers
-from paged_kv.models import (allocate_pages, contiguous_step, greedy_generate_contiguous, greedy_generate_paged,
-                    init_contiguous_cache, make_paged_batch, page_spec, paged_decode_step, paged_prefill_step,
-                    sharding)
-from paged_kv.models.protocol import ModelFacts, model_facts
+from examples.gpt2 import from_transformers
 from paged_kv import engine
 from paged_kv.engine import BeamParams, SamplingParams, ServingConfig, ServingEngine
+from paged_kv.models import (
+    allocate_pages,
+    contiguous_step,
+    greedy_generate_contiguous,
+    greedy_generate_paged,
+    init_contiguous_cache,
+    make_paged_batch,
+    page_spec,
+    paged_decode_step,
+    paged_prefill_step,
+    sharding,
+)
+from paged_kv.models.protocol import ModelFacts, model_facts
 from tests import tolerances as tol
 from tests.test_engine_beam import reference_beam_search
 
@@ -179,7 +188,8 @@ class BadOption(nnx.Module):
 
 def test_missing_members_are_named_before_compiling():
     bad = NoHead()
-    with pytest.raises(ValueError, match="NoHead does not implement the paged model protocol: missing logits, head_dim"):
+    with pytest.raises(ValueError,
+                       match="NoHead does not implement the paged model protocol: missing logits, head_dim"):
         model_facts(bad)
     with pytest.raises(ValueError, match="missing logits, head_dim"):
         page_spec(bad, 4, BS)

@@ -11,12 +11,18 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
-from paged_kv.models import (allocate_pages, contiguous_step, greedy_generate_contiguous,
-                    greedy_generate_paged, init_contiguous_cache, load_hf_checkpoint, page_spec,
-                    save_hf_checkpoint)
 from flax import nnx
 
+from paged_kv.models import (
+    allocate_pages,
+    contiguous_step,
+    greedy_generate_contiguous,
+    greedy_generate_paged,
+    init_contiguous_cache,
+    load_hf_checkpoint,
+    page_spec,
+    save_hf_checkpoint,
+)
 from tests import tolerances as tol
 from tests.model_helpers import paged_prefill_logits
 

@@ -6,8 +6,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from paged_kv.models import (abstract_model, allocate_pages, compute_slots, greedy_generate_contiguous, greedy_generate_paged,
-                    init_model, make_paged_batch, page_spec, paged_decode_step, paged_prefill_step, tiny)
+from paged_kv.models import (
+    abstract_model,
+    allocate_pages,
+    compute_slots,
+    greedy_generate_contiguous,
+    greedy_generate_paged,
+    init_model,
+    make_paged_batch,
+    page_spec,
+    paged_decode_step,
+    paged_prefill_step,
+    tiny,
+)
 from tests import tolerances as tol
 
 BLOCK = 8

@@ -16,15 +16,26 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from paged_kv.models import (abstract_model, allocate_pages, hf_state_dict, init_model, is_per_layer, layout_for_impl,
-                    make_paged_batch, page_spec, paged_forward, per_layer, stacked)
-from paged_kv.models import paged as paged_mod
-from paged_kv.models import sharding as msharding
-from paged_kv.models.config import tiny
-from paged_kv.models.protocol import AttentionBackend
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import SamplingParams
+from paged_kv.models import (
+    abstract_model,
+    allocate_pages,
+    hf_state_dict,
+    init_model,
+    is_per_layer,
+    layout_for_impl,
+    make_paged_batch,
+    page_spec,
+    paged as paged_mod,
+    paged_forward,
+    per_layer,
+    sharding as msharding,
+    stacked,
+)
+from paged_kv.models.config import tiny
+from paged_kv.models.protocol import AttentionBackend
 from paged_kv.state import init_state
 
 # The package re-exports a function named like this module: import the module itself.

@@ -14,12 +14,18 @@ import pytest
 from flax import nnx
 
 from paged_kv import pallas_kernels as pk
-from tests import tolerances as tol
-from paged_kv.models import allocate_pages, init_model, make_paged_batch, page_spec, paged_decode_step
-from paged_kv.models import paged as paged_mod
+from paged_kv.models import (
+    allocate_pages,
+    init_model,
+    make_paged_batch,
+    page_spec,
+    paged as paged_mod,
+    paged_decode_step,
+)
 from paged_kv.models.config import tiny
 from paged_kv.models.llama import DecoderLayer, stack_layers
 from paged_kv.models.protocol import AttentionBackend
+from tests import tolerances as tol
 
 BLOCK = 16
 

@@ -15,12 +15,18 @@ import numpy as np
 import pytest
 
 from paged_kv import pallas_kernels as pk
-from paged_kv.models import allocate_pages, init_model, is_per_layer, make_paged_batch, page_spec, paged_forward
-from paged_kv.models import paged as paged_mod
+from paged_kv.models import (
+    allocate_pages,
+    init_model,
+    is_per_layer,
+    make_paged_batch,
+    page_spec,
+    paged as paged_mod,
+    paged_forward,
+)
 from paged_kv.models.config import tiny
 from paged_kv.pallas_kernels import stacked_matmul
-from tests import test_model_scan as scan_tests
-from tests import tolerances as tol
+from tests import test_model_scan as scan_tests, tolerances as tol
 
 BLOCK = 16
 FAMILIES = [dict(), dict(qkv_bias=True, qk_norm=True, o_bias=True, mlp_bias=True)]

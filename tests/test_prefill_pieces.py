@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from paged_kv.models import load_hf_checkpoint
-from paged_kv.models.tokenizer import ByteTokenizer
 from paged_kv.engine import BeamParams, SamplingParams, serving_step
 from paged_kv.engine.families import CohortRow
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
+from paged_kv.models import load_hf_checkpoint
+from paged_kv.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 MGR = pk.ManagerConfig(num_blocks=200, block_size=16, max_seqs=8, max_blocks_per_seq=12)

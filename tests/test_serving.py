@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from paged_kv.models import load_hf_checkpoint
-from paged_kv.models.tokenizer import ByteTokenizer
 from paged_kv.engine import BeamParams, SamplingParams, filter_logits
 from paged_kv.engine.sampling import filter_rows, sample_rows
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
+from paged_kv.models import load_hf_checkpoint
+from paged_kv.models.tokenizer import ByteTokenizer
 from tests import tolerances as tol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def test_gpu_form_of_the_step_runs_the_same(model, pressured, monkeypatch):
     assert traced == ["gpu"]  # the step was traced once, in its GPU form
     eng_p, outs_p = pressured
     timing = ("wall_s", "step_s", "compile_s", "compile_ahead_s")
-    counts = lambda st: {k: v for k, v in vars(st).items() if k not in timing}  # noqa: E731
+    counts = lambda st: {k: v for k, v in vars(st).items() if k not in timing}
     assert counts(eng.stats()) == counts(eng_p.stats())
     want = {o.request_id: o for o in outs_p}
     for o in outs:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from paged_kv.models import load_hf_checkpoint
-from paged_kv.models.tokenizer import ByteTokenizer
 from paged_kv.engine import BeamParams, SamplingParams, serving_step
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
+from paged_kv.models import load_hf_checkpoint
+from paged_kv.models.tokenizer import ByteTokenizer
 from tests.test_model_scan import page_sized_copies
 
 TOK = ByteTokenizer()
@@ -34,8 +34,8 @@ def _requests(eos):
     # samples (rows stop on the device), budgets that end mid-burst, sampled rows, a family of
     # n = 2 (forked, copy-on-write) and a beam (no bursts while it runs).
     texts = ["The cow says", "Let us count to twenty: 1, 2, 3, 4,", "Once upon a time", "Hello, world"]
-    reqs = [Request(TOK.encode(t), SamplingParams(max_new_tokens=9 + 7 * i, temperature=0.8 * (i % 2), top_k=4 * (i % 3),
-                                                  eos_token_ids=eos if i % 2 == 0 else ()),
+    reqs = [Request(TOK.encode(t), SamplingParams(max_new_tokens=9 + 7 * i, temperature=0.8 * (i % 2),
+                                                  top_k=4 * (i % 3), eos_token_ids=eos if i % 2 == 0 else ()),
                     arrival=11 * i, request_id=i) for i, t in enumerate(texts)]
     reqs.append(Request(TOK.encode("The cat"), SamplingParams(max_new_tokens=20, n=2, temperature=1.0), arrival=3,
                         request_id="n2"))
@@ -152,8 +152,9 @@ def test_bursts_with_requests_waiting_admit_them_at_the_same_steps(model, monkey
     eos = _eos_the_model_samples(model)
     small = pk.ManagerConfig(num_blocks=200, block_size=16, max_seqs=4, max_blocks_per_seq=8)
     texts = ["The cow says", "Once upon a time", "Hello, world", "A bird", "Let us count: 1, 2,", "The cat"]
-    reqs = [Request(TOK.encode(t * (1 + i % 2)), SamplingParams(max_new_tokens=6 + 5 * (i % 4), temperature=0.7 * (i % 2),
-                                                                eos_token_ids=eos if i % 3 == 0 else ()),
+    reqs = [Request(TOK.encode(t * (1 + i % 2)),
+                    SamplingParams(max_new_tokens=6 + 5 * (i % 4), temperature=0.7 * (i % 2),
+                                   eos_token_ids=eos if i % 3 == 0 else ()),
                     request_id=i) for i, t in enumerate(texts + texts[::-1])]
     one, one_stats, one_calls, one_stream = _run(model, _cfg(1, small), reqs, monkeypatch)
     burst, burst_stats, burst_calls, burst_stream = _run(model, _cfg(8, small), reqs, monkeypatch)

@@ -17,7 +17,7 @@ MGR = pk.ManagerConfig(num_blocks=33, block_size=8, max_seqs=6, max_blocks_per_s
 
 
 def _inputs(rng, r=6, p=3, c=5) -> ss.StepInputs:
-    ints = lambda *shape: rng.integers(-1, 1000, shape).astype(np.int32)  # noqa: E731
+    ints = lambda *shape: rng.integers(-1, 1000, shape).astype(np.int32)
     odd = np.array([0.0, -0.0, np.nan, np.inf, 1e-45, 0.7], np.float32)  # bits a cast would lose
     return ss.StepInputs(
         free_ids=ints(r), sel_dst=ints(r), sel_parent=ints(r), pf_rows=ints(p), pf_tokens=ints(p, c),
@@ -82,7 +82,7 @@ def test_outputs_round_trip_bit_for_bit(record_tables):
 def test_lazy_keys_draw_what_eager_keys_draw():
     r, v = 5, 41
     x = jnp.asarray(np.random.default_rng(2).standard_normal((r, v)).astype(np.float32) * 2)
-    keys = lambda: jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(r))  # noqa: E731
+    keys = lambda: jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(r))
     temp = jnp.array([0.0, 0.8, 1.3, 0.0, 0.5])
     top_k, top_p = jnp.array([0, 3, 0, 0, 7], jnp.int32), jnp.array([1.0, 1.0, 0.6, 1.0, 0.9])
     for t in (temp, jnp.zeros(r)):  # some rows drawing, and a greedy step (the draw skipped)
@@ -100,8 +100,8 @@ def test_intern_shares_one_holder_per_value():
 
 
 def test_engines_over_one_model_share_the_compiled_step():
-    from paged_kv.models import load_hf_checkpoint
     from paged_kv.engine.serving import ServingEngine
+    from paged_kv.models import load_hf_checkpoint
 
     model = load_hf_checkpoint("checkpoints/tiny-llama")
     cfg = ServingConfig(MGR, chunk_size=8, max_prefill_rows=2)

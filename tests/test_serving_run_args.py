@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from paged_kv.models import load_hf_checkpoint
 from paged_kv.engine import SamplingParams
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
+from paged_kv.models import load_hf_checkpoint
 
 CFG = ServingConfig(pk.ManagerConfig(num_blocks=8, block_size=16, max_seqs=4, max_blocks_per_seq=4),
                     chunk_size=16, max_prefill_rows=2, impl="reference")

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
-from paged_kv.models import load_hf_checkpoint
-from paged_kv.models.tokenizer import ByteTokenizer
 from paged_kv.engine import BeamParams, SamplingParams, serving_step
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
+from paged_kv.models import load_hf_checkpoint
+from paged_kv.models.tokenizer import ByteTokenizer
 from tests.test_model_scan import page_sized_copies
 
 TOK = ByteTokenizer()

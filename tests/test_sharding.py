@@ -22,9 +22,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import paged_kv as pk
-from paged_kv.models import (abstract_model, llama31_8b, load_hf_checkpoint, page_spec, save_hf_checkpoint,
-                    sharding, tiny)
 from paged_kv import engine
+from paged_kv.models import (
+    abstract_model,
+    llama31_8b,
+    load_hf_checkpoint,
+    page_spec,
+    save_hf_checkpoint,
+    sharding,
+    tiny,
+)
 from tests import tolerances as tol
 
 ROOT = Path(__file__).resolve().parents[1]

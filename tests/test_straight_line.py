@@ -12,10 +12,10 @@ import dataclasses
 import functools
 
 import chex
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import hypothesis.strategies as st
 import pytest
 from hypothesis.stateful import rule
 
@@ -179,7 +179,7 @@ def test_append_paths_agree_through_fills_evictions_and_rebuilds(monkeypatch):
     and both targets stay identical throughout; the GPU form's check goes both ways."""
     slow = []
     _recording(monkeypatch, allocate, "_needs_loops", slow)
-    append = lambda *args: pk.append(*args)  # noqa: E731  (a fresh function: a fresh trace, patched)
+    append = lambda *args: pk.append(*args)  # a fresh function: a fresh trace, patched
     config = pk.ManagerConfig(num_blocks=12, block_size=2, max_seqs=4, max_blocks_per_seq=6)
     state = pk.init_state(config)
     rng = np.random.default_rng(0)
@@ -200,7 +200,8 @@ def test_evict_and_register_without_skips_are_identity_when_nothing_to_do():
     cache = pk.init_state(pk.ManagerConfig(num_blocks=12, block_size=2, max_seqs=4, max_blocks_per_seq=6)).cache
     taken = jnp.array([1, 2, 3], jnp.int32)
     none = jnp.zeros((3,), bool)
-    assert_same(prefix_cache.evict(cache, taken, none, target="gpu"), prefix_cache.evict(cache, taken, none, target="cpu"))
+    assert_same(prefix_cache.evict(cache, taken, none, target="gpu"),
+                prefix_cache.evict(cache, taken, none, target="cpu"))
     chains = jnp.ones((3, 2), jnp.uint32)
     parent = jnp.zeros((3, 2), jnp.int32)
     salts = jnp.zeros((3,), jnp.uint32)
@@ -217,7 +218,7 @@ def test_free_select_append_agrees_through_crowded_rings_and_slow_appends(monkey
     inner = fused.repair
     monkeypatch.setattr(fused, "repair", lambda slow, *args: inner(_record(seen, slow), *args))
     _recording(monkeypatch, fused, "_crowded", crowded)
-    free_select_append = lambda *args: fused.free_select_append(*args)  # noqa: E731  (a fresh trace)
+    free_select_append = lambda *args: fused.free_select_append(*args)  # a fresh trace
     config = pk.ManagerConfig(num_blocks=14, block_size=2, max_seqs=4, max_blocks_per_seq=6, prefix_caching=True)
     state = pk.init_state(config)
     rng = np.random.default_rng(1)
@@ -227,11 +228,13 @@ def test_free_select_append_agrees_through_crowded_rings_and_slow_appends(monkey
         if step % 8 == 0:
             state, _ = _jit(pk.free)(config, state, rows)
             prompts = rng.integers(0, 3, (config.max_seqs, 4)).astype(np.int32)
-            state, _ = _jit(pk.admit)(config, state, rows, jnp.asarray(rng.integers(1, 5, config.max_seqs).astype(np.int32)),
-                                      jnp.asarray(prompts), jnp.zeros((config.max_seqs,), jnp.uint32))
+            lens = jnp.asarray(rng.integers(1, 5, config.max_seqs).astype(np.int32))
+            state, _ = _jit(pk.admit)(config, state, rows, lens, jnp.asarray(prompts),
+                                      jnp.zeros((config.max_seqs,), jnp.uint32))
         parents = jnp.asarray(rng.integers(0, config.max_seqs, config.max_seqs).astype(np.int32))
         dst = rows if step % 3 else none
-        frees = jnp.asarray(np.where(rng.random(config.max_seqs) < 0.15, np.arange(config.max_seqs), -1).astype(np.int32))
+        frees = jnp.asarray(np.where(rng.random(config.max_seqs) < 0.15, np.arange(config.max_seqs), -1)
+                            .astype(np.int32))
         toks = jnp.asarray(rng.integers(0, 3, config.max_seqs).astype(np.int32))
         state = both_targets(free_select_append, config, state, frees, dst, parents, rows, toks,
                              jnp.array([0, 2], jnp.int32))[0]

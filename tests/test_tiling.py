@@ -108,7 +108,7 @@ def test_reference_and_cpu_auto_are_not_limited_by_the_table():
   CPU resolves to it)."""
   assert jax.default_backend() == "cpu"
   for impl in ("reference", "auto"):
-    out = jax.eval_shape(lambda q, p, t, n: pk.paged_decode_attention(q, p, 0, t, n, impl=impl),
+    out = jax.eval_shape(lambda q, p, t, n, impl=impl: pk.paged_decode_attention(q, p, 0, t, n, impl=impl),
                          *[a for i, a in enumerate(_decode_args(jnp.float32, 512, 16)) if i != 2])
     assert out.shape == (2, 4, 512)
 

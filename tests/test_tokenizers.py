@@ -183,7 +183,7 @@ TEMPLATE = """{% if messages[0]['role'] == 'system' %}{% set system = messages[0
 <{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}
 
 {% endfor %}
-{% if add_generation_prompt %}<assistant>{% endif %}"""
+{% if add_generation_prompt %}<assistant>{% endif %}"""  # noqa: E501 (a newline would change the output)
 
 
 @pytest.mark.parametrize("gen_prompt", [True, False])

@@ -15,8 +15,9 @@ def _conv(i, prompt="Tell me about blocks.", reply="Blocks hold sixteen tokens e
     return {"id": f"c{i}", "conversations": [{"from": first, "value": prompt}, {"from": second, "value": reply}]}
 
 
-RECORDS = [_conv(0), {"id": "n", "conversations": [{"from": "human", "value": "a \"quoted\" \\ é ✓ \u2028"},
-                                                   {"from": "gpt", "value": "nested", "extra": {"x": [1, {"y": None}]}}]},
+RECORDS = [_conv(0),
+           {"id": "n", "conversations": [{"from": "human", "value": "a \"quoted\" \\ é ✓ \u2028"},
+                                         {"from": "gpt", "value": "nested", "extra": {"x": [1, {"y": None}]}}]},
            _conv(2), [1, 2, 3], "a string", 3.5, True, None, _conv(8)]
 TEXT = json.dumps(RECORDS, indent=2, ensure_ascii=False)
 
@@ -39,7 +40,8 @@ def test_complete_array():
     assert r.stop == len(TEXT.rstrip())
 
 
-@pytest.mark.parametrize("text,expected", [("[]", []), ("  [ ]  ", []), ("[1]", [1]), ('[{"a": 1} , 2 ]', [{"a": 1}, 2])])
+@pytest.mark.parametrize("text,expected",
+                         [("[]", []), ("  [ ]  ", []), ("[1]", [1]), ('[{"a": 1} , 2 ]', [{"a": 1}, 2])])
 def test_small_arrays(text, expected):
     r = traces.read_json_array(text)
     assert r.records == expected and r.complete
@@ -104,7 +106,7 @@ def test_not_an_array():
 
 def test_truncated_file_including_a_cut_multibyte_character(tmp_path):
     data = TEXT.encode("utf-8")
-    cut = data.index("✓".encode("utf-8")) + 1  # inside the 3-byte character
+    cut = data.index("✓".encode()) + 1  # inside the 3-byte character
     path = tmp_path / "cut.json"
     path.write_bytes(data[:cut])
     r = traces.read_json_array_file(path)

@@ -24,12 +24,19 @@ import numpy as np
 import pytest
 
 import paged_kv as pk
+from paged_kv.engine import (
+    BeamParams,
+    FinishReason,
+    SamplingParams,
+    beam_search,
+    call_setup as req_mod,
+    generate,
+    pad_prompts,
+)
+from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
 from paged_kv.models import allocate_pages, init_model, load_hf_checkpoint, page_spec, tiny
 from paged_kv.models.llama import SAFE_TOKEN, in_vocab, safe_tokens
 from paged_kv.models.tokenizer import ByteTokenizer
-from paged_kv.engine import BeamParams, FinishReason, SamplingParams, beam_search, generate, pad_prompts
-from paged_kv.engine import call_setup as req_mod
-from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
 
 gen_mod = importlib.import_module("paged_kv.engine.generate")  # the package rebinds the name to the function
 beam_mod = importlib.import_module("paged_kv.engine.beam_search")
@@ -89,7 +96,8 @@ def test_request_accepts_int_arrays_and_bounds_without_vocab():
     assert Request(range(3)).prompt == (0, 1, 2)
     assert type(Request([np.int64(4)]).prompt[0]) is int
     # Without a model the limit is int32; the engine checks the vocabulary.
-    with pytest.raises(ValueError, match=r"token id 2147483648 at position 0 is out of range: ids must be in \[0, 2\*\*31\)"):
+    with pytest.raises(ValueError,
+                       match=r"token id 2147483648 at position 0 is out of range: ids must be in \[0, 2\*\*31\)"):
         Request([2**31])
     with pytest.raises(ValueError, match=r"token id 1180591620717411303424 at position 1 is out of range"):
         Request([1, 2**70])
@@ -219,7 +227,8 @@ BOTH_CASES = [
     (lambda: dict(prompt_tokens=_bad_padded(2**31 - 1)[0]), r"prompt 0 token id 2147483647 at position 17"),
     (lambda: dict(prompt_tokens=_bad_padded(1)[0].astype(np.float32)),
      r"prompt_tokens must be integers \(int32\), got dtype float32"),
-    (lambda: dict(prompt_tokens=_bad_padded(1)[0].astype(bool)), r"prompt_tokens must be integers \(int32\), got dtype bool"),
+    (lambda: dict(prompt_tokens=_bad_padded(1)[0].astype(bool)),
+     r"prompt_tokens must be integers \(int32\), got dtype bool"),
     (lambda: dict(prompt_tokens=[[1, 2], [3]]), r"prompt_tokens must be a non-empty \[B, L\] integer array"),
     (lambda: dict(prompt_lens=np.array([19.0, 3.0])), r"prompt_lens must be integers \(int32\), got dtype float64"),
     (lambda: dict(max_new_tokens=np.array([0, 3])), r"max_new_tokens per prompt must be >= 1, got 0"),
@@ -244,8 +253,8 @@ BEAM_CASES = [
     (lambda: dict(params=BeamParams(beam_width=2, eos_token_ids=(300,))), r"eos token id 300 must be < vocab_size=259"),
     (lambda: dict(params=BeamParams(beam_width=2, eos_token_ids=tuple(range(130)))),
      r"needs 262 candidate tokens per step; vocab_size=259"),
-    (lambda: dict(params=BeamParams(beam_width=100)), r"2 prompts x 100 \(beam_width\) = 200 sequences; the manager holds "
-                                                      r"max_seqs=4"),
+    (lambda: dict(params=BeamParams(beam_width=100)),
+     r"2 prompts x 100 \(beam_width\) = 200 sequences; the manager holds max_seqs=4"),
 ]
 
 

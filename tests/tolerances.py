@@ -196,10 +196,10 @@ def rope_inv_freq_rtol(rope_scaling) -> float:
 
   The exponent ``2 i / d`` is one correctly rounded IEEE division of the same integers, so it is
   bit-identical in both; ``pow`` is within 1 ulp (``2 u``) and the reciprocal adds ``u``: ``3 u``
-  per computation. llama3 scaling (``f = factor``, ``h``/``l`` = high/low frequency factors): the
+  per computation. llama3 scaling (``f = factor``, ``h``/``lo`` = high/low frequency factors): the
   low band divides by ``f`` (``u``). In the medium band the smoothing weight
-  ``s = (old_len / wavelen - l) / (h - l)``, with ``old_len / wavelen <= h``, is off by at most
-  ``h / (h - l) * (3 u + 4 u) + 2 u`` absolutely (the inverse frequency, ``2 pi / .``,
+  ``s = (old_len / wavelen - lo) / (h - lo)``, with ``old_len / wavelen <= h``, is off by at most
+  ``h / (h - lo) * (3 u + 4 u) + 2 u`` absolutely (the inverse frequency, ``2 pi / .``,
   ``old_len / .``, the two subtractions and the division), and the result
   ``scaled * (s + (1 - s) / f)`` turns an absolute error ``ds`` into the relative error
   ``(f - 1) ds`` at most (where ``s = 0``), plus ``5 u`` for its own products, sum and division.
@@ -208,8 +208,8 @@ def rope_inv_freq_rtol(rope_scaling) -> float:
   e = eps(jnp.float32)
   if rope_scaling is None:
     return 3 * e
-  f, h, l = rope_scaling.factor, rope_scaling.high_freq_factor, rope_scaling.low_freq_factor
-  return (3 + 1 + 5) * e + (f - 1) * (h / (h - l) * 7 + 2) * e
+  f, h, lo = rope_scaling.factor, rope_scaling.high_freq_factor, rope_scaling.low_freq_factor
+  return (3 + 1 + 5) * e + (f - 1) * (h / (h - lo) * 7 + 2) * e
 
 
 def llama_roundings(cfg) -> int:

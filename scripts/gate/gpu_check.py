@@ -41,17 +41,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from scripts import checkout_layout  # noqa: E402  (the lent GPU machine does not install the checkout)
+from scripts import checkout_layout  # the lent GPU machine does not install the checkout
 
 checkout_layout.install()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from paged_kv import pallas_kernels as pk  # noqa: E402
-from paged_kv.pallas_kernels import testing as kt  # noqa: E402
-from tests import tolerances as tol  # noqa: E402
+from paged_kv import pallas_kernels as pk
+from paged_kv.pallas_kernels import testing as kt
+from tests import tolerances as tol
 
 # Roundings to the storage dtype (as in tests/test_kernels_decode.py): the kernel rounds the
 # softmax weights before P V and the output, the reference only the output.
@@ -145,8 +145,18 @@ def check_layouts(layers: int, impl: str = "pallas", smoke: bool = False, steps:
   per-layer model unrolled (XLA's matmuls, autotuned; what a mesh runs). Compile seconds, the
   median step time over ``steps`` calls, and the largest logit difference."""
   import statistics
+
   from flax import nnx
-  from paged_kv.models import allocate_pages, init_model, llama31_8b, make_paged_batch, page_spec, paged_decode_step, per_layer
+
+  from paged_kv.models import (
+    allocate_pages,
+    init_model,
+    llama31_8b,
+    make_paged_batch,
+    page_spec,
+    paged_decode_step,
+    per_layer,
+  )
   cfg = llama31_8b("bfloat16").replace(num_layers=layers)
   batch, context, bs = 64, 1024, 16
   if smoke:
@@ -183,10 +193,10 @@ def check_layouts(layers: int, impl: str = "pallas", smoke: bool = False, steps:
 
 
 def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict:
-  from paged_kv.models import init_model, llama31_8b, page_spec, allocate_pages
   from paged_kv import ManagerConfig, engine
   from paged_kv.engine.sampling import SamplingParams
   from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
+  from paged_kv.models import allocate_pages, init_model, llama31_8b, page_spec
 
   cfg = llama31_8b("bfloat16")
   if layers != cfg.num_layers:
@@ -231,7 +241,8 @@ def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict
   wall = time.perf_counter() - t
   st = eng.stats()
   out["serving"] = dict(requests=len(done), ok=sum(o.ok for o in done), wall_s=round(wall, 2), steps=eng.step_count,
-                        tokens_per_s=round(st.tokens_per_s, 1), mean_step_ms=round(1e3 * wall / max(eng.step_count, 1), 2))
+                        tokens_per_s=round(st.tokens_per_s, 1),
+                        mean_step_ms=round(1e3 * wall / max(eng.step_count, 1), 2))
   print("serving:", out["serving"], flush=True)
   kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * batch * (prompt + new // 2)
   out["kv_bytes_per_decode_step_mid_generation"] = kv
@@ -247,6 +258,7 @@ CHECKED_PACKAGES = ("jax", "jaxlib", "flax", "chex", "optax", "numpy", "safetens
 def declared_ranges(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, str]:
   """{package: version specifier} of the runtime dependencies pyproject.toml declares."""
   import tomllib
+
   from packaging.requirements import Requirement
   deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
   return {r.name: str(r.specifier) for r in map(Requirement, deps)}
@@ -260,6 +272,7 @@ def check_env(installed: dict[str, str | None] | None = None) -> dict:
   outside the declared range (carry the missing ones as wheels; the device tool's README says how).
   ``installed`` ({package: version or None}) replaces the installed versions, for tests."""
   from importlib import metadata
+
   from packaging.specifiers import SpecifierSet
 
   def version(name: str) -> str | None:
@@ -295,11 +308,12 @@ def main() -> int:
   a = ap.parse_args()
   if jax.default_backend() != "gpu":
     print(f"warning: backend is {jax.default_backend()}, not gpu", file=sys.stderr)
-  run = {"env": check_env, "kernels": lambda: check_kernels(a.impl, a.smoke), "engine": lambda: check_engine(a.layers, a.impl, a.smoke),
+  run = {"env": check_env, "kernels": lambda: check_kernels(a.impl, a.smoke),
+         "engine": lambda: check_engine(a.layers, a.impl, a.smoke),
          "layouts": lambda: check_layouts(a.layers, a.impl, a.smoke)}[a.what]
   res = run()
-  out = Path(a.out or ROOT / "results" / {"env": "gpu_env.json", "kernels": "gpu_kernels_check.json", "engine": "gpu_engine.json",
-                                          "layouts": "gpu_layouts.json"}[a.what])
+  out = Path(a.out or ROOT / "results" / {"env": "gpu_env.json", "kernels": "gpu_kernels_check.json",
+                                          "engine": "gpu_engine.json", "layouts": "gpu_layouts.json"}[a.what])
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(res, indent=1, default=str) + "\n")
   print(f"wrote {out}")

@@ -61,32 +61,43 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
 os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=2"
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import re  # noqa: E402
-import concurrent.futures  # noqa: E402
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import multiprocessing  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
+import argparse
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import re
+import shutil
+import sys
+import tempfile
+import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from scripts import checkout_layout  # noqa: E402
+from scripts import checkout_layout
 
 checkout_layout.install()
 
-from paged_kv.pallas_kernels.jax_compat import cuda_lowering, gate_compile_options  # noqa: E402
-from scripts.gate import gpu_report  # noqa: E402
-from scripts.gate.gpu_compile_plan import (  # noqa: E402
-    H200_BANDWIDTH, KNOBS, MATMUL_LAYERS, PROGRAMS, SIZES, KV_HEADS, TARGETS, judge, kernel_groups, target_config,
-    triton_key, xla_fusion_spills)
+from paged_kv.pallas_kernels.jax_compat import cuda_lowering, gate_compile_options
+from scripts.gate import gpu_report
+from scripts.gate.gpu_compile_plan import (
+  H200_BANDWIDTH,
+  KNOBS,
+  KV_HEADS,
+  MATMUL_LAYERS,
+  PROGRAMS,
+  SIZES,
+  TARGETS,
+  judge,
+  kernel_groups,
+  target_config,
+  triton_key,
+  xla_fusion_spills,
+)
 
 # ------------------------------------------------------------------------------ worker side
 _TOPOLOGIES: dict = {}
@@ -138,7 +149,7 @@ def _cache_key(lowered_text: str, target: str) -> str:
   try:
     from importlib.metadata import version
     plugin = version("jax-cuda12-plugin")
-  except Exception:  # noqa: BLE001
+  except Exception:
     plugin = "?"
   h = hashlib.sha256()
   program = lowered_text.replace(ROOT, "<repo>")
@@ -237,7 +248,7 @@ def _compile(lowered, work_dir: str, keep: bool) -> dict:
   with _stderr_to(log_path):
     try:
       compiled = lowered.compile(gate_compile_options(dump))
-    except Exception as e:  # noqa: BLE001 - any compile failure is a gate failure, reported
+    except Exception as e:  # any compile failure is a gate failure, reported
       err = e
   res: dict = {"compile_s": round(time.perf_counter() - t0, 2)}
   log = open(log_path, errors="replace").read()
@@ -285,6 +296,7 @@ def _kernel_program(spec: dict):
   """(function, abstract args) of one kernel configuration on the spec's target."""
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
+
   from paged_kv import pallas_kernels as pk
 
   _, mesh = _topology(spec["target"])
@@ -354,7 +366,7 @@ def run_kernel_group(specs: list[dict], keep_dir: str | None, use_cache: bool = 
       res.update(status="refused", error=str(e)[:800])
       out.append(res)
       continue
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       res.update(status="lowering_failed", error=f"{type(e).__name__}: {e}"[:1500],
                  trace=traceback.format_exc()[-1500:])
       out.append(res)
@@ -387,19 +399,19 @@ LLAMA_CONTEXT = 4096
 def _llama_programs(target: str, variant: str, layers: int = 32):
   """Name -> (jitted fn, abstract args, static kwargs, kind) at Llama 3.1 8B shapes, bf16, with
   ``layers`` decoder layers (32 is the real depth)."""
+  import importlib
+
   import jax
   import jax.numpy as jnp
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from paged_kv.models import abstract_model, layout_for_impl, llama31_8b, page_spec
-  from paged_kv.models import sharding as msharding
   from paged_kv.allocate import append
   from paged_kv.config import ManagerConfig
-  from paged_kv.reclaim import free
   from paged_kv.fused import free_select_append
+  from paged_kv.models import abstract_model, layout_for_impl, llama31_8b, page_spec, sharding as msharding
+  from paged_kv.reclaim import free
   from paged_kv.share import fork
-  import importlib
   # The package re-exports functions named like these modules: import the modules themselves.
   eb = importlib.import_module("paged_kv.engine.beam_search")
   eg = importlib.import_module("paged_kv.engine.generate")
@@ -446,7 +458,7 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   progs = {}
 
   def step_inputs(p_rows, chunk):
-    v = lambda dt=i32: _sds((r,), dt, rep)  # noqa: E731
+    v = lambda dt=i32: _sds((r,), dt, rep)
     return ss.StepInputs(
         free_ids=v(), sel_dst=v(), sel_parent=v(), pf_rows=_sds((p_rows,), i32, rep),
         pf_tokens=_sds((p_rows, chunk), i32, rep), pf_start=_sds((p_rows,), i32, rep),
@@ -519,7 +531,7 @@ def run_program(target: str, variant: str, name: str, keep_dir: str | None, use_
     fn, args, static, kind = progs[name]
     with cuda_lowering(TARGETS[target]["name"]):
       lowered = fn.trace(*args, **static).lower()
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     res.update(status="lowering_failed", error=f"{type(e).__name__}: {e}"[:1500],
                trace=traceback.format_exc()[-2000:])
     return res

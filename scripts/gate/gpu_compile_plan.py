@@ -10,6 +10,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the module imports no JAX (module docstring)
+  from paged_kv.pallas_kernels import tiling
 
 # ------------------------------------------------------------------------------ targets
 _TARGET = """gpu_device_info {{
@@ -97,9 +101,9 @@ KERNELS = ("decode", "prefill", "write_kv", "copy_blocks")
 def kernel_specs(quick: bool) -> list[dict]:
   """Every kernel configuration the gate lowers, each with its ``purpose``: the sm_90 matrix,
   the smaller sm_80 matrix, the tiling table's rows (at their largest accepted block, a whole
-  tile, at its smallest accepted block and at block size 16; decode at its largest accepted GQA group, prefill at GQA 8; on
-  both targets) and the refusals the table promises (twice the largest block; for decode also
-  twice the largest group)."""
+  tile, at its smallest accepted block and at block size 16; decode at its largest accepted GQA
+  group, prefill at GQA 8; on both targets) and the refusals the table promises (twice the
+  largest block; for decode also twice the largest group)."""
   from paged_kv.pallas_kernels import tiling
   sizes = ("large",) if quick else ("small", "large")
   specs = [dict(target="sm_90", kernel=k, dtype=dt, head_dim=d, block_size=bs, group=g, size=s, purpose="matrix")
@@ -173,7 +177,7 @@ def knob_specs() -> list[dict]:
   """Decode and prefill with each knob set on the table rows at ``KNOB_HEAD_DIMS``, both targets."""
   from paged_kv.pallas_kernels import tiling
   specs = []
-  for kernel, dt, d, row in tiling.all_rows():
+  for kernel, dt, d, _row in tiling.all_rows():
     if d not in KNOB_HEAD_DIMS:
       continue
     for knob in KNOBS:
@@ -193,7 +197,7 @@ def knob_specs() -> list[dict]:
   return specs
 
 
-def knob_facts(knob: str | None) -> "tiling.Knobs":
+def knob_facts(knob: str | None) -> tiling.Knobs:
   """The tiling table's view of a knob name (``KNOBS`` key or None)."""
   from paged_kv.pallas_kernels import tiling
   kw = KNOBS.get(knob, {}) if knob else {}
@@ -202,8 +206,9 @@ def knob_facts(knob: str | None) -> "tiling.Knobs":
 
 def kernel_groups(quick: bool) -> list[list[dict]]:
   """Work units for the workers: the configurations of one (target, kernel, dtype, head_dim,
-  block size; for ``layer_matmul`` one (target, dtype)), so configurations that may share a kernel (other GQA groups, sizes, purposes)
-  meet in one worker, which compiles each distinct kernel once. Largest groups first."""
+  block size; for ``layer_matmul`` one (target, dtype)), so configurations that may share a
+  kernel (other GQA groups, sizes, purposes) meet in one worker, which compiles each distinct
+  kernel once. Largest groups first."""
   groups: dict[tuple, list[dict]] = {}
   for s in kernel_specs(quick):
     groups.setdefault((s["target"], s["kernel"], s["dtype"], s.get("head_dim"), s.get("block_size")), []).append(s)

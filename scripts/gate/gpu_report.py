@@ -489,11 +489,12 @@ def summarize(report: dict) -> dict:
                  weight_or_page_copies=len(p.get("weight_or_page_copies") or []),
                  kv_read_lower_bound_ms_h200=p.get("kv_read_lower_bound_ms_h200"))
     programs.append(row)
-  order = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
+  order = lambda r: json.dumps(r, sort_keys=True)
   return dict({"what": "The GPU compile gate's summary (scripts/gate/gpu_report.py summarize): per kernel "
                        "group and per program what docs/gpu-gate.md's tables show. The gate writes its "
                        "full report beside it."}, **{k: report.get(k) for k in _HEADER},
-              groups=sorted(groups.values(), key=lambda g: (str(g["target"]), g["kernel"], g["purpose"])), attention=sorted(attention, key=order),
+              groups=sorted(groups.values(), key=lambda g: (str(g["target"]), g["kernel"], g["purpose"])),
+              attention=sorted(attention, key=order),
       layer_matmul=sorted(matmul, key=order), knobs=sorted(knobs.values(), key=order), programs=programs)
 
 

@@ -1,0 +1,37 @@
+"""ruff (pyproject.toml's [tool.ruff] rules) reports nothing in the linted folders.
+
+The folders are ``LINTED`` below: scripts/, tests/, models/ and examples/ for now; paged_kv/ and
+pallas_kernels/ join once they are clean, and then ``LINTED`` becomes the whole repository (``.``).
+ruff is in the ``test`` extra at one exact version (new ruff releases add checks to the selected
+rule families); with another version installed, or none, the test is skipped.
+"""
+
+import importlib.metadata
+import importlib.util
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINTED = ("scripts", "tests", "models", "examples")
+
+
+def _pinned_version() -> str:
+    test_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    (pin,) = [re.fullmatch(r"ruff==(\S+)", r).group(1) for r in test_extra if r.startswith("ruff")]
+    return pin
+
+
+def test_ruff_reports_nothing():
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff is not installed (it is in the test extra)")
+    installed, pinned = importlib.metadata.version("ruff"), _pinned_version()
+    if installed != pinned:
+        pytest.skip(f"ruff {installed} is installed; the rule set is checked with ruff {pinned} (the test extra)")
+    res = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *LINTED], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, f"ruff check {' '.join(LINTED)}:\n{res.stdout}{res.stderr}"
