@@ -26,10 +26,16 @@ from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, inputs, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served, start_rows
-from paged_kv.scan import leading_count, prefix_sum
 from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.scan import leading_count, prefix_sum
 from paged_kv.state import (
-    CLASS, CLASS_GENERATION, NO_PARENT, PARENT_CLASS, PARENT_CLASS_GENERATION, SALT, BlockManagerState,
+    CLASS,
+    CLASS_GENERATION,
+    NO_PARENT,
+    PARENT_CLASS,
+    PARENT_CLASS_GENERATION,
+    SALT,
+    BlockManagerState,
     add_stats,
 )
 from paged_kv.status import Status

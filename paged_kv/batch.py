@@ -7,7 +7,8 @@ negative ids are padding, so callers can keep ``B`` fixed and never retrace.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -123,8 +124,9 @@ def by_width(config: ManagerConfig, needed: jax.Array, fn: Callable[..., T], *op
     ``lax.switch`` over a few static widths makes their cost follow the longest sequence in the
     batch instead. On a GPU the full ``[B, max_blocks_per_seq]`` width is one cheap elementwise
     pass, while the switch is a ``conditional`` whose branch index the host reads back (a
-    device-to-host sync per call, measured by the GPU compile gate, ``scripts/gate/gpu_compile.py``): there the full width
-    is taken directly. Every width ``>= needed`` gives the same result.
+    device-to-host sync per call, measured by the GPU compile gate,
+    ``scripts/gate/gpu_compile.py``): there the full width is taken directly. Every width ``>=
+    needed`` gives the same result.
 
     Args:
       needed: int32 scalar, the most table columns any row of the batch uses.

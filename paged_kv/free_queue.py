@@ -70,7 +70,7 @@ def take_front(q: FreeQueue, count: jax.Array, max_take: int, *, straight: bool 
     # One window suffices unless stale entries (blocks a prefix-cache hit pulled out of the
     # middle) sit among the first ``count``; only then does the loop run at all.
     carry = scan_window((q, jnp.int32(0), out0))
-    more = lambda c: (c[1] < count) & (c[0].size > 0)  # noqa: E731
+    more = lambda c: (c[1] < count) & (c[0].size > 0)
     if straight:
         return carry[0], carry[2], more(carry)
     q, _, out = while_needed(more, scan_window, carry)
@@ -150,7 +150,7 @@ def push_back_then_front(q: FreeQueue, ids: jax.Array, back: jax.Array, front: j
 
     def one_check(q):
         cb, cf = jnp.sum(back, dtype=jnp.int32), jnp.sum(front, dtype=jnp.int32)
-        unchecked = lambda q: _push_front(_push_back(q, ids, back, cb), ids, front, cf)  # noqa: E731
+        unchecked = lambda q: _push_front(_push_back(q, ids, back, cb), ids, front, cf)
         return lax.cond(q.size + cb + cf > q.ring.shape[0], checked, unchecked, q)
 
     return per_platform(target, q, cpu=checked, default=one_check)

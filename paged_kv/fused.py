@@ -37,9 +37,10 @@ def free_then_select(
 
     def one_check(state):
         crowded = _crowded(config, state, free_ids, dst_ids)
-        off = lambda ids: jnp.where(crowded, -1, ids)  # noqa: E731  (all padding: nothing changes)
+        off = lambda ids: jnp.where(crowded, -1, ids)  # all padding: nothing changes
         state, freed, selected = _unchecked_free_then_select(config, state, off(free_ids), off(dst_ids), parent_ids)
-        return repair(crowded, (state, (freed, selected)), lambda s: _separate(config, s, free_ids, dst_ids, parent_ids))
+        general = lambda s: _separate(config, s, free_ids, dst_ids, parent_ids)
+        return repair(crowded, (state, (freed, selected)), general)
 
     state, (freed, selected) = per_platform(
         config.target, state, cpu=lambda s: _separate(config, s, free_ids, dst_ids, parent_ids), default=one_check)
@@ -92,14 +93,14 @@ def free_select_append(
         crowded = _crowded(config, state, free_ids, dst_ids)
         # Crowded: free and select do nothing here (all rows padding), so ``after`` is ``state``
         # and the rare form below starts from the input.
-        off = lambda ids: jnp.where(crowded, -1, ids)  # noqa: E731
+        off = lambda ids: jnp.where(crowded, -1, ids)
         after, freed, selected = _unchecked_free_then_select(config, state, off(free_ids), off(dst_ids), parent_ids)
         tables = tables_of(after)
         after, res, slow = allocate.append_straight(config, after, seq_ids, token_ids, crowded)
 
         def general(state):
             # Not crowded: ``state`` is already past free and select; ``on`` pads them off.
-            on = lambda ids: jnp.where(crowded, ids, -1)  # noqa: E731
+            on = lambda ids: jnp.where(crowded, ids, -1)
             state, (fr, se) = _separate(config, state, on(free_ids), on(dst_ids), parent_ids)
             tabs = jnp.where(crowded, tables_of(state), tables)
             state, res = allocate.append_general(config, state, seq_ids, token_ids)

@@ -103,9 +103,10 @@ def _window(
 
     Returns int32 ``[K]`` the offset of the first slot that ends the probe sequence (the key, for a
     lookup, or an EMPTY slot; ``W`` if none) and int32 ``[K]`` the block stored there if it is the
-    key (else -1). With ``stop_at_key=False`` (an insertion) only an EMPTY slot ends it. Found by one two-output reduction over the window that picks the lowest stopping offset,
-    so the gather, the comparisons and the choice are a single kernel, which XLA:CPU does not split
-    across threads (a plain gather from the table it does, costing a hand-off per call).
+    key (else -1). With ``stop_at_key=False`` (an insertion) only an EMPTY slot ends it. Found by
+    one two-output reduction over the window that picks the lowest stopping offset, so the gather,
+    the comparisons and the choice are a single kernel, which XLA:CPU does not split across threads
+    (a plain gather from the table it does, costing a hand-off per call).
     """
     size = table.entries.shape[0]
     w = _window_size(keys.shape[0])

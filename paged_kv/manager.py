@@ -13,7 +13,7 @@ each operation only a handful of times.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -173,7 +173,8 @@ class BlockManager:
         self._check_not_running(ids, "admit")
         if not ids:
             empty = np.zeros((0,), np.int32)
-            return admission.AdmitResult(status=StatusArray(empty), cached_tokens=empty.copy(), shared_tokens=empty.copy())
+            return admission.AdmitResult(status=StatusArray(empty), cached_tokens=empty.copy(),
+                                         shared_tokens=empty.copy())
         size = _bucket(len(ids), self.config.max_seqs)
         width = _bucket(max(len(p) for p in prompts), limit)
         tokens = np.zeros((size, width), np.int32)

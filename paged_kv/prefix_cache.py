@@ -17,8 +17,19 @@ from paged_kv import block_hash, hash_table
 from paged_kv.config import ManagerConfig
 from paged_kv.scan import any_true, per_platform
 from paged_kv.state import (
-    CLASS, CLASS_GENERATION, GENERATION, KEY0, META_COLUMNS, PARENT_CLASS, PARENT_CLASS_GENERATION,
-    SALT, SLOT, UNLINKED, BlockManagerState, PrefixCache, add_stats,
+    CLASS,
+    CLASS_GENERATION,
+    GENERATION,
+    KEY0,
+    META_COLUMNS,
+    PARENT_CLASS,
+    PARENT_CLASS_GENERATION,
+    SALT,
+    SLOT,
+    UNLINKED,
+    BlockManagerState,
+    PrefixCache,
+    add_stats,
 )
 
 

@@ -12,7 +12,7 @@ whole state; the benchmarks use it as the baseline of a conventional host-side m
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.status import Status

@@ -11,7 +11,8 @@ every other kernel that reads or writes a pool-sized array (see ``scripts/bench_
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp

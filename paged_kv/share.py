@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from paged_kv import inputs
 from paged_kv.batch import blocks_held, by_width, first_occurrence, start_rows, tail_first
 from paged_kv.config import ManagerConfig

@@ -7,18 +7,15 @@ Every operation takes a ``BlockManagerState`` and returns a new one; nothing is 
 
 from __future__ import annotations
 
-
 import flax.struct
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
 from paged_kv.config import NULL_BLOCK, ManagerConfig
-from paged_kv.hash_table import EMPTY as HASH_EMPTY
-from paged_kv.hash_table import VAL as HASH_VAL
-from paged_kv.hash_table import HashTable
+from paged_kv.hash_table import EMPTY as HASH_EMPTY, VAL as HASH_VAL, HashTable
 from paged_kv.packed import with_packed_scalars
 
 
@@ -77,7 +74,7 @@ class CacheStats:
             if np.shape(self.counts) != (len(STAT_NAMES),):
                 raise ValueError("a batch of counters")
             d = self.as_dict()
-        except Exception:  # noqa: BLE001 -- under jit (a tracer), or a batch of them: the plain form
+        except Exception:  # under jit (a tracer), or a batch of them: the plain form
             return f"CacheStats(counts={self.counts!r})"
         rate = "–" if d["hit_rate"] is None else f"{100 * d['hit_rate']:.1f} %"
         return (f"CacheStats(lookups={d['lookups']}, query_tokens={d['query_tokens']}, "

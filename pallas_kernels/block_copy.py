@@ -22,7 +22,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton

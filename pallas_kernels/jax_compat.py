@@ -26,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
+from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh

@@ -3,11 +3,12 @@
 The pages are viewed as ``[num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim]``
 (a free reshape): slot ``s = block_id * block_size + offset`` is then row ``s`` of every
 (layer, K|V, head) plane. The layer is an int32 operand (a Python int or a scalar, traced or
-not, clamped to ``[0, num_layers)``: see :func:`paged_kv.pallas_kernels.decode_attention.layer_operand`),
-not a compiled-in block index, so every layer's write is the same kernel. Grid ``(N,)``: program ``n`` writes ``k[n, h]`` and ``v[n, h]`` for every
-KV head into row ``slots[n]``. The output aliases the pages (``input_output_aliases``): donate
-the pages so only ``N`` rows are written. Padding rows write into the null block 0; slots
-outside the pages are clamped to slot 0 beforehand.
+not, clamped to ``[0, num_layers)``: see
+:func:`paged_kv.pallas_kernels.decode_attention.layer_operand`), not a compiled-in block index,
+so every layer's write is the same kernel. Grid ``(N,)``: program ``n`` writes ``k[n, h]`` and
+``v[n, h]`` for every KV head into row ``slots[n]``. The output aliases the pages
+(``input_output_aliases``): donate the pages so only ``N`` rows are written. Padding rows write
+into the null block 0; slots outside the pages are clamped to slot 0 beforehand.
 """
 
 from __future__ import annotations

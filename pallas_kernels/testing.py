@@ -11,8 +11,7 @@ are derived from the rounding error analysis in ``tests/tolerances.py``.
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -23,8 +23,7 @@ Everything here is static Python (hashable dataclasses, ints): it runs at trace 
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +76,7 @@ class Knobs:
   alibi: bool = False
 
   @classmethod
-  def of(cls, soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> "Knobs":
+  def of(cls, soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> Knobs:
     """From a kernel call's arguments (``soft_cap`` a float or None, ``alibi_slopes`` an array or
     None)."""
     return cls(soft_cap=soft_cap is not None, alibi=alibi_slopes is not None)

@@ -35,8 +35,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from paged_kv.checkpoints import BUILTIN as BUILTIN_CHECKPOINT
 
@@ -698,8 +699,8 @@ def _import_plotting() -> None:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot  # noqa: F401
-    except Exception:  # noqa: BLE001 -- reported by the real import at the end
+        import matplotlib.pyplot
+    except Exception:  # reported by the real import at the end
         pass
 
 
@@ -708,11 +709,10 @@ def _run(args, ckpt: Path) -> int:
     jax = _start_jax(args)
 
     import paged_kv as pk
+    from paged_kv.apps.progress import CompileProgress
+    from paged_kv.engine.serving import ServingConfig, ServingEngine
     from paged_kv.models import load_hf_checkpoint
     from paged_kv.models.hf_io import CheckpointError
-    from paged_kv.engine.serving import ServingConfig, ServingEngine
-    from paged_kv.apps.progress import CompileProgress
-
     from paged_kv.models.hf_tokenizer import load_tokenizer
 
     # Your prompts are encoded (and rendered through the chat template) and checked against the

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from paged_kv.engine.serving import EngineStats, RequestOutput, ServingEngine, TableSnapshot
 

@@ -24,7 +24,8 @@ import json
 import math
 import os
 import re
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 

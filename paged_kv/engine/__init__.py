@@ -38,8 +38,8 @@ testable without a model), ``serving_step`` (the jitted step and its inputs and 
 """
 
 from paged_kv.engine.beam_search import BeamOutput, beam_search, beam_search_jit, beam_search_loop
-from paged_kv.engine.generate import BlockStats, FinishReason, GenerateOutput, generate, generate_jit, generate_loop
 from paged_kv.engine.call_setup import pad_prompts
+from paged_kv.engine.generate import BlockStats, FinishReason, GenerateOutput, generate, generate_jit, generate_loop
 from paged_kv.engine.sampling import BeamParams, SamplingParams, filter_logits, sample_tokens
 from paged_kv.engine.serving import Request, RequestOutput, ServingConfig, ServingEngine, TokenDelta
 

@@ -24,7 +24,6 @@ at their current length and ``out_of_blocks`` is set.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct

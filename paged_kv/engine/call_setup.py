@@ -11,20 +11,20 @@ skipped when the call is itself being traced inside the caller's ``jit``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from numpy.typing import ArrayLike
 from flax import nnx
+from numpy.typing import ArrayLike
 
-from paged_kv.models.paged import page_spec
-from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv.config import ManagerConfig
 from paged_kv.inputs import is_int
+from paged_kv.models.paged import page_spec
+from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv.pallas_kernels import IMPLS
 from paged_kv.state import BlockManagerState, init_state
-
 
 TOKEN_LIMIT = 2**31
 """Token ids are int32 on the device: without a vocabulary to check against, ids must be < 2**31."""
@@ -154,7 +154,8 @@ def check_key(key: ArrayLike) -> jax.Array | np.ndarray:
         return key
     raise ValueError(f"key must be a PRNG key (jax.random.key(seed)), a raw uint32 [2] key or an int seed in "
                      f"[0, 2**32), got {type(key).__name__}"
-                     + (f" of dtype {dtype} and shape {tuple(np.shape(key))}" if dtype is not None else f" {key!r:.40}"))
+                     + (f" of dtype {dtype} and shape {tuple(np.shape(key))}" if dtype is not None
+                        else f" {key!r:.40}"))
 
 
 def split_model(model: nnx.Module | tuple[nnx.GraphDef, nnx.State]) -> tuple[nnx.GraphDef, nnx.State]:

@@ -12,15 +12,22 @@ import collections
 import dataclasses
 import enum
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import BeamParams, SamplingParams, check_vocab
+from paged_kv.engine.serving_types import (
+    EngineStats,
+    Request,
+    RequestOutput,
+    RequestStats,
+    ServingConfig,
+    TableSnapshot,
+)
 from paged_kv.engine.step_io import StepOutputs
-from paged_kv.engine.serving_types import EngineStats, Request, RequestOutput, RequestStats, ServingConfig, TableSnapshot
 
 
 class Phase(enum.Enum):

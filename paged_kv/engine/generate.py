@@ -19,11 +19,11 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from numpy.typing import ArrayLike
 
-from paged_kv.models.llama import in_vocab
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import SamplingParams, is_eos, sample_tokens
 from paged_kv.engine.steps import block_counts, decode, prefill
+from paged_kv.models.llama import in_vocab
 from paged_kv.reclaim import free
 from paged_kv.share import fork
 from paged_kv.state import BlockManagerState
@@ -69,11 +69,11 @@ class BlockStats:
     copies: jax.Array
 
     @staticmethod
-    def zeros(n: int) -> "BlockStats":
+    def zeros(n: int) -> BlockStats:
         z = jnp.zeros((n,), jnp.int32)
         return BlockStats(used=z, shared=z, copies=z)
 
-    def record(self, step: jax.Array, used: jax.Array, shared: jax.Array, copies: jax.Array) -> "BlockStats":
+    def record(self, step: jax.Array, used: jax.Array, shared: jax.Array, copies: jax.Array) -> BlockStats:
         return BlockStats(used=self.used.at[step].set(used, mode="drop"),
                           shared=self.shared.at[step].set(shared, mode="drop"),
                           copies=self.copies.at[step].set(copies, mode="drop"))

@@ -206,6 +206,7 @@ class Outcomes:
         self.host.running.pop(fam.seq)
         # Front of the queue, but behind older preempted requests already there.
         i = 0
-        while i < len(self.host.waiting) and self.host.waiting[i].stats.preemptions > 0 and self.host.waiting[i].seq < fam.seq:
+        waiting = self.host.waiting
+        while i < len(waiting) and waiting[i].stats.preemptions > 0 and waiting[i].seq < fam.seq:
             i += 1
         self.host.waiting.insert(i, fam)

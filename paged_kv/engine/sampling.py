@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from paged_kv.inputs import is_int, is_real
 from paged_kv.scan import per_platform
 
-
 INT32_LIMIT = 2**31
 MIN_TEMPERATURE = 1e-6
 MAX_TEMPERATURE = 1e6
@@ -175,10 +174,10 @@ def _logprob_of(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """``filter_logits`` with per-row parameters (the serving loop's rows each have their own): float32 logits [R, V], temperature float32
-    [R] (rows <= 0 are left unscaled), top_k int32 [R] (0: all), top_p float32 [R] (1: all) ->
-    float32 [R, V] with dropped tokens at -inf. Temperature, then top-k, then top-p; ties at a
-    threshold are kept."""
+    """``filter_logits`` with per-row parameters (the serving loop's rows each have their own):
+    float32 logits [R, V], temperature float32 [R] (rows <= 0 are left unscaled), top_k int32 [R]
+    (0: all), top_p float32 [R] (1: all) -> float32 [R, V] with dropped tokens at -inf. Temperature,
+    then top-k, then top-p; ties at a threshold are kept."""
     logits = logits.astype(jnp.float32)
     v = logits.shape[-1]
     x = logits / jnp.where(temperature <= 0, 1.0, temperature)[:, None]

@@ -31,9 +31,15 @@ from paged_kv.engine import families as F
 from paged_kv.engine.families import CohortRow, Family, HostState, Phase, Sample
 from paged_kv.engine.outcomes import Outcomes
 from paged_kv.engine.serving_step import DeviceStep, build_inputs
+from paged_kv.engine.serving_types import (
+    EngineStats,
+    Request,
+    RequestOutput,
+    RequestStats,
+    ServingConfig,
+    TableSnapshot,
+)
 from paged_kv.engine.step_io import EOS_SLOTS, Burst
-from paged_kv.engine.serving_types import EngineStats, Request, RequestOutput, RequestStats, ServingConfig
-from paged_kv.engine.serving_types import TableSnapshot
 from paged_kv.status import Status
 
 
@@ -290,8 +296,8 @@ class Scheduler:
             st.peak_blocks_used = max(st.peak_blocks_used, self.manager.num_blocks - 1 - self._num_free)
             self.outcomes.process(out, pf if i == 0 else None)
             if cfg.record_tables:
-                self.snapshot = F.record_sharing(st, self.snapshot, self.host.running.values(), self.host.row_owner, out,
-                                                 self.manager.block_size, self.step_count)
+                self.snapshot = F.record_sharing(st, self.snapshot, self.host.running.values(),
+                                                 self.host.row_owner, out, self.manager.block_size, self.step_count)
         return self._drain(t0)
 
     def _burst_length(self, max_steps: int | None) -> Burst:

@@ -94,20 +94,28 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import jax
 from flax import nnx
 
-from paged_kv.models.paged import allocate_pages, kv_bytes_per_block, page_spec
-from paged_kv.models.protocol import model_facts
+from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.scheduler import Scheduler
 from paged_kv.engine.serving_step import DeviceStep, StepInputs, StepOutputs
-from paged_kv.engine.serving_types import (IMPLS, EngineStats, Request, RequestOutput, RequestStats, ServingConfig,  # noqa: F401
-                                           TableSnapshot, TokenDelta)
+from paged_kv.engine.serving_types import (
+    IMPLS,
+    EngineStats,
+    Request,
+    RequestOutput,
+    RequestStats,
+    ServingConfig,
+    TableSnapshot,
+    TokenDelta,
+)
 from paged_kv.inputs import is_int
-from paged_kv.config import ManagerConfig
+from paged_kv.models.paged import allocate_pages, kv_bytes_per_block, page_spec
+from paged_kv.models.protocol import model_facts
 from paged_kv.state import BlockManagerState, init_state
 
 
@@ -322,7 +330,7 @@ class ServingEngine:
     # ------------------------------------------------------------------ the loop
     def run(self, requests: Iterable[Request], arrivals: Sequence[int] | None = None, *,
             max_steps: int | None = None,
-            on_step: Callable[["ServingEngine"], None] | None = None,
+            on_step: Callable[[ServingEngine], None] | None = None,
             on_token: Callable[[TokenDelta], None] | None = None) -> Iterator[RequestOutput]:
         """Submits each request when ``step_count`` reaches its arrival step and steps until every
         request has finished; yields outputs as they finish (rejected requests: an output with

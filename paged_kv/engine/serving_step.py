@@ -18,25 +18,36 @@ scheduler a fake device with the same four methods and no model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paged_kv.models.llama import in_vocab
-from paged_kv.models.paged import make_paged_batch, paged_forward
 from paged_kv.admission import AdmitResult, admit
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.families import CohortRow, Family
 from paged_kv.engine.sampling import sample_rows
 from paged_kv.engine.serving_types import ServingConfig
-from paged_kv.engine.step_io import (EOS_SLOTS, Interned, StepInputs, StepOutputs, intern, output_layout, pack_inputs,
-                                     pack_outputs, unpack_burst, unpack_inputs, unpack_outputs)
+from paged_kv.engine.step_io import (
+    EOS_SLOTS,
+    Interned,
+    StepInputs,
+    StepOutputs,
+    intern,
+    output_layout,
+    pack_inputs,
+    pack_outputs,
+    unpack_burst,
+    unpack_inputs,
+    unpack_outputs,
+)
 from paged_kv.engine.steps import decode_appended
 from paged_kv.fused import free_select_append
+from paged_kv.models.llama import in_vocab
+from paged_kv.models.paged import make_paged_batch, paged_forward
 from paged_kv.reclaim import free
 from paged_kv.scan import per_platform, target_of
 from paged_kv.share import fork
@@ -202,8 +213,8 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
         if inp.beam is None:
             top_lp, top_ids = top(logits)
         else:  # on a CPU, skip the log-softmax and top-k of [R, V] when no row is a beam
-            top_lp, top_ids = per_platform(mgr.target, logits, cpu=lambda x: jax.lax.cond(jnp.any(inp.beam), top, no_top, x),
-                                           default=top)
+            top_lp, top_ids = per_platform(mgr.target, logits,
+                                           cpu=lambda x: jax.lax.cond(jnp.any(inp.beam), top, no_top, x), default=top)
     if cfg.record_tables:
         tables = state.block_tables
         out_tables, out_n, out_refs = tables, state.num_tokens, state.ref_count[tables]
@@ -307,7 +318,7 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs: Sequ
     when piece ``i`` ends its row's prompt and ``owners[i]`` is its ``CohortRow``.
     """
     r = config.manager.max_seqs
-    i32 = lambda fill=-1: np.full((r,), fill, np.int32)  # noqa: E731
+    i32 = lambda fill=-1: np.full((r,), fill, np.int32)
     sel_dst, sel_parent = i32(), i32()
     for i, (d, p) in enumerate(select_pairs):
         sel_dst[i], sel_parent[i] = d, p
@@ -472,5 +483,5 @@ class DeviceStep:
         return jax.device_get(self.state.cache.stats)
 
 
-__all__ = ["DeviceStep", "StepInputs", "StepOutputs", "StepShape", "admit_jit", "build_inputs", "packed_step_fn", "prefill_pieces",
-           "packed_step_jit", "single_step_variant", "step_fn", "step_jit"]
+__all__ = ["DeviceStep", "StepInputs", "StepOutputs", "StepShape", "admit_jit", "build_inputs", "packed_step_fn",
+           "packed_step_jit", "prefill_pieces", "single_step_variant", "step_fn", "step_jit"]

@@ -17,7 +17,6 @@ from paged_kv.engine.sampling import BeamParams, SamplingParams
 from paged_kv.inputs import is_int
 from paged_kv.pallas_kernels import IMPLS
 
-
 MAX_DECODE_STEPS = 256  # a burst's outputs are K steps' worth; this bounds that buffer
 
 

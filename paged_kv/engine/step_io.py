@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Hashable, NamedTuple
+from collections.abc import Hashable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -262,5 +263,6 @@ def intern(value: Hashable) -> Interned:
     return _INTERNED.setdefault(value, Interned(value))
 
 
-__all__ = ["Burst", "EOS_SLOTS", "Interned", "PREFILL_FIELDS", "ROW_FIELDS", "ROW_LAYOUT", "StepInputs", "StepOutputs", "intern", "output_layout", "pack_inputs",
-           "pack_outputs", "pack_rows", "unpack_burst", "unpack_inputs", "unpack_outputs", "unpack_rows"]
+__all__ = ["EOS_SLOTS", "PREFILL_FIELDS", "ROW_FIELDS", "ROW_LAYOUT", "Burst", "Interned", "StepInputs", "StepOutputs",
+           "intern", "output_layout", "pack_inputs", "pack_outputs", "pack_rows", "unpack_burst", "unpack_inputs",
+           "unpack_outputs", "unpack_rows"]

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from paged_kv.models.paged import PagedBatch, copy_blocks, make_paged_batch, paged_forward
 from paged_kv.admission import admit
 from paged_kv.allocate import AppendResult, append
 from paged_kv.batch import blocks_held
 from paged_kv.config import ManagerConfig
+from paged_kv.models.paged import PagedBatch, copy_blocks, make_paged_batch, paged_forward
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
 
