@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from paged_kv.pallas_kernels.validate import is_int
+
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "mistral": "MistralForCausalLM"}
@@ -99,7 +101,7 @@ class LlamaConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
@@ -139,7 +141,7 @@ class LlamaConfig:
         return self.num_heads // self.num_kv_heads
 
     @property
-    def jnp_dtype(self):
+    def jnp_dtype(self) -> np.dtype:
         import jax.numpy as jnp
         return jnp.dtype(self.dtype)
 
@@ -153,7 +155,7 @@ class LlamaConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
-    def replace(self, **changes) -> LlamaConfig:
+    def replace(self, **changes: Any) -> LlamaConfig:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ Hugging Face
@@ -338,7 +340,7 @@ def llama32_1b(dtype: str = "bfloat16") -> LlamaConfig:
         tie_word_embeddings=True, dtype=dtype, bos_token_id=128_000, eos_token_ids=(128_001, 128_008, 128_009))
 
 
-def tiny(dtype: str = "float32", **overrides) -> LlamaConfig:
+def tiny(dtype: str = "float32", **overrides: Any) -> LlamaConfig:
     """A small GQA config with llama3 RoPE scaling that runs in milliseconds on a CPU."""
     cfg = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

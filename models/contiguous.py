@@ -9,15 +9,21 @@ alibi_slopes). Used as the reference for the paged path in tests and benchmarks.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
-from paged_kv.models.protocol import AttentionBackend, attend_options, check_model, model_facts
+from paged_kv.models.protocol import AttentionBackend, ModelFacts, attend_options, check_model, model_facts
+
+if TYPE_CHECKING:
+    from paged_kv.models.config import LlamaConfig
 
 
-def init_contiguous_cache(model, batch: int, max_len: int, dtype=None) -> jax.Array:
+def init_contiguous_cache(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig, batch: int,
+                          max_len: int, dtype: DTypeLike | None = None) -> jax.Array:
     """Zeroed cache `[num_layers, 2, batch, max_len, num_kv_heads, head_dim]` for `model` (a
     `paged_kv.models.protocol.PagedModel`, its facts or a `LlamaConfig`)."""
     f = model_facts(model)
@@ -64,8 +70,9 @@ def _make_attend(q_start, q_lens) -> AttentionBackend:
     return AttentionBackend(attend)
 
 
-def contiguous_forward(model, cache: jax.Array, tokens: jax.Array, q_start: jax.Array, q_lens: jax.Array,
-                       *, last_only: bool = False):
+def contiguous_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], cache: jax.Array, tokens: jax.Array,
+                       q_start: jax.Array, q_lens: jax.Array, *,
+                       last_only: bool = False) -> tuple[jax.Array, jax.Array]:
     """Run a chunk: tokens int32[B, T] at positions q_start[b] + t (valid for t < q_lens[b]).
 
     Returns (float32 logits [B, T, V], or [B, V] at each sequence's last valid token when
@@ -82,7 +89,7 @@ def contiguous_forward(model, cache: jax.Array, tokens: jax.Array, q_start: jax.
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "last_only"), donate_argnames=("cache",))
 def contiguous_step(graphdef: nnx.GraphDef, state: nnx.State, cache: jax.Array, tokens: jax.Array,
-                    q_start: jax.Array, q_lens: jax.Array, *, last_only: bool = False):
+                    q_start: jax.Array, q_lens: jax.Array, *, last_only: bool = False) -> tuple[jax.Array, jax.Array]:
     """Jitted pure step `(graphdef, state, cache, tokens[B, T], q_start[B], q_lens[B]) -> (logits, cache)`
     with the cache donated. A decode step is a chunk with T = 1 and q_lens = 1."""
     model = nnx.merge(graphdef, state)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
 
 from paged_kv.models.contiguous import contiguous_step, init_contiguous_cache
 from paged_kv.models.paged import make_paged_batch, paged_decode_step, paged_prefill_step
@@ -47,8 +49,9 @@ def _greedy(prefill: Callable, decode: Callable, prompts: Sequence[Sequence[int]
     return np.stack(tokens, 1), np.stack(step_logits, 1)
 
 
-def greedy_generate_paged(model, pages, block_tables, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                          chunk_size: int = 16, impl: str = "auto"):
+def greedy_generate_paged(model: nnx.Module, pages: jax.Array, block_tables: ArrayLike,
+                          prompts: Sequence[Sequence[int]], max_new_tokens: int, *, chunk_size: int = 16,
+                          impl: str = "auto") -> tuple[np.ndarray, np.ndarray, jax.Array]:
     """Greedy decoding through the paged cache.
 
     Returns (tokens int32[B, N], logits float32[B, N, V] that chose each token, pages). `pages` is
@@ -78,8 +81,8 @@ def greedy_generate_paged(model, pages, block_tables, prompts: Sequence[Sequence
     return tokens, logits, box[0]
 
 
-def greedy_generate_contiguous(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                               chunk_size: int = 16, max_len: int | None = None):
+def greedy_generate_contiguous(model: nnx.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                               chunk_size: int = 16, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Greedy decoding through a contiguous cache. Returns (tokens [B, N], logits [B, N, V])."""
     graphdef, state = nnx.split(model)
     if max_len is None:

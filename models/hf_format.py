@@ -65,7 +65,7 @@ def hf_tensors(config: LlamaConfig) -> Iterator[tuple[str, tuple, tuple[int, ...
         yield "lm_head.weight", ("lm_head",), (v, d)
 
 
-def state_node(state: nnx.State, state_path: tuple):
+def state_node(state: nnx.State, state_path: tuple) -> tuple[nnx.Variable, int | None]:
     """(the variable at `state_path` in `state`, its layer index or None): an int in the path is
     the layer, an index into the variable's leading (stacked) axis, not a key."""
     node, layer = state, None

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -66,7 +67,8 @@ def _to_hf_layout(name: str, w: np.ndarray) -> np.ndarray:
     return w
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> Llama:
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
+                       mesh: jax.sharding.Mesh | None = None) -> Llama:
     """Load a Hugging Face Llama-family checkpoint directory (`paged_kv.models.config.FAMILIES`) into a `Llama`.
 
     Every tensor is checked against the config first (`check_checkpoint`), before any weight is

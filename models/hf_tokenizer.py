@@ -30,9 +30,12 @@ import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from paged_kv.models.tokenizer import TOKENIZER_FILE, ByteTokenizer
+
+if TYPE_CHECKING:  # tokenizers loads on first use (HFTokenizer.load)
+    import tokenizers
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -132,9 +135,9 @@ class HFTokenizer:
 
     type_name = "hf"
 
-    def __init__(self, backend, *, bos_id: int | None, eos_ids: Sequence[int], add_bos_token: bool | None = None,
-                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
-                 kind: str = "?"):
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: int | None, eos_ids: Sequence[int],
+                 add_bos_token: bool | None = None, chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None, kind: str = "?"):
         self.backend = backend
         self.kind = kind
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
@@ -323,7 +326,7 @@ def load_tokenizer(directory: str | os.PathLike) -> LoadedTokenizer:
     return LoadedTokenizer(tok, tok.describe())
 
 
-def stream_decoder(tokenizer):
+def stream_decoder(tokenizer: ByteTokenizer | HFTokenizer) -> ByteStreamDecoder | StreamDecoder:
     """A fresh incremental decoder (`push(id) -> str`) for either tokenizer."""
     if isinstance(tokenizer, ByteTokenizer):
         return ByteStreamDecoder(tokenizer)

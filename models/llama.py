@@ -57,6 +57,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from paged_kv.models.config import LlamaConfig, rope_inv_freq
 from paged_kv.models.protocol import AttentionBackend, LayerMatmul, as_backend
@@ -71,7 +72,7 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std: float):
 class RMSNorm(nnx.Module):
     """y = scale * x / sqrt(mean(x^2) + eps); statistics in float32, as in HF."""
 
-    def __init__(self, dim: int, eps: float, dtype):
+    def __init__(self, dim: int, eps: float, dtype: DTypeLike):
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((dim,), dtype))
 
@@ -287,7 +288,7 @@ class Llama(nnx.Module):
     def dtype(self) -> str:
         return self.config.dtype
 
-    def partition_specs(self, weights: nnx.State, tp: int):
+    def partition_specs(self, weights: nnx.State, tp: int) -> nnx.State:
         """PartitionSpecs of `weights` (this model's state) over the "tp" mesh axis."""
         from paged_kv.models.sharding import weight_specs
         return weight_specs(weights, self.config, tp)
@@ -370,7 +371,7 @@ def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
     return nnx.merge(graphdef, stacked)
 
 
-def is_per_layer(model) -> bool:
+def is_per_layer(model: Llama) -> bool:
     """True when `model` (a `Llama`) holds its decoder layers one module per layer (`per_layer`),
     False for the stacked layout `Llama.__init__` builds."""
     return not isinstance(model.layers, DecoderLayer)
@@ -397,7 +398,7 @@ def _unstack_leaf(w, n: int) -> list:
     return list(split(jnp.asarray(w)))
 
 
-def per_layer(model):
+def per_layer(model: Llama | tuple[nnx.GraphDef, nnx.State]) -> Llama | tuple[nnx.GraphDef, nnx.State]:
     """`model` (a `Llama`, or its `(graphdef, state)` split; returns the same kind) with its
     stacked decoder layers turned into one `DecoderLayer` per layer: `layers` becomes an
     `nnx.List` of L modules and parameter `layers.<name>` `[L, ...]` becomes `layers.<i>.<name>`
@@ -429,7 +430,7 @@ def per_layer(model):
     return nnx.split(module) if is_pair else module
 
 
-def stacked(model):
+def stacked(model: Llama | tuple[nnx.GraphDef, nnx.State]) -> Llama | tuple[nnx.GraphDef, nnx.State]:
     """Inverse of `per_layer`: `model` (a `Llama` or its split; same kind back) with its layers
     stacked again (`layers.<name>` `[L, ...]`; a copy of the layer weights). A stacked model is
     returned as is."""

@@ -15,18 +15,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.typing import ArrayLike, DTypeLike
 
 from paged_kv import pallas_kernels as pk
-from paged_kv.models.protocol import AttentionBackend, LayerMatmul, attend_options, check_model, model_facts
+from paged_kv.models.protocol import (
+    AttentionBackend,
+    LayerMatmul,
+    ModelFacts,
+    attend_options,
+    check_model,
+    model_facts,
+)
+from paged_kv.pallas_kernels import IMPLS
+
+if TYPE_CHECKING:
+    from paged_kv.models.config import LlamaConfig
 
 NULL_BLOCK = pk.NULL_BLOCK
-IMPLS = tuple(pk.IMPLS)
 
 
 # ---------------------------------------------------------------------------- batch metadata
@@ -71,7 +83,8 @@ def compute_slots(block_tables: jax.Array, positions: jax.Array, valid: jax.Arra
     return jnp.where(ok, slots, NULL_BLOCK * block_size + (positions % block_size)).astype(jnp.int32)
 
 
-def make_paged_batch(block_tables, q_start, q_lens, num_tokens: int, block_size: int) -> PagedBatch:
+def make_paged_batch(block_tables: ArrayLike, q_start: ArrayLike, q_lens: ArrayLike, num_tokens: int,
+                     block_size: int) -> PagedBatch:
     """Build the metadata for a step of `num_tokens` tokens per sequence (T; 1 for decode)."""
     block_tables = jnp.asarray(block_tables, jnp.int32)
     q_start = jnp.asarray(q_start, jnp.int32)
@@ -146,7 +159,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
     return AttentionBackend(attend, **plan)
 
 
-def static_layer_impl(impl: str, head_dim: int | None = None, mesh=None) -> bool:
+def static_layer_impl(impl: str, head_dim: int | None = None, mesh: Mesh | None = None) -> bool:
     """True when a model's layers should run unrolled on `per_layer` weights (the paged
     `AttentionBackend`'s `static_layer`): `impl` (as `paged_kv.pallas_kernels.resolve_impl` resolves it: "auto" is
     "pallas" on a GPU) runs the Pallas kernels and `mesh` is set (tensor parallelism). There the
@@ -156,7 +169,7 @@ def static_layer_impl(impl: str, head_dim: int | None = None, mesh=None) -> bool
     return mesh is not None and pk.resolve_impl(impl, head_dim) != "reference"
 
 
-def layer_matmul_for(impl: str, head_dim: int | None = None, mesh=None) -> LayerMatmul | None:
+def layer_matmul_for(impl: str, head_dim: int | None = None, mesh: Mesh | None = None) -> LayerMatmul | None:
     """The paged `AttentionBackend`'s `layer_matmul` (`paged_kv.models.protocol`): on one device with
     the Pallas kernels, `paged_kv.pallas_kernels.layer_matmul` in that impl ("pallas" or "interpret"), so
     the scan over stacked layers reads each layer's weights in place (XLA:GPU would copy the
@@ -178,7 +191,8 @@ def _layer_matmul(x, w, layer, *, scale=None, bias=None, impl: str):
     return pk.layer_matmul(x, w, layer, scale=scale, bias=bias, impl=use)
 
 
-def layout_for_impl(model, impl: str, mesh=None):
+def layout_for_impl(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], impl: str,
+                    mesh: Mesh | None = None) -> nnx.Module | tuple[nnx.GraphDef, nnx.State]:
     """`model` (a `paged_kv.models.protocol.PagedModel` or its `(graphdef, state)` split; same kind back)
     in the layer layout that suits `impl` and `mesh`. The three ways a `paged_kv.models.Llama` runs
     its layers, and where each is chosen (the engines call this once, outside `jit`, through
@@ -207,7 +221,8 @@ def layout_for_impl(model, impl: str, mesh=None):
     return per_layer(model)
 
 
-def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str = "auto", mesh=None) -> jax.Array:
+def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str = "auto",
+                mesh: Mesh | None = None) -> jax.Array:
     """`paged_kv.pallas_kernels.copy_blocks`, run per device under `shard_map` when `mesh` is given (pages
     sharded on KV heads hold every block, so a block copy is device-local)."""
     if mesh is None:
@@ -224,8 +239,9 @@ def _check_mesh(model, mesh) -> None:
         check_on_mesh(model, mesh, model_facts(model).num_kv_heads)
 
 
-def paged_forward(model, pages: jax.Array, batch: PagedBatch, tokens: jax.Array, *, impl: str = "auto",
-                  last_only: bool = False, mesh=None):
+def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Array, batch: PagedBatch,
+                  tokens: jax.Array, *, impl: str = "auto", last_only: bool = False,
+                  mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """Un-jitted forward of a `paged_kv.models.protocol.PagedModel`. tokens int32[B, T] (a prefill chunk) or
     int32[B] (decode, one per sequence).
 
@@ -259,7 +275,8 @@ def paged_forward(model, pages: jax.Array, batch: PagedBatch, tokens: jax.Array,
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl", "last_only", "mesh"), donate_argnames=("pages",))
 def paged_prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array, batch: PagedBatch,
-                       tokens: jax.Array, *, impl: str = "auto", last_only: bool = False, mesh=None):
+                       tokens: jax.Array, *, impl: str = "auto", last_only: bool = False,
+                       mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """`(graphdef, state, pages, batch, tokens int32[B, T]) -> (logits, pages)`: one prefill chunk
     per sequence, K/V written at `batch.slots`, causal paged attention. `pages` is donated.
     `mesh`: as in `paged_forward` (static). With Pallas kernels pass the split of
@@ -273,7 +290,8 @@ def paged_prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Arra
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh"), donate_argnames=("pages",))
 def paged_decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array, batch: PagedBatch,
-                      tokens: jax.Array, *, impl: str = "auto", mesh=None):
+                      tokens: jax.Array, *, impl: str = "auto",
+                      mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """`(graphdef, state, pages, batch, tokens int32[B]) -> (logits float32[B, V], pages)`: one token
     per sequence (batch.q_lens 1, or 0 for padding rows). `pages` is donated. `mesh`: as in
     `paged_forward` (static). With Pallas kernels pass the split of `layout_for_impl(model, impl)`
@@ -324,24 +342,27 @@ class KVPageSpec:
         return (self.num_blocks - 1) * self.block_size
 
 
-def kv_bytes_per_token_raw(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+def kv_bytes_per_token_raw(num_layers: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike) -> int:
     return num_layers * 2 * num_kv_heads * head_dim * np.dtype(jnp.dtype(dtype)).itemsize
 
 
-def kv_bytes_per_token(model, dtype=None) -> int:
+def kv_bytes_per_token(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig,
+                       dtype: DTypeLike | None = None) -> int:
     """K and V bytes of one token over all layers (Llama 3.1 8B bf16: 128 KiB). `model`: a
     `paged_kv.models.protocol.PagedModel` (or its split, its `ModelFacts`, a `LlamaConfig`)."""
     f = model_facts(model)
     return kv_bytes_per_token_raw(f.num_layers, f.num_kv_heads, f.head_dim, f.dtype if dtype is None else dtype)
 
 
-def kv_bytes_per_block(model, block_size: int = 16, dtype=None) -> int:
+def kv_bytes_per_block(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig,
+                       block_size: int = 16, dtype: DTypeLike | None = None) -> int:
     """Bytes of one block (Llama 3.1 8B bf16, 16 tokens: 2 MiB)."""
     return kv_bytes_per_token(model, dtype) * block_size
 
 
-def page_spec_for_budget(model, *, block_size: int = 16, budget_bytes: int | None = None,
-                         memory_fraction: float | None = None, device=None, dtype=None) -> KVPageSpec:
+def page_spec_for_budget(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig, *,
+                         block_size: int = 16, budget_bytes: int | None = None, memory_fraction: float | None = None,
+                         device: jax.Device | None = None, dtype: DTypeLike | None = None) -> KVPageSpec:
     """Largest page pool for `model` (as in `kv_bytes_per_token`) fitting a budget: `budget_bytes`,
     or `memory_fraction` of the device's memory limit (`device.memory_stats()["bytes_limit"]`; first
     device when `device` is None). The null block counts against the budget. Raises ValueError when
@@ -368,7 +389,8 @@ def page_spec_for_budget(model, *, block_size: int = 16, budget_bytes: int | Non
     return KVPageSpec(f.num_layers, f.num_kv_heads, f.head_dim, num_blocks, block_size, dtype)
 
 
-def page_spec(model, num_blocks: int, block_size: int = 16, dtype=None) -> KVPageSpec:
+def page_spec(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig, num_blocks: int,
+              block_size: int = 16, dtype: DTypeLike | None = None) -> KVPageSpec:
     """Pages for `model` (a `paged_kv.models.protocol.PagedModel`, its split, its `ModelFacts` or a
     `LlamaConfig`): its layers, KV heads, head_dim and dtype (or `dtype`)."""
     f = model_facts(model)
@@ -376,7 +398,7 @@ def page_spec(model, num_blocks: int, block_size: int = 16, dtype=None) -> KVPag
                       f.dtype if dtype is None else str(jnp.dtype(dtype)))
 
 
-def allocate_pages(spec: KVPageSpec, device=None) -> jax.Array:
+def allocate_pages(spec: KVPageSpec, device: jax.Device | None = None) -> jax.Array:
     """Zeroed pages of `spec.shape` and dtype (optionally placed on `device`)."""
     pages = jnp.zeros(spec.shape, jnp.dtype(spec.dtype))
     return pages if device is None else jax.device_put(pages, device)

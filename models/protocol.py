@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
+
+from paged_kv.pallas_kernels.validate import is_int
+
+if TYPE_CHECKING:  # config is imported lazily at run time (model_facts)
+    from paged_kv.models.config import LlamaConfig
 
 Array = jax.Array
 
@@ -82,7 +86,7 @@ class AttentionBackend:
         return self.attend(layer, q, k, v, cache, **options)
 
 
-def as_backend(attend) -> AttentionBackend:
+def as_backend(attend: AttentionBackend | Callable[..., tuple[Array, Any]]) -> AttentionBackend:
     """``attend`` itself when it is an ``AttentionBackend``; a plain attention callable gets the
     defaults (traced layer ids are fine, XLA's matmuls)."""
     return attend if isinstance(attend, AttentionBackend) else AttentionBackend(attend)
@@ -167,7 +171,7 @@ def _as_module(model):
     return model
 
 
-def model_facts(model) -> ModelFacts:
+def model_facts(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig) -> ModelFacts:
     """Check ``model`` (a ``PagedModel``, its NNX ``(graphdef, state)`` split, ``ModelFacts``, or a
     ``paged_kv.models.LlamaConfig``) against the protocol and return its facts.
 
@@ -191,7 +195,7 @@ def model_facts(model) -> ModelFacts:
     values = {}
     for fact in FACTS[:-1]:
         v = getattr(model, fact)
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"model {name}: {fact}={v!r} must be a Python int >= 1")
         values[fact] = int(v)
     try:
@@ -203,13 +207,13 @@ def model_facts(model) -> ModelFacts:
     return ModelFacts(dtype=dtype, **values)
 
 
-def check_model(model):
+def check_model(model: nnx.Module | tuple[nnx.GraphDef, nnx.State]) -> nnx.Module:
     """``model`` merged into a module when split, after ``model_facts`` checked it."""
     model_facts(model)
     return _as_module(model)
 
 
-def check_partition_specs(model):
+def check_partition_specs(model: nnx.Module | tuple[nnx.GraphDef, nnx.State]) -> nnx.Module:
     """ValueError unless ``model`` defines ``partition_specs`` (needed for any mesh use); returns
     the module."""
     model = _as_module(model)
@@ -220,8 +224,10 @@ def check_partition_specs(model):
     return model
 
 
-def partition_specs(model, weights, tp: int):
-    """The model's ``partition_specs(weights, tp)``; ValueError when it has none."""
+def partition_specs(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], weights: nnx.State,
+                    tp: int) -> nnx.State:
+    """The model's ``partition_specs(weights, tp)`` (a ``PartitionSpec`` tree shaped like ``weights``);
+    ValueError when it has none."""
     return check_partition_specs(model).partition_specs(weights, tp)
 
 

@@ -44,18 +44,27 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.typing import DTypeLike
 
 from paged_kv.models import hf_format
 from paged_kv.models.config import LlamaConfig
 from paged_kv.models.llama import Llama, abstract_model, is_per_layer, per_layer
 from paged_kv.models.protocol import check_model, check_partition_specs, model_facts, partition_specs
+from paged_kv.pallas_kernels.validate import is_int
+
+if TYPE_CHECKING:  # paged.py imports this module (lazily): no import back at run time
+    from paged_kv.models.paged import KVPageSpec
+
+_Tree = TypeVar("_Tree")
 
 AXIS = "tp"
 """Name of the tensor-parallel mesh axis."""
@@ -68,7 +77,7 @@ def _divisors_up_to(n: int) -> list[int]:
 
 def degree_problem(config: LlamaConfig, tp: int) -> str | None:
     """Why `tp` fits no head layout of `config` (None when it fits)."""
-    if not isinstance(tp, (int, np.integer)) or isinstance(tp, bool) or tp < 1:
+    if not is_int(tp) or tp < 1:
         return f"tensor-parallel degree {tp!r} must be an int >= 1"
     if config.num_heads % tp:
         return f"{tp} does not divide num_heads={config.num_heads}"
@@ -110,12 +119,12 @@ def tp_degree(mesh: Mesh) -> int:
     return int(mesh.shape[AXIS])
 
 
-def make_mesh(tp: int | None = None, devices=None) -> Mesh:
+def make_mesh(tp: int | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 1-D mesh with axis "tp" over `devices` (default: every device of every process, in
     `jax.devices()` order). `tp` defaults to all of them; else the first `tp` are used."""
     devices = list(jax.devices() if devices is None else devices)
     tp = len(devices) if tp is None else tp
-    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
+    if not is_int(tp) or tp < 1:
         raise ValueError(f"tp={tp!r} must be an int in [1, {len(devices)}] (the devices available)")
     if tp > len(devices):
         platform = devices[0].platform if devices else "cpu"
@@ -126,7 +135,7 @@ def make_mesh(tp: int | None = None, devices=None) -> Mesh:
     return Mesh(np.array(devices[:tp]), (AXIS,))
 
 
-def mesh_of(pages) -> Mesh | None:
+def mesh_of(pages: jax.Array) -> Mesh | None:
     """The mesh `pages` are sharded over by `shard` (NamedSharding on a mesh with a "tp" axis),
     else None (a single-device or uncommitted array)."""
     sh = getattr(pages, "sharding", None)
@@ -188,7 +197,7 @@ def _is_stacked_path(keys: list) -> bool:
     return keys[0] == "layers" and not (len(keys) > 1 and isinstance(keys[1], int))
 
 
-def weight_specs(weights: nnx.State, config: LlamaConfig, tp: int):
+def weight_specs(weights: nnx.State, config: LlamaConfig, tp: int) -> nnx.State:
     """PartitionSpecs for an `nnx.State` of a model (same tree structure). Stacked layer weights
     (under "layers") get an unsharded leading layer axis before the table's spec; per-layer ones
     (`paged_kv.models.llama.per_layer`, under "layers/<i>") get the table's spec as they are."""
@@ -198,7 +207,7 @@ def weight_specs(weights: nnx.State, config: LlamaConfig, tp: int):
 
 
 # ---------------------------------------------------------------------------- placing arrays
-def put(x, sharding: NamedSharding):
+def put(x: jax.Array | np.ndarray, sharding: NamedSharding) -> jax.Array:
     """`x` (numpy or jax array, same value on every process) placed with `sharding`, which may span
     several processes: then each process builds only its own devices' shards."""
     if isinstance(x, jax.Array):
@@ -214,7 +223,7 @@ def put(x, sharding: NamedSharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-def replicate(tree, mesh: Mesh):
+def replicate(tree: _Tree, mesh: Mesh) -> _Tree:
     """Every array leaf of `tree` replicated over `mesh` (block-manager state, prompts, keys)."""
     rep = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: put(x, rep), tree)
@@ -240,7 +249,7 @@ def _llama_config(model) -> LlamaConfig | None:
     return module.config if isinstance(module, Llama) else None
 
 
-def placed_kv_heads(model, tp: int) -> int:
+def placed_kv_heads(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | LlamaConfig, tp: int) -> int:
     """KV heads of `model` (a `paged_kv.models.protocol.PagedModel`, its split, or a `LlamaConfig`) once
     placed at degree `tp`: a Llama's `kv_heads_for`; any other model keeps its own count, which tp
     must divide (only the Llama knows how to replicate its KV heads)."""
@@ -254,7 +263,8 @@ def placed_kv_heads(model, tp: int) -> int:
     return f.num_kv_heads
 
 
-def shard_model(model, mesh: Mesh):
+def shard_model(model: nnx.Module | tuple[nnx.GraphDef, nnx.State],
+                mesh: Mesh) -> nnx.Module | tuple[nnx.GraphDef, nnx.State]:
     """Place a `paged_kv.models.protocol.PagedModel` (or its `(graphdef, state)` split) on `mesh`; returns
     the same kind. The layout is the model's own `partition_specs(weights, tp)` (a model without
     one raises ValueError before anything is placed).
@@ -284,7 +294,8 @@ def shard_model(model, mesh: Mesh):
     return (graphdef, weights) if is_pair else nnx.merge(graphdef, weights)
 
 
-def shard_pages(pages, mesh: Mesh, model):
+def shard_pages(pages: jax.Array, mesh: Mesh,
+                model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | LlamaConfig) -> jax.Array:
     """Place pages on `mesh`, sharded on KV heads. `model` is the placed model (or the original, or
     a Llama's config): pages with the original KV-head count are repeated to the placed count first
     (fresh pages are zeros; pages holding K/V stay exact since replicas hold the same K/V)."""
@@ -298,13 +309,14 @@ def shard_pages(pages, mesh: Mesh, model):
     return put(pages, NamedSharding(mesh, PAGE_SPEC))
 
 
-def shard(model, pages, mesh: Mesh):
+def shard(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Array | None,
+          mesh: Mesh) -> tuple[nnx.Module | tuple[nnx.GraphDef, nnx.State], jax.Array | None]:
     """`(model, pages) -> (model, pages)` placed on `mesh` (pages may be None). Idempotent."""
     model = shard_model(model, mesh)
     return model, (None if pages is None else shard_pages(pages, mesh, model))
 
 
-def allocate_pages_on_mesh(spec, mesh: Mesh) -> jax.Array:
+def allocate_pages_on_mesh(spec: KVPageSpec, mesh: Mesh) -> jax.Array:
     """Zeroed pages of `spec` (a `paged_kv.models.KVPageSpec` sized from the *placed* model's config),
     created already sharded: no device ever holds the whole array."""
     tp = tp_degree(mesh)
@@ -315,7 +327,8 @@ def allocate_pages_on_mesh(spec, mesh: Mesh) -> jax.Array:
                    out_shardings=NamedSharding(mesh, PAGE_SPEC))()
 
 
-def check_on_mesh(model, mesh: Mesh, num_kv_heads: int) -> int:
+def check_on_mesh(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | LlamaConfig, mesh: Mesh,
+                  num_kv_heads: int) -> int:
     """Check a placed model (or a Llama's config; `num_kv_heads`: the placed count) against `mesh`;
     returns tp. A model without `partition_specs` cannot run on a mesh (ValueError naming it)."""
     tp = tp_degree(mesh)
@@ -495,7 +508,7 @@ def weight_bytes_per_device(config: LlamaConfig, tp: int) -> int:
 
 
 def kv_capacity(config: LlamaConfig, device_bytes: int, tp: int = 1, *, block_size: int = 16,
-                memory_fraction: float = 0.9, dtype=None) -> KVCapacity:
+                memory_fraction: float = 0.9, dtype: DTypeLike | None = None) -> KVCapacity:
     """How many KV blocks and tokens fit on each device after its weights.
 
     `device_bytes`: one device's memory; `memory_fraction` of it is the budget (the rest is left
