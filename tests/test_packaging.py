@@ -18,8 +18,9 @@ def test_wheel_carries_the_checkpoint_and_one_top_level_name(tmp_path):
     # checkout's must stay clean); --no-build-isolation: the environment's setuptools builds it,
     # so this runs offline.
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
-                                                            "results", "paged-kv-out"))
+    skip = shutil.ignore_patterns(".git", ".venv*", "venv*", "build", "*.egg-info", "__pycache__", ".ruff_cache",
+                                  "results", "paged-kv-out")
+    shutil.copytree(ROOT, src, ignore=skip)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                         "-w", str(tmp_path), str(src)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
