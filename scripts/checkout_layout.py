@@ -12,10 +12,12 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOLDERS = {"paged_kv.models": "models", "paged_kv.pallas_kernels": "pallas_kernels",
-           "paged_kv.checkpoints": "checkpoints"}
+with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    FOLDERS = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+"""Installed name -> repository folder: pyproject.toml's own mapping, read, not restated."""
 
 
 class CheckoutLayout(importlib.abc.MetaPathFinder):
