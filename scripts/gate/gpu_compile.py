@@ -138,6 +138,10 @@ _USE_CACHE = True
 _DEVICELESS_LOGGED = False  # whether XLA said, in this process, that it compiles without a device
 
 
+# A stored result's fields: a new field (the PTX pipeline facts) must not reuse older entries.
+RESULT_FORMAT = "3: ptx pipeline facts"
+
+
 def _cache_key(lowered_text: str, target: str) -> str:
   """What decides a compilation's outcome: the lowered program (StableHLO with the Triton
   kernels' IR), the target description, and the compiler (JAX, jaxlib, the CUDA plugin). The
@@ -153,7 +157,7 @@ def _cache_key(lowered_text: str, target: str) -> str:
     plugin = "?"
   h = hashlib.sha256()
   program = lowered_text.replace(ROOT, "<repo>")
-  for part in (jax.__version__, jaxlib.__version__, plugin, target_config(target), program):
+  for part in (RESULT_FORMAT, jax.__version__, jaxlib.__version__, plugin, target_config(target), program):
     h.update(part.encode())
     h.update(b"\0")
   return h.hexdigest()

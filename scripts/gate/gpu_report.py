@@ -28,6 +28,7 @@ Formats read (XLA 0.10.2 / ptxas 12.9):
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -379,13 +380,18 @@ def mma_kind(ptx: str) -> str | None:
 
 
 def ptx_entries(dump_dir: str) -> dict[str, dict]:
-  """Kernel entry name -> {target, mma} for every PTX file of a dump."""
+  """Kernel entry name -> {target, mma, pipeline} for every PTX file of a dump; ``pipeline`` is
+  the main loop's facts (``perf_model.pipeline``: bytes per iteration, commit groups, the
+  ``cp.async.wait_group`` depth, stages in flight) the performance model reads."""
+  from scripts.gate import perf_model
   out = {}
   for path in glob.glob(os.path.join(dump_dir, "**", "*.ptx"), recursive=True):
     text = open(path, errors="replace").read()
     target = re.search(r"^\.target\s+(\w+)", text, re.M)
     for m in re.finditer(r"\.entry\s+(\w+)", text):
-      out[m.group(1)] = {"ptx_target": target.group(1) if target else None, "mma": mma_kind(text)}
+      body = perf_model.entry_text(text, m.group(1))
+      out[m.group(1)] = {"ptx_target": target.group(1) if target else None, "mma": mma_kind(body),
+                         "pipeline": dataclasses.asdict(perf_model.pipeline(body))}
   return out
 
 
