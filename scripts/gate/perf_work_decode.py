@@ -1,0 +1,77 @@
+"""What the paged decode attention kernel must do at one shape, for the performance model.
+
+:func:`decode_work` turns a decode call's shape into :class:`scripts.gate.perf_model.Work` with the
+kernel's own static tiling and partition (``paged_kv.pallas_kernels.tiling.decode_tiling`` and
+``paged_kv.pallas_kernels.decode_attention.choose_partition``, plain Python run at trace time), so
+the estimate follows the tiles and splits the kernel really launches. Every sequence is taken at
+full context (the busiest split walks ``tiles_per_split`` tiles).
+
+* ``bytes`` (the roofline's): every cached K and V element once, the queries and the output.
+* ``extra_bytes``: the split partials (float32 ``o``, ``m``, ``l`` of the real query rows),
+  written by the kernel and read back by the merge; 0 when there is one split (the kernel then
+  writes the output itself and there is no merge).
+* ``step_bytes``: one K and one V tile; ``steps``: the busiest split's tiles; ``step_flops``: the
+  two dots of one step at their padded shapes (``rows x keys x head_dim`` each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scripts.gate import perf_model
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+  """The static launch of one decode call (from the kernel's tiling and partition)."""
+
+  blocks_per_tile: int
+  tiles_per_split: int
+  num_splits: int
+  rows: int
+  num_warps: int
+  num_stages: int
+  ctas: int
+
+
+def decode_launch(batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  block_size: int, dtype: str = "bfloat16", **overrides) -> DecodeLaunch:
+  """Tiles, splits and grid size the kernel launches for this shape (``dtype`` a name;
+  ``overrides``: ``blocks_per_tile``, ``num_splits``, ``num_warps``, ``num_stages`` as the kernel
+  takes them)."""
+  from paged_kv.pallas_kernels import decode_attention
+
+  max_blocks = perf_model.ceil_div(context, block_size)
+  p = decode_attention.decode_partition(batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                                        dtype, **overrides)
+  return DecodeLaunch(blocks_per_tile=p.blocks_per_tile, tiles_per_split=p.tiles_per_split,
+                      num_splits=p.num_splits, rows=p.rows, num_warps=p.num_warps, num_stages=p.num_stages,
+                      ctas=batch * num_kv_heads * p.num_splits)
+
+
+_DTYPES = {2: "bfloat16", 4: "float32"}
+
+
+def decode_work(batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                itemsize: int, launch: DecodeLaunch | None = None) -> perf_model.Work:
+  """The model's :class:`~scripts.gate.perf_model.Work` of one decode call (every sequence at
+  ``context`` tokens; ``itemsize`` 2 for bfloat16/float16, 4 for float32). ``launch``: the
+  launch to describe (default :func:`decode_launch` of this shape)."""
+  if launch is None:
+    launch = decode_launch(batch, context, num_q_heads, num_kv_heads, head_dim, block_size, _DTYPES[itemsize])
+  group = num_q_heads // num_kv_heads
+  tile_keys = launch.blocks_per_tile * block_size
+  kv = batch * context * num_kv_heads * head_dim * 2 * itemsize
+  q_and_out = 2 * batch * num_q_heads * head_dim * itemsize
+  extra = 0
+  if launch.num_splits > 1:
+    # o [B, Hkv, S, G, D] and m, l [B, Hkv, S, G] in float32, written once and read once.
+    partial = batch * num_kv_heads * launch.num_splits * group * (head_dim + 2) * 4
+    extra = 2 * partial
+  return perf_model.Work(
+      bytes=kv + q_and_out,
+      flops=2 * 2 * batch * num_q_heads * context * head_dim,
+      step_bytes=2 * tile_keys * head_dim * itemsize,
+      steps=launch.tiles_per_split,
+      step_flops=2 * 2 * launch.rows * tile_keys * head_dim,
+      extra_bytes=extra)
