@@ -171,7 +171,6 @@ SMS = 132
 BANDWIDTH = 0.92 * 4.8e12  # HBM bytes/s a streaming kernel sustains
 LATENCY_S = 0.7e-6  # DRAM round trip under load (the high end)
 MERGE_S = 4e-6  # the merge's kernels (launch gaps and their reads) when there are splits
-MAX_WAVES = 8  # splits are searched up to this many waves of resident programs
 
 
 def split_time(programs: int, num_tiles: int, splits: int, *, tile_bytes: int, stages: int, ctas_per_sm: int,
@@ -226,8 +225,7 @@ def choose_partition(max_blocks: int, block_size: int, batch: int, num_kv_heads:
     cost = functools.partial(split_time, programs, num_tiles, tile_bytes=tile_bytes, stages=stages,
                              ctas_per_sm=ctas_per_sm, partial_bytes=partial_bytes)
     num_splits, best = 1, cost(1)
-    limit = min(num_tiles, -(-MAX_WAVES * SMS * ctas_per_sm // programs))
-    for s in range(2, limit + 1):
+    for s in range(2, num_tiles + 1):
       t = cost(s)
       if t < best * 0.99:
         num_splits, best = s, t
