@@ -14,10 +14,10 @@ keep two K/V tiles in flight (``cp.async.wait_group 3``) while the current one i
 
 Split-K: when ``batch x num_kv_heads`` programs alone would leave the GPU's resident slots
 badly filled (a partial wave, idle SMs), the table is cut into ``num_splits`` contiguous ranges
-(:func:`choose_partition`); every split writes its partial ``(o, m, l)`` for the group's real
-rows and one XLA epilogue merges them with the usual log-sum-exp rescaling
-(``exp(m_s - max_s m_s)``), which is exact and stable. With one split the kernel writes the
-normalised output itself and there is no epilogue.
+(:func:`choose_partition`); every split writes its normalised partial output and log-sum-exp
+for the group's real rows, and one XLA kernel merges them with the usual log-sum-exp rescaling
+(:func:`merge_splits`), which is exact and stable. With one split the kernel writes the
+normalised output itself and there is no merge.
 
 Nothing is prepared around the kernel per call (nor per layer): it clamps the layer, clips the
 lengths and maps bad block ids to the null block itself (a few scalar and per-tile integer
@@ -82,7 +82,7 @@ def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale
                    max_blocks: int, block_size: int, blocks_per_tile: int, tiles_per_split: int,
                    soft_cap: float | None = None, has_bias: bool = False):
   # refs: (ALiBi slopes [rows] when has_bias,) then the output [rows, D] (one split) or the
-  # split partials o [rows, D], m [rows], l [rows] (several). Rows past the GQA group, table
+  # split partials o [rows, D] and lse [rows, D] (several). Rows past the GQA group, table
   # columns past ``max_blocks`` and the group's partial rows lie outside their arrays: Pallas
   # masks those loads and stores (its blocks are larger than the arrays there), so the wrapper
   # pads nothing.
@@ -129,10 +129,13 @@ def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale
     # One split: the normalised output in q's dtype, no merge (length 0 gives zeros).
     outs[0][...] = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(outs[0].dtype)
   else:
-    o_ref, m_ref, l_ref = outs
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+    # Several splits: the normalised partial and its log-sum-exp, broadcast over head_dim so
+    # that the merge is one elementwise XLA kernel (merge_splits). An empty split (l = 0) gives
+    # 0 and MASK_VALUE, which weigh nothing in the merge.
+    o_ref, lse_ref = outs
+    o_ref[...] = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE)
+    lse_ref[...] = jnp.broadcast_to(lse[:, None], (rows, head_dim))
 
 
 def layer_operand(layer: int | jax.Array, num_layers: int) -> jax.Array:
@@ -155,13 +158,23 @@ def layer_operand(layer: int | jax.Array, num_layers: int) -> jax.Array:
   return jnp.full((1,), min(max(int(layer), 0), num_layers - 1), jnp.int32)
 
 
-def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-  """Log-sum-exp merge of split partials: o [..., S, R, D], m and l [..., S, R] -> [..., R, D]."""
-  m_max = m.max(axis=-2, keepdims=True)
-  w = jnp.exp(m - m_max)  # 0 for empty splits (m = MASK_VALUE) unless all are empty
-  l_tot = (w * l).sum(axis=-2)
-  o_tot = (w[..., None] * o).sum(axis=-3)
-  return jnp.where(l_tot[..., None] > 0, o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
+def merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
+  """Log-sum-exp merge of split partials -> [..., R, D] float32.
+
+  ``o`` [..., S, R, D]: each split's normalised output; ``lse`` [..., S, R, D]: its log-sum-exp
+  (``m + log l``, broadcast over head_dim; ``MASK_VALUE`` for an empty split, whose ``o`` is 0).
+  The splits are folded in one at a time (each pair rescaled to their common maximum) as
+  elementwise operations over the ``S`` (static) slices, every one at the output's shape: XLA:GPU
+  emits the merge, the division and the caller's cast as one loop kernel. (Reductions over the
+  split axis became two kernels, and so did per-row ``m``, ``l`` broadcast here: XLA computed
+  the rows' chain in a kernel of its own.) All splits empty gives zeros."""
+  lse_tot, w_tot, o_tot = lse[..., 0, :, :], jnp.ones_like(o[..., 0, :, :]), o[..., 0, :, :]
+  for s in range(1, o.shape[-3]):
+    lse_s = lse[..., s, :, :]
+    new = jnp.maximum(lse_tot, lse_s)
+    a, b = jnp.exp(lse_tot - new), jnp.exp(lse_s - new)
+    lse_tot, w_tot, o_tot = new, a * w_tot + b, a * o_tot + b * o[..., s, :, :]
+  return o_tot / w_tot
 
 
 # The split rule's picture of the GPU: an H100/H200 (what the tiles were tuned on), figures as in
@@ -170,7 +183,7 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 SMS = 132
 BANDWIDTH = 0.92 * 4.8e12  # HBM bytes/s a streaming kernel sustains
 LATENCY_S = 0.7e-6  # DRAM round trip under load (the high end)
-MERGE_S = 4e-6  # the merge's kernels (launch gaps and their reads) when there are splits
+MERGE_S = 3e-6  # the merge kernel's launch gap (the high end) when there are splits
 
 
 def split_time(programs: int, num_tiles: int, splits: int, *, tile_bytes: int, stages: int, ctas_per_sm: int,
@@ -266,7 +279,7 @@ def decode_partition(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: 
   bpt, tps, splits = choose_partition(
       max_blocks, block_size, batch, num_kv_heads, bpt, num_splits,
       tile_bytes=2 * bpt * block_size * head_dim * itemsize, stages=max(stages - 1, 1),
-      ctas_per_sm=tile.ctas_per_sm, partial_bytes=2 * group * (head_dim + 2) * 4)
+      ctas_per_sm=tile.ctas_per_sm, partial_bytes=2 * 2 * group * head_dim * 4)
   return Partition(blocks_per_tile=bpt, tiles_per_split=tps, num_splits=splits, rows=tile.rows_per_tile,
                    num_warps=warps, num_stages=stages)
 
@@ -320,16 +333,9 @@ def paged_decode_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | j
     out_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))]
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, group, head_dim), q.dtype)]
   else:
-    out_specs = [
-        pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-        pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
-        pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group), jnp.float32),
-        jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group), jnp.float32),
-    ]
+    spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0))
+    out_specs = [spec, spec]
+    out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group, head_dim), jnp.float32)] * 2
   kernel = functools.partial(_decode_kernel, scale=scale, group=group, max_blocks=max_blocks, block_size=block_size,
                              blocks_per_tile=bpt, tiles_per_split=tps, soft_cap=soft_cap,
                              has_bias=alibi_slopes is not None)

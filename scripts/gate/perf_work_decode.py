@@ -1,13 +1,13 @@
 """What the paged decode attention kernel must do at one shape, for the performance model.
 
 :func:`decode_work` turns a decode call's shape into :class:`scripts.gate.perf_model.Work` with the
-kernel's own static tiling and partition (``paged_kv.pallas_kernels.tiling.decode_tiling`` and
-``paged_kv.pallas_kernels.decode_attention.choose_partition``, plain Python run at trace time), so
+kernel's own static tiling and partition (``paged_kv.pallas_kernels.decode_attention.decode_partition``:
+the tiling table's row and the split rule, plain Python run at trace time), so
 the estimate follows the tiles and splits the kernel really launches. Every sequence is taken at
 full context (the busiest split walks ``tiles_per_split`` tiles).
 
 * ``bytes`` (the roofline's): every cached K and V element once, the queries and the output.
-* ``extra_bytes``: the split partials (float32 ``o``, ``m``, ``l`` of the real query rows),
+* ``extra_bytes``: the split partials (float32 ``o`` and ``lse`` of the real query rows),
   written by the kernel and read back by the merge; 0 when there is one split (the kernel then
   writes the output itself and there is no merge).
 * ``step_bytes``: one K and one V tile; ``steps``: the busiest split's tiles; ``step_flops``: the
@@ -65,8 +65,8 @@ def decode_work(batch: int, context: int, num_q_heads: int, num_kv_heads: int, h
   q_and_out = 2 * batch * num_q_heads * head_dim * itemsize
   extra = 0
   if launch.num_splits > 1:
-    # o [B, Hkv, S, G, D] and m, l [B, Hkv, S, G] in float32, written once and read once.
-    partial = batch * num_kv_heads * launch.num_splits * group * (head_dim + 2) * 4
+    # o and lse [B, Hkv, S, G, D] in float32, written once and read once.
+    partial = 2 * batch * num_kv_heads * launch.num_splits * group * head_dim * 4
     extra = 2 * partial
   return perf_model.Work(
       bytes=kv + q_and_out,
