@@ -253,3 +253,29 @@ def test_decode_checks_its_inputs_in_the_kernel():
         q, case.pages, jnp.int32(7), tables, ln, scale=head_dim ** -0.5, interpret=True, num_splits=splits))
     tol.assert_close(got, want, atol, f"kernel, splits={splits}")
     assert np.all(np.asarray(got[2]) == 0)
+
+
+# ------------------------------------------------------------------------------ the model's work
+@pytest.mark.parametrize("batch,context", [(64, 4096), (256, 1024), (1, 32768), (4, 8192)])
+def test_decode_work_follows_the_launch(batch, context):
+  """scripts/gate/perf_work_decode.py describes the launch the kernel makes: every K/V byte once
+  plus q and the output, the partials (written and read) as extra bytes only with splits, the
+  busiest split's tiles as steps; and with the facts the deviceless sm_90 compile reports for
+  the bf16 head_dim 128 row at these shapes (64 registers, 256 threads, 72,192 B of shared
+  memory, ``cp.async.wait_group 3`` with 3 commit groups: two K/V tiles in flight), the model
+  puts the call at >= 85 % of the roofline."""
+  from scripts.gate import perf_model, perf_work_decode
+
+  launch = perf_work_decode.decode_launch(batch, context, **LLAMA)
+  part = decode_attention.decode_partition(batch, 32, 8, 128, 16, context // 16, jnp.bfloat16)
+  assert (launch.blocks_per_tile, launch.tiles_per_split, launch.num_splits) == (
+      part.blocks_per_tile, part.tiles_per_split, part.num_splits)
+  work = perf_work_decode.decode_work(batch, context, 32, 8, 128, 16, 2)
+  kv = batch * context * 8 * 128 * 2 * 2
+  assert work.bytes == kv + 2 * batch * 32 * 128 * 2
+  assert work.extra_bytes == (0 if part.num_splits == 1 else 2 * 2 * batch * 8 * part.num_splits * 4 * 128 * 4)
+  assert work.steps == part.tiles_per_split and work.step_bytes == 2 * 64 * 128 * 2
+  pipe = perf_model.Pipeline(loop=True, cp_async_bytes=0, ld_global_bytes=0, commit_groups=3, wait_group=3, tma=0,
+                             stages=2, overlapped=True)
+  est = perf_model.estimate(perf_model.H200, launch.ctas, 256, 64, 72_192, pipe, work, "mma.sync")
+  assert est.fraction[0] >= 0.85 and not perf_model.rule_violations(est)
