@@ -93,7 +93,7 @@ def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale
   tile_keys = blocks_per_tile * block_size
   rows = q_ref.shape[0]
 
-  # The bound checks the XLA epilogue used to do per call, here per program (scalars): a traced
+  # The bound checks an XLA prologue used to do before every call, here per program (scalars): a traced
   # layer is clamped to [0, num_layers), a length to the table's capacity.
   layer = jnp.clip(layer_ref[0], 0, num_layers - 1)
   length = jnp.clip(len_ref[0], 0, max_blocks * block_size)
