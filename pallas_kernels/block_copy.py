@@ -1,10 +1,19 @@
 """Block copy (copy-on-write) as one in-place Pallas (Triton) launch over all layers.
 
 The pages ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]`` are viewed as
-``[num_layers * 2 * num_kv_heads, num_blocks, block_size, head_dim]`` (a free reshape), so a
-block is ``num_layers * 2 * num_kv_heads`` contiguous ``[block_size, head_dim]`` tiles at the
-same block index. Grid ``(num_copies, head_groups)``: program ``(i, g)`` copies the tiles of
-``head_rows`` consecutive (layer, K|V, head) rows from block ``src[i]`` to block ``dst[i]``.
+``[rows, num_blocks, block_size, head_dim]`` with ``rows = num_layers * 2 * num_kv_heads`` (a
+free reshape), so a block is ``rows`` contiguous ``[block_size, head_dim]`` tiles at the same
+block index. Grid ``(num_copies, rows // head_rows)``: program ``(i, g)`` copies ``head_rows``
+consecutive (layer, K|V, head) rows of block ``src[i]`` to block ``dst[i]``, in ``head_rows //
+slab_rows`` steps; each step loads a ``[slab_rows, block_size, head_dim]`` slab (all of it in
+flight at once) and then stores it.
+
+The copy is memory-bound with no arithmetic, so its speed is the bytes it keeps in flight: a
+step moves a slab of about ``_SLAB_BYTES`` rather than one tile, and :func:`copy_plan` picks
+``slab_rows`` and ``head_rows`` from the copy count at trace time (the copy list has a fixed
+padded size): few copies split the rows over many programs of one step each (a single Llama 3.1
+8B block is 256 programs, enough to cover the SMs), many copies give each program several steps
+so the grid stays near ``_MAX_PROGRAMS`` programs instead of tens of thousands.
 
 The output aliases the pages input (``input_output_aliases``), so with the pages donated the
 copy touches only the copied blocks; without donation XLA first copies the whole array to keep
@@ -19,7 +28,6 @@ may leave both blocks equal. :func:`paged_kv.pallas_kernels.copy_blocks` checks 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 from jax import lax
@@ -28,37 +36,85 @@ from jax.experimental.pallas import triton as pltriton
 
 from paged_kv.pallas_kernels.reference import sanitize_block_tables
 
+# Bytes one program loads per step (one slab). 8 KB is 64 B (four 16-byte vector loads) per
+# thread at 128 threads: few registers, so up to 16 programs stay resident per SM and an SM
+# keeps about 128 KB of loads in flight, several times the ~20 KB that covers the DRAM round
+# trip at full bandwidth on H100/H200.
+_SLAB_BYTES = 8 * 1024
+# Grid size bounds. At least _MIN_PROGRAMS programs when the copy count allows (about two per SM
+# of a 108-132 SM GPU, so no SM idles on a one-block copy): slabs shrink to get there. At most
+# about _MAX_PROGRAMS when it is large: programs then take several steps instead of the grid
+# growing to tens of thousands of programs that each move one slab. _MAX_PROGRAMS stays within
+# one wave of resident programs on A100 and H100/H200 (16 per SM at this kernel's ~32
+# registers and 128 threads), so no tail wave runs a few long programs on a mostly idle GPU.
+_MIN_PROGRAMS = 256
+_MAX_PROGRAMS = 1024
 
-def _copy_kernel(src_ref, dst_ref, pages_ref, out_ref, *, head_rows: int):
+
+def _pow2_divisor(n: int, cap: int) -> int:
+  """The largest power of two that divides ``n`` and is at most ``cap`` (at least 1)."""
+  d = 1
+  while d * 2 <= cap and n % (d * 2) == 0:
+    d *= 2
+  return d
+
+
+def copy_plan(num_copies: int, rows: int, block_size: int, head_dim: int, itemsize: int) -> tuple[int, int]:
+  """``(slab_rows, head_rows)`` of a copy of ``num_copies`` blocks of ``rows`` tiles of
+  ``[block_size, head_dim]`` elements of ``itemsize`` bytes: a program copies ``head_rows`` rows
+  in ``head_rows // slab_rows`` steps of ``slab_rows`` rows. Both are powers of two (Triton's
+  block shapes) that divide ``rows``; static (the copy list's padded size is)."""
+  tile = block_size * head_dim * itemsize
+  slab_rows = _pow2_divisor(rows, max(1, _SLAB_BYTES // tile))
+  # Few copies: smaller slabs, so the grid still has a program per SM or more.
+  while slab_rows > 1 and num_copies * (rows // slab_rows) < _MIN_PROGRAMS:
+    slab_rows //= 2
+  slabs = num_copies * (rows // slab_rows)
+  steps = _pow2_divisor(rows // slab_rows, max(1, slabs // _MAX_PROGRAMS))
+  return slab_rows, slab_rows * steps
+
+
+def _copy_kernel(src_ref, dst_ref, pages_ref, out_ref, *, head_rows: int, slab_rows: int):
   del pages_ref  # Same buffer as out_ref (aliased); read and write through out_ref.
   src = src_ref[0]
   dst = dst_ref[0]
 
-  @pl.when(src != dst)
+  @pl.when(src != dst)  # Padding (0, 0) and self-copies move nothing.
   def _copy():
-    def body(j, carry):
-      out_ref[j, dst] = out_ref[j, src]
+    def step(j, carry):
+      rows = pl.ds(pl.multiple_of(j * slab_rows, slab_rows), slab_rows)
+      # One slab load (every tile of it in flight together), then its store.
+      out_ref[rows, dst] = out_ref[rows, src]
       return carry
-    lax.fori_loop(0, head_rows, body, 0)
+    lax.fori_loop(0, head_rows // slab_rows, step, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "head_rows", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "head_rows", "slab_rows", "num_warps"))
 def copy_blocks_pallas(pages: jax.Array, src: jax.Array, dst: jax.Array, *, interpret: bool = False,
-                       head_rows: int | None = None, num_warps: int = 4) -> jax.Array:
-  """Pallas block copy; arguments as :func:`paged_kv.pallas_kernels.copy_blocks`."""
+                       head_rows: int | None = None, slab_rows: int | None = None,
+                       num_warps: int = 4) -> jax.Array:
+  """Pallas block copy; arguments as :func:`paged_kv.pallas_kernels.copy_blocks`.
+
+  ``head_rows`` (rows per program) and ``slab_rows`` (rows per step) default to
+  :func:`copy_plan`'s choice; given, ``slab_rows`` must divide ``head_rows``, which must divide
+  ``num_layers * 2 * num_kv_heads``, and on a GPU both must be powers of two."""
   num_layers, _, num_kv_heads, num_blocks, block_size, head_dim = pages.shape
   rows = num_layers * 2 * num_kv_heads
-  if head_rows is None:
-    head_rows = math.gcd(rows, 16)
-  if rows % head_rows:
-    raise ValueError(f"head_rows={head_rows} must divide num_layers * 2 * num_kv_heads = {rows}")
   num_copies = src.shape[0]
+  plan_slab, plan_head = copy_plan(num_copies, rows, block_size, head_dim, pages.dtype.itemsize)
+  if head_rows is None:
+    head_rows = plan_head if slab_rows is None or plan_head % slab_rows == 0 else slab_rows
+  if slab_rows is None:
+    slab_rows = plan_slab if head_rows % plan_slab == 0 else 1
+  if rows % head_rows or head_rows % slab_rows:
+    raise ValueError(f"slab_rows={slab_rows} must divide head_rows={head_rows}, which must divide "
+                     f"num_layers * 2 * num_kv_heads = {rows}")
   src = sanitize_block_tables(src, num_blocks).reshape(num_copies, 1)
   dst = sanitize_block_tables(dst, num_blocks).reshape(num_copies, 1)
   flat = pages.reshape(rows, num_blocks, block_size, head_dim)
   spec = pl.BlockSpec((head_rows, num_blocks, block_size, head_dim), lambda i, g: (g, 0, 0, 0))
   out = pl.pallas_call(
-      functools.partial(_copy_kernel, head_rows=head_rows),
+      functools.partial(_copy_kernel, head_rows=head_rows, slab_rows=slab_rows),
       grid=(num_copies, rows // head_rows),
       in_specs=[
           pl.BlockSpec((None, 1), lambda i, g: (i, 0)),
