@@ -92,6 +92,43 @@ def test_copy_plan(num_copies, rows, block_size, head_dim, itemsize, plan):
   assert programs <= 2 * bc._MAX_PROGRAMS or head_rows == rows or rows // head_rows % 2
 
 
+def _pallas_grid(fn, *args):
+  """The grid of the one ``pallas_call`` in ``fn``'s jaxpr (traced only: nothing runs)."""
+  def find(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        return eqn.params["grid_mapping"].grid
+      for v in eqn.params.values():
+        inner = getattr(v, "jaxpr", None)
+        if inner is not None and (g := find(inner)) is not None:
+          return g
+    return None
+  return find(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+@pytest.mark.parametrize("num_copies", [1, 16, 256])
+@pytest.mark.parametrize("num_layers,heads,head_dim", [(32, 8, 128), (1, 8, 64)])
+def test_copy_work_matches_the_kernel_grid(num_copies, num_layers, heads, head_dim):
+  """``scripts/gate/perf_work_copy.copy_work`` (what the performance model is told) describes
+  the grid the kernel launches: its programs move every byte once each way, one slab per step."""
+  from paged_kv.pallas_kernels import block_copy as bc
+  from scripts.gate import perf_work_copy
+  rows, bs, itemsize = num_layers * 2 * heads, 16, 2
+  work = perf_work_copy.copy_work(num_copies, rows, bs, head_dim, itemsize)
+  tile = bs * head_dim * itemsize
+  assert work.bytes == 2 * num_copies * rows * tile
+  pages = jax.ShapeDtypeStruct((num_layers, 2, heads, 64, bs, head_dim), jnp.bfloat16)
+  lst = jax.ShapeDtypeStruct((num_copies,), jnp.int32)
+  grid = _pallas_grid(lambda p, s, d: bc.copy_blocks_pallas(p, s, d), pages, lst, lst)
+  programs = grid[0] * grid[1]
+  assert grid[0] == num_copies
+  assert programs * work.steps * work.step_bytes == num_copies * rows * tile
+  # The old kernel's plan (one tile per step, 16 rows per program) as the "before" row.
+  old = perf_work_copy.copy_work(num_copies, rows, bs, head_dim, itemsize,
+                                 head_rows=perf_work_copy.old_plan(rows)[1], slab_rows=1)
+  assert (old.step_bytes, old.steps) == (tile, 16)
+
+
 # (num_layers, heads, block_size, head_dim, head_rows, slab_rows): explicit plans (one tile per
 # step, several steps of several tiles, a whole block in one program) and the default plan, on
 # 3-layer test pages (12 rows), Llama 3.2 1B-like per-layer pages (1 layer, 8 heads: 16 rows of

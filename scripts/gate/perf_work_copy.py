@@ -33,8 +33,7 @@ import tempfile
 if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-# gpu_compile sets XLA's flags, so it loads before anything imports JAX.
-from scripts.gate import gpu_compile as gc, gpu_report, perf_model
+from scripts.gate import gpu_report, perf_model  # plain Python: no JAX import
 
 TARGET_OF = {id(g): t for t, g in perf_model.GPUS.items()}
 
@@ -72,6 +71,14 @@ def copy_work(num_copies: int, rows: int, block_size: int, head_dim: int, itemsi
                          steps=head_rows // slab_rows)
 
 
+def _gc():
+  """``scripts.gate.gpu_compile``, imported on first use: it sets XLA's flags (a deviceless CPU
+  client, ptxas's report in the log), which must happen before JAX loads, and only the compiling
+  functions need it, so :func:`copy_work` stays importable anywhere (the CPU tests)."""
+  from scripts.gate import gpu_compile
+  return gpu_compile
+
+
 def _compile_facts(fn, args, donate, target: str, kernel: str | None) -> dict:
   """Compiles ``fn`` deviceless for ``target``; the compile facts of its one kernel (``kernel``
   by name, or the only kernel thunk) with its :class:`perf_model.Pipeline` and the thunk kinds.
@@ -79,6 +86,7 @@ def _compile_facts(fn, args, donate, target: str, kernel: str | None) -> dict:
   Raises:
     RuntimeError: if the compile fails, or the program has no kernel thunk (e.g. a ``kCopy``).
   """
+  gc = _gc()
   import jax
 
   from paged_kv.pallas_kernels.jax_compat import cuda_lowering
@@ -115,7 +123,7 @@ def _estimate(gpu: perf_model.Gpu, facts: dict, work: perf_model.Work) -> perf_m
 
 def _mesh_sharding(target: str):
   from jax.sharding import NamedSharding, PartitionSpec
-  _, mesh = gc._topology(target)
+  _, mesh = _gc()._topology(target)
   return NamedSharding(mesh, PartitionSpec())
 
 
@@ -234,6 +242,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+  _gc()  # before JAX loads
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--json", help="write the rows here too")
   ap.add_argument("--targets", default="sm_90,sm_80")
