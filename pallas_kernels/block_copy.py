@@ -37,16 +37,18 @@ from jax.experimental.pallas import triton as pltriton
 from paged_kv.pallas_kernels.reference import sanitize_block_tables
 
 # Bytes one program loads per step (one slab). 8 KB is 64 B (four 16-byte vector loads) per
-# thread at 128 threads: few registers, so up to 16 programs stay resident per SM and an SM
-# keeps about 128 KB of loads in flight, several times the ~20 KB that covers the DRAM round
-# trip at full bandwidth on H100/H200.
+# thread at 128 threads, about 30 registers: up to 16 programs fit on an SM, and even the ~8 per
+# SM of a _MAX_PROGRAMS grid keep ~64 KB of loads in flight per SM, three times the ~20 KB that
+# covers the DRAM round trip at full bandwidth on H100/H200 (Little's law; a single slab per
+# program would need 3+ programs per SM). A tile larger than this is one slab of its own.
 _SLAB_BYTES = 8 * 1024
 # Grid size bounds. At least _MIN_PROGRAMS programs when the copy count allows (about two per SM
 # of a 108-132 SM GPU, so no SM idles on a one-block copy): slabs shrink to get there. At most
 # about _MAX_PROGRAMS when it is large: programs then take several steps instead of the grid
-# growing to tens of thousands of programs that each move one slab. _MAX_PROGRAMS stays within
-# one wave of resident programs on A100 and H100/H200 (16 per SM at this kernel's ~32
-# registers and 128 threads), so no tail wave runs a few long programs on a mostly idle GPU.
+# growing to tens of thousands of programs that each move one slab. _MAX_PROGRAMS fits in one
+# wave of resident programs on A100 and H100/H200 up to 48 registers (10 programs of 128
+# threads per SM: 1,080 on an A100), so no tail wave runs a few long programs on a mostly idle
+# GPU; only tiles above the slab budget (fp32 32 x 256: 72-80 registers) take a second wave.
 _MIN_PROGRAMS = 256
 _MAX_PROGRAMS = 1024
 
@@ -66,7 +68,7 @@ def copy_plan(num_copies: int, rows: int, block_size: int, head_dim: int, itemsi
   block shapes) that divide ``rows``; static (the copy list's padded size is)."""
   tile = block_size * head_dim * itemsize
   slab_rows = _pow2_divisor(rows, max(1, _SLAB_BYTES // tile))
-  # Few copies: smaller slabs, so the grid still has a program per SM or more.
+  # Few copies: smaller slabs, so the grid still has about two programs per SM or more.
   while slab_rows > 1 and num_copies * (rows // slab_rows) < _MIN_PROGRAMS:
     slab_rows //= 2
   slabs = num_copies * (rows // slab_rows)
@@ -83,7 +85,9 @@ def _copy_kernel(src_ref, dst_ref, pages_ref, out_ref, *, head_rows: int, slab_r
   def _copy():
     def step(j, carry):
       rows = pl.ds(pl.multiple_of(j * slab_rows, slab_rows), slab_rows)
-      # One slab load (every tile of it in flight together), then its store.
+      # One slab load (all its tiles in flight together), then its store. The next step's load
+      # waits for this store to issue (one aliased buffer: the compiler cannot tell the rows
+      # apart), so steps are serial round trips: copy_plan keeps them few when copies are few.
       out_ref[rows, dst] = out_ref[rows, src]
       return carry
     lax.fori_loop(0, head_rows // slab_rows, step, 0)
