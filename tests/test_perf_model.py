@@ -175,19 +175,18 @@ def test_named_shapes_cover_the_issue():
 
 
 def test_layout_decision_picks_the_faster_layout():
-  est = {}
   results = []
   for name, k, n, _ in perf_plan.projections("llama3.1-8b"):
     for m in (1, 64, 256):
       t = (k * n * 2) / pm.H200.bandwidth * 1e6  # at the roofline: beats the library GEMM
-      results.append({"spec": dict(kernel="layer_matmul", model="llama3.1-8b", proj=name, m=m),
+      results.append({"spec": dict(kernel="layer_matmul", purpose="perf", model="llama3.1-8b", proj=name, m=m),
                       "model": {"low_us": t, "high_us": t}})
   for b, c in perf_plan.LAYOUT_SHAPES:
-    results.append({"spec": dict(kernel="decode", batch=b, context=c), "model": {"low_us": 100.0, "high_us": 120.0}})
+    results.append({"spec": dict(kernel="decode", purpose="perf", batch=b, context=c),
+                    "model": {"low_us": 100.0, "high_us": 120.0}})
   d = perf_plan.layout_decision(results, [])
   assert d["agrees"] and {s["faster"] for s in d["shapes"]} == {"stacked"}
   assert all(s["margin"] > 1 for s in d["shapes"])
   slow = [dict(r, model={"low_us": r["model"]["low_us"] * 3, "high_us": r["model"]["high_us"] * 3})
           if r["spec"]["kernel"] == "layer_matmul" else r for r in results]
   assert not perf_plan.layout_decision(slow, [])["agrees"]
-  del est

@@ -765,7 +765,8 @@ def main(argv=None) -> int:
       "programs": program_results,
       "decode_step_per_layer": depth,
       "performance_model": {"assumptions": {t: g.describe() for t, g in perf_model.GPUS.items()},
-                            "targets": perf_plan.TARGETS, "kernels": perf_results, "layout": layout},
+                            "targets": perf_plan.TARGETS, "kernels": perf_results, "layout": layout,
+                            "programs": perf_plan.program_sums(perf_results, program_results)},
   }
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   with open(a.out, "w") as f:

@@ -337,15 +337,7 @@ def layout_decision(perf_results: list[dict], program_results: list[dict]) -> di
   """Both single-GPU layouts of the 8B decode step at ``LAYOUT_SHAPES`` by the model, the faster
   one and its margin, and each layout's whole program as compiled (kernels per step, compile
   seconds) where the gate compiled it."""
-  est = {}
-  for r in perf_results:
-    s, m = r["spec"], r.get("model")
-    if not m:
-      continue
-    if s["kernel"] == "layer_matmul":
-      est[("layer_matmul", s["model"], s["proj"], s["m"])] = m
-    elif s["kernel"] == "decode":
-      est[("decode", s["batch"], s["context"])] = m
+  est = _estimates(perf_results)
   progs = {r["program"]: r for r in program_results if r.get("status") == "compiled"}
   compiled = {}
   for layout, name in (("stacked", "serving_step_decode"), ("per_layer", "serving_step_decode_per_layer")):
@@ -376,3 +368,43 @@ def layout_decision(perf_results: list[dict], program_results: list[dict]) -> di
   return {"model": "llama3.1-8b", "engine_layout": ENGINE_LAYOUT_ON_ONE_GPU, "shapes": shapes,
           "compiled": compiled,
           "agrees": bool(shapes) and faster_everywhere == {ENGINE_LAYOUT_ON_ONE_GPU}}
+
+
+# The whole programs the gate compiles at Llama 3.1 8B shapes, with the layout each runs and the
+# decode shape of one of its steps (64 sequences at the 4k context; generate's 16 prompts x 4
+# samples are 64 rows too).
+PROGRAM_SHAPES = {"serving_step_decode": ("stacked", 64, 4096), "generate_loop": ("stacked", 64, 4096),
+                  "serving_step_decode_per_layer": ("per_layer", 64, 4096)}
+
+
+def program_sums(perf_results: list[dict], program_results: list[dict]) -> dict:
+  """Per compiled decode program: one step by the model (``decode_step``: its kernels'
+  estimates, plus a launch gap for each kernel the compiled step runs) against the step's
+  roofline (every weight and the K/V read once, over the bandwidth)."""
+  est = _estimates(perf_results)
+  gpu = perf_model.GPUS["sm_90"]
+  out = {}
+  for r in program_results:
+    if r.get("status") != "compiled" or r.get("layers") != 32 or r["program"] not in PROGRAM_SHAPES:
+      continue
+    layout, batch, context = PROGRAM_SHAPES[r["program"]]
+    kernels = r["per_step"]["least"]["kernels"]
+    try:
+      step = decode_step("llama3.1-8b", batch, context, layout, est, kernels, gpu)
+    except KeyError:
+      continue
+    out[r["program"]] = dict(layout=layout, batch=batch, context=context, kernels_per_step=kernels, **step.as_dict())
+  return out
+
+
+def _estimates(perf_results: list[dict]) -> dict:
+  est = {}
+  for r in perf_results:
+    s, m = r["spec"], r.get("model")
+    if not m or s["purpose"] != "perf":
+      continue
+    if s["kernel"] == "layer_matmul":
+      est[("layer_matmul", s["model"], s["proj"], s["m"])] = m
+    elif s["kernel"] == "decode":
+      est[("decode", s["batch"], s["context"])] = m
+  return est
