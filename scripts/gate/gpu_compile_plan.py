@@ -216,7 +216,8 @@ def kernel_groups(quick: bool) -> list[list[dict]]:
   return sorted(groups.values(), key=lambda g: (order[g[0]["kernel"]], -len(g)))
 
 
-PROGRAMS = [("sm_90", "tp1", n) for n in ("serving_step_decode", "serving_step_prefill", "generate_loop",
+PROGRAMS = [("sm_90", "tp1", n) for n in ("serving_step_decode", "serving_step_decode_per_layer",
+                                          "serving_step_prefill", "generate_loop",
                                           "beam_search_loop", "admit", "append", "free",
                                           "serving_manager_share")] + [
     ("sm_90", "tp2", "serving_step_decode_tp2")]

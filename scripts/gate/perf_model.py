@@ -61,6 +61,10 @@ class Gpu:
       Hopper about 2/3 of what wgmma reaches), None (no tensor cores: FMA pipes).
     launch_s: the gap one more kernel adds to a program, (low, high): inside a CUDA graph about
       1-2 us, a host launch more; used only by whole-program sums.
+    gemm_efficiency: the fraction of the bandwidth (memory-bound shapes) or of the dense peak
+      (compute-bound ones) a tuned library GEMM reaches, (low, high): cuBLAS-class GEMMs, or XLA's
+      Triton GEMMs after autotuning on a GPU, usually reach 75-85 %. An assumption: used for
+      XLA's GEMMs, whose tiles a compile without a GPU cannot autotune.
   """
 
   name: str
@@ -76,6 +80,7 @@ class Gpu:
   dense_flops: float
   mma_efficiency: dict
   launch_s: tuple[float, float]
+  gemm_efficiency: tuple[float, float] = (0.75, 0.85)
 
   def describe(self) -> dict:
     """The assumptions as a JSON-able dict (what each estimate names)."""
@@ -214,6 +219,8 @@ class Work:
     step_bytes: bytes one CTA streams per main-loop step (its tile).
     steps: main-loop steps of the busiest CTA.
     step_flops: FLOPs one CTA computes per step (dots at their padded tile shapes).
+    read_fraction: the share of ``bytes`` that are reads (the loads kept in flight); a copy's
+      writes (half its bytes) are posted stores that need no round trip.
   """
 
   bytes: int
@@ -222,6 +229,7 @@ class Work:
   steps: int
   step_flops: int = 0
   extra_bytes: int = 0
+  read_fraction: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,32 +276,30 @@ def estimate(gpu: Gpu, ctas: int, threads: int, registers: int, smem_bytes: int,
   sm_peak = gpu.dense_flops / gpu.sms
   eff = gpu.mma_efficiency.get(mma, gpu.mma_efficiency[None])
   per_cta_bytes = (work.bytes + work.extra_bytes) / max(ctas, 1)
-  times = []
+  times, limits = [], []
   for latency, e in ((gpu.latency_s[0], eff[1]), (gpu.latency_s[1], eff[0])):
     compute = work.step_flops / (sm_peak * e)
     step = max(latency / stages, compute) if pipe.overlapped else latency + compute
     t_cta = work.steps * step
     full, rem = divmod(ctas, slots)
-    total = 0.0
+    total, by_bandwidth = 0.0, 0.0
     for k, n in ((slots, full), (rem, 1 if rem else 0)):
       if n:
-        total += n * max(k * per_cta_bytes / (gpu.bandwidth * gpu.achievable), t_cta)
-    total = max(total, work.flops / (gpu.dense_flops * e))
-    times.append(total)
+        t_bw = k * per_cta_bytes / (gpu.bandwidth * gpu.achievable)
+        total += n * max(t_bw, t_cta)
+        by_bandwidth += n * t_bw
+    t_flops = work.flops / (gpu.dense_flops * e)
+    limits.append("compute" if t_flops >= total else "bandwidth" if by_bandwidth >= 0.9 * total else None)
+    times.append(max(total, t_flops))
   roofline = max(work.bytes / gpu.bandwidth, work.flops / gpu.dense_flops)
   memory_bound = work.bytes / gpu.bandwidth >= work.flops / gpu.dense_flops
   busy = min(ctas, slots)
   inflight_sm = busy * inflight_cta / gpu.sms
-  needed = INFLIGHT_TARGET * gpu.bandwidth * gpu.latency_s[1] / gpu.sms
+  needed = INFLIGHT_TARGET * gpu.bandwidth * gpu.latency_s[1] * work.read_fraction / gpu.sms
   low, high = times
-  if work.flops / (gpu.dense_flops * eff[0]) >= high * 0.999:
-    bound = "compute"
-  elif ctas < gpu.sms:
-    bound = "grid"
-  elif inflight_sm < needed:
-    bound = "latency"
-  else:
-    bound = "bandwidth"
+  # What binds at the high latency: the FLOPs, the bandwidth, or else the per-CTA chain of
+  # round trips, because the grid is short of SMs ("grid") or too little is in flight ("latency").
+  bound = limits[1] or ("grid" if ctas < gpu.sms else "latency")
   return Estimate(low_s=low, high_s=high, roofline_s=roofline, fraction=(roofline / high, roofline / low),
                   bound=bound, memory_bound=memory_bound, ctas=ctas, resident=resident, resident_limit=why,
                   slots=slots, waves=ctas / slots, stages=stages, inflight_per_cta=inflight_cta,
