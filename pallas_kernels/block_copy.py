@@ -76,6 +76,27 @@ def copy_plan(num_copies: int, rows: int, block_size: int, head_dim: int, itemsi
   return slab_rows, slab_rows * steps
 
 
+def resolve_plan(num_copies: int, rows: int, block_size: int, head_dim: int, itemsize: int,
+                 head_rows: int | None = None, slab_rows: int | None = None) -> tuple[int, int]:
+  """``(slab_rows, head_rows)`` the kernel runs with: :func:`copy_plan`'s when neither is given;
+  ``head_rows`` alone keeps one tile per step (``slab_rows = 1``, the kernel before slab loads);
+  ``slab_rows`` alone is one step per program (``head_rows = slab_rows``).
+
+  Raises:
+    ValueError: unless ``slab_rows`` divides ``head_rows`` and ``head_rows`` divides ``rows``.
+  """
+  if head_rows is None and slab_rows is None:
+    slab_rows, head_rows = copy_plan(num_copies, rows, block_size, head_dim, itemsize)
+  elif slab_rows is None:
+    slab_rows = 1
+  elif head_rows is None:
+    head_rows = slab_rows
+  if rows % head_rows or head_rows % slab_rows:
+    raise ValueError(f"slab_rows={slab_rows} must divide head_rows={head_rows}, which must divide "
+                     f"num_layers * 2 * num_kv_heads = {rows}")
+  return slab_rows, head_rows
+
+
 def _copy_kernel(src_ref, dst_ref, pages_ref, out_ref, *, head_rows: int, slab_rows: int):
   del pages_ref  # Same buffer as out_ref (aliased); read and write through out_ref.
   src = src_ref[0]
@@ -99,20 +120,14 @@ def copy_blocks_pallas(pages: jax.Array, src: jax.Array, dst: jax.Array, *, inte
                        num_warps: int = 4) -> jax.Array:
   """Pallas block copy; arguments as :func:`paged_kv.pallas_kernels.copy_blocks`.
 
-  ``head_rows`` (rows per program) and ``slab_rows`` (rows per step) default to
-  :func:`copy_plan`'s choice; given, ``slab_rows`` must divide ``head_rows``, which must divide
-  ``num_layers * 2 * num_kv_heads``, and on a GPU both must be powers of two."""
+  ``head_rows`` (rows per program) and ``slab_rows`` (rows per step): as :func:`resolve_plan`
+  (default :func:`copy_plan`'s choice); on a GPU both must be powers of two (Triton's block
+  shapes)."""
   num_layers, _, num_kv_heads, num_blocks, block_size, head_dim = pages.shape
   rows = num_layers * 2 * num_kv_heads
   num_copies = src.shape[0]
-  plan_slab, plan_head = copy_plan(num_copies, rows, block_size, head_dim, pages.dtype.itemsize)
-  if head_rows is None:
-    head_rows = plan_head if slab_rows is None or plan_head % slab_rows == 0 else slab_rows
-  if slab_rows is None:
-    slab_rows = plan_slab if head_rows % plan_slab == 0 else 1
-  if rows % head_rows or head_rows % slab_rows:
-    raise ValueError(f"slab_rows={slab_rows} must divide head_rows={head_rows}, which must divide "
-                     f"num_layers * 2 * num_kv_heads = {rows}")
+  slab_rows, head_rows = resolve_plan(num_copies, rows, block_size, head_dim, pages.dtype.itemsize,
+                                      head_rows, slab_rows)
   src = sanitize_block_tables(src, num_blocks).reshape(num_copies, 1)
   dst = sanitize_block_tables(dst, num_blocks).reshape(num_copies, 1)
   flat = pages.reshape(rows, num_blocks, block_size, head_dim)

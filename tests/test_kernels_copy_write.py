@@ -194,6 +194,17 @@ def test_copy_blocks_kernel_skips_self_copies_under_jit():
   np.testing.assert_array_equal(got, _expected_copy(np.asarray(pages), src, dst))
 
 
+def test_copy_resolve_plan_defaults():
+  """Neither given: the plan; ``head_rows`` alone: one tile per step (the kernel before slab
+  loads, which the gate's rule-breaking variant ``head_rows=16`` reproduces); ``slab_rows``
+  alone: one step per program."""
+  from paged_kv.pallas_kernels import block_copy as bc
+  assert bc.resolve_plan(1, 512, 16, 128, 2) == bc.copy_plan(1, 512, 16, 128, 2)
+  assert bc.resolve_plan(1, 512, 16, 128, 2, head_rows=16) == (1, 16)
+  assert bc.resolve_plan(1, 512, 16, 128, 2, slab_rows=4) == (4, 4)
+  assert bc.resolve_plan(1, 512, 16, 128, 2, head_rows=16, slab_rows=4) == (4, 16)
+
+
 @pytest.mark.parametrize("head_rows,slab_rows", [(5, 1), (4, 3), (2, 4)])
 def test_copy_blocks_rejects_plans_that_do_not_tile_the_rows(head_rows, slab_rows):
   from paged_kv.pallas_kernels import block_copy as bc

@@ -57,18 +57,18 @@ def copy_work(num_copies: int, rows: int, block_size: int, head_dim: int, itemsi
   """What ``copy_blocks`` must do to copy ``num_copies`` blocks of ``rows`` tiles of
   ``[block_size, head_dim]`` elements of ``itemsize`` bytes.
 
-  ``bytes`` is read plus write (``2 x copies x block bytes``); ``step_bytes`` the slab one
-  program loads per step (all of it in flight together); ``steps`` the program's serial steps
-  (a step's store must finish issuing before the next step's load: the kernel reads and writes
-  one aliased buffer, so the compiler cannot hoist a load above an earlier store). ``head_rows``
-  and ``slab_rows`` default to the kernel's own :func:`copy_plan`."""
-  from paged_kv.pallas_kernels.block_copy import copy_plan
-  plan_slab, plan_head = copy_plan(num_copies, rows, block_size, head_dim, itemsize)
-  slab_rows = plan_slab if slab_rows is None else slab_rows
-  head_rows = plan_head if head_rows is None else head_rows
+  ``bytes`` is read plus write (``2 x copies x block bytes``), half of it reads
+  (``read_fraction``: the stores are posted, only the loads wait on a round trip);
+  ``step_bytes`` the slab one program loads per step (all of it in flight together); ``steps``
+  the program's serial steps (a step's store must issue before the next step's load: the kernel
+  reads and writes one aliased buffer, so the compiler cannot hoist a load above an earlier
+  store). ``head_rows`` and ``slab_rows`` as the kernel resolves them
+  (:func:`paged_kv.pallas_kernels.block_copy.resolve_plan`: its own plan by default)."""
+  from paged_kv.pallas_kernels.block_copy import resolve_plan
+  slab_rows, head_rows = resolve_plan(num_copies, rows, block_size, head_dim, itemsize, head_rows, slab_rows)
   tile = block_size * head_dim * itemsize
   return perf_model.Work(bytes=2 * num_copies * rows * tile, flops=0, step_bytes=slab_rows * tile,
-                         steps=head_rows // slab_rows)
+                         steps=head_rows // slab_rows, read_fraction=0.5)
 
 
 def _gc():
@@ -132,7 +132,7 @@ def plain_copy_estimate(nbytes: int, gpu: perf_model.Gpu, dtype: str = "bfloat16
   (an in-place ``dynamic_update_slice`` into a donated buffer, compiled deviceless), and its
   compile facts.
 
-  The work is ``2 x nbytes`` (read and write), one step per CTA (the fusion has no loop: checked),
+  The work is ``2 x nbytes`` (read and write, half of it reads), one step per CTA (the fusion has no loop: checked),
   ``nbytes / CTAs`` loaded per CTA in that step.
 
   Raises:
@@ -153,7 +153,7 @@ def plain_copy_estimate(nbytes: int, gpu: perf_model.Gpu, dtype: str = "bfloat16
   if facts["pipeline"].loop:
     raise RuntimeError(f"XLA's copy kernel {facts['kernel']} loops; its steps are not modelled here")
   work = perf_model.Work(bytes=2 * n * dt.itemsize, flops=0, step_bytes=-(-n * dt.itemsize // facts["ctas"]),
-                         steps=1)
+                         steps=1, read_fraction=0.5)
   return _estimate(gpu, facts, work), facts
 
 
