@@ -33,7 +33,11 @@ import tempfile
 if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from scripts import checkout_layout
 from scripts.gate import gpu_report, perf_model  # plain Python: no JAX import
+
+# paged_kv.pallas_kernels in the gate's CUDA venv, which does not install this checkout.
+checkout_layout.install()
 
 TARGET_OF = {id(g): t for t, g in perf_model.GPUS.items()}
 
@@ -64,6 +68,8 @@ def copy_work(num_copies: int, rows: int, block_size: int, head_dim: int, itemsi
   reads and writes one aliased buffer, so the compiler cannot hoist a load above an earlier
   store). ``head_rows`` and ``slab_rows`` as the kernel resolves them
   (:func:`paged_kv.pallas_kernels.block_copy.resolve_plan`: its own plan by default)."""
+  if "jax" not in sys.modules:
+    _gc()  # the kernel module loads JAX: set XLA's flags first, as any later compile needs
   from paged_kv.pallas_kernels.block_copy import resolve_plan
   slab_rows, head_rows = resolve_plan(num_copies, rows, block_size, head_dim, itemsize, head_rows, slab_rows)
   tile = block_size * head_dim * itemsize
@@ -139,6 +145,7 @@ def plain_copy_estimate(nbytes: int, gpu: perf_model.Gpu, dtype: str = "bfloat16
     RuntimeError: when XLA emits something other than one loop-free kernel (a ``kCopy`` thunk
       has no PTX to rate).
   """
+  _gc()  # before JAX loads
   import jax
   import jax.numpy as jnp
   from jax import lax
@@ -164,6 +171,7 @@ def kernel_estimate(num_copies: int, num_layers: int, kv_heads: int, block_size:
   NUM_BLOCKS, block_size, head_dim]`` of ``dtype``, a copy list of ``num_copies``), compiled
   deviceless for ``gpu``, and its compile facts. ``head_rows`` / ``slab_rows`` as
   :func:`paged_kv.pallas_kernels.block_copy.copy_blocks_pallas` (default: its plan)."""
+  _gc()  # before JAX loads
   import jax
   import jax.numpy as jnp
 
