@@ -190,3 +190,15 @@ def test_layout_decision_picks_the_faster_layout():
   slow = [dict(r, model={"low_us": r["model"]["low_us"] * 3, "high_us": r["model"]["high_us"] * 3})
           if r["spec"]["kernel"] == "layer_matmul" else r for r in results]
   assert not perf_plan.layout_decision(slow, [])["agrees"]
+
+
+def test_a_launch_with_everything_in_flight_at_once_is_not_held_to_more():
+  # 32 KB copied by 16 resident CTAs in one step each: all its reads are in flight together, so
+  # neither rule can ask for more; the same bytes over 8 serial steps per CTA break both.
+  pipe = pm.Pipeline(False, 0, 16, 0, None, 0, 1, False)
+  once = pm.estimate(pm.H200, 16, 128, 16, 0, pipe, pm.Work(bytes=65_536, flops=0, step_bytes=2048, steps=1,
+                                                          read_fraction=0.5), None)
+  assert once.all_at_once and not pm.rule_violations(once)
+  serial = pm.estimate(pm.H200, 2, 128, 16, 0, pipe, pm.Work(bytes=65_536, flops=0, step_bytes=2048, steps=8,
+                                                           read_fraction=0.5), None)
+  assert not serial.all_at_once and len(pm.rule_violations(serial)) == 2

@@ -252,6 +252,7 @@ class Estimate:
   inflight_per_sm: float
   inflight_needed_per_sm: float
   sm_fraction: float
+  all_at_once: bool = False
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -296,6 +297,12 @@ def estimate(gpu: Gpu, ctas: int, threads: int, registers: int, smem_bytes: int,
   busy = min(ctas, slots)
   inflight_sm = busy * inflight_cta / gpu.sms
   needed = INFLIGHT_TARGET * gpu.bandwidth * gpu.latency_s[1] * work.read_fraction / gpu.sms
+  # A launch that reads less than that in all is in flight at once when every CTA is resident
+  # and issues its loads in one step: no kernel could keep more in flight, so it needs no more.
+  all_at_once = work.steps == 1 and ctas <= slots
+  reads_per_sm = work.bytes * work.read_fraction / gpu.sms
+  if all_at_once:
+    needed = min(needed, reads_per_sm)
   low, high = times
   # What binds at the high latency: the FLOPs, the bandwidth, or else the per-CTA chain of
   # round trips, because the grid is short of SMs ("grid") or too little is in flight ("latency").
@@ -304,7 +311,7 @@ def estimate(gpu: Gpu, ctas: int, threads: int, registers: int, smem_bytes: int,
                   bound=bound, memory_bound=memory_bound, ctas=ctas, resident=resident, resident_limit=why,
                   slots=slots, waves=ctas / slots, stages=stages, inflight_per_cta=inflight_cta,
                   inflight_per_sm=inflight_sm, inflight_needed_per_sm=needed,
-                  sm_fraction=min(ctas, gpu.sms) / gpu.sms)
+                  sm_fraction=min(ctas, gpu.sms) / gpu.sms, all_at_once=all_at_once)
 
 
 def rule_violations(est: Estimate) -> list[str]:
@@ -312,13 +319,17 @@ def rule_violations(est: Estimate) -> list[str]:
 
   * a memory-bound kernel keeps at least ``INFLIGHT_TARGET`` of the bandwidth's worth of bytes
     in flight per SM at the high latency (Little's law);
-  * its grid occupies at least ``MIN_SM_FRACTION`` of the SMs."""
+  * its grid occupies at least ``MIN_SM_FRACTION`` of the SMs.
+
+  A launch whose CTAs are all resident and issue all their loads in one step (``all_at_once``)
+  has everything in flight already: it needs no more than its own reads in flight, and more CTAs
+  would not shorten its one round trip, so the grid rule does not apply to it."""
   out = []
   if est.memory_bound and est.inflight_per_sm < est.inflight_needed_per_sm:
     out.append(f"keeps {est.inflight_per_sm:,.0f} B in flight per SM ({est.stages} stage(s) x "
                f"{est.inflight_per_cta:,} B per CTA, {min(est.ctas, est.slots)} CTAs busy); "
                f"{est.inflight_needed_per_sm:,.0f} B are needed for {INFLIGHT_TARGET:.0%} of the bandwidth")
-  if est.sm_fraction < MIN_SM_FRACTION:
+  if est.sm_fraction < MIN_SM_FRACTION and not est.all_at_once:
     out.append(f"grid of {est.ctas} CTAs leaves {1 - est.sm_fraction:.0%} of the SMs idle")
   return out
 

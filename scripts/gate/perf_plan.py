@@ -143,7 +143,8 @@ def work(spec: dict, facts: dict) -> perf_model.Work:
                        spec["block_size"], 2)
   if k == "copy_blocks":
     from scripts.gate.perf_work_copy import copy_work
-    return copy_work(spec["copies"], spec["layers"] * 2 * spec["kv_heads"], spec["block_size"], spec["head_dim"], 2)
+    return copy_work(spec["copies"], spec["layers"] * 2 * spec["kv_heads"], spec["block_size"], spec["head_dim"], 2,
+                     **spec.get("variant", {}))
   if k == "xla_copy":
     return elementwise_work(spec["bytes"], facts)
   if k == "xla_gemm":
