@@ -13,8 +13,14 @@ multiplies the ``x`` tile in ``x.dtype`` before the dot, the same product the no
 form, so the norm's weight needs no slice either. ``bias`` (optional ``[L, N]``) is added to the
 result after the cast to ``x.dtype``, as the model adds its biases.
 
-Grid ``(M / bm, N / bn)``; program ``(i, j)`` loops over ``K`` in ``bk`` steps, accumulating in
-float32 (``preferred_element_type``), and writes its ``[bm, bn]`` tile cast to ``x.dtype``.
+Grid ``(M / bm, N / bn, splits)``; program ``(i, j, s)`` loops over its part of ``K`` in ``bk``
+steps (Triton's pipeliner keeps ``num_stages - 1`` tiles in flight), accumulating in float32
+(``preferred_element_type``). Unsplit (``splits == 1``), it writes its ``[bm, bn]`` tile cast to
+``x.dtype`` plus the bias. Split (a decode step's few rows against a narrow projection would
+otherwise leave most SMs idle, each program walking all of ``K``), it writes a float32 partial
+into ``[splits, M, N]``, and XLA adds the partials in a fixed order, casts once and adds the bias
+once (a small elementwise fusion, which the projection's consumer can absorb). :func:`plan`
+chooses the tiles, the split and the pipeline depth from the shape.
 The last row block's rows past ``M`` are masked (not padded: a pad and the slice after it
 would be an extra copy per projection). ``K`` and ``N`` must be multiples of 16 (Triton's
 smallest dot); :func:`supported` says whether a shape qualifies.
@@ -34,9 +40,6 @@ from jax.experimental.pallas import triton as pltriton
 from paged_kv.pallas_kernels.decode_attention import layer_operand
 
 MIN_DIM = 16  # tl.dot's smallest tile edge
-# Enough programs to cover an H100/H200's 132 SMs twice when the tile is chosen; a decode step's
-# M is a handful of rows, so the grid comes from N and bn shrinks before the SMs idle.
-_TARGET_PROGRAMS = 264
 
 
 def supported(k: int, n: int) -> bool:
@@ -49,25 +52,6 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
   while b * 2 <= cap and n % (b * 2) == 0:
     b *= 2
   return b
-
-
-def tiles(m: int, k: int, n: int) -> tuple[int, int, int]:
-  """(bm, bk, bn) for an ``[m, k] @ [k, n]`` product: bm the smallest power of two >= m up to
-  64; bk the largest power of two <= 64 dividing k; bn the largest power of two <= 128
-  dividing n, halved while the grid has fewer than ``_TARGET_PROGRAMS`` programs, down to 32
-  (a weight tile's rows stay 64 bytes or more in bfloat16) or to what divides n.
-
-  Not tuned on a GPU (none was at hand): a guess from the shapes alone, a decode step's M
-  being a few rows, so its programs come from N."""
-  bm = MIN_DIM
-  while bm < min(m, 64):
-    bm *= 2
-  bk = _largest_pow2_divisor(k, 64)
-  bn = _largest_pow2_divisor(n, 128)
-  rows = -(-m // bm)
-  while bn > 2 * MIN_DIM and rows * (n // bn) < _TARGET_PROGRAMS:
-    bn //= 2
-  return bm, bk, bn
 
 
 @dataclasses.dataclass(frozen=True)

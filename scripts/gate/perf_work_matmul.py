@@ -46,3 +46,11 @@ def matmul_work(m: int, k: int, n: int, itemsize: int, has_scale: bool, has_bias
   partials = 2 * PARTIAL_ITEMSIZE * splits * m * n if splits > 1 else 0
   return perf_model.Work(bytes=must * itemsize, flops=2 * m * k * n, step_bytes=p.bk * p.bn * itemsize,
                          steps=steps, step_flops=2 * p.bm * p.bk * p.bn, extra_bytes=partials)
+
+
+if __name__ == "__main__":  # python scripts/gate/perf_work_matmul.py M K N [itemsize]: the plan and its Work
+  from paged_kv.pallas_kernels import stacked_matmul
+  m_, k_, n_ = (int(a) for a in sys.argv[1:4])
+  size = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+  print(stacked_matmul.plan(m_, k_, n_, size))
+  print(matmul_work(m_, k_, n_, size, has_scale=False, has_bias=False))
