@@ -129,6 +129,7 @@ def test_compute_bound_kernel_is_held_to_its_mma_efficiency():
   assert e.bound == "compute" and not e.memory_bound
   assert e.high_s == pytest.approx(10**12 / (pm.H200.dense_flops * lo))
   assert e.fraction[1] == pytest.approx(hi)
+  assert e.attainable_fraction == pytest.approx(lo / hi)  # judged against its MMA's best
   assert not pm.rule_violations(e)  # the in-flight rule is for memory-bound kernels
 
 
@@ -154,6 +155,10 @@ def test_judge_perf_targets_sanity_and_rule_checks():
   check = dict(kernel="decode", purpose="perf_rule_check", variant={"num_splits": 1}, expect=["grid"])
   assert "should break" in perf_plan.judge_perf(check, ok)
   assert perf_plan.judge_perf(check, dict(ok, rules=["grid of 8 CTAs leaves 94% of the SMs idle"])) is None
+  # A compute-bound kernel is held to what its MMA attains, not to the data-sheet peak.
+  compute = dict(ok, fraction=[0.70, 0.80], memory_bound=False, attainable_fraction=0.875)
+  assert perf_plan.judge_perf(spec, compute) is None
+  assert "compute-bound" in perf_plan.judge_perf(spec, dict(compute, attainable_fraction=0.6))
   copy = dict(kernel="copy_blocks", purpose="perf")
   assert perf_plan.judge_perf(copy, dict(ok, high_us=12.0), dict(high_us=10.0)) is None  # 83 %
   assert "of XLA's copy" in perf_plan.judge_perf(copy, dict(ok, high_us=20.0), dict(high_us=10.0))
@@ -185,7 +190,7 @@ def test_layout_decision_picks_the_faster_layout():
     results.append({"spec": dict(kernel="decode", purpose="perf", batch=b, context=c),
                     "model": {"low_us": 100.0, "high_us": 120.0}})
   d = perf_plan.layout_decision(results, [])
-  assert d["agrees"] and {s["faster"] for s in d["shapes"]} == {"stacked"}
+  assert d["agrees"] and d["faster"] == "stacked" and {s["faster"] for s in d["shapes"]} == {"stacked"}
   assert all(s["margin"] > 1 for s in d["shapes"])
   slow = [dict(r, model={"low_us": r["model"]["low_us"] * 3, "high_us": r["model"]["high_us"] * 3})
           if r["spec"]["kernel"] == "layer_matmul" else r for r in results]

@@ -506,7 +506,7 @@ def summarize(report: dict) -> dict:
       **({"performance_model": perf} if perf else {}))
 
 
-_PERF_FIELDS = ("low_us", "high_us", "roofline_us", "fraction", "bound", "ctas", "resident", "resident_limit",
+_PERF_FIELDS = ("low_us", "high_us", "roofline_us", "fraction", "attainable_fraction", "memory_bound", "bound", "ctas", "resident", "resident_limit",
                 "waves", "stages", "inflight_per_cta", "inflight_per_sm", "inflight_needed_per_sm", "bytes",
                 "extra_bytes", "steps", "vs_plain_copy")
 
@@ -673,6 +673,8 @@ def perf_table(report: dict, purposes=("perf",)) -> str:
     if r["purpose"] not in purposes or "low_us" not in r:
       continue
     frac = f"{r['fraction'][0]:.0%}-{r['fraction'][1]:.0%}"
+    if r.get("memory_bound") is False:
+      frac += f" ({r['attainable_fraction']:.0%} of its MMA's best)"
     if r.get("vs_plain_copy") is not None:
       frac += f" ({r['vs_plain_copy']:.0%} of XLA's copy)"
     gate = "pass" if r["gate"] == "pass" else "**" + str(r["gate"]).replace("|", "/")[:90] + "**"
@@ -698,6 +700,9 @@ def layout_table(report: dict) -> str:
     lines.append(f"| {x['batch']} x {x['context']} | {st['low_ms']:.2f}-{st['high_ms']:.2f} | "
                  f"{pl['low_ms']:.2f}-{pl['high_ms']:.2f} | {st['roofline_ms']:.2f} | {x['faster']} | "
                  f"{x['margin']:.2f}x |")
+  if lay.get("faster"):
+    lines.append(f"\nOver these shapes (geometric mean) the {lay['faster']} layout is faster by "
+                 f"{lay['margin']:.2f}x; the engines run the {lay['engine_layout']} layout on one GPU.")
   for name, c in sorted(lay.get("compiled", {}).items()):
     lines.append(f"\n{name}: `{c['program']}` compiles in {c['compile_s']} s, "
                  f"{c['kernels_per_step']} kernels per step.")

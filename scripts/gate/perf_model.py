@@ -28,6 +28,10 @@ The model (Little's law, ``../shared/GPU_PERF_MODEL.md`` has the method):
 * **Roofline** = ``max(bytes that must move / peak bandwidth, FLOPs / dense peak)``. The bytes
   that must move exclude partial results a kernel writes and reads back (a split's partials)
   and re-reads: those cost time, not roofline.
+* **Attainable** = ``max(bytes / achievable bandwidth, FLOPs / (dense peak x the MMA's best
+  efficiency))``: the best any kernel with that MMA family could do under these assumptions. A
+  compute-bound kernel (FLOPs over the dense peak longer than its bytes over the bandwidth) is
+  judged by its fraction of this, since no Triton kernel reaches the data-sheet peak.
 * **Low / high** are the two ends of the DRAM round-trip range (and of the MMA efficiency).
 
 Plain Python (no JAX import), so ``tests/test_perf_model.py`` checks it on any machine.
@@ -253,6 +257,8 @@ class Estimate:
   inflight_needed_per_sm: float
   sm_fraction: float
   all_at_once: bool = False
+  attainable_s: float = 0.0
+  attainable_fraction: float = 0.0
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -263,6 +269,8 @@ class Estimate:
     d["inflight_needed_per_sm"] = round(self.inflight_needed_per_sm)
     d["waves"] = round(self.waves, 3)
     d["sm_fraction"] = round(self.sm_fraction, 3)
+    d["attainable_us"] = round(d.pop("attainable_s") * 1e6, 3)
+    d["attainable_fraction"] = round(self.attainable_fraction, 3)
     return d
 
 
@@ -293,6 +301,9 @@ def estimate(gpu: Gpu, ctas: int, threads: int, registers: int, smem_bytes: int,
     limits.append("compute" if t_flops >= total else "bandwidth" if by_bandwidth >= 0.9 * total else None)
     times.append(max(total, t_flops))
   roofline = max(work.bytes / gpu.bandwidth, work.flops / gpu.dense_flops)
+  # The best any kernel with this MMA family could do under these assumptions: the achievable
+  # bandwidth, and the MMA's best efficiency. Compute-bound kernels are judged against it.
+  attainable = max(work.bytes / (gpu.bandwidth * gpu.achievable), work.flops / (gpu.dense_flops * eff[1]))
   memory_bound = work.bytes / gpu.bandwidth >= work.flops / gpu.dense_flops
   busy = min(ctas, slots)
   inflight_sm = busy * inflight_cta / gpu.sms
@@ -311,7 +322,8 @@ def estimate(gpu: Gpu, ctas: int, threads: int, registers: int, smem_bytes: int,
                   bound=bound, memory_bound=memory_bound, ctas=ctas, resident=resident, resident_limit=why,
                   slots=slots, waves=ctas / slots, stages=stages, inflight_per_cta=inflight_cta,
                   inflight_per_sm=inflight_sm, inflight_needed_per_sm=needed,
-                  sm_fraction=min(ctas, gpu.sms) / gpu.sms, all_at_once=all_at_once)
+                  sm_fraction=min(ctas, gpu.sms) / gpu.sms, all_at_once=all_at_once, attainable_s=attainable,
+                  attainable_fraction=attainable / high)
 
 
 def rule_violations(est: Estimate) -> list[str]:
