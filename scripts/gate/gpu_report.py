@@ -506,9 +506,9 @@ def summarize(report: dict) -> dict:
       **({"performance_model": perf} if perf else {}))
 
 
-_PERF_FIELDS = ("low_us", "high_us", "roofline_us", "fraction", "attainable_fraction", "memory_bound", "bound", "ctas", "resident", "resident_limit",
-                "waves", "stages", "inflight_per_cta", "inflight_per_sm", "inflight_needed_per_sm", "bytes",
-                "extra_bytes", "steps", "vs_plain_copy")
+_PERF_FIELDS = ("low_us", "high_us", "roofline_us", "fraction", "attainable_fraction", "memory_bound", "bound",
+                "ctas", "resident", "resident_limit", "waves", "stages", "inflight_per_cta", "inflight_per_sm",
+                "inflight_needed_per_sm", "bytes", "extra_bytes", "steps", "vs_plain_copy")
 
 
 def _perf_summary(pm: dict | None) -> dict | None:
