@@ -442,30 +442,45 @@ def decode_step_comparison(layouts: dict | None, layout_model: dict | None, prog
 
 class _Inputs:
   """Random inputs on the default device: small ones from NumPy, large ones drawn on the device
-  (``jax.random``: no multi-GB host array, no transfer). ``keep`` holds one array set (the
-  current projection's weights, shared by its row counts) until another replaces it."""
+  (``jax.random``: no multi-GB host array, no transfer); above ``DRAW`` elements one slice along
+  the first axis is drawn and repeated (every layer's weights or pages alike: their values do not
+  change a kernel's time, and ``jax.random`` stays far from 2^32 elements). ``keep`` holds one
+  array set (the current projection's weights, shared by its row counts) until another replaces
+  it."""
 
-  SMALL = 1 << 20
+  SMALL, DRAW = 1 << 20, 1 << 28
 
   def __init__(self, seed: int = 0):
     self.rng = np.random.default_rng(seed)
     self.kept: dict = {}
     self.draws = 0
+    self._drawers: dict = {}
 
   def normal(self, shape: tuple, dtype, scale: float = 1.0, shift: float = 0.0, keep: str | None = None):
+    dtype = jnp.dtype(dtype)
     if keep is not None:
-      key = (keep, shape, jnp.dtype(dtype).name, scale, shift)
+      key = (keep, shape, dtype.name, scale, shift)
       if key in self.kept:
         return self.kept[key]
     if int(np.prod(shape)) <= self.SMALL:
       a = jnp.asarray(shift + scale * self.rng.standard_normal(shape, np.float32), dtype)
     else:
       self.draws += 1
-      draw = jax.jit(lambda k: (shift + scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-      a = draw(jax.random.key(self.draws))
+      a = self._drawer(shape, dtype, scale, shift)(jax.random.key(self.draws))
     if keep is not None:
       self.kept = {key: a}  # drops the previous set
     return a
+
+  def _drawer(self, shape: tuple, dtype, scale: float, shift: float):
+    key = (shape, dtype.name, scale, shift)
+    if key not in self._drawers:
+      part = shape[1:] if int(np.prod(shape)) > self.DRAW and len(shape) > 1 else shape
+
+      def draw(k):
+        x = (shift + scale * jax.random.normal(k, part, jnp.float32)).astype(dtype)
+        return jnp.broadcast_to(x, shape) if part != shape else x
+      self._drawers[key] = jax.jit(draw)
+    return self._drawers[key]
 
   def tables(self, batch: int, per_seq: int):
     """Block tables: distinct valid block ids (1 .. batch x per_seq; block 0 is the null block)."""
