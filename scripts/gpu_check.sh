@@ -6,9 +6,11 @@
 # random bf16 model (generate, a ServingEngine run).
 # `perf` times each kernel configuration of scripts/gate/perf_plan.perf_specs() (layer_matmul of
 # Llama 3.1 8B / 3.2 1B at M 1-256, decode at 64x4k, 256x1k, 1x32k, 4x8k, copy_blocks, XLA's copy
-# and GEMM, JAX's pallas.ops.gpu.paged_attention) and writes, per kernel, the measured median/min/
-# max next to the model's low/high/roofline from results/gpu_compile_summary.json (null where the
-# summary has no estimates yet), the measured fraction of the roofline and measured/estimate; decode
+# and GEMM, JAX's pallas.ops.gpu.paged_attention) alone (median/min/max of waited-for calls) and
+# 8 times in one program (kernel_us: free of the host's dispatch), and writes, per kernel, the
+# measured times next to the model's low/high/roofline from results/gpu_compile_summary.json (null
+# where the summary has no estimates yet), the measured fraction of the roofline and
+# measured/estimate; decode
 # against JAX's paged attention and copy_blocks against XLA's copy of the same bytes (what
 # scripts/bench_kernels.py measured here before); and the layouts stage's step times next to the
 # model's sums of that step (so the layouts stage runs first).

@@ -4,6 +4,8 @@ shapes in interpret mode (``--smoke``) for a few specs."""
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from scripts.gate import gpu_check, perf_plan
@@ -106,7 +108,30 @@ def test_perf_smoke_runs_a_few_specs_and_writes_measured_against_estimated(tmp_p
   assert res["failures"] == 0 and res["impl"] == "interpret" and res["estimates"] == 1
   d = rows["decode 64x4096"]
   assert d["high_us"] == 200.0 and d["vs_estimate"] in ("within", "slower", "faster")
-  assert d["measured_fraction"] == round(80.0 / d["measured_us"], 3)
+  assert d["compared"] in ("kernel_us", "measured_us") and d["compared_us"] == d[d["compared"]]
+  assert d["measured_fraction"] == round(80.0 / d["compared_us"], 3)
+  assert all(r["chain"] == 2 and r["chain_us"] > 0 and "chain_error" not in r for r in rows.values())
   assert rows["xla_copy 524,288 B"]["high_us"] is None
   assert res["comparisons"]["copy_blocks_vs_xla_copy"][0]["vs_plain_copy"] > 0
   assert res["decode_step"]["measured"] is None and res["decode_step"]["note"]
+
+
+class _AbstractInputs(gpu_check._Inputs):
+  """Arrays as shapes only: the full-size specs traced without allocating their gigabytes."""
+
+  def normal(self, shape, dtype, scale=1.0, shift=0.0, keep=None):
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+@pytest.mark.smoke
+def test_every_spec_and_its_chain_traces_at_full_size_with_the_pallas_kernels():
+  """What the GPU run builds (GPU shapes, impl "pallas", one call and the chain of 8), traced: the
+  kernels' own checks of shapes and tiles pass, and the chain's operands line up."""
+  inputs = _AbstractInputs(0)
+  for spec in gpu_check.perf_run_specs():
+    _, fn, args, donate, chain = gpu_check.perf_call(spec, "pallas", inputs)
+    jax.jit(fn, donate_argnums=donate).trace(*args)
+    assert chain is not None or spec["kernel"] == "xla_gemm", perf_plan.spec_name(spec)
+    if chain is not None:
+      cfn, cargs = chain(args, gpu_check.PERF_CHAIN)
+      jax.jit(cfn, donate_argnums=donate).trace(*cargs)

@@ -38,7 +38,8 @@ autotuned matmuls: their step times and ratio.
 checks (layer_matmul of both Llamas at M 1-256, decode at four batch x context shapes,
 copy_blocks, and XLA's copy, XLA's GEMM and JAX's paged attention), built on random inputs as the
 gate compiles them (``perf_call``), jitted, timed (median of up to 20 waited-for calls, min, max,
-and back-to-back), next to the model's estimate from the gate's summary (``--summary``, key
+back to back, and 8 calls in one program: ``kernel_us``, free of the host's dispatch), next to
+the model's estimate from the gate's summary (``--summary``, key
 ``performance_model``; estimates null where it has none): the measured fraction of the
 roofline, measured / the estimate's low and high ends, within / slower / faster; copy_blocks
 against XLA's copy of the same bytes and decode against JAX's paged attention, measured; and the
@@ -276,6 +277,8 @@ def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict
 # once a spec's repeats used PERF_SPEC_S; the whole stage skips what is left at PERF_BUDGET_S
 # (scripts/gpu_check.sh gives the stage 200 s).
 PERF_REPEATS, PERF_SPEC_S, PERF_BUDGET_S = 20, 1.0, 175.0
+# Kernels per chained program (``time_chain``): the dispatch-free time of one kernel.
+PERF_CHAIN = 8
 # copy_blocks' page pool, as the gate compiles it (scripts/gate/gpu_compile.py::_perf_program).
 COPY_POOL_BLOCKS = 4096
 # The order specs are measured in, so that running out of time skips the most numerous and least
@@ -364,13 +367,15 @@ def compare_to_estimate(measured_us: float | None, est: dict | None) -> dict:
 
 
 def measured_comparisons(rows: list[dict]) -> dict:
-  """The comparisons ``bench_kernels.py`` made, from the measured rows: each ``copy_blocks`` spec
-  against XLA's copy of the same bytes (``vs_plain_copy`` = the copy's time / copy_blocks' time,
-  the model's figure of that name next to it), and decode against JAX's
+  """The comparisons ``bench_kernels.py`` made, from the measured rows (``compared_us``, else
+  ``measured_us``): each ``copy_blocks`` spec against XLA's copy of the same bytes
+  (``vs_plain_copy`` = the copy's time / copy_blocks' time, the model's figure of that name next
+  to it), and decode against JAX's
   ``pallas.ops.gpu.paged_attention`` at the same batch x context (JAX's time / ours: above 1, ours
   is faster)."""
   from scripts.gate import perf_plan
-  by_name = {r["name"]: r for r in rows if r.get("measured_us") is not None}
+  by_name = {r["name"]: dict(r, measured_us=r.get("compared_us") or r.get("measured_us")) for r in rows
+             if r.get("measured_us") is not None}
   copies, attention = [], []
   for r in rows:
     s = r["spec"]
@@ -493,32 +498,52 @@ class _Inputs:
 
 
 def perf_call(spec: dict, impl: str, inputs: _Inputs):
-  """(cache key, function, concrete args, donated argnums) of one perf spec, as
+  """(cache key, function, concrete args, donated argnums, chain) of one perf spec, as
   ``gpu_compile._perf_program`` builds it from abstract arrays. Departures: the decode kernel's
   pages hold 2 layers (it reads layer 1), not 32 (its time does not depend on the others); JAX's
   paged attention reads distinct K and V pages (the same array twice would hit L2 on V);
-  ``layer_matmul``'s weights have the model's depth (``spec["layers"]``)."""
+  ``layer_matmul``'s weights have the model's depth (``spec["layers"]``).
+
+  ``chain(args, k)``: (function, args) running the kernel ``k`` times in one program, each call
+  on the previous one's result or on other data (``layer_matmul``: ``k`` different layers;
+  ``copy_blocks``: ``k`` copy lists), so XLA can neither merge nor drop one and little of it sits
+  in L2 from the call before. ``args``: the single call's args after its timing (its pages, when
+  donated, are the last call's result)."""
   from paged_kv.pallas_kernels.jax_compat import jax_paged_attention
   dt = jnp.dtype(spec["dtype"])
   kernel = spec["kernel"]
   key = (kernel, impl) + tuple(sorted((k, str(v)) for k, v in spec.items() if k not in ("purpose", "model", "proj")))
+
+  def chain_first(fn):  # the kernel's result is its next call's first operand
+    def chain(args, k):
+      def run(x, *rest):
+        for _ in range(k):
+          x = fn(x, *rest)
+        return x
+      return run, args
+    return chain
+
   if kernel == "layer_matmul":
     m, k, n, layers = spec["m"], spec["k"], spec["n"], spec["layers"]
     extras = spec["extras"].split("+")
     proj = f"{spec.get('model')}/{spec.get('proj')}"
-    args = [inputs.normal((m, k), dt), inputs.normal((layers, k, n), dt, k ** -0.5, keep=proj),
-            jnp.asarray(layers // 2, jnp.int32)]
-    if "scale" in extras:
-      args.append(inputs.normal((layers, k), dt, 0.1, 1.0))
-    if "bias" in extras:
-      args.append(inputs.normal((layers, n), dt))
+    x, w = inputs.normal((m, k), dt), inputs.normal((layers, k, n), dt, k ** -0.5, keep=proj)
+    rest = ((inputs.normal((layers, k), dt, 0.1, 1.0),) if "scale" in extras else ()) + (
+        (inputs.normal((layers, n), dt),) if "bias" in extras else ())
 
     def matmul(x, w, layer, *rest):
       rest = list(rest)
       scale = rest.pop(0) if "scale" in extras else None
       bias = rest.pop(0) if "bias" in extras else None
       return pk.layer_matmul(x, w, layer, scale=scale, bias=bias, impl=impl)
-    return key, matmul, tuple(args), ()
+
+    def chain(args, kk):  # one operand per layer id: no index arithmetic between the kernels
+      def run(*a):
+        x, w, ids, rest = a[0], a[1], a[2:2 + kk], a[2 + kk:]
+        return tuple(matmul(x, w, i, *rest) for i in ids)
+      ids = tuple(jnp.asarray(i * layers // kk, jnp.int32) for i in range(kk))
+      return run, (args[0], args[1]) + ids + tuple(args[3:])
+    return key, matmul, (x, w, jnp.asarray(layers // 2, jnp.int32)) + rest, (), chain
   if kernel in ("decode", "jax_paged_attention"):
     b, ctx, bs, d, kvh = spec["batch"], spec["context"], spec["block_size"], spec["head_dim"], spec["kv_heads"]
     per_seq = ctx // bs
@@ -527,34 +552,46 @@ def perf_call(spec: dict, impl: str, inputs: _Inputs):
     tables, lens = inputs.tables(b, per_seq), jnp.full((b,), ctx, jnp.int32)
     if kernel == "decode":
       pages = inputs.normal((2, 2, kvh, nblocks, bs, d), dt)
-      return key, (lambda q, p, t, n: pk.paged_decode_attention(q, p, 1, t, n, impl=impl)), (q, pages, tables, lens), ()
+      fn = lambda q, p, t, n: pk.paged_decode_attention(q, p, 1, t, n, impl=impl)
+      return key, fn, (q, pages, tables, lens), (), chain_first(fn)
     pa = jax_paged_attention()
     kp, vp = inputs.normal((kvh, nblocks, bs, d), dt), inputs.normal((kvh, nblocks, bs, d), dt)
-    return key, (lambda q, k, v, t, n: pa.paged_attention(q, k, v, t, n, interpret=impl == "interpret")), (
-        q, kp, vp, tables, lens), ()
+    fn = lambda q, k, v, t, n: pa.paged_attention(q, k, v, t, n, interpret=impl == "interpret")
+    return key, fn, (q, kp, vp, tables, lens), (), chain_first(fn)
   if kernel == "copy_blocks":
     pool = spec.get("pool_blocks", COPY_POOL_BLOCKS)
     pages = inputs.normal((spec["layers"], 2, spec["kv_heads"], pool, spec["block_size"], spec["head_dim"]), dt)
-    src, dst = inputs.copy_lists(pool, spec["copies"])
-    return key, (lambda p, s, t: pk.copy_blocks(p, s, t, impl=impl)), (pages, src, dst), (0,)
+    fn = lambda p, s, t: pk.copy_blocks(p, s, t, impl=impl)
+
+    def chain(args, kk):  # a copy list per call
+      def run(p, *lists):
+        for i in range(kk):
+          p = fn(p, lists[2 * i], lists[2 * i + 1])
+        return p
+      return run, (args[0],) + tuple(a for _ in range(kk) for a in inputs.copy_lists(pool, spec["copies"]))
+    return key, fn, (pages,) + inputs.copy_lists(pool, spec["copies"]), (0,), chain
   if kernel == "xla_copy":  # an elementwise kernel of XLA's, as the gate compiles it
     x = inputs.normal((spec["bytes"] // dt.itemsize,), dt)
-    return key, (lambda x: x + jnp.asarray(1, dt)), (x,), ()
-  if kernel == "xla_gemm":
+
+    def chain(args, kk):  # the barrier keeps XLA from fusing the adds into one kernel
+      def run(x):
+        for _ in range(kk):
+          x = jax.lax.optimization_barrier(x + jnp.asarray(1, dt))
+        return x
+      return run, args
+    return key, (lambda x: x + jnp.asarray(1, dt)), (x,), (), chain
+  if kernel == "xla_gemm":  # K = N: the product is the next call's left operand
     x, w = inputs.normal((spec["m"], spec["k"]), dt), inputs.normal((spec["k"], spec["n"]), dt, spec["k"] ** -0.5)
-    return key, (lambda x, w: x @ w), (x, w), ()
+    fn = lambda x, w: x @ w
+    return key, fn, (x, w), (), chain_first(fn) if spec["k"] == spec["n"] else None
   raise ValueError(f"unknown perf kernel {kernel!r}")
 
 
-def time_call(fn, args: tuple, donate: tuple, repeats: int, spec_s: float) -> dict:
-  """Times a jitted call: two warm-up calls (the first compiles: ``first_call_s``), then up to ``repeats``
-  calls each waited for (``block_until_ready``), stopping early once they took ``spec_s``
-  (one at least): their median, min and max in us. ``stream_us``: as many calls issued back to
-  back, waited for once, per call (no host round trip between calls; for kernels of a few us the
-  waited-for median is mostly dispatch and sync). A donated argument (the pages) is replaced by
-  the call's result each time."""
-  import statistics
-
+def _waited(fn, args: tuple, donate: tuple, repeats: int, spec_s: float) -> tuple[list[float], tuple, float]:
+  """Two warm-up calls (the first compiles; the first Pallas call of a process retraces once),
+  then up to ``repeats`` calls each waited for, stopping early once they took ``spec_s`` (one at
+  least): (their seconds, the args after them, the first call's seconds). A donated argument
+  (the pages) is replaced by the call's result each time."""
   def call(a):
     out = fn(*a)
     return out, ((out,) + tuple(a[1:]) if donate else a)
@@ -563,7 +600,7 @@ def time_call(fn, args: tuple, donate: tuple, repeats: int, spec_s: float) -> di
   out, args = call(args)
   jax.block_until_ready(out)
   first = time.perf_counter() - t
-  out, args = call(args)  # a second warm-up: the first Pallas call of a process retraces once
+  out, args = call(args)
   jax.block_until_ready(out)
   times: list[float] = []
   t_start = time.perf_counter()
@@ -572,15 +609,42 @@ def time_call(fn, args: tuple, donate: tuple, repeats: int, spec_s: float) -> di
     out, args = call(args)
     jax.block_until_ready(out)
     times.append(time.perf_counter() - t)
+  return times, args, first
+
+
+def time_call(fn, args: tuple, donate: tuple, repeats: int, spec_s: float) -> tuple[dict, tuple]:
+  """Times a jitted call (``_waited``): ``first_call_s``, the median, min and max of the waited-for
+  calls in us (``measured_us``: each includes the host's dispatch and wait, about
+  ``sync_floor_us``), and ``stream_us``: as many calls issued back to back, waited for once, per
+  call. Returns the figures and the args after the calls."""
+  import statistics
+  times, args, first = _waited(fn, args, donate, repeats, spec_s)
   t = time.perf_counter()
+  out = None
   for _ in times:
-    out, args = call(args)
+    out = fn(*args)
+    if donate:
+      args = (out,) + tuple(args[1:])
   jax.block_until_ready(out)
   stream = (time.perf_counter() - t) / len(times)
-  del out, args
+  del out
   return dict(first_call_s=round(first, 3), measured_us=round(1e6 * statistics.median(times), 2),
               min_us=round(1e6 * min(times), 2), max_us=round(1e6 * max(times), 2), repeats=len(times),
-              stream_us=round(1e6 * stream, 2))
+              stream_us=round(1e6 * stream, 2)), args
+
+
+def time_chain(fn, args: tuple, donate: tuple, k: int, single_us: float, repeats: int, spec_s: float) -> dict:
+  """Times ``k`` calls of the kernel in one program (``perf_call``'s chain), waited for:
+  ``chain_us`` is its median over ``k``; ``kernel_us``, ``(chain - single) / (k - 1)``, the
+  time one more kernel adds, free of the host's dispatch and wait (the kernel and the launch gap
+  between two kernels of one program); null when noise makes it <= 0."""
+  import statistics
+  times, args, first = _waited(fn, args, donate, repeats, spec_s)
+  del args
+  t_k = 1e6 * statistics.median(times)
+  kernel = (t_k - single_us) / (k - 1)
+  return dict(chain=k, chain_first_call_s=round(first, 3), chain_us=round(t_k / k, 2),
+              kernel_us=round(kernel, 2) if kernel > 0 else None)
 
 
 def _sync_floor_us(n: int = 20) -> float:
@@ -615,10 +679,14 @@ def _write_json(path: Path, obj: dict) -> None:
 def check_perf(out_path: Path, smoke: bool = False, only: list[str] | None = None, impl: str = "pallas",
                summary_path: Path | None = ROOT / "results" / "gpu_compile_summary.json",
                layouts_path: Path | None = ROOT / "results" / "gpu_layouts.json",
-               budget_s: float = PERF_BUDGET_S, repeats: int = PERF_REPEATS, spec_s: float = PERF_SPEC_S) -> dict:
+               budget_s: float = PERF_BUDGET_S, repeats: int = PERF_REPEATS, spec_s: float = PERF_SPEC_S,
+               chain_k: int = PERF_CHAIN) -> dict:
   """Every figure the performance model estimates, measured: each spec of
-  ``perf_plan.perf_specs()`` but the rule checks, timed (``time_call``) next to the gate's
-  estimate of it (``compare_to_estimate``), the bench-style comparisons (``measured_comparisons``),
+  ``perf_plan.perf_specs()`` but the rule checks, timed alone (``time_call``) and ``chain_k``
+  times in one program (``time_chain``), next to the gate's estimate of it
+  (``compare_to_estimate`` on ``compared_us``: the chain's dispatch-free ``kernel_us`` where
+  measured, else the waited-for median ``measured_us``; ``compared`` names which), the
+  bench-style comparisons (``measured_comparisons``),
   and the whole decode step (``decode_step_comparison``: the ``layouts`` stage's JSON next to the
   model's layout sums). Writes ``out_path`` after every spec, so a stage killed at its time limit
   leaves what it measured; specs left when ``budget_s`` is spent are recorded as skipped.
@@ -626,7 +694,7 @@ def check_perf(out_path: Path, smoke: bool = False, only: list[str] | None = Non
   from scripts.gate import perf_plan
   t0 = time.perf_counter()
   if smoke:
-    impl, repeats = "interpret", min(repeats, 2)
+    impl, repeats, chain_k = "interpret", min(repeats, 2), min(chain_k, 2)
   summary = _read_json(summary_path)
   estimates = estimates_by_name(summary)
   pm = (summary or {}).get("performance_model") or {}
@@ -635,7 +703,7 @@ def check_perf(out_path: Path, smoke: bool = False, only: list[str] | None = Non
                    summary=str(summary_path) if summary_path else None, estimates=len(estimates),
                    note=None if estimates else "no estimates in the summary (its performance_model is missing: re-run "
                    "the full gate); measured figures only", budget_s=budget_s, repeats=repeats, spec_s=spec_s,
-                   sync_floor_us=_sync_floor_us(), kernels=[], failures=0)
+                   chain=chain_k, sync_floor_us=_sync_floor_us(), kernels=[], failures=0)
   print(f"perf: {len(estimates)} estimates from {summary_path}; sync floor {res['sync_floor_us']} us", flush=True)
   inputs, jitted = _Inputs(0), {}
   for spec in perf_run_specs(only):
@@ -649,22 +717,38 @@ def check_perf(out_path: Path, smoke: bool = False, only: list[str] | None = Non
       row.update(status="skipped", error=f"the stage's budget of {budget_s:.0f} s is spent")
     else:
       try:
-        key, fn, args, donate = perf_call(run_spec, impl, inputs)
+        key, fn, args, donate, chain = perf_call(run_spec, impl, inputs)
         if key not in jitted:
           jitted[key] = jax.jit(fn, donate_argnums=donate)
-        row.update(time_call(jitted[key], args, donate, repeats, min(spec_s, left)), status="measured")
-        del args
+        times, args = time_call(jitted[key], args, donate, repeats, min(spec_s, left))
+        row.update(times, status="measured")
+        if chain is not None and chain_k > 1 and budget_s > time.perf_counter() - t0:
+          try:  # the single call's figures stand without it
+            cfn, cargs = chain(args, chain_k)
+            args = None
+            if (key, chain_k) not in jitted:
+              jitted[(key, chain_k)] = jax.jit(cfn, donate_argnums=donate)
+            row.update(time_chain(jitted[(key, chain_k)], cargs, donate, chain_k, row["measured_us"], repeats,
+                                  spec_s))
+          except Exception as e:
+            row["chain_error"] = f"{type(e).__name__}: {e}"[:1500]
+          cargs = None
+        args = None
       except Exception as e:  # one spec's failure (a lowering error, memory) must not lose the others
         row.update(status="failed", error=f"{type(e).__name__}: {e}"[:1500])
         res["failures"] += 1
     est = estimates.get(name)
-    row.update(compare_to_estimate(row.get("measured_us"), est))
+    basis = "kernel_us" if row.get("kernel_us") else "measured_us"
+    row.update(compared=basis, compared_us=row.get(basis))
+    row.update(compare_to_estimate(row["compared_us"], est))
     row["model_vs_plain_copy"] = (est or {}).get("vs_plain_copy")
     res["kernels"].append(row)
     if row["status"] == "measured":
-      print(f"{name:>48}: {row['measured_us']:>10,.2f} us (stream {row['stream_us']:,.2f}, first call "
-            f"{row['first_call_s']:.2f} s)" + (f"  model {row['low_us']:,.2f}-{row['high_us']:,.2f} us: "
-                                              f"{row['vs_estimate']}" if row["vs_estimate"] else ""), flush=True)
+      one = f"{row['kernel_us']:,.2f}" if row.get("kernel_us") else "-"
+      print(f"{name:>48}: {row['measured_us']:>10,.2f} us waited, {row['stream_us']:,.2f} back to back, {one} "
+            f"in a chain (first call {row['first_call_s']:.2f} s)"
+            + (f"; model {row['low_us']:,.2f}-{row['high_us']:,.2f} us: {row['vs_estimate']}" if row["vs_estimate"]
+               else ""), flush=True)
     else:
       print(f"{name:>48}: {row['status']}: {row.get('error')}", flush=True)
     res["wall_s"] = round(time.perf_counter() - t0, 1)
