@@ -10,10 +10,9 @@
 # 8 times in one program (kernel_us: free of the host's dispatch), and writes, per kernel, the
 # measured times next to the model's low/high/roofline from results/gpu_compile_summary.json (null
 # where the summary has no estimates yet), the measured fraction of the roofline and
-# measured/estimate; decode
-# against JAX's paged attention and copy_blocks against XLA's copy of the same bytes (what
-# scripts/bench_kernels.py measured here before); and the layouts stage's step times next to the
-# model's sums of that step (so the layouts stage runs first).
+# measured/estimate; decode against JAX's paged attention and copy_blocks against XLA's copy of
+# the same bytes (what scripts/bench_kernels.py measured here before); and the layouts stage's
+# step times next to the model's sums of that step (so the layouts stage runs first).
 # The machine's own JAX is used as it is (0.11 with CUDA 13 when last seen): nothing is installed
 # over it. The `env` stage records what ran (results/gpu_env.json) and stops the check when JAX or
 # a runtime library is missing or outside the range pyproject.toml declares.
