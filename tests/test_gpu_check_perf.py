@@ -135,3 +135,17 @@ def test_every_spec_and_its_chain_traces_at_full_size_with_the_pallas_kernels():
     if chain is not None:
       cfn, cargs = chain(args, gpu_check.PERF_CHAIN)
       jax.jit(cfn, donate_argnums=donate).trace(*cargs)
+
+
+@pytest.mark.smoke
+def test_gpu_check_sh_fits_one_ten_minute_run_and_perf_stops_before_its_limit():
+  import re
+  from pathlib import Path
+  text = (Path(gpu_check.ROOT) / "scripts" / "gpu_check.sh").read_text()
+  stages = {m[0]: int(m[1]) for m in re.findall(r"^stage (\w+) (\d+) ", text, re.M)}
+  env = int(re.search(r"^timeout (\d+) .* env ", text, re.M)[1])
+  assert set(stages) == {"kernels", "layouts", "perf", "engine"}
+  assert env + sum(stages.values()) <= 590, "the device tool stops a command at 600 s"
+  assert list(stages).index("layouts") < list(stages).index("perf"), "perf reads the layouts stage's JSON"
+  budget = float(re.search(r"perf --budget-s (\d+)", text)[1])
+  assert budget + 20 <= stages["perf"], "room for the start and the last kernel after the budget"
