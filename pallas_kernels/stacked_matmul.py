@@ -13,8 +13,14 @@ multiplies the ``x`` tile in ``x.dtype`` before the dot, the same product the no
 form, so the norm's weight needs no slice either. ``bias`` (optional ``[L, N]``) is added to the
 result after the cast to ``x.dtype``, as the model adds its biases.
 
-Grid ``(M / bm, N / bn)``; program ``(i, j)`` loops over ``K`` in ``bk`` steps, accumulating in
-float32 (``preferred_element_type``), and writes its ``[bm, bn]`` tile cast to ``x.dtype``.
+Grid ``(M / bm, N / bn, splits)``; program ``(i, j, s)`` loops over its part of ``K`` in ``bk``
+steps (Triton's pipeliner keeps ``num_stages - 1`` tiles in flight), accumulating in float32
+(``preferred_element_type``). Unsplit (``splits == 1``), it writes its ``[bm, bn]`` tile cast to
+``x.dtype`` plus the bias. Split (a decode step's few rows against a narrow projection would
+otherwise leave most SMs idle, each program walking all of ``K``), it writes a float32 partial
+into ``[splits, M, N]``, and XLA adds the partials in a fixed order, casts once and adds the bias
+once (a small elementwise fusion, which the projection's consumer can absorb). :func:`plan`
+chooses the tiles, the split and the pipeline depth from the shape.
 The last row block's rows past ``M`` are masked (not padded: a pad and the slice after it
 would be an extra copy per projection). ``K`` and ``N`` must be multiples of 16 (Triton's
 smallest dot); :func:`supported` says whether a shape qualifies.
@@ -22,6 +28,7 @@ smallest dot); :func:`supported` says whether a shape qualifies.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,9 +40,6 @@ from jax.experimental.pallas import triton as pltriton
 from paged_kv.pallas_kernels.decode_attention import layer_operand
 
 MIN_DIM = 16  # tl.dot's smallest tile edge
-# Enough programs to cover an H100/H200's 132 SMs twice when the tile is chosen; a decode step's
-# M is a handful of rows, so the grid comes from N and bn shrinks before the SMs idle.
-_TARGET_PROGRAMS = 264
 
 
 def supported(k: int, n: int) -> bool:
@@ -50,26 +54,118 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
   return b
 
 
-def tiles(m: int, k: int, n: int) -> tuple[int, int, int]:
-  """(bm, bk, bn) for an ``[m, k] @ [k, n]`` product: bm the smallest power of two >= m up to
-  64; bk the largest power of two <= 64 dividing k; bn the largest power of two <= 128
-  dividing n, halved while the grid has fewer than ``_TARGET_PROGRAMS`` programs, down to 32
-  (a weight tile's rows stay 64 bytes or more in bfloat16) or to what divides n.
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How :func:`layer_matmul_pallas` tiles one ``[M, K] @ [K, N]`` product.
 
-  Not tuned on a GPU (none was at hand): a guess from the shapes alone, a decode step's M
-  being a few rows, so its programs come from N."""
+  Attributes:
+    bm, bk, bn: the tile (rows of x, the K step, columns of w).
+    splits: K ranges run by separate programs (split-K), each writing a float32 partial.
+    num_warps, num_stages: Triton's launch and software-pipeline parameters.
+  """
+
+  bm: int
+  bk: int
+  bn: int
+  splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+# The GPU the plan is sized for: an H100/H200-class part (132 SMs, ~4.4 TB/s sustained, a DRAM
+# round trip of up to ~0.7 us under load, ~227 KB of shared memory per SM, ~990 TFLOP/s of
+# bfloat16 MMA of which a kernel reaches ~70 % with wgmma and ~45 % with mma.sync). A decode
+# step's projection is a stream of the weight, so the plan is about keeping that stream full:
+# enough programs to occupy every SM, and a per-program chain of K steps (each a round trip
+# divided by the stages in flight, or its MMA time if longer) that does not outlast the stream
+# (Little's law; scripts/gate/perf_model.py has the full model the gate applies).
+_SMS = 132
+_BANDWIDTH = 4.4e12  # bytes/s a streaming kernel sustains
+_LATENCY = 0.7e-6  # s, the high end of the loaded DRAM round trip
+_PEAK_FLOPS = 989e12
+_MMA_EFFICIENCY = {True: 0.70, False: 0.45}  # bm >= 64 (wgmma on sm_90) / below (mma.sync)
+_SMEM_PER_SM = 232_448
+_SMEM_PER_BLOCK = 166_912 - 2048  # A100's opt-in limit (the smaller target), less the scale's tiles
+_MAX_RESIDENT = 4  # 4 warps at ~128 registers: 4 programs per SM
+_STAGES = (3, 4, 5)  # Triton's num_stages: 2-4 tiles in flight while one is computed
+_STEP_BYTES = 16_384  # the largest weight tile per K step (bk x bn x itemsize)
+_ROW_BYTES = 128  # a weight tile's row: one 128-byte line
+_MAX_SPLITS = 64
+_PARTIAL_ITEMSIZE = 4  # float32 partials
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+  """The largest power of two <= cap dividing n (at least MIN_DIM; n is a multiple of it)."""
+  return _largest_pow2_divisor(n, max(cap, MIN_DIM))
+
+
+def _splits_options(total: int) -> list[int]:
+  """Split counts of ``total`` K steps that leave no split empty (``ceil(total / ceil(total / s)) == s``)."""
+  return [s for s in range(1, min(total, _MAX_SPLITS) + 1) if s == -(-total // -(-total // s))]
+
+
+def plan(m: int, k: int, n: int, itemsize: int = 2) -> Plan:
+  """The tiles, split and pipeline depth of an ``[m, k] @ [k, n]`` product in a dtype of
+  ``itemsize`` bytes (plain Python: the performance model reads the same choice).
+
+  * ``bm``: the smallest power of two >= m, from 16 (the smallest dot) to 64 (one warpgroup's
+    ``wgmma`` rows on sm_90; more rows run as further row blocks, launched side by side, that
+    read the same weight tile from L2).
+  * ``bn``: a 128-byte weight row (64 bfloat16 columns) or a 64-byte one, dividing ``n``.
+  * ``bk``: a weight tile of at most 16 KB per K step (128 rows of 128 bytes) or half that,
+    dividing ``k``; ``num_stages`` 3-5, the tiles of every stage within an A100's shared memory.
+  * ``splits``: the K range cut in parts run by separate programs, each writing a float32
+    partial ``[m, n]`` that XLA sums; the partials written and read back stay within a quarter
+    of the bytes that must move.
+
+  Among those candidates the plan takes the shortest by the estimate ``max((must + partials) /
+  (bandwidth x busy), flops / (peak x efficiency x busy), waves x max(steps, stages - 1) x
+  max(latency / (stages - 1), step flops / SM peak))``, with ``busy`` the fraction of the SMs the
+  grid occupies; ties (within 2 %) go to fewer splits, fewer stages, the larger ``bn``, then the
+  larger ``bk``.
+
+  Not tuned on a GPU (none was at hand): sized by the estimate for an H100/H200-class part."""
   bm = MIN_DIM
   while bm < min(m, 64):
     bm *= 2
-  bk = _largest_pow2_divisor(k, 64)
-  bn = _largest_pow2_divisor(n, 128)
   rows = -(-m // bm)
-  while bn > 2 * MIN_DIM and rows * (n // bn) < _TARGET_PROGRAMS:
-    bn //= 2
-  return bm, bk, bn
+  must = (k * n + m * k + m * n) * itemsize
+  eff = _MMA_EFFICIENCY[bm >= 64]
+  best = None
+  bn_max = _pow2_at_most(n, _ROW_BYTES // itemsize)
+  for bn in sorted({bn_max, max(MIN_DIM, bn_max // 2)}, reverse=True):
+    cols = n // bn
+    bk_max = _pow2_at_most(k, _STEP_BYTES // (bn * itemsize))
+    for bk in sorted({bk_max, max(MIN_DIM, bk_max // 2)}, reverse=True):
+      total = k // bk
+      for stages in _STAGES:
+        smem = stages * (bm * bk + bk * bn) * itemsize  # at most one buffer per stage
+        if smem > _SMEM_PER_BLOCK:
+          continue
+        resident = min(_MAX_RESIDENT, max(1, _SMEM_PER_SM // (smem + 1024)))
+        step = max(_LATENCY / (stages - 1), 2 * bm * bk * bn / (_PEAK_FLOPS / _SMS * eff))
+        for splits in _splits_options(total):
+          steps = -(-total // splits)
+          if splits > 1 and steps < stages - 1:  # Triton pipelines no loop shorter than its stages
+            break
+          ctas = rows * cols * splits
+          busy = min(1.0, ctas / _SMS)
+          partials = 2 * _PARTIAL_ITEMSIZE * splits * m * n if splits > 1 else 0
+          if partials > must // 4:  # more partials than a quarter of the stream: never worth it
+            break
+          # A chain shorter than the pipeline still waits one whole round trip.
+          chain = -(-ctas // (_SMS * resident)) * max(steps, stages - 1) * step
+          t = max((must + partials) / (_BANDWIDTH * busy), 2 * m * k * n / (_PEAK_FLOPS * eff * busy), chain)
+          key = (splits, stages, -bn, -bk)
+          if best is None or t < best[0] * 0.98 or (t <= best[0] * 1.02 and key < best[1]):
+            best = (t, key, Plan(bm, bk, bn, splits, num_warps=4, num_stages=stages))
+  if best is None:  # a shape whose smallest tiles overflow shared memory: one buffer, no split
+    return Plan(bm, MIN_DIM, bn, 1, num_warps=4, num_stages=2)
+  return best[2]
 
 
-def _kernel(layer_ref, x_ref, w_ref, *rest, m: int, bk: int, has_scale: bool, has_bias: bool):
+def _kernel(layer_ref, x_ref, w_ref, *rest, m: int, bk: int, steps: int, total_steps: int, split: bool,
+            has_scale: bool, has_bias: bool):
   rest = list(rest)
   scale_ref = rest.pop(0) if has_scale else None
   bias_ref = rest.pop(0) if has_bias else None
@@ -79,48 +175,83 @@ def _kernel(layer_ref, x_ref, w_ref, *rest, m: int, bk: int, has_scale: bool, ha
   # The last row block may run past M: Triton's Pallas lowering does not mask a block that
   # overhangs its array, so these rows are masked by hand (never read, never written).
   rows = (pl.program_id(0) * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)) < m
+  # Split s covers K steps [s * steps, min((s + 1) * steps, total_steps)); without a split the
+  # one program covers them all.
+  first = pl.program_id(2) * steps if split else 0
+  count = steps if total_steps % steps == 0 else jnp.minimum(steps, total_steps - first)
 
-  def body(kk, acc):
+  def body(t, acc):
+    kk = first + t
     a = pltriton.load(x_ref.at[:, pl.ds(kk * bk, bk)], mask=rows, other=0)
     if scale_ref is not None:
       a = scale_ref[layer, pl.ds(kk * bk, bk)][None, :] * a
     b = w_ref[layer, pl.ds(kk * bk, bk), :]
     return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
 
-  acc = lax.fori_loop(0, x_ref.shape[1] // bk, body, jnp.zeros((bm, bn), jnp.float32))
+  acc = lax.fori_loop(0, count, body, jnp.zeros((bm, bn), jnp.float32))
+  if split:  # a float32 partial: the splits are summed (and the bias added) outside
+    pltriton.store(o_ref, acc, mask=rows)
+    return
   out = acc.astype(o_ref.dtype)
   if bias_ref is not None:
     out = out + bias_ref[layer, :][None, :]
   pltriton.store(o_ref, out, mask=rows)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages", "config"))
 def layer_matmul_pallas(x: jax.Array, w: jax.Array, layer: int | jax.Array, scale: jax.Array | None = None,
-                        bias: jax.Array | None = None, *, interpret: bool = False, num_warps: int = 4,
-                        num_stages: int = 2) -> jax.Array:
-  """Pallas version of :func:`paged_kv.pallas_kernels.layer_matmul` (same arguments)."""
+                        bias: jax.Array | None = None, *, interpret: bool = False, num_warps: int | None = None,
+                        num_stages: int | None = None, config: Plan | None = None) -> jax.Array:
+  """Pallas version of :func:`paged_kv.pallas_kernels.layer_matmul` (same arguments).
+
+  ``config`` overrides :func:`plan`'s choice (tests force splits on small shapes with it);
+  ``num_warps`` / ``num_stages`` override the plan's."""
   m, k = x.shape
   num_layers, _, n = w.shape
-  bm, bk, bn = tiles(m, k, n)
-  grid = (pl.cdiv(m, bm), n // bn)
-  in_specs = [pl.BlockSpec((1,), lambda i, j: (0,)),
-              pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-              pl.BlockSpec((num_layers, k, bn), lambda i, j: (0, 0, j))]  # every layer: indexed in the kernel
-  operands = [layer_operand(layer, num_layers), x, w]
+  p = config or plan(m, k, n, jnp.dtype(x.dtype).itemsize)
+  bm, bk, bn = p.bm, p.bk, p.bn
+  total_steps = k // bk
+  steps = -(-total_steps // p.splits)
+  splits = -(-total_steps // steps)  # no empty split
+  split = splits > 1
+  grid = (pl.cdiv(m, bm), n // bn, splits)
+  in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,)),
+              pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
+              pl.BlockSpec((num_layers, k, bn), lambda i, j, s: (0, 0, j))]  # every layer: indexed in the kernel
+  layer_op = layer_operand(layer, num_layers)
+  operands = [layer_op, x, w]
   if scale is not None:
-    in_specs.append(pl.BlockSpec((num_layers, k), lambda i, j: (0, 0)))
+    in_specs.append(pl.BlockSpec((num_layers, k), lambda i, j, s: (0, 0)))
     operands.append(scale)
-  if bias is not None:
-    in_specs.append(pl.BlockSpec((num_layers, bn), lambda i, j: (0, j)))
+  if bias is not None and not split:
+    in_specs.append(pl.BlockSpec((num_layers, bn), lambda i, j, s: (0, j)))
     operands.append(bias)
+  if split:
+    out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
+    out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+  else:
+    out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
+    out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
   out = pl.pallas_call(
-      functools.partial(_kernel, m=m, bk=bk, has_scale=scale is not None, has_bias=bias is not None),
+      functools.partial(_kernel, m=m, bk=bk, steps=steps, total_steps=total_steps, split=split,
+                        has_scale=scale is not None, has_bias=bias is not None and not split),
       grid=grid,
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      out_specs=out_spec,
+      out_shape=out_shape,
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps or p.num_warps,
+                                              num_stages=num_stages or p.num_stages),
       interpret=interpret,
       name="layer_matmul",
   )(*operands)
+  if not split:
+    return out
+  # The partials in a fixed order (a chain of adds XLA does not reassociate: the same bits on
+  # every run), one rounding to x's dtype, then the bias as the unsplit kernel adds it.
+  acc = out[0]
+  for s in range(1, splits):
+    acc = acc + out[s]
+  out = acc.astype(x.dtype)
+  if bias is not None:
+    out = out + lax.dynamic_index_in_dim(bias, layer_op[0], keepdims=False)[None, :]
   return out

@@ -4,7 +4,9 @@ on fresh random inputs: odd row counts (a partial last row block), one row, more
 block, K and N that are multiples of 16 but not of the largest tiles, the norm-weight prologue
 and the bias epilogue, float32 and bfloat16, every layer (each holds its own random weights, so
 reading the wrong one misses the tolerance), a traced layer id (the same bits as the Python
-int), the clamp of an out-of-range traced id, and the input checks."""
+int), the clamp of an out-of-range traced id, and the input checks. The split-K path (float32
+partials summed outside the kernel) on forced plans: odd M, K steps that do not divide among the
+splits, the norm weight and the bias, its determinism; and the plan's own choices."""
 
 import jax
 import jax.numpy as jnp
@@ -77,16 +79,89 @@ def test_traced_layer_out_of_range_is_clamped_by_the_kernel():
   np.testing.assert_array_equal(np.asarray(run(jnp.int32(LAYERS + 2))), np.asarray(run(jnp.int32(LAYERS - 1))))
 
 
-def test_tiles():
-  """The tile choice: bm covers a decode step's rows in one block (at most 64), bk and bn divide
-  K and N, and bn shrinks (not below 32) while the grid would leave an H200's SMs idle."""
-  assert stacked_matmul.tiles(8, 4096, 14336) == (16, 64, 32)
-  assert stacked_matmul.tiles(512, 14336, 4096) == (64, 64, 64)
-  assert stacked_matmul.tiles(70, 48, 32) == (64, 16, 32)
-  assert stacked_matmul.tiles(1, 160, 80) == (16, 32, 16)
-  for m, k, n in [(1, 64, 96), (5, 4096, 1024), (300, 256, 768)]:
-    bm, bk, bn = stacked_matmul.tiles(m, k, n)
-    assert k % bk == 0 and n % bn == 0 and bm <= 64
+def test_plan():
+  """The plan: bm covers a decode step's rows in one block (at most 64), bk and bn divide K and N
+  with weight rows of 64 or 128 bytes where N allows, a split leaves no part empty and is long
+  enough to pipeline, and the float32 partials stay within a quarter of the bytes that must move."""
+  shapes = [(m, k, n) for m in (1, 8, 64, 256) for k, n in (
+      (4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096),  # Llama 3.1 8B
+      (2048, 2048), (2048, 512), (2048, 8192), (8192, 2048))]  # Llama 3.2 1B
+  for m, k, n in shapes + [(70, 48, 32), (1, 160, 80), (300, 256, 768)]:
+    for itemsize in (2, 4):
+      p = stacked_matmul.plan(m, k, n, itemsize)
+      assert k % p.bk == 0 and n % p.bn == 0 and p.bm <= 64 and (p.bm >= m or p.bm == 64), (m, k, n, p)
+      if (m, k, n) in shapes:
+        assert p.bn * itemsize in (64, 128) and 3 <= p.num_stages <= 5, (m, k, n, p)
+      total = k // p.bk
+      steps = -(-total // p.splits)
+      assert -(-total // steps) == p.splits  # no empty split
+      if p.splits > 1:
+        assert steps >= p.num_stages - 1
+        assert 2 * 4 * p.splits * m * n <= (k * n + m * k + m * n) * itemsize // 4
+      # bf16 tiles of every stage fit an A100's shared memory.
+      assert p.num_stages * (p.bm * p.bk + p.bk * p.bn) * itemsize <= 166_912 - 2048
+  # A decode step's narrow projections split K (the grid would leave most SMs idle otherwise);
+  # a prefill chunk's wide one does not (its partials would cost more than they save).
+  assert stacked_matmul.plan(1, 4096, 1024).splits > 1
+  assert stacked_matmul.plan(256, 4096, 14336).splits == 1
+  assert stacked_matmul.plan(256, 4096, 4096).bm == 64  # a warpgroup's wgmma rows
+
+
+# Forced plans: the split-K path on small shapes (odd M, a partial row block, K steps that do not
+# divide among the splits, the norm weight and the bias), against the reference. The tolerance is
+# the unsplit kernel's: each split sums its K range in float32 and the partials are added in
+# float32, one more blocking of the same K products, which ``K eps32 sum|a_i w_i|`` bounds in any
+# order; the result is still rounded once to x's dtype and the bias added once after it.
+SPLIT_CASES = [  # (M, K, N, dtype, scale, bias, plan)
+    (1, 64, 96, jnp.float32, False, False, stacked_matmul.Plan(16, 16, 32, splits=2, num_stages=3)),
+    (5, 160, 48, jnp.float32, True, True, stacked_matmul.Plan(16, 16, 16, splits=3, num_stages=4)),  # 10 steps: 4+4+2
+    (70, 48, 32, jnp.float32, True, False, stacked_matmul.Plan(64, 16, 32, splits=2)),  # 3 steps: 2+1, 2 row blocks
+    (3, 256, 80, jnp.bfloat16, True, True, stacked_matmul.Plan(16, 32, 16, splits=3, num_stages=3)),  # 8 steps: 3+3+2
+    (17, 128, 64, jnp.bfloat16, False, True, stacked_matmul.Plan(32, 32, 32, splits=4, num_stages=5)),  # even split
+    (8, 96, 32, jnp.float16, True, True, stacked_matmul.Plan(16, 16, 16, splits=6)),  # one step per split
+]
+
+
+def _pallas(x, w, layer, s, b, config):
+  return stacked_matmul.layer_matmul_pallas(x, w, layer, s, b, interpret=True, config=config)
+
+
+@pytest.mark.parametrize("m,k,n,dtype,scale,bias,config", SPLIT_CASES)
+def test_split_k_matches_reference_at_every_layer(m, k, n, dtype, scale, bias, config):
+  x, w, s, b = _inputs(m * 13 + k + n, m, k, n, dtype, scale, bias)
+  for layer in range(LAYERS):
+    got = _pallas(x, w, layer, s, b, config)
+    want = pk.layer_matmul(x, w, layer, scale=s, bias=b, impl="reference")
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    tol.assert_close(got, want, tol.layer_matmul_atol(x, w, s, b, layer), f"layer {layer}")
+    other = pk.layer_matmul(x, w, (layer + 1) % LAYERS, scale=s, bias=b, impl="reference")
+    assert float(np.abs(np.asarray(other, np.float64) - np.asarray(want, np.float64)).max()) > \
+        10 * tol.layer_matmul_atol(x, w, s, b, layer)
+
+
+def test_split_k_is_deterministic_and_takes_a_traced_layer():
+  """The partials are summed in a fixed order: the same bits on every call, for a Python int
+  and a traced layer id (whose bias row is the kernel's clamped layer's)."""
+  config = SPLIT_CASES[1][-1]
+  x, w, s, b = _inputs(21, 5, 160, 48, jnp.float32, True, True)
+  run = jax.jit(lambda layer: _pallas(x, w, layer, s, b, config))
+  for layer in range(LAYERS):
+    want = np.asarray(_pallas(x, w, layer, s, b, config))
+    np.testing.assert_array_equal(np.asarray(_pallas(x, w, layer, s, b, config)), want)
+    np.testing.assert_array_equal(np.asarray(run(jnp.int32(layer))), want)
+  np.testing.assert_array_equal(np.asarray(run(jnp.int32(-4))), np.asarray(run(jnp.int32(0))))
+  np.testing.assert_array_equal(np.asarray(run(jnp.int32(LAYERS + 2))), np.asarray(run(jnp.int32(LAYERS - 1))))
+
+
+def test_the_plans_split_runs_through_layer_matmul():
+  """A shape whose own plan splits K (a decode row against a narrow projection) goes through the
+  split path from the public entry point."""
+  m, k, n = 1, 2048, 64
+  assert stacked_matmul.plan(m, k, n, 4).splits > 1
+  x, w, s, b = _inputs(5, m, k, n, jnp.float32, True, True)
+  got = pk.layer_matmul(x, w, 1, scale=s, bias=b, impl="interpret")
+  want = pk.layer_matmul(x, w, 1, scale=s, bias=b, impl="reference")
+  tol.assert_close(got, want, tol.layer_matmul_atol(x, w, s, b, 1), "plan's split")
 
 
 def test_input_checks_name_the_bad_value():

@@ -83,7 +83,7 @@ from scripts import checkout_layout
 checkout_layout.install()
 
 from paged_kv.pallas_kernels.jax_compat import cuda_lowering, gate_compile_options
-from scripts.gate import gpu_report
+from scripts.gate import gpu_report, perf_model, perf_plan
 from scripts.gate.gpu_compile_plan import (
   H200_BANDWIDTH,
   KNOBS,
@@ -352,6 +352,84 @@ def _kernel_program(spec: dict):
   raise ValueError(f"unknown kernel {kernel!r}")
 
 
+def _perf_program(spec: dict):
+  """(function, abstract args, donated args) of one performance-model spec
+  (``scripts/gate/perf_plan.perf_specs``): a project kernel at a named shape, or a sanity
+  kernel (XLA's copy or GEMM, JAX's own paged attention)."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from paged_kv import pallas_kernels as pk
+  from paged_kv.pallas_kernels.jax_compat import jax_paged_attention
+
+  _, mesh = _topology(spec["target"])
+  sh = NamedSharding(mesh, PartitionSpec())
+  dt, i32 = jnp.dtype(spec["dtype"]), jnp.int32
+  kernel = spec["kernel"]
+  if kernel == "layer_matmul":
+    return _kernel_program(dict(spec, purpose="matmul"))[:2] + ((),)
+  if kernel in ("decode", "jax_paged_attention"):
+    b, ctx, bs, d = spec["batch"], spec["context"], spec["block_size"], spec["head_dim"]
+    max_blocks = ctx // bs
+    nblocks = b * max_blocks + 1
+    q = _sds((b, spec["q_heads"], d), dt, sh)
+    bt, lens = _sds((b, max_blocks), i32, sh), _sds((b,), i32, sh)
+    if kernel == "decode":
+      pages = _sds((MATMUL_LAYERS, 2, spec["kv_heads"], nblocks, bs, d), dt, sh)
+      if spec.get("variant"):
+        from paged_kv.pallas_kernels.decode_attention import paged_decode_attention_pallas
+        return (lambda q, p, t, n: paged_decode_attention_pallas(q, p, 1, t, n, scale=d ** -0.5, **spec["variant"]),
+                (q, pages, bt, lens), ())
+      return (lambda q, p, t, n: pk.paged_decode_attention(q, p, 1, t, n, impl="pallas"), (q, pages, bt, lens), ())
+    kp = _sds((spec["kv_heads"], nblocks, bs, d), dt, sh)
+    pa = jax_paged_attention()
+    return (lambda q, k, v, t, n: pa.paged_attention(q, k, v, t, n), (q, kp, kp, bt, lens), ())
+  if kernel == "copy_blocks":
+    pages = _sds((spec["layers"], 2, spec["kv_heads"], 4096, spec["block_size"], spec["head_dim"]), dt, sh)
+    lst = _sds((spec["copies"],), i32, sh)
+    if spec.get("variant"):
+      from paged_kv.pallas_kernels.block_copy import copy_blocks_pallas
+      return (lambda p, s, t: copy_blocks_pallas(p, s, t, **spec["variant"]), (pages, lst, lst), (0,))
+    return (lambda p, s, t: pk.copy_blocks(p, s, t, impl="pallas"), (pages, lst, lst), (0,))
+  if kernel == "xla_copy":
+    # An elementwise kernel of XLA's (a plain copy would be a memcpy, kCopy, with no PTX).
+    x = _sds((spec["bytes"] // dt.itemsize,), dt, sh)
+    return (lambda x: x + jnp.asarray(1, dt)), (x,), ()
+  if kernel == "xla_gemm":
+    x, w = _sds((spec["m"], spec["k"]), dt, sh), _sds((spec["k"], spec["n"]), dt, sh)
+    return (lambda x, w: x @ w), (x, w), ()
+  raise ValueError(f"unknown perf kernel {kernel!r}")
+
+
+def run_perf_group(specs: list[dict], keep_dir: str | None, use_cache: bool = True) -> list[dict]:
+  """Worker task: compiles each performance-model spec (no deduplication: the grid, which the
+  model reads, is what differs) and attaches the model's estimate (``perf_plan.evaluate``)."""
+  import jax
+  _set_cache(use_cache)
+  out = []
+  for spec in specs:
+    res = {"spec": spec}
+    try:
+      fn, args, donate = _perf_program(spec)
+      with cuda_lowering(TARGETS[spec["target"]]["name"]):
+        lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower()
+    except Exception as e:
+      res.update(status="lowering_failed", error=f"{type(e).__name__}: {e}"[:1500],
+                 trace=traceback.format_exc()[-1500:])
+      out.append(res)
+      continue
+    name = "perf-" + perf_plan.spec_name(spec).replace(" ", "-")
+    res.update(_compile_or_cached(lowered, lowered.as_text(), spec["target"], name, keep_dir,
+                                  digest=lambda r: [r.pop(k, None) for k in ("_thunks", "_names", "_shapes")]))
+    res["name"] = name
+    entry = perf_plan.kernel_entry(spec, res.get("kernels") or {}) if res.get("status") == "compiled" else None
+    if entry is not None:
+      res["model_kernel"] = entry[0]
+      res["model"] = perf_plan.evaluate(spec, entry[1])
+    out.append(res)
+  return out
+
+
 def run_kernel_group(specs: list[dict], keep_dir: str | None, use_cache: bool = True) -> list[dict]:
   """Worker task: lowers every spec of a group, compiles each distinct Triton kernel once.
 
@@ -414,6 +492,7 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   from paged_kv.config import ManagerConfig
   from paged_kv.fused import free_select_append
   from paged_kv.models import abstract_model, layout_for_impl, llama31_8b, page_spec, sharding as msharding
+  from paged_kv.models.llama import per_layer
   from paged_kv.reclaim import free
   from paged_kv.share import fork
   # The package re-exports functions named like these modules: import the modules themselves.
@@ -479,6 +558,13 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
     return progs, mgr, cfg
   progs["serving_step_decode"] = (ss.step_jit, (graphdef, w, pages, state, key, step_inputs(1, 512)),
                                   dict(shape=ss.StepShape(scfg, 0, None)), "decode")
+  # The other single-GPU layout (unrolled, per-layer weights, XLA's GEMMs), selectable by giving
+  # the engines a ``per_layer`` model: compiled for its kernels and compile time beside the
+  # stacked one (the performance model's layout decision, ``perf_plan.layout_decision``).
+  pl_graphdef, pl_weights = nnx.split(per_layer(model))
+  progs["serving_step_decode_per_layer"] = (ss.step_jit, (pl_graphdef, on(pl_weights), pages, state, key,
+                                                          step_inputs(1, 512)),
+                                            dict(shape=ss.StepShape(scfg, 0, None)), "decode")
   progs["serving_step_prefill"] = (ss.step_jit, (graphdef, w, pages, state, key, step_inputs(4, 512)),
                                    dict(shape=ss.StepShape(scfg, 4, None)), "decode+prefill")
   prompts, plen = _sds((16, 1024), i32, rep), _sds((16,), i32, rep)
@@ -583,7 +669,9 @@ def main(argv=None) -> int:
   ap.add_argument("--summary", default=None,
                   help="the small summary docs/gpu-gate.md's tables read (default: beside --out, "
                        "gpu_compile_summary.json; results/gpu_compile_summary.json is the committed one)")
-  ap.add_argument("--only", choices=("kernels", "programs"), default=None)
+  ap.add_argument("--only", choices=("kernels", "programs", "perf"), default=None,
+                  help="kernels: the configuration matrix; programs: the whole programs; perf: the "
+                       "performance model's named shapes and sanity checks")
   ap.add_argument("--quick", action="store_true", help="large size only (a smoke run)")
   ap.add_argument("--keep-dumps", default=None, help="keep XLA dumps and logs under this folder")
   ap.add_argument("--programs", nargs="*", default=None, help="only these whole programs")
@@ -595,22 +683,24 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
   t_start = time.perf_counter()
 
-  groups = [] if a.only == "programs" else kernel_groups(a.quick)
-  progs = [] if a.only == "kernels" else [
+  groups = [] if a.only in ("programs", "perf") else kernel_groups(a.quick)
+  perf_groups = [] if a.only in ("kernels", "programs") else perf_plan.perf_groups()
+  progs = [] if a.only in ("kernels", "perf") else [
       (*p, a.layers) for p in PROGRAMS if a.programs is None or p[2] in a.programs]
   if progs and a.layers < 32 and a.layers != DEPTH_PROBE and any(p[2] == "serving_step_decode" for p in progs):
     # At a reduced depth, a second depth of the decode step gives the per-layer cost (the layers
     # are one code traced once per layer index), so the figures extrapolate to 32 layers.
     progs.append(("sm_90", "tp1", "serving_step_decode", DEPTH_PROBE))
   ctx = multiprocessing.get_context("spawn")
-  kernel_results, program_results = [], []
+  kernel_results, program_results, perf_results = [], [], []
   with concurrent.futures.ProcessPoolExecutor(max_workers=a.workers, mp_context=ctx) as pool:
     # Whole programs first (the longest tasks), then the kernel groups.
     pfut = [pool.submit(run_program, t, v, n, a.keep_dumps, not a.no_cache, L)
             for t, v, n, L in progs]
     kfut = [pool.submit(run_kernel_group, g, a.keep_dumps, not a.no_cache) for g in groups]
+    mfut = [pool.submit(run_perf_group, g, a.keep_dumps, not a.no_cache) for g in perf_groups]
     done = 0
-    for f in concurrent.futures.as_completed(pfut + kfut):
+    for f in concurrent.futures.as_completed(pfut + kfut + mfut):
       done += 1
       if f in pfut:
         r = f.result()
@@ -618,9 +708,9 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - t_start:6.1f}s] program {r['program']} ({r['layers']} layers): {r['status']} "
               f"compile {r.get('compile_s')}s", flush=True)
       else:
-        kernel_results.extend(f.result())
+        (perf_results if f in mfut else kernel_results).extend(f.result())
         if done % 20 == 0:
-          print(f"[{time.perf_counter() - t_start:6.1f}s] {done}/{len(pfut) + len(kfut)} tasks", flush=True)
+          print(f"[{time.perf_counter() - t_start:6.1f}s] {done}/{len(pfut) + len(kfut) + len(mfut)} tasks", flush=True)
 
   failures = []
   for r in kernel_results:
@@ -633,12 +723,25 @@ def main(argv=None) -> int:
     r["gate"] = "pass" if why is None else "FAIL: " + why
     if why:
       failures.append((r["program"], why))
+  for r in perf_results:
+    why = judge(r) if r.get("status") != "compiled" else None
+    if why is None:
+      why = perf_plan.judge_perf(r["spec"], r.get("model"), perf_plan.copy_baseline(r["spec"], perf_results))
+    r["gate"] = "pass" if why is None else "FAIL: " + why
+    if why:
+      failures.append((r.get("name") or json.dumps(r["spec"]), why))
   # Spills in XLA's own fusions are reported, not failed: their code is XLA's emitters'.
   xla_spills = [{"what": r.get("program") or r.get("name") or json.dumps(r["spec"]), "spills": s}
                 for r in kernel_results + program_results for s in [xla_fusion_spills(r)] if s]
   kernel_results.sort(key=lambda r: json.dumps(r["spec"], sort_keys=True))
   program_results.sort(key=lambda r: (r["program"], r["layers"]))
   depth = depth_extrapolation(program_results)
+  perf_results.sort(key=lambda r: json.dumps(r["spec"], sort_keys=True))
+  layout = perf_plan.layout_decision(perf_results, program_results)
+  if layout["shapes"] and not layout["agrees"]:
+    where = [(x["batch"], x["context"], x["faster"], x["margin"]) for x in layout["shapes"]]
+    failures.append(("layout", f"the engines run the {layout['engine_layout']} layout on one GPU, but the "
+                               f"model says (batch, context, faster, margin): {where}"))
   import jax
   report = {
       "jax": jax.__version__,
@@ -661,6 +764,9 @@ def main(argv=None) -> int:
       "kernels": kernel_results,
       "programs": program_results,
       "decode_step_per_layer": depth,
+      "performance_model": {"assumptions": {t: g.describe() for t, g in perf_model.GPUS.items()},
+                            "targets": perf_plan.TARGETS, "kernels": perf_results, "layout": layout,
+                            "programs": perf_plan.program_sums(perf_results, program_results)},
   }
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   with open(a.out, "w") as f:

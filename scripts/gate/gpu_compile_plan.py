@@ -133,26 +133,34 @@ def kernel_specs(quick: bool) -> list[dict]:
 
 
 # The stacked-weight matmul the scan over layers runs on one GPU (paged_kv.pallas_kernels.layer_matmul):
-# Llama 3.1 8B's projections as (K, N) (q/o, k/v, gate/up, down) at a decode step's rows (1 and
-# the whole programs' 64) and a prefill chunk's (512), with the input norm's weight in the
-# prologue where the model puts it (K = d: q/k/v and gate/up) and a bias epilogue once. What can
-# change the kernel: dtype, the tiles (from M, K, N), the prologue/epilogue, the target; not L.
+# Llama 3.1 8B's projections as (K, N) (q/o, k/v, gate/up, down) at a decode step's rows (1, 8
+# and the whole programs' 64), a prefill chunk's (256, 512), with the input norm's weight in the
+# prologue where the model puts it (K = d: q/k/v and gate/up) and a bias epilogue once; Llama
+# 3.2 1B's (d 2048, k/v 512, intermediate 8192) in bfloat16. What can change the kernel: dtype,
+# the plan (tiles, split of K, pipeline depth: from M, K, N), the prologue/epilogue, the target;
+# not L.
 MATMUL_SHAPES = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
-MATMUL_ROWS = (1, 64, 512)
+MATMUL_SHAPES_1B = ((2048, 2048), (2048, 512), (2048, 8192), (8192, 2048))
+MATMUL_ROWS = (1, 8, 64, 256, 512)
 MATMUL_LAYERS = 32
 
 
 def matmul_specs(quick: bool) -> list[dict]:
-  """``layer_matmul`` configurations: sm_90 every dtype x shape x rows (only 64 rows when
-  ``quick``), the bias epilogue, sm_80 in bfloat16 at 64 rows, and the refusal of a K that is
-  not a multiple of 16."""
+  """``layer_matmul`` configurations: sm_90 every dtype x 8B shape x rows (only 64 rows when
+  ``quick``) and the 1B shapes in bfloat16, the bias epilogue, sm_80 in bfloat16 at 64 rows, and
+  the refusal of a K that is not a multiple of 16."""
   rows = (64,) if quick else MATMUL_ROWS
   base = dict(kernel="layer_matmul", purpose="matmul")
-  specs = [dict(base, target="sm_90", dtype=dt, m=m, k=k, n=n, extras="scale" if k == 4096 else "none")
+
+  def extras(k):
+    return "scale" if k in (4096, 2048) else "none"
+  specs = [dict(base, target="sm_90", dtype=dt, m=m, k=k, n=n, extras=extras(k))
            for dt, (k, n), m in itertools.product(DTYPES, MATMUL_SHAPES, rows)]
+  specs += [dict(base, target="sm_90", dtype="bfloat16", m=m, k=k, n=n, extras=extras(k))
+            for (k, n), m in itertools.product(MATMUL_SHAPES_1B, rows)]
   specs += [dict(base, target="sm_90", dtype=dt, m=64, k=4096, n=4096, extras="scale+bias") for dt in DTYPES]
-  specs += [dict(base, target="sm_80", dtype="bfloat16", m=64, k=k, n=n, extras="scale" if k == 4096 else "none")
-            for k, n in MATMUL_SHAPES]
+  specs += [dict(base, target="sm_80", dtype="bfloat16", m=64, k=k, n=n, extras=extras(k))
+            for k, n in MATMUL_SHAPES + MATMUL_SHAPES_1B]
   specs.append(dict(base, target="sm_90", dtype="bfloat16", m=1, k=4100, n=4096, extras="none",
                     purpose="table_refusal"))
   return specs
@@ -216,7 +224,8 @@ def kernel_groups(quick: bool) -> list[list[dict]]:
   return sorted(groups.values(), key=lambda g: (order[g[0]["kernel"]], -len(g)))
 
 
-PROGRAMS = [("sm_90", "tp1", n) for n in ("serving_step_decode", "serving_step_prefill", "generate_loop",
+PROGRAMS = [("sm_90", "tp1", n) for n in ("serving_step_decode", "serving_step_decode_per_layer",
+                                          "serving_step_prefill", "generate_loop",
                                           "beam_search_loop", "admit", "append", "free",
                                           "serving_manager_share")] + [
     ("sm_90", "tp2", "serving_step_decode_tp2")]

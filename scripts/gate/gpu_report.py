@@ -496,12 +496,39 @@ def summarize(report: dict) -> dict:
                  kv_read_lower_bound_ms_h200=p.get("kv_read_lower_bound_ms_h200"))
     programs.append(row)
   order = lambda r: json.dumps(r, sort_keys=True)
+  perf = _perf_summary(report.get("performance_model"))
   return dict({"what": "The GPU compile gate's summary (scripts/gate/gpu_report.py summarize): per kernel "
                        "group and per program what docs/gpu-gate.md's tables show. The gate writes its "
                        "full report beside it."}, **{k: report.get(k) for k in _HEADER},
               groups=sorted(groups.values(), key=lambda g: (str(g["target"]), g["kernel"], g["purpose"])),
               attention=sorted(attention, key=order),
-      layer_matmul=sorted(matmul, key=order), knobs=sorted(knobs.values(), key=order), programs=programs)
+      layer_matmul=sorted(matmul, key=order), knobs=sorted(knobs.values(), key=order), programs=programs,
+      **({"performance_model": perf} if perf else {}))
+
+
+_PERF_FIELDS = ("low_us", "high_us", "roofline_us", "fraction", "attainable_fraction", "memory_bound", "bound",
+                "ctas", "resident", "resident_limit", "waves", "stages", "inflight_per_cta", "inflight_per_sm",
+                "inflight_needed_per_sm", "bytes", "extra_bytes", "steps", "vs_plain_copy")
+
+
+def _perf_summary(pm: dict | None) -> dict | None:
+  """The performance model's part of the summary: its assumptions and targets, one row per
+  estimated kernel (name, purpose, verdict, the estimate and the compile facts it used), and the
+  layout decision with the whole-program sums."""
+  if not pm:
+    return None
+  from scripts.gate import perf_plan
+  rows = []
+  for r in pm.get("kernels", []):
+    m = r.get("model") or {}
+    k = (r.get("kernels") or {}).get(r.get("model_kernel"), {})
+    rows.append(dict({"name": perf_plan.spec_name(r["spec"]), "purpose": r["spec"]["purpose"],
+                      "kernel": r["spec"]["kernel"], "gate": r.get("gate"), "status": r.get("status"),
+                      "compiled_kernel": r.get("model_kernel"), "registers": k.get("registers"),
+                      "shared_memory_bytes": k.get("shared_memory_bytes"), "mma": k.get("mma")},
+                     **{f: m[f] for f in _PERF_FIELDS if f in m}))
+  return {"assumptions": pm.get("assumptions"), "targets": pm.get("targets"), "kernels": rows,
+          "layout": pm.get("layout"), "programs": pm.get("programs")}
 
 
 def dump_summary(summary: dict, path: str) -> None:
@@ -635,8 +662,56 @@ def version_comparison(old: dict, new: dict, kernels=("decode", "prefill")) -> s
 
 
 # The tables docs/gpu-gate.md holds between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers.
+def perf_table(report: dict, purposes=("perf",)) -> str:
+  """The performance model's estimates, one line per kernel at its named shape (an estimate, under
+  the assumptions of ``scripts/gate/perf_model.py``)."""
+  pm = summarize(report).get("performance_model") or {"kernels": []}
+  lines = ["| kernel at shape | estimate (us) | roofline (us) | of roofline | bound | CTAs | resident/SM | stages "
+           "| in flight/SM (B) | gate |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in pm["kernels"]:
+    if r["purpose"] not in purposes or "low_us" not in r:
+      continue
+    frac = f"{r['fraction'][0]:.0%}-{r['fraction'][1]:.0%}"
+    if r.get("memory_bound") is False:
+      frac += f" ({r['attainable_fraction']:.0%} of its MMA's best)"
+    if r.get("vs_plain_copy") is not None:
+      frac += f" ({r['vs_plain_copy']:.0%} of XLA's copy)"
+    gate = "pass" if r["gate"] == "pass" else "**" + str(r["gate"]).replace("|", "/")[:90] + "**"
+    lines.append(f"| {r['name']} | {r['low_us']:,.2f}-{r['high_us']:,.2f} | {r['roofline_us']:,.2f} | {frac} | "
+                 f"{r['bound']} | {r['ctas']:,} | {r['resident']} ({r['resident_limit']}) | {r['stages']} | "
+                 f"{r['inflight_per_sm']:,} | {gate} |")
+  return "\n".join(lines)
+
+
+def perf_checks_table(report: dict) -> str:
+  """The model's sanity checks and the rule-breaking variants."""
+  return perf_table(report, ("perf_sanity", "perf_rule_check"))
+
+
+def layout_table(report: dict) -> str:
+  """The single-GPU layout decision: the 8B decode step in both layouts by the model."""
+  pm = summarize(report).get("performance_model") or {}
+  lay = pm.get("layout") or {"shapes": [], "compiled": {}}
+  lines = ["| batch x context | stacked + layer_matmul (ms) | per-layer + XLA GEMMs (ms) | roofline (ms) | faster "
+           "| margin |", "|---|---|---|---|---|---|"]
+  for x in lay["shapes"]:
+    st, pl = x["stacked"], x["per_layer"]
+    lines.append(f"| {x['batch']} x {x['context']} | {st['low_ms']:.2f}-{st['high_ms']:.2f} | "
+                 f"{pl['low_ms']:.2f}-{pl['high_ms']:.2f} | {st['roofline_ms']:.2f} | {x['faster']} | "
+                 f"{x['margin']:.2f}x |")
+  if lay.get("faster"):
+    lines.append(f"\nOver these shapes (geometric mean) the {lay['faster']} layout is faster by "
+                 f"{lay['margin']:.2f}x; the engines run the {lay['engine_layout']} layout on one GPU.")
+  for name, c in sorted(lay.get("compiled", {}).items()):
+    lines.append(f"\n{name}: `{c['program']}` compiles in {c['compile_s']} s, "
+                 f"{c['kernels_per_step']} kernels per step.")
+  return "\n".join(lines)
+
+
 DOC_TABLES = {"gate_knobs": knob_summary, "gate_kernels": kernel_table, "gate_programs": program_table,
-              "gate_layer_matmul": matmul_summary}
+              "gate_layer_matmul": matmul_summary, "gate_perf": perf_table, "gate_perf_checks": perf_checks_table,
+              "gate_layout": layout_table}
 SUMMARY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "results", "gpu_compile_summary.json")
 

@@ -28,6 +28,10 @@ The model (Little's law, ``../shared/GPU_PERF_MODEL.md`` has the method):
 * **Roofline** = ``max(bytes that must move / peak bandwidth, FLOPs / dense peak)``. The bytes
   that must move exclude partial results a kernel writes and reads back (a split's partials)
   and re-reads: those cost time, not roofline.
+* **Attainable** = ``max(bytes / achievable bandwidth, FLOPs / (dense peak x the MMA's best
+  efficiency))``: the best any kernel with that MMA family could do under these assumptions. A
+  compute-bound kernel (FLOPs over the dense peak longer than its bytes over the bandwidth) is
+  judged by its fraction of this, since no Triton kernel reaches the data-sheet peak.
 * **Low / high** are the two ends of the DRAM round-trip range (and of the MMA efficiency).
 
 Plain Python (no JAX import), so ``tests/test_perf_model.py`` checks it on any machine.
@@ -61,6 +65,10 @@ class Gpu:
       Hopper about 2/3 of what wgmma reaches), None (no tensor cores: FMA pipes).
     launch_s: the gap one more kernel adds to a program, (low, high): inside a CUDA graph about
       1-2 us, a host launch more; used only by whole-program sums.
+    gemm_efficiency: the fraction of the bandwidth (memory-bound shapes) or of the dense peak
+      (compute-bound ones) a tuned library GEMM reaches, (low, high): cuBLAS-class GEMMs, or XLA's
+      Triton GEMMs after autotuning on a GPU, usually reach 75-85 %. An assumption: used for
+      XLA's GEMMs, whose tiles a compile without a GPU cannot autotune.
   """
 
   name: str
@@ -76,6 +84,7 @@ class Gpu:
   dense_flops: float
   mma_efficiency: dict
   launch_s: tuple[float, float]
+  gemm_efficiency: tuple[float, float] = (0.75, 0.85)
 
   def describe(self) -> dict:
     """The assumptions as a JSON-able dict (what each estimate names)."""
@@ -214,6 +223,8 @@ class Work:
     step_bytes: bytes one CTA streams per main-loop step (its tile).
     steps: main-loop steps of the busiest CTA.
     step_flops: FLOPs one CTA computes per step (dots at their padded tile shapes).
+    read_fraction: the share of ``bytes`` that are reads (the loads kept in flight); a copy's
+      writes (half its bytes) are posted stores that need no round trip.
   """
 
   bytes: int
@@ -222,6 +233,7 @@ class Work:
   steps: int
   step_flops: int = 0
   extra_bytes: int = 0
+  read_fraction: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +256,9 @@ class Estimate:
   inflight_per_sm: float
   inflight_needed_per_sm: float
   sm_fraction: float
+  all_at_once: bool = False
+  attainable_s: float = 0.0
+  attainable_fraction: float = 0.0
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -254,6 +269,8 @@ class Estimate:
     d["inflight_needed_per_sm"] = round(self.inflight_needed_per_sm)
     d["waves"] = round(self.waves, 3)
     d["sm_fraction"] = round(self.sm_fraction, 3)
+    d["attainable_us"] = round(d.pop("attainable_s") * 1e6, 3)
+    d["attainable_fraction"] = round(self.attainable_fraction, 3)
     return d
 
 
@@ -268,37 +285,45 @@ def estimate(gpu: Gpu, ctas: int, threads: int, registers: int, smem_bytes: int,
   sm_peak = gpu.dense_flops / gpu.sms
   eff = gpu.mma_efficiency.get(mma, gpu.mma_efficiency[None])
   per_cta_bytes = (work.bytes + work.extra_bytes) / max(ctas, 1)
-  times = []
+  times, limits = [], []
   for latency, e in ((gpu.latency_s[0], eff[1]), (gpu.latency_s[1], eff[0])):
     compute = work.step_flops / (sm_peak * e)
     step = max(latency / stages, compute) if pipe.overlapped else latency + compute
     t_cta = work.steps * step
     full, rem = divmod(ctas, slots)
-    total = 0.0
+    total, by_bandwidth = 0.0, 0.0
     for k, n in ((slots, full), (rem, 1 if rem else 0)):
       if n:
-        total += n * max(k * per_cta_bytes / (gpu.bandwidth * gpu.achievable), t_cta)
-    total = max(total, work.flops / (gpu.dense_flops * e))
-    times.append(total)
+        t_bw = k * per_cta_bytes / (gpu.bandwidth * gpu.achievable)
+        total += n * max(t_bw, t_cta)
+        by_bandwidth += n * t_bw
+    t_flops = work.flops / (gpu.dense_flops * e)
+    limits.append("compute" if t_flops >= total else "bandwidth" if by_bandwidth >= 0.9 * total else None)
+    times.append(max(total, t_flops))
   roofline = max(work.bytes / gpu.bandwidth, work.flops / gpu.dense_flops)
+  # The best any kernel with this MMA family could do under these assumptions: the achievable
+  # bandwidth, and the MMA's best efficiency. Compute-bound kernels are judged against it.
+  attainable = max(work.bytes / (gpu.bandwidth * gpu.achievable), work.flops / (gpu.dense_flops * eff[1]))
   memory_bound = work.bytes / gpu.bandwidth >= work.flops / gpu.dense_flops
   busy = min(ctas, slots)
   inflight_sm = busy * inflight_cta / gpu.sms
-  needed = INFLIGHT_TARGET * gpu.bandwidth * gpu.latency_s[1] / gpu.sms
+  needed = INFLIGHT_TARGET * gpu.bandwidth * gpu.latency_s[1] * work.read_fraction / gpu.sms
+  # A launch that reads less than that in all is in flight at once when every CTA is resident
+  # and issues its loads in one step: no kernel could keep more in flight, so it needs no more.
+  all_at_once = work.steps == 1 and ctas <= slots
+  reads_per_sm = work.bytes * work.read_fraction / gpu.sms
+  if all_at_once:
+    needed = min(needed, reads_per_sm)
   low, high = times
-  if work.flops / (gpu.dense_flops * eff[0]) >= high * 0.999:
-    bound = "compute"
-  elif ctas < gpu.sms:
-    bound = "grid"
-  elif inflight_sm < needed:
-    bound = "latency"
-  else:
-    bound = "bandwidth"
+  # What binds at the high latency: the FLOPs, the bandwidth, or else the per-CTA chain of
+  # round trips, because the grid is short of SMs ("grid") or too little is in flight ("latency").
+  bound = limits[1] or ("grid" if ctas < gpu.sms else "latency")
   return Estimate(low_s=low, high_s=high, roofline_s=roofline, fraction=(roofline / high, roofline / low),
                   bound=bound, memory_bound=memory_bound, ctas=ctas, resident=resident, resident_limit=why,
                   slots=slots, waves=ctas / slots, stages=stages, inflight_per_cta=inflight_cta,
                   inflight_per_sm=inflight_sm, inflight_needed_per_sm=needed,
-                  sm_fraction=min(ctas, gpu.sms) / gpu.sms)
+                  sm_fraction=min(ctas, gpu.sms) / gpu.sms, all_at_once=all_at_once, attainable_s=attainable,
+                  attainable_fraction=attainable / high)
 
 
 def rule_violations(est: Estimate) -> list[str]:
@@ -306,13 +331,17 @@ def rule_violations(est: Estimate) -> list[str]:
 
   * a memory-bound kernel keeps at least ``INFLIGHT_TARGET`` of the bandwidth's worth of bytes
     in flight per SM at the high latency (Little's law);
-  * its grid occupies at least ``MIN_SM_FRACTION`` of the SMs."""
+  * its grid occupies at least ``MIN_SM_FRACTION`` of the SMs.
+
+  A launch whose CTAs are all resident and issue all their loads in one step (``all_at_once``)
+  has everything in flight already: it needs no more than its own reads in flight, and more CTAs
+  would not shorten its one round trip, so the grid rule does not apply to it."""
   out = []
   if est.memory_bound and est.inflight_per_sm < est.inflight_needed_per_sm:
     out.append(f"keeps {est.inflight_per_sm:,.0f} B in flight per SM ({est.stages} stage(s) x "
                f"{est.inflight_per_cta:,} B per CTA, {min(est.ctas, est.slots)} CTAs busy); "
                f"{est.inflight_needed_per_sm:,.0f} B are needed for {INFLIGHT_TARGET:.0%} of the bandwidth")
-  if est.sm_fraction < MIN_SM_FRACTION:
+  if est.sm_fraction < MIN_SM_FRACTION and not est.all_at_once:
     out.append(f"grid of {est.ctas} CTAs leaves {1 - est.sm_fraction:.0%} of the SMs idle")
   return out
 
