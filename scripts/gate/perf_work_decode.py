@@ -53,12 +53,14 @@ _DTYPES = {2: "bfloat16", 4: "float32"}
 
 
 def decode_work(batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                itemsize: int, launch: DecodeLaunch | None = None) -> perf_model.Work:
+                itemsize: int, launch: DecodeLaunch | None = None, **overrides) -> perf_model.Work:
   """The model's :class:`~scripts.gate.perf_model.Work` of one decode call (every sequence at
   ``context`` tokens; ``itemsize`` 2 for bfloat16/float16, 4 for float32). ``launch``: the
-  launch to describe (default :func:`decode_launch` of this shape)."""
+  launch to describe (default :func:`decode_launch` of this shape, with ``overrides``: a
+  variant's ``num_splits`` etc., as the kernel takes them)."""
   if launch is None:
-    launch = decode_launch(batch, context, num_q_heads, num_kv_heads, head_dim, block_size, _DTYPES[itemsize])
+    launch = decode_launch(batch, context, num_q_heads, num_kv_heads, head_dim, block_size, _DTYPES[itemsize],
+                           **overrides)
   group = num_q_heads // num_kv_heads
   tile_keys = launch.blocks_per_tile * block_size
   kv = batch * context * num_kv_heads * head_dim * 2 * itemsize
