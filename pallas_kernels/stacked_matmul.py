@@ -21,6 +21,18 @@ otherwise leave most SMs idle, each program walking all of ``K``), it writes a f
 into ``[splits, M, N]``, and XLA adds the partials in a fixed order, casts once and adds the bias
 once (a small elementwise fusion, which the projection's consumer can absorb). :func:`plan`
 chooses the tiles, the split and the pipeline depth from the shape.
+
+A group (``w`` a tuple of ``[L, K, N_i]`` sharing ``x``, ``K`` and ``scale``; a bias each or
+none): one launch whose column axis spans the weights side by side, ``sum(N_i) / bn`` column
+tiles (``bn`` divides every ``N_i``, so no tile straddles two weights). Program column ``j``
+finds its weight from the static tile boundaries: one ``pl.when`` branch per weight, each with
+its own K loop (Triton pipelines each), writing that weight's own output ``[M, N_i]`` (or its
+partials); the other weights' block index maps are clamped into range and never loaded. The
+model's q|k|v and gate|up go this way: k and v alone (a 2 MB weight at Llama 3.2 1B) are too
+small to keep HBM busy through a round trip, the group is not, and no weight is concatenated
+(no copy, no checkpoint change). A split applies to the group as a whole; :func:`plan` sees
+the total width.
+
 The last row block's rows past ``M`` are masked (not padded: a pad and the slice after it
 would be an extra copy per projection). ``K`` and ``N`` must be multiples of 16 (Triton's
 smallest dot); :func:`supported` says whether a shape qualifies.
@@ -252,6 +264,8 @@ def layer_matmul_pallas(x: jax.Array, w, layer: int | jax.Array, scale: jax.Arra
   ns = tuple(int(a.shape[2]) for a in ws)
   p = config or plan(m, k, ns if grouped else ns[0], jnp.dtype(x.dtype).itemsize)
   bm, bk, bn = p.bm, p.bk, p.bn
+  if k % bk or any(n % bn for n in ns):  # a forced config's tile must divide K and every width
+    raise ValueError(f"tile bk={bk}, bn={bn} must divide K={k} and every N of {ns}")
   cols = _columns(ns, bn)
   total_steps = k // bk
   steps = -(-total_steps // p.splits)
