@@ -117,7 +117,7 @@ def _splits_options(total: int) -> list[int]:
   return [s for s in range(1, min(total, _MAX_SPLITS) + 1) if s == -(-total // -(-total // s))]
 
 
-def plan(m: int, k: int, n: int | tuple[int, ...], itemsize: int = 2) -> Plan:
+def plan(m: int, k: int, n: int | tuple[int, ...], itemsize: int = 2, has_scale: bool = False) -> Plan:
   """The tiles, split and pipeline depth of an ``[m, k] @ [k, n]`` product in a dtype of
   ``itemsize`` bytes (plain Python: the performance model reads the same choice). ``n`` may be
   a group's widths ``(N_1, N_2, ...)``: one launch over ``sum(N_i)`` columns whose column tile
@@ -159,7 +159,13 @@ def plan(m: int, k: int, n: int | tuple[int, ...], itemsize: int = 2) -> Plan:
       for bk in sorted({bk_max, max(MIN_DIM, bk_max // 2)}, reverse=True):
         total = k // bk
         for stages in _STAGES:
-          smem = stages * (bm * bk + bk * bn) * itemsize  # at most one buffer per stage
+          # Shared memory as Triton lays it out (the compiled figures, which set how many
+          # programs an SM holds): without the norm's scale, num_stages buffers of the x and w
+          # tiles (64 x 256 x 32 bf16 tiles at 3 stages: 147,456 B = 3 x 48 KB); with it,
+          # num_stages - 1 buffers and the float32 output tile (64 x 128 x 64 at 4 stages:
+          # 114,944 B = 3 x 32 KB + 16 KB + the scale's tile).
+          tiles = (bm * bk + bk * bn) * itemsize
+          smem = (stages - 1) * tiles + bm * bn * 4 if has_scale else stages * tiles
           if smem > _SMEM_PER_BLOCK:
             continue
           resident = min(_MAX_RESIDENT, max(1, _SMEM_PER_SM // (smem + 1024)))
@@ -262,7 +268,7 @@ def layer_matmul_pallas(x: jax.Array, w, layer: int | jax.Array, scale: jax.Arra
   m, k = x.shape
   num_layers = ws[0].shape[0]
   ns = tuple(int(a.shape[2]) for a in ws)
-  p = config or plan(m, k, ns if grouped else ns[0], jnp.dtype(x.dtype).itemsize)
+  p = config or plan(m, k, ns if grouped else ns[0], jnp.dtype(x.dtype).itemsize, scale is not None)
   bm, bk, bn = p.bm, p.bk, p.bn
   if k % bk or any(n % bn for n in ns):  # a forced config's tile must divide K and every width
     raise ValueError(f"tile bk={bk}, bn={bn} must divide K={k} and every N of {ns}")

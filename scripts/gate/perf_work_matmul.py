@@ -41,7 +41,7 @@ def matmul_work(m: int, k: int, n: int | tuple[int, ...], itemsize: int, has_sca
   weight) when given, at the tiles :func:`~paged_kv.pallas_kernels.stacked_matmul.plan` chooses.
   ``n`` may be a group's widths ``(N_1, N_2, ...)``: one launch over their sum."""
   from paged_kv.pallas_kernels import stacked_matmul
-  p = stacked_matmul.plan(m, k, n, itemsize)
+  p = stacked_matmul.plan(m, k, n, itemsize, has_scale)
   n = sum(n) if isinstance(n, tuple) else n
   total_steps = k // p.bk
   steps = -(-total_steps // p.splits)
