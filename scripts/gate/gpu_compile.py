@@ -372,6 +372,12 @@ def _perf_program(spec: dict):
   dt, i32 = jnp.dtype(spec["dtype"]), jnp.int32
   kernel = spec["kernel"]
   if kernel == "layer_matmul":
+    if spec.get("variant"):
+      from paged_kv.pallas_kernels.stacked_matmul import Plan, layer_matmul_pallas
+      cfg = Plan(**spec["variant"]["config"])
+      m, k, n = spec["m"], spec["k"], spec["n"]
+      args = (_sds((m, k), dt, sh), _sds((spec["layers"], k, n), dt, sh), _sds((), i32, sh))
+      return (lambda x, w, layer: layer_matmul_pallas(x, w, layer, config=cfg)), args, ()
     return _kernel_program(dict(spec, purpose="matmul"))[:2] + ((),)
   if kernel in ("decode", "jax_paged_attention"):
     b, ctx, bs, d = spec["batch"], spec["context"], spec["block_size"], spec["head_dim"]

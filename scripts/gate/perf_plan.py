@@ -109,7 +109,8 @@ def rule_check_specs() -> list[dict]:
   compile output, not only on made-up facts. ``variant`` holds the kernel arguments that make
   it bad: decode attention at batch 1 x 32k without a split (8 CTAs: the grid rule, and one
   CTA's tile per SM at most: the in-flight rule); ``copy_blocks`` of one block with 16 tile rows
-  per program (32 CTAs)."""
+  per program (32 CTAs); ``layer_matmul`` with its tiles before the model (64 CTAs of one
+  single-buffered 4 KB tile)."""
   c = MODELS["llama3.1-8b"]
   base = dict(target="sm_90", dtype="bfloat16", purpose="perf_rule_check")
   return [
@@ -118,6 +119,12 @@ def rule_check_specs() -> list[dict]:
            expect=["grid", "in flight"]),
       dict(base, kernel="copy_blocks", model="llama3.1-8b", copies=1, layers=32, kv_heads=c["kv_heads"],
            head_dim=c["head_dim"], block_size=BLOCK_SIZE, variant={"head_rows": 16}, expect=["grid"]),
+      # layer_matmul's tiles before the model (bm 16, bk 64, bn 32, one buffer): Llama 3.2 1B's o
+      # projection at M = 1 gets 64 CTAs of one 4 KB tile each.
+      dict(base, kernel="layer_matmul", model="llama3.2-1b", proj="o", m=1, k=2048, n=2048, extras="none",
+           layers=MODELS["llama3.2-1b"]["layers"],
+           variant={"config": dict(bm=16, bk=64, bn=32, splits=1, num_warps=4, num_stages=2)},
+           expect=["grid", "in flight"]),
   ]
 
 
@@ -151,11 +158,12 @@ def work(spec: dict, facts: dict) -> perf_model.Work:
   if k == "layer_matmul":
     from scripts.gate.perf_work_matmul import matmul_work
     n = tuple(spec["group"]) if spec.get("group") else spec["n"]
-    return matmul_work(spec["m"], spec["k"], n, 2, "scale" in spec["extras"], "bias" in spec["extras"])
+    return matmul_work(spec["m"], spec["k"], n, 2, "scale" in spec["extras"], "bias" in spec["extras"],
+                       **spec.get("variant", {}))
   if k == "decode":
     from scripts.gate.perf_work_decode import decode_work
     return decode_work(spec["batch"], spec["context"], spec["q_heads"], spec["kv_heads"], spec["head_dim"],
-                       spec["block_size"], 2)
+                       spec["block_size"], 2, **spec.get("variant", {}))
   if k == "copy_blocks":
     from scripts.gate.perf_work_copy import copy_work
     return copy_work(spec["copies"], spec["layers"] * 2 * spec["kv_heads"], spec["block_size"], spec["head_dim"], 2,

@@ -35,13 +35,14 @@ PARTIAL_ITEMSIZE = 4  # the split's partials are float32
 
 
 def matmul_work(m: int, k: int, n: int | tuple[int, ...], itemsize: int, has_scale: bool,
-                has_bias: bool) -> perf_model.Work:
+                has_bias: bool, config: dict | None = None) -> perf_model.Work:
   """``perf_model.Work`` of one ``layer_matmul`` launch: ``[m, k] @ [k, n]`` in a dtype of
   ``itemsize`` bytes, with the norm weight (``has_scale``) and bias (``has_bias``, one per
   weight) when given, at the tiles :func:`~paged_kv.pallas_kernels.stacked_matmul.plan` chooses.
-  ``n`` may be a group's widths ``(N_1, N_2, ...)``: one launch over their sum."""
+  ``n`` may be a group's widths ``(N_1, N_2, ...)``: one launch over their sum. ``config``: the
+  fields of a ``Plan`` that overrides the kernel's own (a rule-check variant's)."""
   from paged_kv.pallas_kernels import stacked_matmul
-  p = stacked_matmul.plan(m, k, n, itemsize, has_scale)
+  p = stacked_matmul.Plan(**config) if config else stacked_matmul.plan(m, k, n, itemsize, has_scale)
   n = sum(n) if isinstance(n, tuple) else n
   total_steps = k // p.bk
   steps = -(-total_steps // p.splits)
