@@ -138,8 +138,11 @@ def spec_name(spec: dict) -> str:
   """A short readable name of a perf spec."""
   k = spec["kernel"]
   if spec.get("variant"):
+    flat = {}
+    for a, b in spec["variant"].items():
+      flat.update(b if isinstance(b, dict) else {a: b})
     return spec_name({key: v for key, v in spec.items() if key != "variant"}) + " " + " ".join(
-        f"{a}={b}" for a, b in spec["variant"].items())
+        f"{a}={b}" for a, b in flat.items())
   if k == "layer_matmul":
     return f"layer_matmul {spec['model']} {spec['proj']} M={spec['m']}"
   if k in ("decode", "jax_paged_attention"):
