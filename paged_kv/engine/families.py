@@ -36,7 +36,7 @@ class Phase(enum.Enum):
     DONE = 2
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: two samples with equal contents are still two (``index``)
 class Sample:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
