@@ -28,7 +28,8 @@ MGR = pk.ManagerConfig(num_blocks=24, block_size=16, max_seqs=16, max_blocks_per
 CFG = ServingConfig(MGR, chunk_size=32, max_prefill_rows=4, top_candidates=8, impl="reference")
 SYSTEM = "Q: What does the cow say? A: The cow says moo. "
 PROMPTS = ["The cow says", "Let us count: 12, 13,", SYSTEM + "Q: What do bees make? A:",
-           SYSTEM + "Q: Where do fish live? A:", "Once upon a time", "The dog says", "The cat says"]
+           SYSTEM + "Q: Where do fish live? A:", "Once upon a time", "The dog says", "The cat says",
+           SYSTEM * 2 + "Q: What do cows eat? A:"]  # the last: 120 tokens, prefilled over steps in a cohort
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +255,7 @@ def test_abort_beams_and_waiting_requests_stream_a_last_delta(model):
 KINDS = ("greedy", "sample", "beam")
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
+@settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_submissions_aborts_and_steps(model, data):
@@ -262,14 +263,14 @@ def test_random_submissions_aborts_and_steps(model, data):
     random steps (waiting, prefilling, decoding or preempted; some twice, some unknown ids). The
     invariants hold after every step, nothing leaks, aborts return True exactly once per live
     request, and a replay of the same schedule gives the same outputs bit for bit."""
-    n = data.draw(st.integers(3, 9), label="requests")
+    n = data.draw(st.integers(6, 12), label="requests")
     schedule: dict = {}
     for i in range(n):
         kind = data.draw(st.sampled_from(KINDS), label=f"kind {i}")
-        at = data.draw(st.integers(0, 12), label=f"arrival {i}")
-        schedule.setdefault(at, []).append(("submit", _request(i, kind, max_new=data.draw(st.integers(4, 40)))))
+        at = data.draw(st.integers(0, 10), label=f"arrival {i}")
+        schedule.setdefault(at, []).append(("submit", _request(i, kind, max_new=data.draw(st.integers(24, 60)))))
         if data.draw(st.booleans(), label=f"abort {i}?"):
-            when = at + data.draw(st.integers(0, 20), label=f"abort {i} after")
+            when = at + data.draw(st.integers(0, 30), label=f"abort {i} after")
             schedule.setdefault(when, []).append(("abort", i))
     schedule.setdefault(data.draw(st.integers(0, 20)), []).append(("abort", "unknown"))
     outs = _drive(ServingEngine(model, CFG), schedule)
