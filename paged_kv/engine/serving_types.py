@@ -161,7 +161,8 @@ class RequestStats:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A finished (or rejected) request.
+    """A finished, aborted (``ServingEngine.abort``: its finish reasons say ``"aborted"``) or
+    rejected (``error`` set) request.
 
     Attributes:
       request_id: the request's id.
