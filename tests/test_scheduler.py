@@ -252,3 +252,17 @@ def test_abort_frees_rows_through_the_next_step_and_ids_stay_unique():
     assert sched.stats().aborted == 2 and sched.stats().finished == 1
     sched.submit(Request((1, 2, 3), SamplingParams(max_new_tokens=2), request_id="run"))  # the id is free again
     assert drain(sched)["run"].finish_reasons == ["length"]
+
+
+def test_max_new_tokens_past_the_context_ends_length_capped():
+    """The context is 64 tokens (``make``): a 60-token prompt gets 64 - 60 + 1 = 5 new tokens, and
+    samples and beam hypotheses cut there say "length_capped" (exactly 5 asked: "length")."""
+    sched, _ = make()
+    sched.submit(Request((1,) * 60, SamplingParams(max_new_tokens=8, n=2), request_id="s"))
+    sched.submit(Request((2,) * 60, SamplingParams(max_new_tokens=5), request_id="exact"))
+    sched.submit(Request((3,) * 60, BeamParams(beam_width=2, max_new_tokens=8), request_id="b"))
+    outs = drain(sched)
+    assert outs["s"].tokens == [expected(j, 5) for j in range(2)]
+    assert outs["s"].finish_reasons == ["length_capped"] * 2
+    assert outs["exact"].finish_reasons == ["length"]
+    assert [len(t) for t in outs["b"].tokens] == [5, 5] and outs["b"].finish_reasons == ["length_capped"] * 2
