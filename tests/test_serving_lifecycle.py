@@ -220,6 +220,23 @@ def test_abort_while_prefilling_finishes_the_prefill_then_frees(model):
     assert outs["other"].tokens == fresh["other"].tokens
 
 
+def test_abort_after_its_prefill_while_a_cohort_mate_still_prefills(model):
+    """The cohort outlives a short prompt's prefill: aborting that request (decoding already)
+    frees its row at the next step, although its cohort is still being prefilled."""
+    eng = ServingEngine(model, CFG)
+    eng.submit(Request(TOK.encode("The cow says" * 3), SamplingParams(max_new_tokens=20), request_id="short"))
+    eng.submit(Request(TOK.encode((SYSTEM * 4)[:150]), SamplingParams(max_new_tokens=8), request_id="long"))
+    eng.step()
+    host = eng.scheduler.host
+    assert host.cohort and not host.live["short"].prefilling and host.live["long"].prefilling
+    assert eng.abort("short")
+    (out,) = eng.step()
+    assert out.finish_reasons == ["aborted"] and len(out.tokens[0]) == 1
+    outs = _drive(eng, {})
+    assert outs["long"].finish_reasons == ["length"]
+    _all_free(eng)
+
+
 def test_abort_beams_and_waiting_requests_stream_a_last_delta(model):
     """Through ``run`` with streaming: a beam request aborted mid-search returns its live beams as
     "aborted" hypotheses, sent whole, after its other deltas; a waiting request aborted before

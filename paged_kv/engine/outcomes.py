@@ -207,7 +207,9 @@ class Outcomes:
         if fam.phase is Phase.WAITING:
             self.host.waiting.remove(fam)  # holds no row: a preempted family released them all
         for cr in self.host.cohort:
-            if cr.family is fam and not cr.discard:
+            # Only rows still prefilling: a row whose prefill ended decodes, and is released below
+            # (the cohort can outlive it while a cohort mate's prompt is still being prefilled).
+            if cr.family is fam and not cr.discard and cr.row in fam.prefilling:
                 cr.discard, cr.fork_to = True, []
                 fam.rows.remove(cr.row)
                 self.host.row_owner.pop(cr.row, None)
