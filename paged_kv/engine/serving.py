@@ -230,7 +230,8 @@ class ServingEngine:
 
     @property
     def idle(self) -> bool:
-        """No request is waiting or running."""
+        """No request is waiting or running, and no aborted prompt is still being prefilled
+        (``Scheduler.idle``)."""
         return self.scheduler.idle
 
     @property
