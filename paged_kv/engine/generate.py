@@ -35,7 +35,7 @@ class FinishReason(enum.IntEnum):
 
     EOS = 1
     LENGTH = 2
-    """Its budget (``max_new_tokens``, per prompt or overall, or the context) is used up."""
+    """Its budget (``max_new_tokens``, per prompt or overall) is used up."""
     NO_BLOCKS = 3
     """The block pool or its block table ran out: the answer is cut short (the on-device loop
     does not preempt; a serving loop would)."""
@@ -45,6 +45,11 @@ class FinishReason(enum.IntEnum):
     """The prompt holds a token id outside ``[0, vocab_size)`` (only possible when ``generate``
     runs inside the caller's ``jit``, where ids cannot be checked on the host; otherwise it raises
     ``ValueError``): the prompt is not admitted, nothing is computed or cached, nothing generated."""
+    LENGTH_CAPPED = 6
+    """It stopped before ``max_new_tokens``, at the last position a sequence holds: the prompt's
+    length plus ``max_new_tokens`` runs past the context (``min(max_blocks_per_seq x block_size,
+    the model's max_positions)``), which holds ``context - prompt_len + 1`` new tokens (the last
+    one needs no KV slot). Never silent: ``LENGTH`` means ``max_new_tokens`` was reached."""
 
     @classmethod
     def names(cls, codes: ArrayLike) -> list | str:
@@ -114,6 +119,7 @@ class _SampleLoop:
     cur: jax.Array  # [R] the newest token of each row
     live: jax.Array  # [R]
     budget: jax.Array  # [R] tokens this row may generate
+    capped: jax.Array  # [R] bool: the context cut ``budget`` below the row's max_new_tokens
     tokens: jax.Array  # [R, N]
     logprobs: jax.Array  # [R, N]
     lengths: jax.Array  # [R]
@@ -140,6 +146,7 @@ def _emit(loop: _SampleLoop, logits, key, rows, release, manager: ManagerConfig,
     lengths = loop.lengths + live.astype(jnp.int32)
     eos = live & is_eos(tok, params.eos_token_ids)
     out_of_budget = live & ~eos & (lengths >= loop.budget)
+    length = jnp.where(loop.capped, FinishReason.LENGTH_CAPPED, FinishReason.LENGTH)
     done = eos | out_of_budget
     with jax.named_scope("manager_free"):
         state, _ = free(manager, loop.state, jnp.where(done | release, rows, -1))
@@ -147,8 +154,7 @@ def _emit(loop: _SampleLoop, logits, key, rows, release, manager: ManagerConfig,
         state=state, cur=jnp.where(live, tok, 0), live=live & ~done, lengths=lengths,
         tokens=loop.tokens.at[:, s].set(jnp.where(live, tok, -1)),
         logprobs=loop.logprobs.at[:, s].set(jnp.where(live, logp, 0.0)),
-        finish=jnp.where(eos, FinishReason.EOS, jnp.where(out_of_budget, FinishReason.LENGTH,
-                                                          loop.finish)).astype(jnp.int32))
+        finish=jnp.where(eos, FinishReason.EOS, jnp.where(out_of_budget, length, loop.finish)).astype(jnp.int32))
 
 
 def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
@@ -177,10 +183,14 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
         is_child = rows % n != 0
         state, _ = fork(manager, state, jnp.where(is_child, (rows // n) * n, -1),
                         jnp.where(is_child & admitted, rows, -1))
-    budget = jnp.minimum(jnp.clip(budgets.astype(jnp.int32), 1, steps), context - lens + 1)
+    # The context holds ``context - lens + 1`` new tokens (the last needs no KV slot); a budget
+    # past it stops there, flagged LENGTH_CAPPED (under the caller's jit it cannot be refused).
+    wanted = jnp.clip(budgets.astype(jnp.int32), 1, steps)
+    budget = jnp.minimum(wanted, context - lens + 1)
     used, shared = block_counts(manager, state, rows)
     loop = _SampleLoop(
         step=jnp.int32(0), cur=jnp.zeros((r,), jnp.int32), live=admitted, budget=jnp.repeat(budget, n),
+        capped=jnp.repeat(budget < wanted, n),
         tokens=jnp.full((r, steps), -1, jnp.int32), logprobs=jnp.zeros((r, steps), jnp.float32),
         lengths=jnp.zeros((r,), jnp.int32),
         finish=jnp.where(admitted, 0, jnp.where(bad_rows, FinishReason.BAD_TOKEN, FinishReason.REJECTED)
@@ -244,6 +254,8 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
       state: the block manager's state (donated), or None for a fresh one. Rows ``[0, B * n)``
         must be free; they are free again on return.
       max_new_tokens: optional int32 ``[B]`` per-prompt budgets (clipped to ``params.max_new_tokens``).
+        A prompt whose length plus budget runs past the context stops there with
+        ``FinishReason.LENGTH_CAPPED`` (not refused: the lengths may be traced).
       impl: kernel implementation ("auto", "pallas", "interpret", "reference").
       chunk_size: prefill chunk length (default ``min(L, 256)``).
       mesh: a ``jax.sharding.Mesh`` with a "tp" axis to run tensor-parallel (``paged_kv.models.sharding``);

@@ -85,6 +85,20 @@ generated tokens' K/V; it does not generate them again). A sample's last delta c
 every step), so a beam request sends each returned hypothesis whole, in one delta, when it
 finishes.
 
+Request identity and lifecycle. A request's id (``Request.request_id``, default its submission
+number) is unique among the requests waiting or running: ``submit`` refuses a duplicate with a
+``ValueError`` naming it (``run``: a rejected output), and the id is free again once its request
+has finished or been aborted. ``abort(request_id)`` ends a waiting or running request and all
+its samples or beams (False for an id no such request has): its rows are freed by the next step's
+jitted ``free``, as a finished request's (a prompt in the middle of its prefill is prefilled to
+the end of its cohort first, because ``admit`` cached its full blocks before their K/V was
+written), and its output, finish reason ``"aborted"``, comes out of that step. The other
+requests are not touched: their tokens are those of a run where the aborted request stopped at
+the same step. A request whose prompt plus ``max_new_tokens`` runs past what a sequence holds
+(the context: the pool's ``max_tokens_per_seq`` and the model's positions) stops at the context,
+with finish reason ``"length_capped"`` instead of ``"length"`` (as ``generate``'s
+``FinishReason.LENGTH_CAPPED`` and ``beam_search``'s ``length_capped``).
+
 Beam search follows ``engine.beam_search`` (same scoring, tie breaking and stopping rules); the
 device returns each beam row's ``top_candidates`` best log-probabilities, which always contain
 the ``k * (1 + max(#EOS, 1))`` best continuations over all beams, and the host ranks them.
@@ -216,7 +230,8 @@ class ServingEngine:
 
     @property
     def idle(self) -> bool:
-        """No request is waiting or running."""
+        """No request is waiting or running, and no aborted prompt is still being prefilled
+        (``Scheduler.idle``)."""
         return self.scheduler.idle
 
     @property
@@ -242,9 +257,19 @@ class ServingEngine:
 
     def submit(self, request: Request) -> object:
         """Queues ``request`` (at the back of the waiting queue) after ``check``; returns its id.
-        ``ValueError`` when it can never run: nothing is queued and the engine is unchanged."""
+        ``ValueError`` when it can never run, or when its id is that of a request still waiting or
+        running (the message names the id; ids may be reused once their request has finished or
+        been aborted): nothing is queued and the engine is unchanged."""
         self.check(request)
         return self.scheduler.enqueue(request)
+
+    def abort(self, request_id: object) -> bool:
+        """``Scheduler.abort``: ends the waiting or running request ``request_id``, all its
+        samples or beams; its blocks are freed at the next step (full ones stay in the prefix
+        cache) and its output, finish reason ``"aborted"``, comes out of that step (``run``
+        yields it, after its last streamed deltas). Returns False, changing nothing, for an id
+        no waiting or running request has (unknown, finished, or not yet arrived in ``run``)."""
+        return self.scheduler.abort(request_id)
 
     def reject(self, request: Request, error: str) -> RequestOutput:
         """``Scheduler.reject``: the output of a request that was not accepted."""
