@@ -293,11 +293,11 @@ def family_output(fam: Family) -> RequestOutput:
         out = RequestOutput(request_id=fam.rid, request=fam.req, tokens=tokens, logprobs=None,
                             scores=[float(s) for s, *_ in fam.pool],
                             finish_reasons=["eos" if t and t[-1] in eos else cut for t in tokens],
-                            stats=fam.stats)
+                            stats=fam.stats, seed=fam.seed)
     else:
         out = RequestOutput(request_id=fam.rid, request=fam.req, tokens=[list(s.tokens) for s in fam.samples],
                             logprobs=[list(s.logprobs) for s in fam.samples], scores=None,
-                            finish_reasons=[s.finish for s in fam.samples], stats=fam.stats)
+                            finish_reasons=[s.finish for s in fam.samples], stats=fam.stats, seed=fam.seed)
     out.stats.generated_tokens = sum(len(t) for t in out.tokens)
     return out
 

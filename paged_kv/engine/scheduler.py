@@ -30,6 +30,7 @@ import numpy as np
 from paged_kv.engine import families as F
 from paged_kv.engine.families import CohortRow, Family, HostState, Phase, Sample
 from paged_kv.engine.outcomes import Outcomes
+from paged_kv.engine.sampling import default_seed
 from paged_kv.engine.serving_step import DeviceStep, build_inputs
 from paged_kv.engine.serving_types import (
     EngineStats,
@@ -50,10 +51,13 @@ class Scheduler:
       config: the ``ServingConfig``.
       device: the device side (``DeviceStep`` or a fake with the same methods).
       vocab_size, max_positions: the model's facts (request checks, beam tie breaking).
+      seed: the engine's sampling seed, which fixes the seeds of requests submitted without one.
     """
 
-    def __init__(self, config: ServingConfig, device: DeviceStep, *, vocab_size: int, max_positions: int):
+    def __init__(self, config: ServingConfig, device: DeviceStep, *, vocab_size: int, max_positions: int,
+                 seed: int = 0):
         mgr = config.manager
+        self.seed = seed
         self.config, self.manager, self.device = config, mgr, device
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.context = min(mgr.max_tokens_per_seq, max_positions)
@@ -133,7 +137,9 @@ class Scheduler:
             self._t_start = time.perf_counter()
         seq = self._submitted
         self._submitted += 1
-        fam = Family(req=request, rid=rid, seq=seq, seed=seq if request.seed is None else request.seed,
+        # The seed names the request, not its place in the submission order (``sampling``).
+        seed = default_seed(self.seed, rid) if request.seed is None else request.seed
+        fam = Family(req=request, rid=rid, seq=seq, seed=seed,
                      budget=F.budget(request, self.context), t_submit=time.perf_counter())
         fam.stats.prompt_tokens = len(request.prompt)
         fam.stats.arrival_step = self.step_count

@@ -61,9 +61,11 @@ newest running request (by arrival; not one in the middle of its prefill): its r
 generated tokens; re-admission recomputes them, mostly from prefix-cache hits. A beam request is
 preempted as a unit.
 
-Determinism. Sampling keys are ``fold_in(seed, request seed, sample index, token index)``, so
-tokens do not depend on batch composition, preemption or arrival timing; with greedy decoding a
-run that preempts gives the tokens of a run with ample blocks.
+Determinism. Sampling keys are ``fold_in(root, request seed, sample index, token index)``
+(``sampling`` module docstring), so tokens do not depend on batch composition, rows, preemption,
+arrival timing or submission order; a request's default seed is a stable hash of the engine's
+seed and its id, recorded in its output for replay. With greedy decoding a run that preempts
+gives the tokens of a run with ample blocks.
 
 Modules (this file wires them): ``serving_types`` (config, request, output and statistics types),
 ``scheduler`` (the host policy described here, no device arrays: testable with a fake device),
@@ -115,6 +117,7 @@ from flax import nnx
 
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
+from paged_kv.engine.sampling import root_key
 from paged_kv.engine.scheduler import Scheduler
 from paged_kv.engine.serving_step import DeviceStep, StepInputs, StepOutputs
 from paged_kv.engine.serving_types import (
@@ -159,7 +162,9 @@ class ServingEngine:
             the stacked copy); otherwise the model runs as given
             (``paged_kv.models.paged.layout_for_impl`` has the table).
           config: the ``ServingConfig``.
-          seed: the engine's sampling seed (with each request's seed, it fixes sampled tokens).
+          seed: the engine's sampling seed: a request without a seed gets
+            ``sampling.default_seed(seed, request_id)`` (recorded in ``RequestOutput.seed``); a
+            request with one samples the same tokens whatever the engine's seed.
           mesh: a ``jax.sharding.Mesh`` with a "tp" axis (``paged_kv.models.sharding.make_mesh``) to run
             tensor-parallel: weights and KV pages are sharded over it (KV heads), the block-manager
             state and step inputs are replicated. None: one device.
@@ -183,11 +188,11 @@ class ServingEngine:
         # layers stay stacked (`paged_kv.pallas_kernels.layer_matmul` reads them in place).
         graphdef, weights = call_setup.layer_layout(graphdef, weights, config.impl, mesh)
         self.graphdef, self.weights, self.model_config, self.mesh = graphdef, weights, model_config, mesh
-        state, self.key = call_setup.replicate_inputs(mesh, init_state(mgr), jax.random.key(seed))
+        state, self.key = call_setup.replicate_inputs(mesh, init_state(mgr), root_key())
         self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size)
         self.device = DeviceStep(config, graphdef, weights, pages, state, self.key, mesh)
         self.scheduler = Scheduler(config, self.device, vocab_size=model_config.vocab_size,
-                                   max_positions=model_config.max_positions)
+                                   max_positions=model_config.max_positions, seed=seed)
         self.compile_table: list[dict] = []  # per program: compile seconds and why (``compile``)
 
     # ------------------------------------------------------------------ the scheduler's API

@@ -91,8 +91,9 @@ class Request:
       arrival: the engine step at which ``ServingEngine.run`` submits it (>= 0).
       request_id: any hashable label (default: the submission number). An engine refuses a
         request whose id equals that of one it has not finished yet (``ServingEngine.submit``).
-      seed: sampling seed (default: the submission number); with the engine's seed it fixes the
-        sampled tokens.
+      seed: sampling seed in ``[0, 2**31)``: it alone fixes the sampled tokens (with the model,
+        prompt and parameters), whatever the engine's seed, batch or submission order. Default:
+        ``sampling.default_seed(engine seed, request id)``; ``RequestOutput.seed`` records it.
     """
 
     prompt: tuple[int, ...]
@@ -176,6 +177,10 @@ class RequestOutput:
         (``ServingEngine.abort``; a sample that had already ended keeps its own reason).
       stats: ``RequestStats``.
       error: why the request was rejected (then nothing was generated), else None.
+      seed: the sampling seed used (``Request.seed`` or the default derived from the engine's
+        seed and the request id; module ``sampling``): the same request with ``seed=`` this value
+        gives the same samples on a fresh engine. Beam search and greedy decoding draw nothing.
+        None when rejected.
     """
 
     request_id: object
@@ -186,6 +191,7 @@ class RequestOutput:
     finish_reasons: list[str]
     stats: RequestStats
     error: str | None = None
+    seed: int | None = None
 
     @property
     def ok(self) -> bool:
