@@ -77,7 +77,8 @@ def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, ext
     Each ``per_request`` entry records its answers (``answers``: per sample, or per beam
     hypothesis best first, the generated ``tokens`` (ids), their ``logprobs`` (float32 values
     as JSON numbers, exact; None for beam hypotheses, which have a ``score`` instead) and its
-    ``finish_reason``), so any answer can be checked or replayed from the file alone."""
+    ``finish_reason``) and the sampling ``seed`` it used, so any answer can be checked or replayed
+    from the file alone."""
     st: EngineStats = engine.stats()
     mgr = engine.manager
     bpb = engine.bytes_per_block
@@ -92,7 +93,7 @@ def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, ext
             "preemptions": s.preemptions, "generated_tokens": s.generated_tokens,
             "arrival_step": s.arrival_step, "first_token_step": s.first_token_step, "finish_step": s.finish_step,
             "time_to_first_token_s": s.time_to_first_token_s, "latency_s": s.latency_s, "error": o.error,
-            "answers": _answers(o)})
+            "seed": o.seed, "answers": _answers(o)})
     ttft = sorted(o.stats.time_to_first_token_s for o in ok if o.stats.time_to_first_token_s is not None)
     timed_s = st.wall_s - st.compile_s
     report = {
