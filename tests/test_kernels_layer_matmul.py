@@ -41,12 +41,19 @@ def _inputs(seed, m, k, n, dtype, scale, bias):
 @pytest.mark.parametrize("m,k,n,dtype,scale,bias", CASES)
 def test_interpret_kernel_matches_reference_at_every_layer(m, k, n, dtype, scale, bias):
   x, w, s, b = _inputs(m * 7 + k, m, k, n, dtype, scale, bias)
+  _assert_reference_at_every_layer(lambda layer: pk.layer_matmul(x, w, layer, scale=s, bias=b, impl="interpret"),
+                                   x, w, s, b)
+
+
+def _assert_reference_at_every_layer(kernel, x, w, s, b):
+  """``kernel(layer)`` (the Pallas kernel in interpret mode) matches the XLA reference within the
+  derived bound at every layer, and reading another layer's weights would be far outside it."""
+  m, n = x.shape[0], w.shape[2]
   for layer in range(LAYERS):
-    got = pk.layer_matmul(x, w, layer, scale=s, bias=b, impl="interpret")
+    got = kernel(layer)
     want = pk.layer_matmul(x, w, layer, scale=s, bias=b, impl="reference")
     assert got.shape == (m, n) and got.dtype == x.dtype
     tol.assert_close(got, want, tol.layer_matmul_atol(x, w, s, b, layer), f"layer {layer}")
-    # Reading another layer's weights is far outside the bound.
     other = pk.layer_matmul(x, w, (layer + 1) % LAYERS, scale=s, bias=b, impl="reference")
     assert float(np.abs(np.asarray(other, np.float64) - np.asarray(want, np.float64)).max()) > \
         10 * tol.layer_matmul_atol(x, w, s, b, layer)
@@ -140,14 +147,7 @@ def _pallas(x, w, layer, s, b, config):
 @pytest.mark.parametrize("m,k,n,dtype,scale,bias,config", SPLIT_CASES)
 def test_split_k_matches_reference_at_every_layer(m, k, n, dtype, scale, bias, config):
   x, w, s, b = _inputs(m * 13 + k + n, m, k, n, dtype, scale, bias)
-  for layer in range(LAYERS):
-    got = _pallas(x, w, layer, s, b, config)
-    want = pk.layer_matmul(x, w, layer, scale=s, bias=b, impl="reference")
-    assert got.shape == (m, n) and got.dtype == x.dtype
-    tol.assert_close(got, want, tol.layer_matmul_atol(x, w, s, b, layer), f"layer {layer}")
-    other = pk.layer_matmul(x, w, (layer + 1) % LAYERS, scale=s, bias=b, impl="reference")
-    assert float(np.abs(np.asarray(other, np.float64) - np.asarray(want, np.float64)).max()) > \
-        10 * tol.layer_matmul_atol(x, w, s, b, layer)
+  _assert_reference_at_every_layer(lambda layer: _pallas(x, w, layer, s, b, config), x, w, s, b)
 
 
 def test_split_k_is_deterministic_and_takes_a_traced_layer():

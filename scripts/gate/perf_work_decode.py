@@ -16,44 +16,33 @@ full context (the busiest split walks ``tiles_per_split`` tiles).
 
 from __future__ import annotations
 
-import dataclasses
-
 from scripts.gate import perf_model
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeLaunch:
-  """The static launch of one decode call (from the kernel's tiling and partition)."""
-
-  blocks_per_tile: int
-  tiles_per_split: int
-  num_splits: int
-  rows: int
-  num_warps: int
-  num_stages: int
-  ctas: int
-
-
 def decode_launch(batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  block_size: int, dtype: str = "bfloat16", **overrides) -> DecodeLaunch:
-  """Tiles, splits and grid size the kernel launches for this shape (``dtype`` a name;
-  ``overrides``: ``blocks_per_tile``, ``num_splits``, ``num_warps``, ``num_stages`` as the kernel
-  takes them)."""
+                  block_size: int, dtype: str = "bfloat16", **overrides):
+  """The kernel's own :class:`~paged_kv.pallas_kernels.decode_attention.Partition` for this
+  shape (``dtype`` a name; ``overrides``: ``blocks_per_tile``, ``num_splits``, ``num_warps``,
+  ``num_stages`` as the kernel takes them); its grid is ``batch x num_kv_heads x num_splits``
+  CTAs (:func:`ctas`)."""
   from paged_kv.pallas_kernels import decode_attention
 
   max_blocks = perf_model.ceil_div(context, block_size)
   p = decode_attention.decode_partition(batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,
                                         dtype, **overrides)
-  return DecodeLaunch(blocks_per_tile=p.blocks_per_tile, tiles_per_split=p.tiles_per_split,
-                      num_splits=p.num_splits, rows=p.rows, num_warps=p.num_warps, num_stages=p.num_stages,
-                      ctas=batch * num_kv_heads * p.num_splits)
+  return p
+
+
+def ctas(batch: int, num_kv_heads: int, launch) -> int:
+  """CTAs of a decode launch: one per (sequence, KV head, split)."""
+  return batch * num_kv_heads * launch.num_splits
 
 
 _DTYPES = {2: "bfloat16", 4: "float32"}
 
 
 def decode_work(batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                itemsize: int, launch: DecodeLaunch | None = None, **overrides) -> perf_model.Work:
+                itemsize: int, launch=None, **overrides) -> perf_model.Work:
   """The model's :class:`~scripts.gate.perf_model.Work` of one decode call (every sequence at
   ``context`` tokens; ``itemsize`` 2 for bfloat16/float16, 4 for float32). ``launch``: the
   launch to describe (default :func:`decode_launch` of this shape, with ``overrides``: a
