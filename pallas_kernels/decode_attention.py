@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from jax.typing import DTypeLike
 
 from paged_kv.pallas_kernels import tiling
 from paged_kv.pallas_kernels.reference import NULL_BLOCK, score_knobs
@@ -263,7 +264,7 @@ class Partition:
 
 
 def decode_partition(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                     max_blocks: int, dtype, knobs: tiling.Knobs = tiling.NO_KNOBS, *,
+                     max_blocks: int, dtype: DTypeLike, knobs: tiling.Knobs = tiling.NO_KNOBS, *,
                      blocks_per_tile: int | None = None, num_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None) -> Partition:
   """The launch of :func:`paged_decode_attention_pallas` for one configuration (``dtype`` of q and

@@ -163,8 +163,9 @@ def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str =
   return block_copy.copy_blocks_pallas(pages, src, dst, interpret=impl == "interpret")
 
 
-def layer_matmul(x: jax.Array, w, layer: int | jax.Array, *, scale: jax.Array | None = None, bias=None,
-                 impl: str = "auto"):
+def layer_matmul(x: jax.Array, w: reference.StackedWeights, layer: int | jax.Array, *,
+                 scale: jax.Array | None = None, bias: reference.StackedBiases = None,
+                 impl: str = "auto") -> reference.Projections:
   """One layer's projection out of a stacked weight: ``(scale[layer] * x) @ w[layer] + bias[layer]``;
   or a group of projections of the same ``x`` in one launch.
 

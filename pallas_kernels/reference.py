@@ -24,6 +24,13 @@ import jax.numpy as jnp
 
 NULL_BLOCK = 0
 
+# ``layer_matmul``'s operands: one stacked weight ``[L, K, N]`` or a group of them ``[L, K, N_i]``
+# sharing x (one launch), a bias ``[L, N]`` or one per weight (or None), and the result: ``[M, N]``
+# or one ``[M, N_i]`` per weight.
+StackedWeights = jax.Array | tuple[jax.Array, ...]
+StackedBiases = jax.Array | tuple[jax.Array | None, ...] | None
+Projections = jax.Array | tuple[jax.Array, ...]
+
 
 def sanitize_block_tables(block_tables: jax.Array, num_blocks: int) -> jax.Array:
   """Maps entries outside [0, num_blocks) to the null block 0."""
@@ -177,7 +184,8 @@ def copy_blocks_reference(pages: jax.Array, src: jax.Array, dst: jax.Array) -> j
   return pages.at[:, :, :, dst].set(pages[:, :, :, src])
 
 
-def layer_matmul_reference(x: jax.Array, w, layer: int | jax.Array, scale: jax.Array | None = None, bias=None):
+def layer_matmul_reference(x: jax.Array, w: StackedWeights, layer: int | jax.Array, scale: jax.Array | None = None,
+                           bias: StackedBiases = None) -> Projections:
   """``(scale[layer] * x) @ w[layer] + bias[layer]`` with XLA ops: x ``[M, K]``, w ``[L, K, N]``,
   scale ``[L, K]``, bias ``[L, N]`` (both optional); float32 accumulation, result in x's dtype
   (the bias added after the cast, as the model adds it). A group (``w`` a tuple of ``[L, K, N_i]``,

@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from paged_kv.pallas_kernels.decode_attention import layer_operand
+from paged_kv.pallas_kernels.reference import Projections, StackedBiases, StackedWeights
 
 MIN_DIM = 16  # tl.dot's smallest tile edge
 
@@ -252,9 +253,9 @@ def _as_tuple(a) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages", "config"))
-def layer_matmul_pallas(x: jax.Array, w, layer: int | jax.Array, scale: jax.Array | None = None, bias=None, *,
-                        interpret: bool = False, num_warps: int | None = None, num_stages: int | None = None,
-                        config: Plan | None = None):
+def layer_matmul_pallas(x: jax.Array, w: StackedWeights, layer: int | jax.Array, scale: jax.Array | None = None,
+                        bias: StackedBiases = None, *, interpret: bool = False, num_warps: int | None = None,
+                        num_stages: int | None = None, config: Plan | None = None) -> Projections:
   """Pallas version of :func:`paged_kv.pallas_kernels.layer_matmul` (same arguments).
 
   ``w`` is one stacked weight ``[L, K, N]`` (result ``[M, N]``) or a group: a tuple of them
