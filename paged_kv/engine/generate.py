@@ -154,7 +154,8 @@ def _emit(loop: _SampleLoop, logits, key, rows, release, manager: ManagerConfig,
 def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
                   prompt_tokens: jax.Array, prompt_lens: jax.Array, budgets: jax.Array, key: jax.Array, *,
                   manager: ManagerConfig, params: SamplingParams, impl: str, chunk_size: int, context: int,
-                  mesh: jax.sharding.Mesh | None = None) -> tuple[GenerateOutput, jax.Array, BlockManagerState]:
+                  mesh: jax.sharding.Mesh | None = None, batch_invariant: bool = False
+                  ) -> tuple[GenerateOutput, jax.Array, BlockManagerState]:
     """The traceable body of ``generate`` (arguments already checked). Returns
     ``(GenerateOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
@@ -171,7 +172,8 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     # Each prompt is admitted and prefilled once, into its first sample's row; the others fork it.
     with jax.named_scope("prefill"):
         state, pages, logits, status = prefill(model, pages, manager, state, jnp.where(bad, -1, rows[::n]),
-                                               prompt_tokens, lens, chunk_size=chunk_size, impl=impl, mesh=mesh)
+                                               prompt_tokens, lens, chunk_size=chunk_size, impl=impl, mesh=mesh,
+                                               batch_invariant=batch_invariant)
     admitted = jnp.repeat(status == Status.OK, n)
     if n > 1:
         is_child = rows % n != 0
@@ -193,7 +195,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     def body(loop: _SampleLoop):
         s = loop.step + 1
         state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur, loop.live,
-                                                  impl=impl, mesh=mesh)
+                                                  impl=impl, mesh=mesh, batch_invariant=batch_invariant)
         failed = loop.live & (st != Status.OK)
         used, shared = block_counts(manager, state, rows)
         loop = loop.replace(
@@ -211,7 +213,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
 
 
 generate_jit = jax.jit(generate_loop, static_argnames=("graphdef", "manager", "params", "impl", "chunk_size",
-                                                       "context", "mesh"),
+                                                       "context", "mesh", "batch_invariant"),
                        donate_argnames=("pages", "state"))
 """``generate_loop`` compiled once per (model graph, manager config, params, shapes); pages and
 block-manager state are donated."""
@@ -221,7 +223,8 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
              prompt_lens: ArrayLike, key: ArrayLike, params: SamplingParams, *, manager: ManagerConfig,
              state: BlockManagerState | None = None, max_new_tokens: ArrayLike | None = None,
              impl: str = "auto", chunk_size: int | None = None,
-             mesh: jax.sharding.Mesh | None = None) -> tuple[GenerateOutput, jax.Array, BlockManagerState]:
+             mesh: jax.sharding.Mesh | None = None,
+             batch_invariant: bool = False) -> tuple[GenerateOutput, jax.Array, BlockManagerState]:
     """Samples ``params.n`` answers for each prompt, all on the device in one jitted loop.
 
     Args:
@@ -251,6 +254,11 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
         pages with the model's original KV-head count get replicated heads when tp exceeds it, and
         the returned pages keep that layout). None: the pages' own mesh if they are sharded, else
         one device. The block-manager state and the outputs are replicated.
+      batch_invariant: static. True: every prompt's tokens and log-probs are the same bits
+        whatever the other prompts, its row, the batch size and the chunk size, equal to
+        ``ServingEngine``'s in the same mode and to ``paged_kv.models.contiguous.score_tokens``
+        (docs/batch_invariance.md). The reference kernels only (``impl`` "reference", or "auto"
+        off a GPU).
 
     Returns:
       ``(GenerateOutput, pages, state)``.
@@ -284,7 +292,8 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
     state, toks, lens, budgets, key = call_setup.replicate_inputs(
         mesh, state, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), budgets, key)
     return generate_jit(graphdef, weights, pages, state, toks, lens, budgets, key, manager=manager, params=params,
-                        impl=impl, chunk_size=req.chunk_size, context=req.context, mesh=mesh)
+                        impl=impl, chunk_size=req.chunk_size, context=req.context, mesh=mesh,
+                        batch_invariant=bool(batch_invariant))
 
 
 __all__ = ["BlockStats", "FinishReason", "GenerateOutput", "bad_prompts", "generate", "generate_jit", "generate_loop"]
