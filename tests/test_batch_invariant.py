@@ -145,3 +145,18 @@ def test_serving_invariant(model, alone, config, mates, probe_arrival, shared_pr
     probe = outs["probe"]
     assert probe.error is None
     assert (probe.tokens[0], probe.logprobs[0]) == alone
+
+
+def test_serving_preempted_and_cached(model, alone):
+    """A pinned workload in which the probe hits the prefix cache (a batchmate holds its first
+    two blocks) and is preempted and recomputed (10 blocks): still the bits of the probe alone."""
+    mgr = pk.ManagerConfig(num_blocks=10, block_size=BS, max_seqs=4, max_blocks_per_seq=16)
+    cfg = ServingConfig(mgr, chunk_size=16, max_prefill_rows=4, impl="reference", batch_invariant=BI)
+    rs = np.random.RandomState(11)
+    reqs = [Request(list(PROBE[:32]) + rs.randint(0, 256, 20).tolist(), SamplingParams(max_new_tokens=30),
+                    request_id="m0"),
+            Request(rs.randint(0, 256, 60).tolist(), SamplingParams(max_new_tokens=30), request_id="m1"),
+            Request(PROBE, SamplingParams(max_new_tokens=N_NEW), arrival=3, request_id="probe")]
+    probe = {o.request_id: o for o in ServingEngine(model, cfg).run(reqs)}["probe"]
+    assert probe.stats.preemptions >= 1 and probe.stats.cached_prompt_tokens >= 32
+    assert (probe.tokens[0], probe.logprobs[0]) == alone
