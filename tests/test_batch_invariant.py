@@ -160,3 +160,9 @@ def test_serving_preempted_and_cached(model, alone):
     probe = {o.request_id: o for o in ServingEngine(model, cfg).run(reqs)}["probe"]
     assert probe.stats.preemptions >= 1 and probe.stats.cached_prompt_tokens >= 32
     assert (probe.tokens[0], probe.logprobs[0]) == alone
+
+
+def test_rl_example_runs():
+    """examples/rl_scoring.py: the engine's sampled log-probs equal score_tokens' (it asserts)."""
+    from examples import rl_scoring
+    rl_scoring.main()
