@@ -84,7 +84,12 @@ def log_softmax(logits: jax.Array) -> jax.Array:
   return shifted - jnp.log(tree_sum(jnp.exp(shifted), -1))[..., None]
 
 
-def attention_chunk(carry, qk, k, v, key_pos, last_pos, valid, scale, soft_cap=None, slopes=None):
+Carry = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def attention_chunk(carry: Carry, qk: jax.Array, k: jax.Array, v: jax.Array, key_pos: jax.Array,
+                    last_pos: jax.Array, valid: jax.Array, scale: float, soft_cap: float | None = None,
+                    slopes: jax.Array | None = None) -> Carry:
   """One online-softmax step over ``KEY_TILE`` keys, identical per query row whatever the batch.
 
   carry ``(o [H, B, T, G, D], m [H, B, T, G], l [H, B, T, G])`` float32; qk ``[H, B, T * G, D]``
@@ -93,7 +98,7 @@ def attention_chunk(carry, qk, k, v, key_pos, last_pos, valid, scale, soft_cap=N
   when not valid); slopes None or float32 ``[H, 1, 1, G, 1]``. Returns the new carry."""
   from paged_kv.pallas_kernels.reference import score_knobs  # reference imports this module
 
-  o, m, l = carry
+  o, m, denom = carry
   h, b, t, g, d = o.shape
   keys = k.shape[2]
   s = tree_sum(qk.astype(jnp.float32)[:, :, :, None, :] * k.astype(jnp.float32)[:, :, None], -1)
@@ -107,19 +112,19 @@ def attention_chunk(carry, qk, k, v, key_pos, last_pos, valid, scale, soft_cap=N
   alpha = jnp.exp(m - m_safe)
   p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
   pv = tree_sum(p.reshape(h, b, t * g, keys)[..., None] * v.astype(jnp.float32)[:, :, None], -2)
-  return alpha[..., None] * o + pv.reshape(h, b, t, g, d), m_new, alpha * l + tree_sum(p, -1)
+  return alpha[..., None] * o + pv.reshape(h, b, t, g, d), m_new, alpha * denom + tree_sum(p, -1)
 
 
-def attention_init(h: int, b: int, t: int, g: int, d: int):
+def attention_init(h: int, b: int, t: int, g: int, d: int) -> Carry:
   """The empty carry of ``attention_chunk``."""
   return (jnp.zeros((h, b, t, g, d), jnp.float32), jnp.full((h, b, t, g), -jnp.inf, jnp.float32),
           jnp.zeros((h, b, t, g), jnp.float32))
 
 
-def attention_finish(carry) -> jax.Array:
-  """``o / l`` of a finished carry (zeros where nothing was seen): ``[H, B, T, G, D]`` float32."""
-  o, _, l = carry
-  return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+def attention_finish(carry: Carry) -> jax.Array:
+  """``o / denom`` of a finished carry (zeros where nothing was seen): ``[H, B, T, G, D]`` float32."""
+  o, _, denom = carry
+  return jnp.where(denom[..., None] > 0, o / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
 
 
 def contiguous_attention(q: jax.Array, k: jax.Array, v: jax.Array, last_pos: jax.Array, valid: jax.Array,

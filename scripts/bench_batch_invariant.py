@@ -26,8 +26,8 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paged_kv.checkpoints import BUILTIN  # noqa: E402
-from paged_kv.models import allocate_pages, load_hf_checkpoint, make_paged_batch, page_spec, paged_decode_step  # noqa: E402
+from paged_kv.checkpoints import BUILTIN
+from paged_kv.models import allocate_pages, load_hf_checkpoint, make_paged_batch, page_spec, paged_decode_step
 
 
 def measure(batch: int, context: int, block_size: int, repeats: int) -> dict:

@@ -32,7 +32,8 @@ from paged_kv.status import Status
 
 def prefill(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: BlockManagerState,
             seq_ids: jax.Array, prompt_tokens: jax.Array, prompt_lens: jax.Array, *, chunk_size: int, impl: str,
-            mesh: jax.sharding.Mesh | None = None, batch_invariant: bool = False) -> tuple[BlockManagerState, jax.Array, jax.Array, jax.Array]:
+            mesh: jax.sharding.Mesh | None = None, batch_invariant: bool = False
+            ) -> tuple[BlockManagerState, jax.Array, jax.Array, jax.Array]:
     """Admit and prefill prompts. Returns (state, pages, logits float32 [B, V] at each prompt's
     last token, admission status int32 [B]). Rows that were not admitted get garbage logits and
     write only into the null block. ``mesh``: see ``paged_kv.models.paged.paged_forward``."""
