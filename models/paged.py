@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import TYPE_CHECKING
 
 import jax
@@ -274,7 +275,13 @@ def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax
         hidden = hidden[:, 0]
     elif last_only:
         hidden = hidden[jnp.arange(toks.shape[0]), jnp.maximum(batch.q_lens - 1, 0)]
-    logits = model.logits(hidden, batch_invariant=True) if batch_invariant else model.logits(hidden)
+    if batch_invariant:
+        if "batch_invariant" not in inspect.signature(model.logits).parameters:
+            raise ValueError(f"{type(model).__name__} has no batch-invariant mode: its logits() takes no "
+                             "batch_invariant (docs/batch_invariance.md)")
+        logits = model.logits(hidden, batch_invariant=True)
+    else:
+        logits = model.logits(hidden)
     if mesh is not None:
         # A vocabulary-parallel head gives vocabulary-sharded logits; they are gathered here, once.
         # Left to the partitioner, the sampler's prefix sum over the sorted vocabulary became a
