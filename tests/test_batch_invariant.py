@@ -114,6 +114,18 @@ def test_beam_search_invariant(model):
     assert outs[0] == outs[1]
 
 
+SAMPLED = SamplingParams(max_new_tokens=N_NEW, temperature=0.8, n=2)
+
+
+@pytest.fixture(scope="module")
+def alone_sampled(model):
+    """A sampled probe (n=2, its own seed) alone in the ServingEngine: its samples and log-probs."""
+    mgr = pk.ManagerConfig(num_blocks=64, block_size=BS, max_seqs=4, max_blocks_per_seq=16)
+    cfg = ServingConfig(mgr, chunk_size=16, max_prefill_rows=4, impl="reference", batch_invariant=BI)
+    (out,) = ServingEngine(model, cfg).run([Request(PROBE[::-1], SAMPLED, request_id="sampled", seed=123)])
+    return out.tokens, out.logprobs
+
+
 CONFIGS = [  # (max_seqs, chunk_size, num_blocks): the last two pressure the pool into preemptions
     (8, 32, 96), (4, 8, 64), (8, 16, 14), (4, 32, 11)]
 
@@ -123,17 +135,19 @@ CONFIGS = [  # (max_seqs, chunk_size, num_blocks): the last two pressure the poo
        mates=st.lists(st.tuples(st.integers(1, 110), st.integers(0, 12), st.integers(4, 24), st.booleans()),
                       max_size=7),
        probe_arrival=st.integers(0, 6), shared_prefix=st.integers(0, 40))
-def test_serving_invariant(model, alone, config, mates, probe_arrival, shared_prefix):
+def test_serving_invariant(model, alone, alone_sampled, config, mates, probe_arrival, shared_prefix):
     """ServingEngine: a greedy probe among drawn batchmates (lengths, arrivals, budgets, greedy or
     sampled; one may share the probe's first ``shared_prefix`` tokens, so the probe hits the
     prefix cache), in drawn pools (max_seqs, chunk size, few blocks: preemption and recompute)
-    gives the same tokens and log-probs as the probe alone in ``generate``."""
+    gives the same tokens and log-probs as the probe alone in ``generate``; a sampled probe with
+    its own seed (two samples) the same samples and log-probs as alone in the engine."""
     max_seqs, chunk, blocks = config
     mgr = pk.ManagerConfig(num_blocks=blocks, block_size=BS, max_seqs=max_seqs, max_blocks_per_seq=16)
     cfg = ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(4, max_seqs), impl="reference",
                         batch_invariant=BI)
     rs = np.random.RandomState(len(mates) * 131 + shared_prefix)
-    reqs = [Request(PROBE, SamplingParams(max_new_tokens=N_NEW), arrival=probe_arrival, request_id="probe")]
+    reqs = [Request(PROBE, SamplingParams(max_new_tokens=N_NEW), arrival=probe_arrival, request_id="probe"),
+            Request(PROBE[::-1], SAMPLED, arrival=probe_arrival + 1, request_id="sampled", seed=123)]
     for i, (length, arrival, budget, sampled) in enumerate(mates):
         prompt = rs.randint(0, 256, length).tolist()
         if i == 0 and shared_prefix:
@@ -144,6 +158,7 @@ def test_serving_invariant(model, alone, config, mates, probe_arrival, shared_pr
     probe = outs["probe"]
     assert probe.error is None
     assert (probe.tokens[0], probe.logprobs[0]) == alone
+    assert (outs["sampled"].tokens, outs["sampled"].logprobs) == alone_sampled
 
 
 def test_serving_preempted_and_cached(model, alone):
