@@ -102,7 +102,8 @@ class LayerAccess:
       stacked weights `[L, ...]` and every projection goes through `matmul`
       (`AttentionBackend.layer_matmul`), which reads `w[layer]` in place; so do the norms'
       weights before the projections (`norm`), and the small per-head q/k norm scales are
-      sliced (`weight`).
+      sliced (`weight`). Projections of the same input go as one group (`project_group`:
+      q/k/v, gate/up), one kernel launch each.
     """
 
     layer: Any
@@ -143,6 +144,26 @@ class LayerAccess:
         y = self.matmul(x.reshape(b * t, math.prod(k)), w.reshape(n, math.prod(k), math.prod(out)), self.layer,
                         scale=scale, bias=None if bias is None else bias.reshape(n, -1))
         return y.reshape(b, t, *out)
+
+    def project_group(self, specs: tuple[str, ...], x: Array, ws: tuple[Array, ...], *,
+                      biases: tuple[Array | None, ...] | None = None, scale: Array | None = None) -> tuple[Array, ...]:
+        """Several projections of the same `x` (q/k/v, gate/up): `project(specs[i], x, ws[i],
+        bias=biases[i], scale=scale)` each. On the layer's own weights exactly those einsums, one
+        after another; with in-place matmuls one `matmul` call on the group (a tuple of the
+        flattened stacked weights `[L, prod(K), prod(N_i)]`): one launch over their columns side
+        by side, where separate narrow projections (k/v) would each be too small to keep the
+        memory busy. No weight is concatenated or copied."""
+        biases = (None,) * len(ws) if biases is None else biases
+        if self.matmul is None:
+            return tuple(self.project(spec, x, w, bias=bias, scale=scale) for spec, w, bias in zip(specs, ws, biases))
+        b, t, *k = x.shape
+        n = ws[0].shape[0]
+        outs = [w.shape[1 + len(k):] for w in ws]
+        flat = tuple(w.reshape(n, math.prod(k), math.prod(out)) for w, out in zip(ws, outs))
+        flat_bias = None if all(bias is None for bias in biases) else tuple(
+            None if bias is None else bias.reshape(n, -1) for bias in biases)
+        ys = self.matmul(x.reshape(b * t, math.prod(k)), flat, self.layer, scale=scale, bias=flat_bias)
+        return tuple(y.reshape(b, t, *out) for y, out in zip(ys, outs))
 
 
 def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
@@ -188,9 +209,10 @@ class Attention(nnx.Module):
         bias = (lambda name: getattr(self, name)[...]) if self.qkv_bias else (lambda name: None)
         # Named scopes only label the HLO (scripts/profile_decode.py attributes time by them).
         with jax.named_scope("qkv_proj"):
-            q = access.project("btd,dhe->bthe", x, self.q_proj[...], bias=bias("q_bias"), scale=norm_scale)
-            k = access.project("btd,dke->btke", x, self.k_proj[...], bias=bias("k_bias"), scale=norm_scale)
-            v = access.project("btd,dke->btke", x, self.v_proj[...], bias=bias("v_bias"), scale=norm_scale)
+            q, k, v = access.project_group(
+                ("btd,dhe->bthe", "btd,dke->btke", "btd,dke->btke"), x,
+                (self.q_proj[...], self.k_proj[...], self.v_proj[...]),
+                biases=(bias("q_bias"), bias("k_bias"), bias("v_bias")), scale=norm_scale)
             if self.qk_norm:  # per-head scales [D] ([L, D] stacked: a small slice each)
                 q = access.weight(self.q_norm.scale[...]) * self.q_norm.normalize(q, access.invariant)
                 k = access.weight(self.k_norm.scale[...]) * self.k_norm.normalize(k, access.invariant)
@@ -222,8 +244,8 @@ class MLP(nnx.Module):
         """x[B, T, d] (after the post-attention norm; `norm_scale` as in `Attention.__call__`) ->
         [B, T, d] in x's dtype."""
         bias = (lambda name: getattr(self, name)[...]) if self.mlp_bias else (lambda name: None)
-        gate = access.project("btd,df->btf", x, self.gate[...], bias=bias("gate_bias"), scale=norm_scale)
-        up = access.project("btd,df->btf", x, self.up[...], bias=bias("up_bias"), scale=norm_scale)
+        gate, up = access.project_group(("btd,df->btf", "btd,df->btf"), x, (self.gate[...], self.up[...]),
+                                        biases=(bias("gate_bias"), bias("up_bias")), scale=norm_scale)
         return access.project("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...], bias=bias("down_bias"))
 
 

@@ -189,11 +189,12 @@ def layer_matmul_for(impl: str, head_dim: int | None = None, mesh: Mesh | None =
 
 
 def _layer_matmul(x, w, layer, *, scale=None, bias=None, impl: str):
-    """`paged_kv.pallas_kernels.layer_matmul` in `impl`, or its XLA reference for a weight whose K or N is
-    not a multiple of 16 (the kernel's smallest tile; such a weight's slice is then copied on a
-    GPU, as any scan's would be)."""
+    """`paged_kv.pallas_kernels.layer_matmul` in `impl` (one weight, or a group: a tuple), or its XLA
+    reference for a weight (a group with one) whose K or N is not a multiple of 16 (the kernel's
+    smallest tile; such a weight's slice is then copied on a GPU, as any scan's would be)."""
     from paged_kv.pallas_kernels.stacked_matmul import supported
-    use = impl if supported(w.shape[1], w.shape[2]) else "reference"
+    ws = w if isinstance(w, (tuple, list)) else (w,)
+    use = impl if all(supported(wi.shape[1], wi.shape[2]) for wi in ws) else "reference"
     return pk.layer_matmul(x, w, layer, scale=scale, bias=bias, impl=use)
 
 

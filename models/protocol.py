@@ -42,10 +42,14 @@ class LayerMatmul(Protocol):
     Python int or an int32 scalar (traced), one of ``0 .. L - 1``; ``x``, ``w``, ``scale`` and
     ``bias`` share one float dtype. ``scale`` is the weight of a norm that precedes the
     projection, so a model hands its norms' weights over too and slices nothing.
+
+    A group of projections of the same ``x``: ``w`` a tuple of ``[L, K, N_i]`` and ``bias`` None
+    or a tuple of ``[L, N_i]`` or None, one product per weight, returned as a tuple of ``[M, N_i]``
+    (one launch: the weights' columns side by side).
     """
 
-    def __call__(self, x: Array, w: Array, layer: int | Array, *, scale: Array | None = None,
-                 bias: Array | None = None) -> Array: ...
+    def __call__(self, x: Array, w: Array | tuple[Array, ...], layer: int | Array, *, scale: Array | None = None,
+                 bias: Array | tuple[Array | None, ...] | None = None) -> Array | tuple[Array, ...]: ...
 
 
 @dataclasses.dataclass(frozen=True)

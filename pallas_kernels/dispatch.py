@@ -182,23 +182,27 @@ def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str =
   return block_copy.copy_blocks_pallas(pages, src, dst, interpret=impl == "interpret")
 
 
-def layer_matmul(x: jax.Array, w: jax.Array, layer: int | jax.Array, *, scale: jax.Array | None = None,
-                 bias: jax.Array | None = None, impl: str = "auto") -> jax.Array:
-  """One layer's projection out of a stacked weight: ``(scale[layer] * x) @ w[layer] + bias[layer]``.
+def layer_matmul(x: jax.Array, w, layer: int | jax.Array, *, scale: jax.Array | None = None, bias=None,
+                 impl: str = "auto"):
+  """One layer's projection out of a stacked weight: ``(scale[layer] * x) @ w[layer] + bias[layer]``;
+  or a group of projections of the same ``x`` in one launch.
 
   Args:
     x: ``[M, K]`` activations (float32, bfloat16 or float16).
-    w: ``[L, K, N]``, every layer's weight stacked on axis 0, x's dtype.
+    w: ``[L, K, N]``, every layer's weight stacked on axis 0, x's dtype; or a group: a tuple of
+      such weights ``[L, K, N_i]`` (same ``L`` and ``K``; q/k/v, or gate/up), which the Pallas
+      kernel runs as one launch over their columns side by side (no weight is copied).
     layer: a Python int in ``[0, L)`` or an integer scalar array (traced inside a scan over
       layers; clamped to ``[0, L)`` by the Pallas kernel, as the attention kernels clamp it).
     scale: optional ``[L, K]``: multiplies ``x`` (in its dtype) before the product; the RMSNorm
-      weight that precedes a projection.
-    bias: optional ``[L, N]``: added after the cast to x's dtype.
+      weight that precedes a projection (shared by a group's weights).
+    bias: optional ``[L, N]`` (a group: None, or a tuple with an ``[L, N_i]`` or None per
+      weight): added after the cast to x's dtype.
     impl: "auto" | "pallas" | "interpret" | "reference". The Pallas kernel reads ``w[layer]``
       in place, where the reference's ``w[layer]`` is a slice XLA:GPU copies inside a scan.
 
   Returns:
-    ``[M, N]`` in x's dtype, accumulated in float32.
+    ``[M, N]`` in x's dtype, accumulated in float32; for a group, a tuple of ``[M, N_i]``.
   """
   layer, impl = validate.check_layer_matmul(x, w, layer, scale, bias, impl)
   impl = resolve_impl(impl)

@@ -56,6 +56,8 @@ class AttentionTile:
     num_warps, num_stages: Triton launch parameters.
     min_block_size: the smallest block size checked (a tile of many tiny blocks is a wider
       gather; one configuration spilled there).
+    ctas_per_sm: programs one sm_90 SM holds at this tile (registers and shared memory as
+      ptxas reported them at block size 16; the decode split rule fills whole waves of them).
   """
 
   keys_per_tile: int
@@ -63,6 +65,7 @@ class AttentionTile:
   num_warps: int = 4
   num_stages: int = 2
   min_block_size: int = 1
+  ctas_per_sm: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +100,16 @@ class Tiling:
   rows_per_tile: int
   num_warps: int
   num_stages: int
+  ctas_per_sm: int = 1
 
 
 def _dtype_name(dtype) -> str:
   return jnp.dtype(dtype).name
 
 
-def _row(keys, rows, warps=4, stages=2, min_block=1):
+def _row(keys, rows, warps=4, stages=2, min_block=1, ctas=1):
   return AttentionTile(keys_per_tile=keys, rows_per_tile=rows, num_warps=warps, num_stages=stages,
-                       min_block_size=min_block)
+                       min_block_size=min_block, ctas_per_sm=ctas)
 
 
 # Decode: one query token per sequence, the GQA group padded to a power of two >= 16 rows; a
@@ -113,18 +117,21 @@ def _row(keys, rows, warps=4, stages=2, min_block=1):
 # 2-byte types at head_dim 16, 64 and 128, 16 elsewhere (32-row tiles spilled: 164 B in bf16 at
 # head_dim 256, 20 B in float32 at 256, 12 B in float32 at head_dim 32 with 128-token blocks on
 # sm_80, and with JAX 0.12's Triton 12 B in 2-byte types at head_dim 32, on both targets).
-# 128 keys per tile for 2-byte types at every head_dim and float32 up to 128; float32 at
-# head_dim 256 needs half (128 keys asked 286,720 B of shared memory), and blocks of at least 2
-# tokens (64 one-token blocks per tile spilled 48 B). Four warps, two stages: today's clean bf16
-# tile.
+# 64 keys per tile (the prefill rows' tile, so no block size either kernel accepts is refused
+# here), 32 for float32 at head_dim 256. Five Triton stages: the K/V gather's address is itself a
+# load (the block table), and Triton's pipeliner splits its stages between the two loads
+# (``(num_stages - 1) // 2`` each), so 5 stages keep two K/V tiles in flight
+# (``cp.async.wait_group 3`` with 3 commit groups per iteration) while the current one is
+# computed; 2-4 stages left one buffer and ``wait_group 0``. Eight warps: at four, the 64-key
+# bf16 tile spilled 4 B at 72 registers.
 DECODE_TABLE: dict[tuple[str, int], AttentionTile] = {
-    **{(dt, d): _row(128, 32) for dt in ("bfloat16", "float16") for d in HEAD_DIMS},
-    **{("float32", d): _row(128, 16) for d in HEAD_DIMS},
-    ("bfloat16", 32): _row(128, 16),
-    ("float16", 32): _row(128, 16),
-    ("bfloat16", 256): _row(128, 16),
-    ("float16", 256): _row(128, 16),
-    ("float32", 256): _row(64, 16, min_block=2),
+    **{(dt, d): _row(64, rows, warps=8, stages=5, ctas=ctas) for dt in ("bfloat16", "float16")
+       for d, rows, ctas in ((16, 32, 2), (32, 16, 4), (64, 32, 4), (128, 32, 3), (256, 16, 1))},
+    ("float32", 16): _row(64, 16, warps=4, stages=5, ctas=4),  # 8 warps spilled 4 B at 1-token blocks
+    ("float32", 32): _row(64, 16, warps=8, stages=5, ctas=3),
+    ("float32", 64): _row(64, 16, warps=8, stages=5, ctas=3),
+    ("float32", 128): _row(64, 16, warps=8, stages=5, ctas=1),
+    ("float32", 256): _row(32, 16, warps=8, stages=5, ctas=1),
 }
 
 # Prefill: query heads folded into rows, up to 64 rows x 64 keys per program. 2-byte types at
@@ -216,7 +223,8 @@ def decode_tiling(dtype: DTypeLike, head_dim: int, block_size: int, group: int, 
   row = table_row("decode", dtype, head_dim, knobs)
   rows = max(MIN_DOT, next_power_of_two(group))
   return Tiling(blocks_per_tile=tile_blocks(row.keys_per_tile, block_size, max_blocks),
-                rows_per_tile=rows, num_warps=row.num_warps, num_stages=row.num_stages)
+                rows_per_tile=rows, num_warps=row.num_warps, num_stages=row.num_stages,
+                ctas_per_sm=row.ctas_per_sm)
 
 
 def prefill_tiling(dtype: DTypeLike, head_dim: int, block_size: int, group: int, num_tokens: int,

@@ -296,20 +296,40 @@ def check_layer_matmul(x: Any, w: Any, layer: Any, scale: Any, bias: Any, impl: 
   """Checks :func:`paged_kv.pallas_kernels.layer_matmul`'s arguments; returns ``(layer, impl)``.
 
   x ``[M, K]`` and w ``[L, K, N]`` of one float dtype; scale ``[L, K]`` and bias ``[L, N]`` of
-  that dtype when given; for the Pallas impls K and N multiples of 16 (Triton's smallest dot)."""
+  that dtype when given; for the Pallas impls K and N multiples of 16 (Triton's smallest dot).
+  A group: w a non-empty tuple of ``[L, K, N_i]`` (one ``L`` and ``K``), bias None or a tuple of
+  as many entries, each ``[L, N_i]`` or None."""
   impl = check_impl(impl)
-  for name, a, nd in (("x", x, 2), ("w", w, 3)):
-    if getattr(a, "ndim", None) != nd:
-      raise ValueError(f"{name} must have {nd} dimensions, got shape {getattr(a, 'shape', None)}")
-  if jnp.dtype(x.dtype) not in FLOAT_DTYPES or w.dtype != x.dtype:
+  grouped = isinstance(w, (tuple, list))
+  ws = tuple(w) if grouped else (w,)
+  if not ws:
+    raise ValueError("a layer_matmul group needs at least one weight")
+  if bias is None:
+    biases = (None,) * len(ws)
+  elif grouped != isinstance(bias, (tuple, list)) or (grouped and len(bias) != len(ws)):
+    raise ValueError(f"bias must be {'a tuple of one entry per weight' if grouped else 'an array'} or None, "
+                     f"got {type(bias).__name__}{f' of {len(bias)}' if isinstance(bias, (tuple, list)) else ''}")
+  else:
+    biases = tuple(bias) if grouped else (bias,)
+  if getattr(x, "ndim", None) != 2:
+    raise ValueError(f"x must have 2 dimensions, got shape {getattr(x, 'shape', None)}")
+  for wi in ws:
+    if getattr(wi, "ndim", None) != 3:
+      raise ValueError(f"w must have 3 dimensions, got shape {getattr(wi, 'shape', None)}")
+  if jnp.dtype(x.dtype) not in FLOAT_DTYPES or any(wi.dtype != x.dtype for wi in ws):
     raise ValueError(f"x and w must share a float dtype of {[str(d) for d in FLOAT_DTYPES]}, got "
-                     f"{x.dtype} and {w.dtype}")
-  num_layers, k, n = w.shape
+                     f"{x.dtype} and {', '.join(str(wi.dtype) for wi in ws)}")
+  num_layers, k, _ = ws[0].shape
+  if any(wi.shape[:2] != (num_layers, k) for wi in ws):
+    raise ValueError(f"a group's weights must share L and K, got {[tuple(wi.shape) for wi in ws]}")
   if x.shape[1] != k:
-    raise ValueError(f"x's K={x.shape[1]} must equal w's K={k} (w shape {w.shape})")
-  for name, a, want in (("scale", scale, (num_layers, k)), ("bias", bias, (num_layers, n))):
+    raise ValueError(f"x's K={x.shape[1]} must equal w's K={k} (w shape {ws[0].shape})")
+  checks = [("scale", scale, (num_layers, k))] + [("bias", b, (num_layers, wi.shape[2])) for wi, b in zip(ws, biases)]
+  for name, a, want in checks:
     if a is not None and (tuple(a.shape) != want or a.dtype != x.dtype):
       raise ValueError(f"{name} must be {x.dtype}{list(want)}, got {a.dtype}{list(a.shape)}")
-  if impl in ("pallas", "interpret") and (k % 16 or n % 16):
-    raise ValueError(f"the Pallas layer_matmul needs K and N multiples of 16, got K={k}, N={n}")
+  for wi in ws:
+    n = wi.shape[2]
+    if impl in ("pallas", "interpret") and (k % 16 or n % 16):
+      raise ValueError(f"the Pallas layer_matmul needs K and N multiples of 16, got K={k}, N={n}")
   return check_layer(layer, num_layers), impl

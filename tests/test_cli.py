@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = ["--checkpoint", "--requests", "--max-new-tokens", "--arrival-gap", "--seed", "--num-blocks",
            "--block-size", "--max-seqs", "--max-seq-len", "--chunk-size", "--max-prefill-rows",
-           "--no-prefix-caching", "--tp", "--impl", "--batch-invariant", "--show", "--out-dir", "--png", "--json", "--color",
+           "--no-prefix-caching", "--tp", "--impl", "--batch-invariant", "--show", "--out-dir", "--png", "--json",
+           "--color",
            "--no-progress", "--compile-cache", "--no-compile-cache", "--walkthrough", "--prompt", "--prompts-file",
            "--chat", "--n", "--beam-width", "--temperature", "--top-p", "--top-k", "--verbose"]
 # The CLI's persistent compilation cache goes to a folder of this test session, not the user's.
@@ -152,6 +153,17 @@ def test_small_end_to_end_run(tmp_path):
     assert rep["sharing"]["parallel_sampling"]["saved_fraction"] > 0
     assert rep["prefix_cache"]["hit_tokens"] > 0  # the shared preamble
     assert rep["block_tables"]["saved_blocks"] > 0
+    # Every answer's token ids and log-probabilities (beam hypotheses: their score) are recorded.
+    for req in rep["per_request"]:
+        assert len(req["answers"]) == req["width"], req["id"]
+        assert sum(len(a["tokens"]) for a in req["answers"]) == req["generated_tokens"]
+        for a in req["answers"]:
+            assert a["tokens"] and all(isinstance(t, int) for t in a["tokens"])
+            assert a["finish_reason"] in ("eos", "length", "length_capped")
+            if req["kind"] == "beam":
+                assert a["logprobs"] is None and isinstance(a["score"], float)
+            else:
+                assert len(a["logprobs"]) == len(a["tokens"]) and all(x <= 0 for x in a["logprobs"])
 
 
 def test_pallas_on_a_cpu_is_one_line_before_loading_anything(tmp_path):
@@ -484,7 +496,7 @@ def test_answers_cut_by_the_sequence_length_are_announced_before_compiling(tmp_p
                                        "--out-dir", str(tmp_path))
     assert rc == 130, err
     assert ("note: --max-seq-len 256 leaves prompt 0 fewer than --max-new-tokens 100 new tokens: their answers "
-            "stop at the sequence length (finish reason 'length')") in out
+            "stop at the sequence length (finish reason 'length_capped')") in out
     rc, _, out, err, _ = _interrupt_at("compile:wait", "--max-seq-len", "48", "--max-new-tokens", "8",
                                        "--out-dir", str(tmp_path))
     assert rc == 130, err

@@ -1,8 +1,8 @@
 """The scan over stacked layers with the projections read in place (`AttentionBackend.layer_matmul`,
 `paged_kv.models.llama.LayerAccess`): what the Pallas kernels run on one GPU. Against the
 ordinary scan (XLA's weight slices) on the same weights, for the plain Llama and for every
-family switch (biases, q/k norms); the engines' Pallas path scans (one traced body: seven
-projections) instead of converting to the per-layer layout; the layer handed to the matmul is
+family switch (biases, q/k norms); the engines' Pallas path scans (one traced body: four
+launches, q/k/v and gate/up grouped) instead of converting to the per-layer layout; the layer handed to the matmul is
 the scan's traced id."""
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ def test_each_layer_reads_its_own_weights():
     assert float(np.abs(np.asarray(bad) - np.asarray(want)).max()) > 100 * atol
 
 
-def test_pallas_impls_scan_with_seven_projections_per_layer(monkeypatch):
+def test_pallas_impls_scan_with_four_launches_per_layer(monkeypatch):
     """`paged_forward` with the Pallas kernels on one device keeps the stacked model (no per-layer
-    conversion) and traces the scan body once: seven kernel calls (q, k, v, o, gate, up, down),
-    each on a whole stacked weight and the scan's traced int32 layer id."""
+    conversion) and traces the scan body once: four kernel calls, q/k/v as one group and
+    gate/up as one group (the group's weights passed as they are, no concatenated copy), o and
+    down alone, each on whole stacked weights and the scan's traced int32 layer id."""
     cfg = tiny(num_layers=3)
     model = init_model(cfg, seed=1, init_std=0.2)
     tokens, batch, spec = _case(cfg)
@@ -86,7 +87,8 @@ def test_pallas_impls_scan_with_seven_projections_per_layer(monkeypatch):
     real = stacked_matmul.layer_matmul_pallas
 
     def spy(x, w, layer, *args, **kwargs):
-        calls.append((w.shape, isinstance(layer, jax.core.Tracer), getattr(layer, "dtype", None)))
+        shapes = tuple(wi.shape for wi in w) if isinstance(w, tuple) else w.shape
+        calls.append((shapes, isinstance(layer, jax.core.Tracer), getattr(layer, "dtype", None)))
         return real(x, w, layer, *args, **kwargs)
 
     monkeypatch.setattr(stacked_matmul, "layer_matmul_pallas", spy)
@@ -94,8 +96,8 @@ def test_pallas_impls_scan_with_seven_projections_per_layer(monkeypatch):
     assert not is_per_layer(model)
     d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     L, qh, kvh = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
-    assert [c[0] for c in calls] == [(L, d, qh * e), (L, d, kvh * e), (L, d, kvh * e), (L, qh * e, d),
-                                     (L, d, f), (L, d, f), (L, f, d)]
+    assert [c[0] for c in calls] == [((L, d, qh * e), (L, d, kvh * e), (L, d, kvh * e)), (L, qh * e, d),
+                                     ((L, d, f), (L, d, f)), (L, f, d)]
     assert all(traced and dtype == jnp.int32 for _, traced, dtype in calls)
     want, _ = paged_forward(model, allocate_pages(spec), batch, tokens, impl="reference")
     atol = tol.model_atol(cfg, 20, np.abs(np.asarray(want)).max(), score_mag=tol.score_bound(model))
@@ -122,3 +124,9 @@ def test_unsupported_widths_fall_back_to_the_reference():
     w = jnp.asarray(np.random.RandomState(0).randn(2, 24, 40), jnp.float32)
     got = paged_mod._layer_matmul(x, w, 1, impl="interpret")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(pk.layer_matmul(x, w, 1, impl="reference")))
+    # A group with one such weight goes through the reference as a whole.
+    w2 = jnp.asarray(np.random.RandomState(1).randn(2, 24, 32), jnp.float32)
+    got = paged_mod._layer_matmul(x, (w2, w), 1, impl="interpret")
+    want = pk.layer_matmul(x, (w2, w), 1, impl="reference")
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -167,7 +167,13 @@ def test_judge_perf_targets_sanity_and_rule_checks():
 def test_named_shapes_cover_the_issue():
   specs = perf_plan.perf_specs()
   mm = {(s["model"], s["proj"], s["m"]) for s in specs if s["kernel"] == "layer_matmul"}
-  assert len(mm) == 2 * 7 * 4
+  assert len(mm) == 2 * 4 * 4  # q|k|v, o, gate|up, down: the launches the in-place path runs
+  # The groups' widths sum to their N: every weight of the layer is counted once.
+  for model, c in perf_plan.MODELS.items():
+    launched = sum(k * n for _, k, n, _ in perf_plan.projections(model))
+    q, kv = c["q_heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
+    assert launched == c["d"] * (q + 2 * kv) + q * c["d"] + 3 * c["d"] * c["f"]
+    assert sum(perf_plan.group_widths(model, "qkv")) == q + 2 * kv
   assert {(s["batch"], s["context"]) for s in specs if s["kernel"] == "decode" and s["purpose"] == "perf"} == \
       set(perf_plan.DECODE_SHAPES)
   copies = {(s["model"], s["copies"]) for s in specs if s["kernel"] == "copy_blocks" and s["purpose"] == "perf"}

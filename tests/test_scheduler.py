@@ -220,3 +220,49 @@ def test_collaborators_are_held_not_inherited():
     missing = [name for name in api if not hasattr(ServingEngine, name) and name not in ("device", "compile_table")]
     assert not missing, missing
     assert isinstance(ServingEngine.step_count, property) and ServingEngine.step_count.fset is not None
+
+
+def test_abort_frees_rows_through_the_next_step_and_ids_stay_unique():
+    """``abort``: a running request's rows are in the next step's ``free_ids`` (the jitted free
+    path finished requests take), a waiting one just leaves the queue; both come out of that step
+    as "aborted" with a last delta per unfinished sample; nothing is left held. A live id cannot
+    be submitted twice; an unknown or finished one aborts nothing."""
+    sched, dev = make(num_blocks=64, max_seqs=3, block_size=4)
+    sched.host.deltas = []
+    sched.submit(Request((1, 2, 3), SamplingParams(max_new_tokens=8, n=2), request_id="run"))
+    sched.submit(Request((9, 9), SamplingParams(max_new_tokens=8), request_id="keep"))
+    sched.submit(Request((4, 5, 6), SamplingParams(max_new_tokens=8, n=2), request_id="wait"))  # no rows left
+    with pytest.raises(ValueError, match="request id 'run' is already in use"):
+        sched.submit(Request((7,), SamplingParams(max_new_tokens=2), request_id="run"))
+    sched.step()
+    sched.step()
+    rows = sorted(sched.host.live["run"].rows)
+    assert len(rows) == 2 and sched.num_waiting == 1
+    assert sched.abort("run") and sched.abort("wait") and not sched.abort("run") and not sched.abort("nobody")
+    done = sched.step()
+    assert sorted(o.request_id for o in done) == ["run", "wait"]
+    assert all(o.finish_reasons == ["aborted", "aborted"] for o in done)
+    assert sorted(r for r in dev.steps[-1][0].free_ids.tolist() if r >= 0) == rows
+    assert set(dev.lens) == {sched.host.live["keep"].rows[0]}  # only the other request holds blocks
+    assert drain(sched)["keep"].tokens == [expected(0, 8)]
+    assert dev.lens == {} and dev.num_free == sched.manager.num_blocks - 1
+    last = [(d.request_id, d.index, d.finish_reason) for d in sched.host.deltas if d.finish_reason == "aborted"]
+    assert sorted(last) == [("run", 0, "aborted"), ("run", 1, "aborted"), ("wait", 0, "aborted"),
+                            ("wait", 1, "aborted")]
+    assert sched.stats().aborted == 2 and sched.stats().finished == 1
+    sched.submit(Request((1, 2, 3), SamplingParams(max_new_tokens=2), request_id="run"))  # the id is free again
+    assert drain(sched)["run"].finish_reasons == ["length"]
+
+
+def test_max_new_tokens_past_the_context_ends_length_capped():
+    """The context is 64 tokens (``make``): a 60-token prompt gets 64 - 60 + 1 = 5 new tokens, and
+    samples and beam hypotheses cut there say "length_capped" (exactly 5 asked: "length")."""
+    sched, _ = make()
+    sched.submit(Request((1,) * 60, SamplingParams(max_new_tokens=8, n=2), request_id="s"))
+    sched.submit(Request((2,) * 60, SamplingParams(max_new_tokens=5), request_id="exact"))
+    sched.submit(Request((3,) * 60, BeamParams(beam_width=2, max_new_tokens=8), request_id="b"))
+    outs = drain(sched)
+    assert outs["s"].tokens == [expected(j, 5) for j in range(2)]
+    assert outs["s"].finish_reasons == ["length_capped"] * 2
+    assert outs["exact"].finish_reasons == ["length"]
+    assert [len(t) for t in outs["b"].tokens] == [5, 5] and outs["b"].finish_reasons == ["length_capped"] * 2

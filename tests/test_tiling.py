@@ -45,13 +45,27 @@ def test_choice_follows_the_row(block_size, group, max_blocks):
 
 
 def test_clean_bf16_tiles_are_unchanged():
-  """Today's bf16 head_dim 64/128 tiles compiled without spills at 168/184 registers: keep them
-  (the largest that fits; a smaller one would only cost speed)."""
+  """Today's bf16 head_dim 64/128 prefill tiles compiled without spills at 168/184 registers: keep
+  them. The decode rows are 64-key tiles on 8 warps with 5 Triton stages (two K/V tiles in
+  flight behind the block-table load; 64-80 registers, 3-4 programs per SM on sm_90)."""
   for d in (64, 128):
-    assert tiling.table_row("decode", jnp.bfloat16, d) == tiling.AttentionTile(128, 32, 4, 2)
     assert tiling.table_row("prefill", jnp.bfloat16, d) == tiling.AttentionTile(64, 64, 4, 2)
+    row = tiling.table_row("decode", jnp.bfloat16, d)
+    assert (row.keys_per_tile, row.rows_per_tile, row.num_warps, row.num_stages) == (64, 32, 8, 5)
   t = tiling.decode_tiling(jnp.bfloat16, 128, 16, 4, 256)
-  assert (t.blocks_per_tile, t.num_warps, t.num_stages) == (8, 4, 2)
+  assert (t.blocks_per_tile, t.num_warps, t.num_stages, t.ctas_per_sm) == (4, 8, 5, 3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
+def test_decode_rows_refuse_no_block_size_prefill_accepts(dtype, head_dim):
+  """A model runs both kernels on one page layout: the decode row's tile is never smaller than
+  the prefill row's, nor its smallest block larger, so decode refuses no block size that prefill
+  serves. Every decode row pipelines (at least 5 stages: two K/V tiles in flight behind the
+  block-table load) and names the programs an SM holds, which the split rule fills."""
+  dec, pre = tiling.table_row("decode", dtype, head_dim), tiling.table_row("prefill", dtype, head_dim)
+  assert dec.keys_per_tile >= pre.keys_per_tile and dec.min_block_size <= pre.min_block_size
+  assert dec.num_stages >= 5 and dec.ctas_per_sm >= 1
 
 
 def _decode_args(dtype, head_dim, block_size, heads=2, q_heads=4):
@@ -96,11 +110,16 @@ def test_group_larger_than_the_checked_rows_is_refused():
 
 
 def test_block_smaller_than_the_checked_ones_is_refused():
-  row = tiling.table_row("decode", jnp.float32, 256)
-  assert row.min_block_size == 2
-  with pytest.raises(ValueError, match=r"block_size=1 is below 2"):
-    pk.paged_decode_attention(*_decode_args(jnp.float32, 256, 1), impl="pallas")
-  tiling.check_attention_fits("decode", jnp.bfloat16, 128, 1, group=4)  # checked down to 1
+  row = tiling.table_row("prefill", jnp.bfloat16, 16)
+  assert row.min_block_size == 4
+  with pytest.raises(ValueError, match=r"block_size=2 is below 4"):
+    tiling.check_attention_fits("prefill", jnp.bfloat16, 16, 2, group=4)
+  # Every decode row was checked down to one-token blocks (float32 at head_dim 256 too, since
+  # its tile shrank to 32 keys).
+  for dt in ("bfloat16", "float16", "float32"):
+    for d in tiling.HEAD_DIMS:
+      assert tiling.table_row("decode", dt, d).min_block_size == 1
+  tiling.check_attention_fits("decode", jnp.float32, 256, 1, group=4)
 
 
 def test_reference_and_cpu_auto_are_not_limited_by_the_table():
@@ -140,14 +159,14 @@ def test_a_knob_row_is_used_and_enforced_only_with_that_knob(monkeypatch):
   assert tiling.table_row("decode", jnp.bfloat16, 128, tiling.Knobs(soft_cap=True, alibi=True)) == base
   t = tiling.decode_tiling(jnp.bfloat16, 128, 16, 4, 256, cap)
   assert (t.blocks_per_tile, t.num_warps) == (2, 8)
-  assert tiling.decode_tiling(jnp.bfloat16, 128, 16, 4, 256).blocks_per_tile == 8
+  assert tiling.decode_tiling(jnp.bfloat16, 128, 16, 4, 256).blocks_per_tile == 4
   args = _decode_args(jnp.bfloat16, 128, 64)
   with pytest.raises(ValueError, match=r"block_size=64 exceeds the 32-key tile .*bfloat16 head_dim=128 with soft_cap"):
     pk.paged_decode_attention(*args, impl="pallas", soft_cap=30.0)
   with pytest.raises(ValueError, match=r"GQA group of 32 .*16 rows .* with soft_cap"):
     pk.paged_decode_attention(*_decode_args(jnp.bfloat16, 128, 16, heads=1, q_heads=32), impl="pallas",
                               soft_cap=30.0)
-  # Without the knob the same configurations are served by the 128 x 32 row.
+  # Without the knob the same configurations are served by the 64-key, 32-row row.
   jax.eval_shape(lambda q, p, b, n: pk.paged_decode_attention(q, p, 0, b, n, impl="pallas"),
                  *[a for i, a in enumerate(args) if i != 2])
   assert tiling.check_attention_fits("decode", jnp.bfloat16, 128, 64, 32, tiling.Knobs(alibi=True)) == base

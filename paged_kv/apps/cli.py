@@ -937,13 +937,13 @@ def _check_prompts(args, prompts, block_size: int, context: int, limit: str) -> 
             raise ValueError(f"prompt {i} ({_short(text, 40)!r}): {who} up to {longest} tokens need up to {need} "
                              f"blocks of {block_size} tokens; --num-blocks {args.num_blocks} gives {blocks} "
                              f"(raise --num-blocks, or lower --max-new-tokens or --n/--beam-width)")
-        if n + args.max_new_tokens > context:
+        if n + args.max_new_tokens - 1 > context:  # the engine's cap: context - n + 1 new tokens
             cut.append(i)
     if not cut:
         return []
     return [f"{limit} leaves prompt{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut[:8]))}"
             f"{' ...' if len(cut) > 8 else ''} fewer than --max-new-tokens {args.max_new_tokens} new tokens: "
-            "their answers stop at the sequence length (finish reason 'length')"]
+            "their answers stop at the sequence length (finish reason 'length_capped')"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,9 +56,29 @@ def _kib(nbytes: float | None) -> str:
     return f"{nbytes / 1024:.1f} KiB"
 
 
+def _answers(o: RequestOutput) -> list[dict]:
+    """The answers of one output: token ids, log-probabilities (samples) or score (beams), and
+    finish reason each (``build_report``)."""
+    out = []
+    for j, toks in enumerate(o.tokens):
+        entry = {"tokens": [int(t) for t in toks],
+                 "logprobs": [float(x) for x in o.logprobs[j]] if o.logprobs is not None else None,
+                 "finish_reason": o.finish_reasons[j]}
+        if o.scores is not None:
+            entry["score"] = float(o.scores[j])
+        out.append(entry)
+    return out
+
+
 def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, extra: dict | None = None) -> dict:
     """A JSON-able summary of a finished run: configuration, engine statistics, sharing, prefix
-    cache, preemptions, per-request statistics and the block-table snapshot."""
+    cache, preemptions, per-request statistics and answers, and the block-table snapshot.
+
+    Each ``per_request`` entry records its answers (``answers``: per sample, or per beam
+    hypothesis best first, the generated ``tokens`` (ids), their ``logprobs`` (float32 values
+    as JSON numbers, exact; None for beam hypotheses, which have a ``score`` instead) and its
+    ``finish_reason``) and the sampling ``seed`` it used, so any answer can be checked or replayed
+    from the file alone."""
     st: EngineStats = engine.stats()
     mgr = engine.manager
     bpb = engine.bytes_per_block
@@ -72,7 +92,8 @@ def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, ext
             "cached_prompt_tokens": s.cached_prompt_tokens, "shared_prompt_tokens": s.shared_prompt_tokens,
             "preemptions": s.preemptions, "generated_tokens": s.generated_tokens,
             "arrival_step": s.arrival_step, "first_token_step": s.first_token_step, "finish_step": s.finish_step,
-            "time_to_first_token_s": s.time_to_first_token_s, "latency_s": s.latency_s, "error": o.error})
+            "time_to_first_token_s": s.time_to_first_token_s, "latency_s": s.latency_s, "error": o.error,
+            "seed": o.seed, "answers": _answers(o)})
     ttft = sorted(o.stats.time_to_first_token_s for o in ok if o.stats.time_to_first_token_s is not None)
     timed_s = st.wall_s - st.compile_s
     report = {

@@ -16,7 +16,8 @@ Algorithm (per prompt, deterministic, float32 log-probabilities of the model's r
      the k best non-EOS continuations become the new beams.
   3. A prompt is done when it holds k finished hypotheses (early stopping, as ``transformers``'
      ``early_stopping=True``) or when its budget (``max_new_tokens``, overall or per prompt, or the
-     context) is used: the last step's k beams are then finished hypotheses too.
+     context when prompt + ``max_new_tokens`` runs past it: then ``length_capped`` is set) is used:
+     the last step's k beams are then finished hypotheses too.
   4. The k best finished hypotheses are returned, best first (ties: the earlier one first).
 If the block pool runs out, the prompt stops there: its live beams join the finished hypotheses
 at their current length and ``out_of_blocks`` is set.
@@ -53,6 +54,9 @@ class BeamOutput:
     out_of_blocks: bool ``[B]`` the prompt was cut short (or not admitted) for lack of blocks.
     stats: ``BlockStats`` per step.
     steps: int32 scalar, the longest returned hypothesis.
+    length_capped: bool ``[B]`` the search ran to the context before ``max_new_tokens``: the
+      prompt's length plus its ``max_new_tokens`` runs past what a sequence holds (``context -
+      prompt_len + 1`` new tokens), so hypotheses without EOS stop shorter (never silently).
     bad_tokens: bool ``[B]`` the prompt held a token id outside ``[0, vocab_size)`` (only possible
       under the caller's ``jit``; otherwise ``beam_search`` raises ``ValueError``): it was not
       admitted, nothing was computed or cached, and its hypotheses are empty.
@@ -66,6 +70,7 @@ class BeamOutput:
     stats: BlockStats
     steps: jax.Array
     bad_tokens: jax.Array
+    length_capped: jax.Array
 
 
 @struct.dataclass
@@ -78,6 +83,7 @@ class _BeamLoop:
     cur: jax.Array  # [B * k] each beam's newest token
     done: jax.Array  # [B]
     out_of_blocks: jax.Array  # [B]
+    length_capped: jax.Array  # [B] stopped at a budget the context cut
     beam_scores: jax.Array  # [B, k] sum of log-probs
     beam_tokens: jax.Array  # [B, k, N]
     pool_scores: jax.Array  # [B, k] normalized, descending
@@ -107,8 +113,9 @@ def _merge(loop: _BeamLoop, sums, tokens, lengths, mask, penalty: float) -> _Bea
                         pool_lens=jnp.where(jnp.isfinite(best), jnp.take_along_axis(all_lens, idx, axis=1), 0))
 
 
-def _choose(loop: _BeamLoop, logp, step, active, budget, params: BeamParams):
-    """One beam step for the ``active`` prompts. logp float32 ``[B, k, V]``.
+def _choose(loop: _BeamLoop, logp, step, active, budget, capped, params: BeamParams):
+    """One beam step for the ``active`` prompts. logp float32 ``[B, k, V]``; ``capped`` bool
+    ``[B]``: the context cut ``budget`` below ``max_new_tokens``.
 
     Returns (loop with beams and pool updated, parents int32 [B, k], new tokens int32 [B, k],
     finished bool [B]: prompts done after this step)."""
@@ -136,7 +143,8 @@ def _choose(loop: _BeamLoop, logp, step, active, budget, params: BeamParams):
     finished = active & (last | full)
     keep = active[:, None]
     loop = loop.replace(beam_scores=jnp.where(keep, new_scores, loop.beam_scores),
-                        beam_tokens=jnp.where(keep[:, :, None], new_hist, loop.beam_tokens))
+                        beam_tokens=jnp.where(keep[:, :, None], new_hist, loop.beam_tokens),
+                        length_capped=loop.length_capped | (last & capped))
     return loop, new_parent, new_tok, finished
 
 
@@ -166,9 +174,10 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
     k, steps = params.beam_width, params.max_new_tokens
     rows = jnp.arange(b * k, dtype=jnp.int32)
     lens = prompt_lens.astype(jnp.int32)
-    budget = jnp.minimum(steps, context - lens + 1)
-    if budgets is not None:
-        budget = jnp.minimum(budget, budgets.astype(jnp.int32))
+    wanted = jnp.int32(steps) if budgets is None else jnp.clip(budgets.astype(jnp.int32), 1, steps)
+    # The context holds ``context - lens + 1`` new tokens; a budget past it is cut, and flagged.
+    budget = jnp.minimum(wanted, context - lens + 1)
+    capped = budget < wanted
 
     # A prompt with an id outside the vocabulary is not admitted (nothing computed or cached).
     bad = bad_prompts(prompt_tokens, lens, model.vocab_size)
@@ -182,13 +191,14 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
     first = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF).astype(jnp.float32)
     loop = _BeamLoop(
         step=jnp.int32(0), cur=jnp.zeros((b * k,), jnp.int32), done=~admitted, out_of_blocks=~admitted & ~bad,
+        length_capped=jnp.zeros((b,), bool),
         beam_scores=jnp.broadcast_to(first, (b, k)), beam_tokens=jnp.full((b, k, steps), -1, jnp.int32),
         pool_scores=jnp.full((b, k), NEG_INF, jnp.float32), pool_sums=jnp.full((b, k), NEG_INF, jnp.float32),
         pool_tokens=jnp.full((b, k, steps), -1, jnp.int32), pool_lens=jnp.zeros((b, k), jnp.int32),
         stats=BlockStats.zeros(steps).record(0, used, shared, 0), state=state, pages=pages)
     log_softmax = invariant_log_softmax if batch_invariant else (lambda x: jax.nn.log_softmax(x, axis=-1))
     logp = jnp.broadcast_to(log_softmax(logits)[:, None], (b, k, logits.shape[-1]))
-    loop, parents, toks, finished = _choose(loop, logp, 0, admitted, budget, params)
+    loop, parents, toks, finished = _choose(loop, logp, 0, admitted, budget, capped, params)
     loop = _reselect(loop, manager, parents, toks, finished, admitted, jnp.zeros((b,), bool), k)
 
     def body(loop: _BeamLoop):
@@ -206,13 +216,13 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
         loop = loop.replace(done=loop.done | failed, out_of_blocks=loop.out_of_blocks | failed)
         active = active & ~failed
         logp = log_softmax(logits).reshape(b, k, -1)
-        loop, parents, toks, finished = _choose(loop, logp, s, active, budget, params)
+        loop, parents, toks, finished = _choose(loop, logp, s, active, budget, capped, params)
         return _reselect(loop, manager, parents, toks, finished, active, failed, k)
 
     loop = jax.lax.while_loop(lambda loop: (loop.step + 1 < steps) & ~jnp.all(loop.done), body, loop)
     out = BeamOutput(tokens=loop.pool_tokens, lengths=loop.pool_lens, scores=loop.pool_scores,
                      sum_logprobs=loop.pool_sums, out_of_blocks=loop.out_of_blocks, stats=loop.stats,
-                     steps=jnp.max(loop.pool_lens), bad_tokens=bad)
+                     steps=jnp.max(loop.pool_lens), bad_tokens=bad, length_capped=loop.length_capped)
     return out, loop.pages, loop.state
 
 
@@ -229,9 +239,10 @@ def beam_search(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.A
     """Beam search of width ``params.beam_width`` for each prompt, on the device in one jitted loop.
 
     Arguments as in ``generate`` (no key: beam search is deterministic; ``mesh`` likewise runs it
-    tensor-parallel; ``batch_invariant`` as there; ``max_new_tokens``: optional int32 ``[B]``
-    per-prompt budgets, clipped to
-    ``params.max_new_tokens``, which sizes the outputs); rows ``[0, B * k)`` of the block manager
+    tensor-parallel; ``batch_invariant`` as there;
+    ``max_new_tokens``: optional int32 ``[B]`` per-prompt budgets, clipped to
+    ``params.max_new_tokens``, which sizes the outputs; a prompt whose length plus budget runs past
+    the context stops there, with ``BeamOutput.length_capped`` set); rows ``[0, B * k)`` of the block manager
     must be free and are free again on return. Returns ``(BeamOutput, pages, state)``.
 
     ``prompt_tokens``: int32 ``[B, L]``; ids at positions ``< prompt_lens`` must be in

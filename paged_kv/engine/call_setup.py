@@ -158,6 +158,31 @@ def check_key(key: ArrayLike) -> jax.Array | np.ndarray:
                         else f" {key!r:.40}"))
 
 
+def check_seeds(seeds: ArrayLike | None, num_prompts: int) -> jax.Array | None:
+    """``generate``'s per-prompt sampling seeds: None (derived from the key), or integers (not
+    bools or floats) of shape ``[num_prompts]`` in ``[0, 2**31)`` (the range is checked when the
+    values are concrete). Returns int32 ``[num_prompts]`` or None; ``ValueError`` otherwise."""
+    if seeds is None:
+        return None
+    if not hasattr(seeds, "dtype"):
+        try:
+            seeds = np.asarray(seeds)
+        except (TypeError, ValueError):
+            raise ValueError(f"seeds must be ints [{num_prompts}], got {seeds!r:.40}") from None
+    dtype = np.dtype(seeds.dtype) if not jax.dtypes.issubdtype(seeds.dtype, jax.dtypes.prng_key) else None
+    if dtype is None or dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"seeds must be integers, got dtype {seeds.dtype}")
+    if tuple(np.shape(seeds)) != (num_prompts,):
+        raise ValueError(f"seeds must have shape ({num_prompts},) (one per prompt), got {tuple(np.shape(seeds))}")
+    host = _concrete(seeds)
+    if host is not None:
+        bad = (host < 0) | (host >= 2**31)
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"seeds[{b}]={int(host[b])} must be an int in [0, 2**31)")
+    return jax.numpy.asarray(seeds, np.int32)
+
+
 def split_model(model: nnx.Module | tuple[nnx.GraphDef, nnx.State]) -> tuple[nnx.GraphDef, nnx.State]:
     """``(graphdef, weights)`` from an NNX module or an already split pair."""
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nnx.GraphDef):

@@ -36,7 +36,7 @@ class Phase(enum.Enum):
     DONE = 2
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: two samples with equal contents are still two (``index``)
 class Sample:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -69,10 +69,21 @@ class Family:
     prefilling: set = dataclasses.field(default_factory=set)  # rows still in the cohort
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)
     t_submit: float = 0.0
+    aborted: bool = False  # ended by ``Scheduler.abort``
 
     @property
     def width(self) -> int:
         return self.req.width
+
+    @property
+    def capped(self) -> bool:
+        """The context cut the budget below ``max_new_tokens`` (see ``budget``)."""
+        return self.budget < self.req.params.max_new_tokens
+
+    def length_reason(self) -> str:
+        """The finish reason of a sample / hypothesis that used up its budget: ``"length"``, or
+        ``"length_capped"`` when that budget is the context's, not ``max_new_tokens``."""
+        return "length_capped" if self.capped else "length"
 
 
 @dataclasses.dataclass
@@ -108,6 +119,8 @@ class HostState:
       results: beam row -> its top ``(logprobs, ids)``, until every beam of its family has them.
       select: ``(dst, parent)`` beam reselections for the next step; to_free: rows to free then.
       cohort: the ``CohortRow`` s being prefilled.
+      live: request id -> its family, for every family waiting or running (ids are unique among
+        them: ``Scheduler.enqueue`` refuses a duplicate; ``abort`` looks them up).
       stats: the engine's ``EngineStats``; finished: outputs not yet returned by ``step``.
       deltas: streamed ``TokenDelta`` s of the step, or None when nobody streams.
       step_count: steps run so far (the engine's clock).
@@ -122,6 +135,7 @@ class HostState:
     select: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     to_free: list[int] = dataclasses.field(default_factory=list)
     cohort: list[CohortRow] = dataclasses.field(default_factory=list)
+    live: dict[object, Family] = dataclasses.field(default_factory=dict)
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
     finished: list[RequestOutput] = dataclasses.field(default_factory=list)
     deltas: list | None = None
@@ -130,7 +144,9 @@ class HostState:
 
 # ---------------------------------------------------------------------------- admission rules
 def budget(request: Request, context: int) -> int:
-    """Tokens the request may generate per sample: ``max_new_tokens``, capped by the context."""
+    """Tokens the request may generate per sample: ``max_new_tokens``, capped by the context
+    (``context - len(prompt) + 1``: every token but the last one needs a KV slot). A sample that
+    stops at a cap below ``max_new_tokens`` ends with ``"length_capped"``, not ``"length"``."""
     return max(1, min(request.params.max_new_tokens, context - len(request.prompt) + 1))
 
 
@@ -272,14 +288,16 @@ def family_output(fam: Family) -> RequestOutput:
     if fam.req.is_beam:
         eos = set(fam.req.params.eos_token_ids)
         tokens = [list(t) for _, _, t, _ in fam.pool]
+        # A hypothesis without EOS was cut: by the budget, or by ``abort`` (live beams then join).
+        cut = "aborted" if fam.aborted else fam.length_reason()
         out = RequestOutput(request_id=fam.rid, request=fam.req, tokens=tokens, logprobs=None,
                             scores=[float(s) for s, *_ in fam.pool],
-                            finish_reasons=["eos" if t and t[-1] in eos else "length" for t in tokens],
-                            stats=fam.stats)
+                            finish_reasons=["eos" if t and t[-1] in eos else cut for t in tokens],
+                            stats=fam.stats, seed=fam.seed)
     else:
         out = RequestOutput(request_id=fam.rid, request=fam.req, tokens=[list(s.tokens) for s in fam.samples],
                             logprobs=[list(s.logprobs) for s in fam.samples], scores=None,
-                            finish_reasons=[s.finish for s in fam.samples], stats=fam.stats)
+                            finish_reasons=[s.finish for s in fam.samples], stats=fam.stats, seed=fam.seed)
     out.stats.generated_tokens = sum(len(t) for t in out.tokens)
     return out
 

@@ -99,7 +99,7 @@ class Outcomes:
         self.host.stats.generated_tokens += 1
         eos = tok in fam.req.params.eos_token_ids
         if eos or len(s.tokens) >= fam.budget:
-            s.finish = "eos" if eos else "length"
+            s.finish = "eos" if eos else fam.length_reason()
             s.row = None
             self._stream_sample(fam, s)
             self._release_row(fam, row)
@@ -178,14 +178,57 @@ class Outcomes:
             self._release_row(fam, row)
         fam.phase = Phase.DONE
         self.host.running.pop(fam.seq, None)
+        self.host.live.pop(fam.rid, None)  # its id may be used again
         fam.stats.finish_step = self.host.step_count
         fam.stats.latency_s = now - fam.t_submit
-        self.host.stats.finished += 1
+        if fam.aborted:
+            self.host.stats.aborted += 1
+        else:
+            self.host.stats.finished += 1
         out = F.family_output(fam)
         if self.host.deltas is not None and fam.req.is_beam:
             self.host.deltas.extend(TokenDelta(fam.rid, j, tuple(t), reason)
                                 for j, (t, reason) in enumerate(zip(out.tokens, out.finish_reasons)))
         self.host.finished.append(out)
+
+    def abort(self, fam: Family) -> None:
+        """Ends ``fam`` (waiting or running) now: its output (unfinished samples ``"aborted"``; a
+        beam request's live beams join its hypotheses) goes to ``finished`` with the last deltas.
+
+        Its rows go to ``to_free`` (``_release_row``), so the next step's jitted ``free`` releases
+        their blocks, tail first, full ones kept in the prefix cache, exactly as for a finished
+        request. A row still in the cohort is the exception: ``admit`` registered its full blocks
+        in the prefix cache before their K/V is written, and other prompts of the cohort may read
+        them (``CohortRow.reads_cohort``), so it is prefilled to its end as a discarded row (as
+        after a failed admission) and freed then; the rows its samples would fork into are freed
+        now, and the fork is dropped."""
+        now = time.perf_counter()
+        fam.aborted = True
+        if fam.phase is Phase.WAITING:
+            self.host.waiting.remove(fam)  # holds no row: a preempted family released them all
+        for cr in self.host.cohort:
+            # Only rows still prefilling: a row whose prefill ended decodes, and is released below
+            # (the cohort can outlive it while a cohort mate's prompt is still being prefilled).
+            if cr.family is fam and not cr.discard and cr.row in fam.prefilling:
+                cr.discard, cr.fork_to = True, []
+                fam.rows.remove(cr.row)
+                self.host.row_owner.pop(cr.row, None)
+        fam.prefilling.clear()
+        for row in list(fam.rows):
+            self._release_row(fam, row)
+        # Beam reselections into its rows are void (the rows are free now).
+        self.host.select = [(d, p) for d, p in self.host.select if d in self.host.row_owner]
+        for s in fam.samples:
+            s.row = None
+            if s.finish is None:
+                s.finish = "aborted"
+                self._stream_sample(fam, s)
+        if fam.beams:
+            F.merge_pool(fam, [(b.score, b.tokens, len(b.tokens)) for b in fam.beams if b.tokens],
+                         fam.req.params.length_penalty)
+            for b in fam.beams:
+                b.row = None
+        self._finish(fam, now)
 
     def _preempt_newest(self) -> None:
         """Preempt the newest running request that is not in the middle of its prefill."""

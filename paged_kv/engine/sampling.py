@@ -8,11 +8,29 @@ value raises ``ValueError`` naming the field, the value and the limit, before an
 or temperature, then top-k, then top-p (nucleus) filtering and a categorical draw with an explicit
 PRNG key. The log-probability returned is that of the chosen token under the model's own
 distribution (``log_softmax`` of the raw logits), not of the filtered one, as vLLM reports it.
+
+Seeding rule (both engines). A sample's randomness is a function of its request's seed, its
+sample index and its token index only, never of its row, its batchmates, the batch size or the
+order of submission: token ``t`` (0 for the first generated token) of sample ``i`` (of ``n``) of
+a request or prompt whose seed is ``s`` is drawn with the key
+``fold_in(fold_in(fold_in(root_key(), s), i), t)`` (``sample_keys``), each row with its own key
+and its own noise (``sample_tokens``, ``sample_rows``). Seeds are ints in ``[0, 2**31)``:
+
+* ``ServingEngine``: ``Request.seed``, or by default ``default_seed(engine seed, request id)``, a
+  stable hash (not Python's salted ``hash``); ``RequestOutput.seed`` records the one used, and
+  the same request with that seed gives the same samples on any engine, alone or in any batch.
+* ``generate``: ``seeds[b]`` for prompt ``b``, or by default ``derive_seeds(key, B)[b]``, a
+  function of the call's key and ``b``; ``GenerateOutput.seeds`` records them. Permuting the
+  prompts permutes the derived seeds' owners, so pass ``seeds`` (e.g. the recorded ones) to give a
+  prompt the same samples in another row or batch.
+
+The same seed gives the same tokens in both engines wherever their logits are equal.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import jax
@@ -23,6 +41,8 @@ from paged_kv.pallas_kernels.invariant import log_softmax as invariant_log_softm
 from paged_kv.scan import per_platform
 
 INT32_LIMIT = 2**31
+SEED_LIMIT = 2**31
+"""Sampling seeds lie in ``[0, SEED_LIMIT)`` (int32 on the device)."""
 MIN_TEMPERATURE = 1e-6
 MAX_TEMPERATURE = 1e6
 """A non-zero temperature must lie in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``: far below, float32
@@ -158,14 +178,64 @@ def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
     """float32 logits ``[R, V]`` -> (int32 tokens ``[R]``, float32 log-probabilities ``[R]``).
 
-    Rows draw independent noise from the one ``key``, so equal rows (samples of one prompt) differ.
+    ``key``: typed PRNG keys ``[R]``, one per row (``sample_keys``): row ``r`` draws with
+    ``key[r]`` alone, so its token depends only on its logits and its key, not on its position
+    in the batch or on the other rows (the engines' form). Or one key (shape ``()``, or a raw
+    uint32 ``[2]`` key): the whole batch then draws one ``[R, V]`` noise array, so rows differ
+    from one another but a row's noise depends on its position and on ``R``.
     """
     logits = logits.astype(jnp.float32)
     if params.greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    elif _per_row(key, logits):
+        tokens = jax.vmap(jax.random.categorical)(key, filter_logits(logits, params)).astype(jnp.int32)
     else:
         tokens = jax.random.categorical(key, filter_logits(logits, params), axis=-1).astype(jnp.int32)
     return tokens, _logprob_of(logits, tokens)
+
+
+def _per_row(key: jax.Array, logits: jax.Array) -> bool:
+    """``key`` holds one typed key per row of ``logits`` (``[R]``), not one key for the batch."""
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if typed and key.ndim == 1 and logits.ndim == 2 and key.shape[0] == logits.shape[0]:
+        return True
+    if (typed and key.ndim == 0) or (not typed and key.shape == (2,)):
+        return False
+    raise ValueError(f"key must be one PRNG key or typed keys [R] for logits {logits.shape}, got {key.dtype}"
+                     f" of shape {key.shape}")
+
+
+def root_key() -> jax.Array:
+    """The key every sampling seed is folded into (``jax.random.key(0)``; module docstring)."""
+    return jax.random.key(0)
+
+
+def sample_keys(root: jax.Array, seed: jax.Array, sample_idx: jax.Array, token_idx: jax.Array) -> jax.Array:
+    """Typed PRNG keys ``[R]``: ``fold_in(fold_in(fold_in(root, seed), sample_idx), token_idx)`` per
+    row, for int32 ``[R]`` seeds, sample indices and token indices (the seeding rule: a key names
+    a request's seed, sample and token, nothing of the row or batch). ``root``: ``root_key()``."""
+    return jax.vmap(lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, s), i), t))(
+        seed, sample_idx, token_idx)
+
+
+def derive_seeds(key: jax.Array, num: int) -> jax.Array:
+    """int32 ``[num]`` seeds in ``[0, 2**31)``: seed ``b`` is the top 31 bits of
+    ``bits(fold_in(key, b))``, a function of the key and ``b`` alone (``generate``'s default:
+    ``b`` is the prompt's index, so a prompt keeps its seed whatever the batch size)."""
+    bits = jax.vmap(lambda b: jax.random.bits(jax.random.fold_in(key, b), (), jnp.uint32))(jnp.arange(num))
+    return (bits >> 1).astype(jnp.int32)
+
+
+def default_seed(engine_seed: int, request_id: object) -> int:
+    """The seed of a request submitted without one: a stable hash of the engine's seed and the
+    request id (blake2b of ``f"{engine_seed}:{request_id!r}"``, integer ids as Python ints), in
+    ``[0, 2**31)``. Python's ``hash`` is salted per process and would not replay; an id whose
+    ``repr`` is not stable across processes (an object shown by its address) gives a seed that
+    only holds for the process, but ``RequestOutput.seed`` records it either way."""
+    if is_int(request_id):
+        request_id = int(request_id)
+    digest = hashlib.blake2b(f"{engine_seed}:{request_id!r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_LIMIT
 
 
 def _logprob_of(logits: jax.Array, tokens: jax.Array) -> jax.Array:

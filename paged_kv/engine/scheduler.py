@@ -30,6 +30,7 @@ import numpy as np
 from paged_kv.engine import families as F
 from paged_kv.engine.families import CohortRow, Family, HostState, Phase, Sample
 from paged_kv.engine.outcomes import Outcomes
+from paged_kv.engine.sampling import default_seed
 from paged_kv.engine.serving_step import DeviceStep, build_inputs
 from paged_kv.engine.serving_types import (
     EngineStats,
@@ -50,10 +51,13 @@ class Scheduler:
       config: the ``ServingConfig``.
       device: the device side (``DeviceStep`` or a fake with the same methods).
       vocab_size, max_positions: the model's facts (request checks, beam tie breaking).
+      seed: the engine's sampling seed, which fixes the seeds of requests submitted without one.
     """
 
-    def __init__(self, config: ServingConfig, device: DeviceStep, *, vocab_size: int, max_positions: int):
+    def __init__(self, config: ServingConfig, device: DeviceStep, *, vocab_size: int, max_positions: int,
+                 seed: int = 0):
         mgr = config.manager
+        self.seed = seed
         self.config, self.manager, self.device = config, mgr, device
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.context = min(mgr.max_tokens_per_seq, max_positions)
@@ -115,26 +119,68 @@ class Scheduler:
 
         Raises ``ValueError`` if it is invalid for this model (a token id outside ``[0, vocab_size)``)
         or can never fit (prompt longer than the context or the pool, ``n``/beam width too wide,
-        its sequences larger than the pool); nothing is queued and the engine is unchanged.
+        its sequences larger than the pool), or if its id is that of a request not finished yet
+        (``duplicate_id``); nothing is queued and the engine is unchanged.
         """
         self.check(request)
         return self.enqueue(request)
 
     def enqueue(self, request: Request) -> object:
-        """Queues ``request`` without checking it (``submit`` checks first); returns its id."""
+        """Queues ``request`` without checking it against the model and pool (``submit`` checks
+        first); returns its id. ``ValueError`` naming the id, and nothing changed, when a request
+        of that id is waiting or running (``duplicate_id``)."""
+        rid = self._submitted if request.request_id is None else request.request_id
+        problem = self.duplicate_id(request)
+        if problem:
+            raise ValueError(problem)
         if self._t_start is None:
             self._t_start = time.perf_counter()
         seq = self._submitted
         self._submitted += 1
-        rid = seq if request.request_id is None else request.request_id
-        fam = Family(req=request, rid=rid, seq=seq, seed=seq if request.seed is None else request.seed,
+        # The seed names the request, not its place in the submission order (``sampling``).
+        seed = default_seed(self.seed, rid) if request.seed is None else request.seed
+        fam = Family(req=request, rid=rid, seq=seq, seed=seed,
                      budget=F.budget(request, self.context), t_submit=time.perf_counter())
         fam.stats.prompt_tokens = len(request.prompt)
         fam.stats.arrival_step = self.step_count
         if not request.is_beam:
             fam.samples = [Sample() for _ in range(request.params.n)]
         self.host.waiting.append(fam)
+        self.host.live[rid] = fam
         return rid
+
+    def duplicate_id(self, request: Request) -> str | None:
+        """Why ``request`` may not be queued now because of its id, or None: a request of the same
+        id (a ``request_id=None`` request's id is its submission number) is waiting, running or
+        preempted. Once that one has finished or been aborted, the id is free again (as vLLM,
+        which refuses only live duplicates): ids label requests in flight (outputs, streamed
+        deltas, ``abort``), and two live ones would mix their streams."""
+        rid = self._submitted if request.request_id is None else request.request_id
+        if rid not in self.host.live:
+            return None
+        why = (f" (request_id=None takes the submission number {rid} as its id; give every request an id, "
+               "or none)" if request.request_id is None else "")
+        return (f"request id {rid!r} is already in use by a request that has not finished{why}; ids may be reused "
+                "once a request has finished or been aborted")
+
+    def abort(self, request_id: object) -> bool:
+        """Ends the waiting or running request ``request_id`` (all its samples / beams) now.
+
+        Returns True, and its output (finish reason ``"aborted"`` for every sample that had not
+        ended; a beam request's live beams join its hypotheses as ``"aborted"``) comes out of the
+        next ``step`` with its last streamed deltas; its rows are freed by that step's jitted
+        ``free``, as a finished request's (``Outcomes.abort``: a prompt in the middle of its
+        prefill is freed when its cohort's prefill ends). Returns False, and changes nothing,
+        for an id that no waiting or running request has: unknown, already finished (or aborted),
+        or not yet submitted (a ``run`` request before its arrival step)."""
+        try:
+            fam = self.host.live.get(request_id)
+        except TypeError:  # unhashable: no request has it
+            return False
+        if fam is None:
+            return False
+        self.outcomes.abort(fam)
+        return True
 
     def reject(self, request: Request, error: str) -> RequestOutput:
         """The output of a request that was not accepted (counted in the statistics)."""
@@ -145,8 +191,9 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        """No request is waiting or running."""
-        return not self.host.waiting and not self.host.running
+        """No request is waiting or running, and no prompt is being prefilled (an aborted
+        request's prompt is prefilled to its end before its rows are freed)."""
+        return not self.host.waiting and not self.host.running and not self.host.cohort
 
     @property
     def num_waiting(self) -> int:
@@ -250,6 +297,7 @@ class Scheduler:
         if not cohort and not self.host.running:
             # Even alone the head did not fit: it never will (check() should have caught it).
             fam = self.host.waiting.popleft()
+            self.host.live.pop(fam.rid, None)
             self.host.finished.append(self.reject(fam.req, "request does not fit the block pool"))
         self.host.cohort = cohort
 

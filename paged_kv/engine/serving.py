@@ -61,9 +61,11 @@ newest running request (by arrival; not one in the middle of its prefill): its r
 generated tokens; re-admission recomputes them, mostly from prefix-cache hits. A beam request is
 preempted as a unit.
 
-Determinism. Sampling keys are ``fold_in(seed, request seed, sample index, token index)``, so
-tokens do not depend on batch composition, preemption or arrival timing; with greedy decoding a
-run that preempts gives the tokens of a run with ample blocks.
+Determinism. Sampling keys are ``fold_in(root, request seed, sample index, token index)``
+(``sampling`` module docstring), so tokens do not depend on batch composition, rows, preemption,
+arrival timing or submission order; a request's default seed is a stable hash of the engine's
+seed and its id, recorded in its output for replay. With greedy decoding a run that preempts
+gives the tokens of a run with ample blocks.
 
 Modules (this file wires them): ``serving_types`` (config, request, output and statistics types),
 ``scheduler`` (the host policy described here, no device arrays: testable with a fake device),
@@ -85,6 +87,20 @@ generated tokens' K/V; it does not generate them again). A sample's last delta c
 every step), so a beam request sends each returned hypothesis whole, in one delta, when it
 finishes.
 
+Request identity and lifecycle. A request's id (``Request.request_id``, default its submission
+number) is unique among the requests waiting or running: ``submit`` refuses a duplicate with a
+``ValueError`` naming it (``run``: a rejected output), and the id is free again once its request
+has finished or been aborted. ``abort(request_id)`` ends a waiting or running request and all
+its samples or beams (False for an id no such request has): its rows are freed by the next step's
+jitted ``free``, as a finished request's (a prompt in the middle of its prefill is prefilled to
+the end of its cohort first, because ``admit`` cached its full blocks before their K/V was
+written), and its output, finish reason ``"aborted"``, comes out of that step. The other
+requests are not touched: their tokens are those of a run where the aborted request stopped at
+the same step. A request whose prompt plus ``max_new_tokens`` runs past what a sequence holds
+(the context: the pool's ``max_tokens_per_seq`` and the model's positions) stops at the context,
+with finish reason ``"length_capped"`` instead of ``"length"`` (as ``generate``'s
+``FinishReason.LENGTH_CAPPED`` and ``beam_search``'s ``length_capped``).
+
 Beam search follows ``engine.beam_search`` (same scoring, tie breaking and stopping rules); the
 device returns each beam row's ``top_candidates`` best log-probabilities, which always contain
 the ``k * (1 + max(#EOS, 1))`` best continuations over all beams, and the host ranks them.
@@ -101,6 +117,7 @@ from flax import nnx
 
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
+from paged_kv.engine.sampling import root_key
 from paged_kv.engine.scheduler import Scheduler
 from paged_kv.engine.serving_step import DeviceStep, StepInputs, StepOutputs
 from paged_kv.engine.serving_types import (
@@ -145,7 +162,9 @@ class ServingEngine:
             the stacked copy); otherwise the model runs as given
             (``paged_kv.models.paged.layout_for_impl`` has the table).
           config: the ``ServingConfig``.
-          seed: the engine's sampling seed (with each request's seed, it fixes sampled tokens).
+          seed: the engine's sampling seed: a request without a seed gets
+            ``sampling.default_seed(seed, request_id)`` (recorded in ``RequestOutput.seed``); a
+            request with one samples the same tokens whatever the engine's seed.
           mesh: a ``jax.sharding.Mesh`` with a "tp" axis (``paged_kv.models.sharding.make_mesh``) to run
             tensor-parallel: weights and KV pages are sharded over it (KV heads), the block-manager
             state and step inputs are replicated. None: one device.
@@ -169,11 +188,11 @@ class ServingEngine:
         # layers stay stacked (`paged_kv.pallas_kernels.layer_matmul` reads them in place).
         graphdef, weights = call_setup.layer_layout(graphdef, weights, config.impl, mesh)
         self.graphdef, self.weights, self.model_config, self.mesh = graphdef, weights, model_config, mesh
-        state, self.key = call_setup.replicate_inputs(mesh, init_state(mgr), jax.random.key(seed))
+        state, self.key = call_setup.replicate_inputs(mesh, init_state(mgr), root_key())
         self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size)
         self.device = DeviceStep(config, graphdef, weights, pages, state, self.key, mesh)
         self.scheduler = Scheduler(config, self.device, vocab_size=model_config.vocab_size,
-                                   max_positions=model_config.max_positions)
+                                   max_positions=model_config.max_positions, seed=seed)
         self.compile_table: list[dict] = []  # per program: compile seconds and why (``compile``)
 
     # ------------------------------------------------------------------ the scheduler's API
@@ -216,7 +235,8 @@ class ServingEngine:
 
     @property
     def idle(self) -> bool:
-        """No request is waiting or running."""
+        """No request is waiting or running, and no aborted prompt is still being prefilled
+        (``Scheduler.idle``)."""
         return self.scheduler.idle
 
     @property
@@ -242,9 +262,19 @@ class ServingEngine:
 
     def submit(self, request: Request) -> object:
         """Queues ``request`` (at the back of the waiting queue) after ``check``; returns its id.
-        ``ValueError`` when it can never run: nothing is queued and the engine is unchanged."""
+        ``ValueError`` when it can never run, or when its id is that of a request still waiting or
+        running (the message names the id; ids may be reused once their request has finished or
+        been aborted): nothing is queued and the engine is unchanged."""
         self.check(request)
         return self.scheduler.enqueue(request)
+
+    def abort(self, request_id: object) -> bool:
+        """``Scheduler.abort``: ends the waiting or running request ``request_id``, all its
+        samples or beams; its blocks are freed at the next step (full ones stay in the prefix
+        cache) and its output, finish reason ``"aborted"``, comes out of that step (``run``
+        yields it, after its last streamed deltas). Returns False, changing nothing, for an id
+        no waiting or running request has (unknown, finished, or not yet arrived in ``run``)."""
+        return self.scheduler.abort(request_id)
 
     def reject(self, request: Request, error: str) -> RequestOutput:
         """``Scheduler.reject``: the output of a request that was not accepted."""

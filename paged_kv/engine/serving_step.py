@@ -29,7 +29,7 @@ from paged_kv.admission import AdmitResult, admit
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.families import CohortRow, Family
-from paged_kv.engine.sampling import sample_rows
+from paged_kv.engine.sampling import sample_keys, sample_rows
 from paged_kv.engine.serving_types import ServingConfig
 from paged_kv.engine.step_io import (
     EOS_SLOTS,
@@ -86,7 +86,8 @@ def step_fn(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state:
             inp: StepInputs, *, shape: StepShape
             ) -> tuple[jax.Array, BlockManagerState, StepOutputs | tuple[StepOutputs, jax.Array]]:
     """One step; with ``decode_steps = K > 1`` a burst of up to ``K`` (``_burst``), whose outputs
-    have a leading axis of K steps and come with the number of steps run."""
+    have a leading axis of K steps and come with the number of steps run. ``key``: the sampling
+    root key (``sampling.root_key()``) each row's seed, sample and token index are folded into."""
     if shape.config.decode_steps == 1:
         return _step(graphdef, weights, pages, state, key, inp, shape)
     return _burst(graphdef, weights, pages, state, key, inp, shape)
@@ -199,9 +200,8 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
         state = _unless_padding(mgr.target, inp.fork_dst, lambda s: fork(mgr, s, inp.fork_src, inp.fork_dst)[0], state)
     with jax.named_scope("sampling"):
         logits = logits[jnp.clip(inp.logit_src, 0, r - 1)]
-        def row_keys():
-            return jax.vmap(lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, s), i), t))(
-                inp.seed, inp.sample_idx, inp.token_idx)
+        def row_keys():  # the seeding rule (``sampling`` module docstring): nothing of the row
+            return sample_keys(key, inp.seed, inp.sample_idx, inp.token_idx)
         # The keys as a function: ``sample_rows`` derives them only where a row draws (on a CPU,
         # a greedy step skips the draw and with it the three fold-ins' loops, ~200 instructions).
         tokens, logp = sample_rows(logits, row_keys, inp.temperature, inp.top_k, inp.top_p, target=mgr.target)
@@ -398,8 +398,8 @@ class DeviceStep:
     """The device arrays of a serving engine and the three programs that update them.
 
     Holds the model (``graphdef`` static, ``weights``), the KV ``pages``, the block-manager
-    ``state`` and the sampling ``key``; ``pages`` and ``state`` are donated to every call and
-    replaced by its results. Every method takes and returns host (numpy / int) values: the
+    ``state`` and the sampling root ``key`` (``sampling.root_key()``); ``pages`` and ``state`` are
+    donated to every call and replaced by its results. Every method takes and returns host (numpy / int) values: the
     scheduler never sees a ``jax.Array``.
     """
 

@@ -19,6 +19,10 @@ from paged_kv.pallas_kernels import IMPLS
 
 MAX_DECODE_STEPS = 256  # a burst's outputs are K steps' worth; this bounds that buffer
 
+FINISH_REASONS = ("eos", "length", "length_capped", "aborted")
+"""Why a sample or beam hypothesis of a serving request ended (``RequestOutput.finish_reasons``,
+``TokenDelta.finish_reason``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
@@ -92,9 +96,11 @@ class Request:
         ``BeamParams`` (beam search of width ``beam_width``).
       salt: prefix-cache salt in ``[0, 2**32)``: requests share cached blocks only with equal salts.
       arrival: the engine step at which ``ServingEngine.run`` submits it (>= 0).
-      request_id: any hashable label (default: the submission number).
-      seed: sampling seed (default: the submission number); with the engine's seed it fixes the
-        sampled tokens.
+      request_id: any hashable label (default: the submission number). An engine refuses a
+        request whose id equals that of one it has not finished yet (``ServingEngine.submit``).
+      seed: sampling seed in ``[0, 2**31)``: it alone fixes the sampled tokens (with the model,
+        prompt and parameters), whatever the engine's seed, batch or submission order. Default:
+        ``sampling.default_seed(engine seed, request id)``; ``RequestOutput.seed`` records it.
     """
 
     prompt: tuple[int, ...]
@@ -115,6 +121,10 @@ class Request:
             raise ValueError(f"arrival={self.arrival!r} must be an int >= 0")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**31):
             raise ValueError(f"seed={self.seed!r} must be None or an int in [0, 2**31)")
+        try:  # the engine keys its live requests by id (duplicates, ``abort``)
+            hash(self.request_id)
+        except TypeError:
+            raise ValueError(f"request_id={self.request_id!r} must be hashable") from None
 
     @property
     def is_beam(self) -> bool:
@@ -159,7 +169,8 @@ class RequestStats:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A finished (or rejected) request.
+    """A finished, aborted (``ServingEngine.abort``: its finish reasons say ``"aborted"``) or
+    rejected (``error`` set) request.
 
     Attributes:
       request_id: the request's id.
@@ -167,9 +178,16 @@ class RequestOutput:
       tokens: generated tokens: ``n`` samples in sample order, or the beam hypotheses best first.
       logprobs: per sample, each token's log-probability under the model (sampling), or None.
       scores: per beam hypothesis, ``sum_logprobs / length ** length_penalty``, or None.
-      finish_reasons: per sample / hypothesis, ``"eos"`` or ``"length"``.
+      finish_reasons: per sample / hypothesis, one of ``FINISH_REASONS``: ``"eos"``, ``"length"``
+        (``max_new_tokens`` reached), ``"length_capped"`` (stopped earlier, at the last position a
+        sequence holds: prompt + ``max_new_tokens`` ran past the context) or ``"aborted"``
+        (``ServingEngine.abort``; a sample that had already ended keeps its own reason).
       stats: ``RequestStats``.
       error: why the request was rejected (then nothing was generated), else None.
+      seed: the sampling seed used (``Request.seed`` or the default derived from the engine's
+        seed and the request id; module ``sampling``): the same request with ``seed=`` this value
+        gives the same samples on a fresh engine. Beam search and greedy decoding draw nothing.
+        None when rejected.
     """
 
     request_id: object
@@ -180,6 +198,7 @@ class RequestOutput:
     finish_reasons: list[str]
     stats: RequestStats
     error: str | None = None
+    seed: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -196,7 +215,8 @@ class TokenDelta:
       index: the sample index in ``[0, n)``, or the hypothesis rank (best first) of a beam request.
       tokens: the new token ids, in order (a beam hypothesis: all of it, sent once at the end; may
         be empty on a sample's last delta when it ended without a new token).
-      finish_reason: None while the sample goes on; ``"eos"`` or ``"length"`` on its last delta.
+      finish_reason: None while the sample goes on; on its last delta one of ``FINISH_REASONS``
+        (``RequestOutput.finish_reasons``).
     """
 
     request_id: object
@@ -223,6 +243,7 @@ class EngineStats:
     bad_tokens: int = 0  # tokens outside the vocabulary that reached a step (host checks bypassed)
     finished: int = 0
     rejected: int = 0
+    aborted: int = 0  # requests ended by ``ServingEngine.abort`` (not counted in ``finished``)
     admissions: int = 0
     cache_lookups: int = 0
     cache_query_tokens: int = 0
@@ -272,5 +293,5 @@ class TableSnapshot:
     saved_blocks: int
 
 
-__all__ = ["EngineStats", "IMPLS", "Request", "RequestOutput", "RequestStats", "ServingConfig", "TableSnapshot",
-           "TokenDelta"]
+__all__ = ["FINISH_REASONS", "EngineStats", "IMPLS", "Request", "RequestOutput", "RequestStats", "ServingConfig",
+           "TableSnapshot", "TokenDelta"]

@@ -315,6 +315,8 @@ def smoke_spec(spec: dict) -> dict:
   k = s["kernel"]
   if k == "layer_matmul":
     s.update(m=1 if s["m"] == 1 else 8, k=64, n=64, layers=2)
+    if s.get("group"):  # the same number of weights, 64 columns in all
+      s["group"] = [64 - 16 * (len(s["group"]) - 1)] + [16] * (len(s["group"]) - 1)
   elif k == "decode":
     s.update(batch=2, context=64, q_heads=4, kv_heads=2, head_dim=64)
   elif k == "jax_paged_attention":  # JAX's kernel splits a sequence's table 16 ways: 16 blocks at least
@@ -528,7 +530,12 @@ def perf_call(spec: dict, impl: str, inputs: _Inputs):
     m, k, n, layers = spec["m"], spec["k"], spec["n"], spec["layers"]
     extras = spec["extras"].split("+")
     proj = f"{spec.get('model')}/{spec.get('proj')}"
-    x, w = inputs.normal((m, k), dt), inputs.normal((layers, k, n), dt, k ** -0.5, keep=proj)
+    x = inputs.normal((m, k), dt)
+    group = spec.get("group")
+    if group:  # one launch over several weights (q|k|v, gate|up): as the model calls it
+      w = tuple(inputs.normal((layers, k, g), dt, k ** -0.5, keep=f"{proj}/{i}") for i, g in enumerate(group))
+    else:
+      w = inputs.normal((layers, k, n), dt, k ** -0.5, keep=proj)
     rest = ((inputs.normal((layers, k), dt, 0.1, 1.0),) if "scale" in extras else ()) + (
         (inputs.normal((layers, n), dt),) if "bias" in extras else ())
 

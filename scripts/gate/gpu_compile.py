@@ -307,17 +307,22 @@ def _kernel_program(spec: dict):
   sh = NamedSharding(mesh, PartitionSpec())
   dt = jnp.dtype(spec["dtype"])
   if spec["kernel"] == "layer_matmul":
+    # A spec with a "group" (the weights' widths N_i, summing to "n") launches the grouped form:
+    # one kernel over the weights side by side (q|k|v, gate|up), a bias per weight with "bias".
     m, k, n, extras = spec["m"], spec["k"], spec["n"], spec["extras"].split("+")
+    ns = tuple(spec.get("group") or (n,))
     layers = MATMUL_LAYERS
-    args = (_sds((m, k), dt, sh), _sds((layers, k, n), dt, sh), _sds((), jnp.int32, sh))
+    args = (_sds((m, k), dt, sh), tuple(_sds((layers, k, ni), dt, sh) for ni in ns), _sds((), jnp.int32, sh))
     args += ((_sds((layers, k), dt, sh),) if "scale" in extras else ()) + (
-        (_sds((layers, n), dt, sh),) if "bias" in extras else ())
+        (tuple(_sds((layers, ni), dt, sh) for ni in ns),) if "bias" in extras else ())
 
-    def matmul(x, w, layer, *rest):
+    def matmul(x, ws, layer, *rest):
       rest = list(rest)
       scale = rest.pop(0) if "scale" in extras else None
       bias = rest.pop(0) if "bias" in extras else None
-      return pk.layer_matmul(x, w, layer, scale=scale, bias=bias, impl="pallas")
+      if "group" not in spec:
+        return pk.layer_matmul(x, ws[0], layer, scale=scale, bias=None if bias is None else bias[0], impl="pallas")
+      return pk.layer_matmul(x, ws, layer, scale=scale, bias=bias, impl="pallas")
     return matmul, args, ()
   d, bs, g = spec["head_dim"], spec["block_size"], spec["group"]
   batch, context, tokens, rows = SIZES[spec["size"]]
@@ -367,6 +372,12 @@ def _perf_program(spec: dict):
   dt, i32 = jnp.dtype(spec["dtype"]), jnp.int32
   kernel = spec["kernel"]
   if kernel == "layer_matmul":
+    if spec.get("variant"):
+      from paged_kv.pallas_kernels.stacked_matmul import Plan, layer_matmul_pallas
+      cfg = Plan(**spec["variant"]["config"])
+      m, k, n = spec["m"], spec["k"], spec["n"]
+      args = (_sds((m, k), dt, sh), _sds((spec["layers"], k, n), dt, sh), _sds((), i32, sh))
+      return (lambda x, w, layer: layer_matmul_pallas(x, w, layer, config=cfg)), args, ()
     return _kernel_program(dict(spec, purpose="matmul"))[:2] + ((),)
   if kernel in ("decode", "jax_paged_attention"):
     b, ctx, bs, d = spec["batch"], spec["context"], spec["block_size"], spec["head_dim"]

@@ -141,6 +141,10 @@ def kernel_specs(quick: bool) -> list[dict]:
 # not L.
 MATMUL_SHAPES = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
 MATMUL_SHAPES_1B = ((2048, 2048), (2048, 512), (2048, 8192), (8192, 2048))
+# The groups the model launches as one kernel each on the in-place path, as (K, widths): q|k|v
+# and gate|up.
+MATMUL_GROUPS = ((4096, (4096, 1024, 1024)), (4096, (14336, 14336)))
+MATMUL_GROUPS_1B = ((2048, (2048, 512, 512)), (2048, (8192, 8192)))
 MATMUL_ROWS = (1, 8, 64, 256, 512)
 MATMUL_LAYERS = 32
 
@@ -148,12 +152,17 @@ MATMUL_LAYERS = 32
 def matmul_specs(quick: bool) -> list[dict]:
   """``layer_matmul`` configurations: sm_90 every dtype x 8B shape x rows (only 64 rows when
   ``quick``) and the 1B shapes in bfloat16, the bias epilogue, sm_80 in bfloat16 at 64 rows, and
-  the refusal of a K that is not a multiple of 16."""
+  the refusal of a K that is not a multiple of 16. The grouped launches the model runs (q|k|v,
+  gate|up: a ``group`` of widths, ``n`` their sum) likewise: sm_90 every dtype x 8B group x rows
+  and the 1B groups in bfloat16, a bias per weight, sm_80 in bfloat16 at 64 rows."""
   rows = (64,) if quick else MATMUL_ROWS
   base = dict(kernel="layer_matmul", purpose="matmul")
 
   def extras(k):
     return "scale" if k in (4096, 2048) else "none"
+
+  def group(k, ns):
+    return dict(k=k, n=sum(ns), group=list(ns), extras="scale")
   specs = [dict(base, target="sm_90", dtype=dt, m=m, k=k, n=n, extras=extras(k))
            for dt, (k, n), m in itertools.product(DTYPES, MATMUL_SHAPES, rows)]
   specs += [dict(base, target="sm_90", dtype="bfloat16", m=m, k=k, n=n, extras=extras(k))
@@ -161,6 +170,14 @@ def matmul_specs(quick: bool) -> list[dict]:
   specs += [dict(base, target="sm_90", dtype=dt, m=64, k=4096, n=4096, extras="scale+bias") for dt in DTYPES]
   specs += [dict(base, target="sm_80", dtype="bfloat16", m=64, k=k, n=n, extras=extras(k))
             for k, n in MATMUL_SHAPES + MATMUL_SHAPES_1B]
+  specs += [dict(base, target="sm_90", dtype=dt, m=m, **group(k, ns))
+            for dt, (k, ns), m in itertools.product(DTYPES, MATMUL_GROUPS, rows)]
+  specs += [dict(base, target="sm_90", dtype="bfloat16", m=m, **group(k, ns))
+            for (k, ns), m in itertools.product(MATMUL_GROUPS_1B, rows)]
+  specs += [dict(base, target="sm_90", dtype=dt, m=64, **dict(group(*MATMUL_GROUPS[0]), extras="scale+bias"))
+            for dt in DTYPES]
+  specs += [dict(base, target="sm_80", dtype="bfloat16", m=64, **group(k, ns))
+            for k, ns in MATMUL_GROUPS + MATMUL_GROUPS_1B]
   specs.append(dict(base, target="sm_90", dtype="bfloat16", m=1, k=4100, n=4096, extras="none",
                     purpose="table_refusal"))
   return specs

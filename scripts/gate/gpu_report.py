@@ -441,7 +441,7 @@ def summarize(report: dict) -> dict:
   * ``groups``: per target, kernel and purpose, the configurations and how many compiled, were the
     same kernel as another, were refused or failed, and the most registers and spilled bytes;
   * ``attention``: the kernels at block size 16, GQA 4 (8 on sm_80), large size, one row each;
-  * ``layer_matmul``: the stacked-weight projection's rows;
+  * ``layer_matmul``: the stacked-weight projection's bfloat16 rows;
   * ``knobs``: per attention kernel, dtype, head_dim and knob (``none``: the tiling table's rows),
     the most registers and spilled bytes over its configurations;
   * ``programs``: per whole program, its status, the per-step launches, syncs, copies and kernels
@@ -469,7 +469,7 @@ def summarize(report: dict) -> dict:
     key = {"target": s.get("target"), "kernel": s["kernel"], "dtype": s.get("dtype")}
     if s["kernel"] in ("decode", "prefill", "write_kv", "copy_blocks") and _summary_config(s):
       attention.append(dict(key, head_dim=s["head_dim"], **fig))
-    elif s["kernel"] == "layer_matmul" and s["purpose"] == "matmul":
+    elif s["kernel"] == "layer_matmul" and s["purpose"] == "matmul" and s["dtype"] == "bfloat16":
       row = dict(key, m=s["m"], k=s["k"], n=s["n"], extras=s["extras"], **fig)
       if r.get("grid"):
         row["grid"] = r["grid"]
@@ -507,8 +507,7 @@ def summarize(report: dict) -> dict:
 
 
 _PERF_FIELDS = ("low_us", "high_us", "roofline_us", "fraction", "attainable_fraction", "memory_bound", "bound",
-                "ctas", "resident", "resident_limit", "waves", "stages", "inflight_per_cta", "inflight_per_sm",
-                "inflight_needed_per_sm", "bytes", "extra_bytes", "steps", "vs_plain_copy")
+                "ctas", "resident", "resident_limit", "stages", "inflight_per_sm", "vs_plain_copy")
 
 
 def _perf_summary(pm: dict | None) -> dict | None:
@@ -523,8 +522,7 @@ def _perf_summary(pm: dict | None) -> dict | None:
     m = r.get("model") or {}
     k = (r.get("kernels") or {}).get(r.get("model_kernel"), {})
     rows.append(dict({"name": perf_plan.spec_name(r["spec"]), "purpose": r["spec"]["purpose"],
-                      "kernel": r["spec"]["kernel"], "gate": r.get("gate"), "status": r.get("status"),
-                      "compiled_kernel": r.get("model_kernel"), "registers": k.get("registers"),
+                      "gate": r.get("gate"), "registers": k.get("registers"),
                       "shared_memory_bytes": k.get("shared_memory_bytes"), "mma": k.get("mma")},
                      **{f: m[f] for f in _PERF_FIELDS if f in m}))
   return {"assumptions": pm.get("assumptions"), "targets": pm.get("targets"), "kernels": rows,

@@ -30,8 +30,9 @@ The model (Little's law, ``../shared/GPU_PERF_MODEL.md`` has the method):
   and re-reads: those cost time, not roofline.
 * **Attainable** = ``max(bytes / achievable bandwidth, FLOPs / (dense peak x the MMA's best
   efficiency))``: the best any kernel with that MMA family could do under these assumptions. A
-  compute-bound kernel (FLOPs over the dense peak longer than its bytes over the bandwidth) is
-  judged by its fraction of this, since no Triton kernel reaches the data-sheet peak.
+  compute-bound kernel (the FLOPs term of the attainable time the larger) is
+  judged by its fraction of this, since no Triton kernel reaches the data-sheet peak; a kernel is
+  memory-bound when the bytes term of the attainable time is the larger.
 * **Low / high** are the two ends of the DRAM round-trip range (and of the MMA efficiency).
 
 Plain Python (no JAX import), so ``tests/test_perf_model.py`` checks it on any machine.
@@ -303,8 +304,10 @@ def estimate(gpu: Gpu, ctas: int, threads: int, registers: int, smem_bytes: int,
   roofline = max(work.bytes / gpu.bandwidth, work.flops / gpu.dense_flops)
   # The best any kernel with this MMA family could do under these assumptions: the achievable
   # bandwidth, and the MMA's best efficiency. Compute-bound kernels are judged against it.
-  attainable = max(work.bytes / (gpu.bandwidth * gpu.achievable), work.flops / (gpu.dense_flops * eff[1]))
-  memory_bound = work.bytes / gpu.bandwidth >= work.flops / gpu.dense_flops
+  by_bytes = work.bytes / (gpu.bandwidth * gpu.achievable)
+  attainable = max(by_bytes, work.flops / (gpu.dense_flops * eff[1]))
+  # Memory-bound: even the best kernel with this MMA would wait on HBM, not on the math.
+  memory_bound = by_bytes >= work.flops / (gpu.dense_flops * eff[1])
   busy = min(ctas, slots)
   inflight_sm = busy * inflight_cta / gpu.sms
   needed = INFLIGHT_TARGET * gpu.bandwidth * gpu.latency_s[1] * work.read_fraction / gpu.sms

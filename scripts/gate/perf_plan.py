@@ -10,8 +10,8 @@ Named shapes (all bf16, H200 / sm_90; Llama 3.1 8B: d 4096, 32 q / 8 KV heads, h
 intermediate 14,336, 32 layers; Llama 3.2 1B: d 2048, 32 q / 8 KV heads, head_dim 64,
 intermediate 8,192, 16 layers; block size 16):
 
-* ``layer_matmul``: every projection (q, k, v, o, gate, up, down) of both models at M = 1, 8, 64
-  and 256 rows; target 80 % of the roofline.
+* ``layer_matmul``: every launch of the projections (the q|k|v group, o, the gate|up group,
+  down) of both models at M = 1, 8, 64 and 256 rows; target 80 % of the roofline.
 * decode attention (8B heads): batch x context 64 x 4k, 256 x 1k, 1 x 32k, 4 x 8k, every
   sequence at full context; target 85 %.
 * ``copy_blocks``: 1, 16 and 256 blocks of the 8B's pages (all 32 layers: 2 MiB a block) and of
@@ -46,13 +46,25 @@ KERNEL_NAMES = {"layer_matmul": "layer_matmul", "decode": "paged_decode_attentio
 
 
 def projections(model: str) -> list[tuple[str, int, int, str]]:
-  """(name, K, N, extras) of one decoder layer's projections; ``extras`` is "scale" where the
-  model folds the preceding RMSNorm's weight into the projection (q/k/v and gate/up)."""
+  """(name, K, N, extras) of the ``layer_matmul`` launches of one decoder layer, as the model on
+  the in-place path launches them: "qkv" (q, k and v as one group: N the sum of their widths),
+  "o", "gate_up" (gate and up as one group), "down"; ``extras`` is "scale" where the model folds
+  the preceding RMSNorm's weight into the projection (qkv and gate_up). ``group_widths`` gives
+  a group's widths."""
   c = MODELS[model]
+  return [(name, k, sum(ns), extras) for name, k, ns, extras in _launches(c)]
+
+
+def group_widths(model: str, name: str) -> tuple[int, ...]:
+  """The widths ``N_i`` of the weights launch ``name`` of ``projections(model)`` runs together
+  (one entry for a single weight)."""
+  return next(ns for n, _, ns, _ in _launches(MODELS[model]) if n == name)
+
+
+def _launches(c: dict) -> list[tuple[str, int, tuple[int, ...], str]]:
   q, kv = c["q_heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
-  return [("q", c["d"], q, "scale"), ("k", c["d"], kv, "scale"), ("v", c["d"], kv, "scale"),
-          ("o", q, c["d"], "none"), ("gate", c["d"], c["f"], "scale"), ("up", c["d"], c["f"], "scale"),
-          ("down", c["f"], c["d"], "none")]
+  return [("qkv", c["d"], (q, kv, kv), "scale"), ("o", q, (c["d"],), "none"),
+          ("gate_up", c["d"], (c["f"], c["f"]), "scale"), ("down", c["f"], (c["d"],), "none")]
 
 
 def perf_specs() -> list[dict]:
@@ -63,8 +75,10 @@ def perf_specs() -> list[dict]:
   for model in MODELS:
     for name, k, n, extras in projections(model):
       for m in MATMUL_ROWS:
+        widths = group_widths(model, name)
+        group = {"group": list(widths)} if len(widths) > 1 else {}
         specs.append(dict(base, kernel="layer_matmul", model=model, proj=name, m=m, k=k, n=n, extras=extras,
-                          layers=MODELS[model]["layers"]))
+                          layers=MODELS[model]["layers"], **group))
   c = MODELS["llama3.1-8b"]
   for batch, context in DECODE_SHAPES:
     specs.append(dict(base, kernel="decode", model="llama3.1-8b", batch=batch, context=context,
@@ -95,7 +109,8 @@ def rule_check_specs() -> list[dict]:
   compile output, not only on made-up facts. ``variant`` holds the kernel arguments that make
   it bad: decode attention at batch 1 x 32k without a split (8 CTAs: the grid rule, and one
   CTA's tile per SM at most: the in-flight rule); ``copy_blocks`` of one block with 16 tile rows
-  per program (32 CTAs)."""
+  per program (32 CTAs); ``layer_matmul`` with its tiles before the model (64 CTAs of one
+  single-buffered 4 KB tile)."""
   c = MODELS["llama3.1-8b"]
   base = dict(target="sm_90", dtype="bfloat16", purpose="perf_rule_check")
   return [
@@ -104,6 +119,12 @@ def rule_check_specs() -> list[dict]:
            expect=["grid", "in flight"]),
       dict(base, kernel="copy_blocks", model="llama3.1-8b", copies=1, layers=32, kv_heads=c["kv_heads"],
            head_dim=c["head_dim"], block_size=BLOCK_SIZE, variant={"head_rows": 16}, expect=["grid"]),
+      # layer_matmul's tiles before the model (bm 16, bk 64, bn 32, one buffer): Llama 3.2 1B's o
+      # projection at M = 1 gets 64 CTAs of one 4 KB tile each.
+      dict(base, kernel="layer_matmul", model="llama3.2-1b", proj="o", m=1, k=2048, n=2048, extras="none",
+           layers=MODELS["llama3.2-1b"]["layers"],
+           variant={"config": dict(bm=16, bk=64, bn=32, splits=1, num_warps=4, num_stages=2)},
+           expect=["grid", "in flight"]),
   ]
 
 
@@ -117,8 +138,11 @@ def spec_name(spec: dict) -> str:
   """A short readable name of a perf spec."""
   k = spec["kernel"]
   if spec.get("variant"):
+    flat = {}
+    for a, b in spec["variant"].items():
+      flat.update(b if isinstance(b, dict) else {a: b})
     return spec_name({key: v for key, v in spec.items() if key != "variant"}) + " " + " ".join(
-        f"{a}={b}" for a, b in spec["variant"].items())
+        f"{a}={b}" for a, b in flat.items())
   if k == "layer_matmul":
     return f"layer_matmul {spec['model']} {spec['proj']} M={spec['m']}"
   if k in ("decode", "jax_paged_attention"):
@@ -136,11 +160,13 @@ def work(spec: dict, facts: dict) -> perf_model.Work:
   k = spec["kernel"]
   if k == "layer_matmul":
     from scripts.gate.perf_work_matmul import matmul_work
-    return matmul_work(spec["m"], spec["k"], spec["n"], 2, "scale" in spec["extras"], "bias" in spec["extras"])
+    n = tuple(spec["group"]) if spec.get("group") else spec["n"]
+    return matmul_work(spec["m"], spec["k"], n, 2, "scale" in spec["extras"], "bias" in spec["extras"],
+                       **spec.get("variant", {}))
   if k == "decode":
     from scripts.gate.perf_work_decode import decode_work
     return decode_work(spec["batch"], spec["context"], spec["q_heads"], spec["kv_heads"], spec["head_dim"],
-                       spec["block_size"], 2)
+                       spec["block_size"], 2, **spec.get("variant", {}))
   if k == "copy_blocks":
     from scripts.gate.perf_work_copy import copy_work
     return copy_work(spec["copies"], spec["layers"] * 2 * spec["kv_heads"], spec["block_size"], spec["head_dim"], 2,
