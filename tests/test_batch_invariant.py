@@ -180,3 +180,21 @@ def test_rl_example_runs():
     """examples/rl_scoring.py: the engine's sampled log-probs equal score_tokens' (it asserts)."""
     from examples import rl_scoring
     rl_scoring.main()
+
+
+def test_sampled_generate_equals_serving(model, alone_sampled):
+    """A sampled prompt with its own seed: ``generate`` in row 2 of 4 gives the samples and
+    log-probs the ServingEngine gave it alone (the seeding depends only on the request; the mode
+    makes the logits equal)."""
+    rs = np.random.RandomState(13)
+    prompts = [rs.randint(0, 256, n).tolist() for n in (30, 90, 1, 64)]
+    prompts[2] = list(PROBE[::-1])
+    mgr = pk.ManagerConfig(num_blocks=256, block_size=BS, max_seqs=16, max_blocks_per_seq=16)
+    toks, lens = engine.pad_prompts(prompts)
+    pages = allocate_pages(page_spec(model.config, mgr.num_blocks, mgr.block_size))
+    out, _, _ = engine.generate(model, pages, toks, lens, jax.random.key(0), SAMPLED, manager=mgr, impl="reference",
+                                chunk_size=16, seeds=[1, 2, 123, 4], batch_invariant=BI)
+    n = np.asarray(out.lengths[2])
+    tokens = [np.asarray(out.tokens[2, i, :n[i]]).tolist() for i in range(SAMPLED.n)]
+    logprobs = [np.asarray(out.logprobs[2, i, :n[i]]).astype(np.float64).tolist() for i in range(SAMPLED.n)]
+    assert (tokens, logprobs) == alone_sampled
