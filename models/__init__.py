@@ -6,7 +6,8 @@ the Llama is one (docs/own_model.md, examples/gpt2.py).
 
 Modules: `protocol` (the model protocol: PagedModel, AttentionBackend, ModelFacts, model_facts),
 `config` (LlamaConfig, presets, RoPE frequencies), `llama` (NNX modules), `paged` (paged forward,
-PagedBatch metadata, jitted steps, page sizing), `contiguous` (baseline cache path), `hf_io`
+PagedBatch metadata, jitted steps, page sizing), `contiguous` (baseline cache path; `plain_forward` and
+`score_tokens`, the training side's log-probs, docs/batch_invariance.md), `hf_io`
 (safetensors checkpoints of the llama, qwen2, qwen3 and mistral families, every tensor checked
 before loading), `tokenizer` (bytes) and `hf_tokenizer` (a checkpoint's own `tokenizer.json`, special
 ids, chat template, streamed decoding), `generate` (host greedy loops for tests and benchmarks), `sharding`
@@ -16,7 +17,13 @@ capacity per device).
 
 from paged_kv.models import sharding
 from paged_kv.models.config import Llama3RopeScaling, LlamaConfig, llama31_8b, llama32_1b, rope_inv_freq, tiny
-from paged_kv.models.contiguous import contiguous_forward, contiguous_step, init_contiguous_cache
+from paged_kv.models.contiguous import (
+    contiguous_forward,
+    contiguous_step,
+    init_contiguous_cache,
+    plain_forward,
+    score_tokens,
+)
 from paged_kv.models.generate import greedy_generate_contiguous, greedy_generate_paged
 from paged_kv.models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
 from paged_kv.models.llama import (
@@ -54,6 +61,7 @@ __all__ = [
     "init_model", "is_per_layer", "kv_bytes_per_block", "layout_for_impl", "kv_bytes_per_token", "llama31_8b",
     "llama32_1b",
     "load_hf_checkpoint", "make_paged_batch", "page_spec", "page_spec_for_budget", "paged_decode_step",
-    "paged_forward", "paged_prefill_step", "per_layer", "rope_inv_freq", "safe_tokens", "save_hf_checkpoint",
+    "paged_forward", "paged_prefill_step", "per_layer", "plain_forward", "rope_inv_freq", "safe_tokens",
+    "save_hf_checkpoint", "score_tokens",
     "sharding", "stacked", "tiny",
 ]

@@ -94,3 +94,52 @@ def contiguous_step(graphdef: nnx.GraphDef, state: nnx.State, cache: jax.Array, 
     with the cache donated. A decode step is a chunk with T = 1 and q_lens = 1."""
     model = nnx.merge(graphdef, state)
     return contiguous_forward(model, cache, tokens, q_start, q_lens, last_only=last_only)
+
+
+# ---------------------------------------------------------------------------- training-side scoring
+def plain_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], tokens: jax.Array, *,
+                  batch_invariant: bool = True) -> jax.Array:
+    """The model's plain teacher-forced forward: tokens int32 ``[B, T]`` at positions ``0 .. T - 1``,
+    causal attention over the sequence's own K/V, no cache and no paging. Returns float32 logits
+    ``[B, T, V]`` (``[b, t]`` predicts token ``t + 1``).
+
+    ``batch_invariant`` (default True): the model runs in its batch-invariant mode (the
+    ``AttentionBackend``'s ``batch_invariant``; the Llama: ``paged_kv.pallas_kernels.invariant``), so
+    each sequence's logits are the same bits as the engines' in that mode (``generate``,
+    ``beam_search``, ``ServingEngine`` with ``batch_invariant=True``), whatever else is in the
+    batch. Right padding is harmless: a position attends only to those before it. False: plain
+    XLA ops (as fast as XLA makes them, bits that depend on the batch's shape)."""
+    from paged_kv.pallas_kernels.invariant import contiguous_attention
+
+    model = check_model(model)
+    b, t = tokens.shape
+    if not batch_invariant:
+        cache = init_contiguous_cache(model, b, t)
+        return contiguous_forward(model, cache, tokens, jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32))[0]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+    every = jnp.ones((b, t), bool)
+
+    def attend(layer, q, k, v, cache, **options):
+        options = attend_options(options)
+        scale = options.get("scale")
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out = contiguous_attention(q, k, v, positions, every, scale, options.get("soft_cap"),
+                                   options.get("alibi_slopes"))
+        return out, cache
+
+    hidden, _ = model(tokens, positions, None, AttentionBackend(attend, batch_invariant=True))
+    return model.logits(hidden, batch_invariant=True)
+
+
+def score_tokens(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], tokens: jax.Array, *,
+                 batch_invariant: bool = True) -> jax.Array:
+    """Training-side log-probabilities: float32 ``[B, T - 1]``, entry ``[b, t]`` the log-probability
+    of ``tokens[b, t + 1]`` given ``tokens[b, :t + 1]`` under `plain_forward`'s logits, with the
+    sampler's ``log_softmax`` (``paged_kv.pallas_kernels.invariant.log_softmax``). With ``batch_invariant`` these equal,
+    bit for bit, the log-probs the engines report for the same tokens in their
+    ``batch_invariant`` mode (sampled or greedy, any batch): docs/batch_invariance.md."""
+    logits = plain_forward(model, tokens, batch_invariant=batch_invariant)[:, :-1]
+    b, t, v = logits.shape
+    from paged_kv.pallas_kernels.invariant import log_softmax
+    logp = log_softmax(logits.reshape(b * t, v))  # rows, as the sampler's [R, V]
+    return jnp.take_along_axis(logp, tokens[:, 1:].reshape(b * t, 1), axis=-1).reshape(b, t)

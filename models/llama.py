@@ -61,6 +61,7 @@ from jax.typing import DTypeLike
 
 from paged_kv.models.config import LlamaConfig, rope_inv_freq
 from paged_kv.models.protocol import AttentionBackend, LayerMatmul, as_backend
+from paged_kv.pallas_kernels import invariant as invariant_ops
 
 Array = jax.Array
 
@@ -76,12 +77,15 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((dim,), dtype))
 
-    def __call__(self, x: Array) -> Array:
-        return self.scale[...] * self.normalize(x)
+    def __call__(self, x: Array, invariant: bool = False) -> Array:
+        return self.scale[...] * self.normalize(x, invariant)
 
-    def normalize(self, x: Array) -> Array:
+    def normalize(self, x: Array, invariant: bool = False) -> Array:
         """x / sqrt(mean(x^2) + eps) in x's dtype, before the scale (with in-place projections
-        the scale goes to the projection after the norm: `LayerAccess.norm`)."""
+        the scale goes to the projection after the norm: `LayerAccess.norm`). `invariant`: the
+        mean in a fixed order (`paged_kv.pallas_kernels.invariant.rms_normalize`)."""
+        if invariant:
+            return invariant_ops.rms_normalize(x, self.eps)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return normed.astype(x.dtype)
@@ -104,13 +108,14 @@ class LayerAccess:
 
     layer: Any
     matmul: LayerMatmul | None = None
+    invariant: bool = False  # batch-invariant projections and norms (`AttentionBackend.batch_invariant`)
 
     def norm(self, norm: RMSNorm, x: Array) -> tuple[Array, Array | None]:
         """`(input of the projections after `norm`, the scale they apply)`: `(norm(x), None)` on
         the layer's own weights; `(norm.normalize(x), norm.scale [L, d])` with in-place matmuls
         (the scale multiplies the `x` tile in the kernel: the same product, no slice)."""
         if self.matmul is None:
-            return norm(x), None
+            return norm(x, self.invariant), None
         return norm.normalize(x), norm.scale[...]
 
     def weight(self, w: Array) -> Array:
@@ -124,6 +129,12 @@ class LayerAccess:
         preceding norm's weight) `matmul` on the flattened `[B*T, prod(K)] @ [L, prod(K),
         prod(N)]`, layer `layer` read in place. `spec` names the einsum (`scale` is None there:
         `norm` applied it)."""
+        if self.matmul is None and self.invariant:  # fixed row tiles (`invariant_ops.matmul`)
+            b, t, *k = x.shape
+            out = w.shape[len(k):]
+            y = invariant_ops.matmul(x.reshape(b * t, math.prod(k)), w.reshape(math.prod(k), math.prod(out)))
+            y = y.astype(x.dtype).reshape(b, t, *out)
+            return y if bias is None else y + bias
         if self.matmul is None:
             y = jnp.einsum(spec, x, w)
             return y if bias is None else y + bias
@@ -203,8 +214,8 @@ class Attention(nnx.Module):
                 (self.q_proj[...], self.k_proj[...], self.v_proj[...]),
                 biases=(bias("q_bias"), bias("k_bias"), bias("v_bias")), scale=norm_scale)
             if self.qk_norm:  # per-head scales [D] ([L, D] stacked: a small slice each)
-                q = access.weight(self.q_norm.scale[...]) * self.q_norm.normalize(q)
-                k = access.weight(self.k_norm.scale[...]) * self.k_norm.normalize(k)
+                q = access.weight(self.q_norm.scale[...]) * self.q_norm.normalize(q, access.invariant)
+                k = access.weight(self.k_norm.scale[...]) * self.k_norm.normalize(k, access.invariant)
         with jax.named_scope("rope"):
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
@@ -340,6 +351,10 @@ class Llama(nnx.Module):
         ``in_vocab``; the host-side entry points reject them before anything runs.
         """
         attend = as_backend(attend)
+        invariant = attend.batch_invariant
+        if invariant and attend.layer_matmul is not None:
+            raise NotImplementedError("batch_invariant with in-place projections (layer_matmul, the Pallas "
+                                      "kernels on one GPU) is not implemented")
         inv_freq = jnp.asarray(rope_inv_freq(self.config))
         x = jnp.take(self.embed[...], safe_tokens(tokens, self.config.vocab_size), axis=0)
         if is_per_layer(self) or attend.static_layer:
@@ -347,8 +362,9 @@ class Llama(nnx.Module):
             # copies on every step: `paged_kv.models.paged.layout_for_impl` gives such a backend's
             # callers the per-layer layout instead, which has nothing to slice.
             for i in range(self.config.num_layers):
-                x, cache = self.layer(i)(x, positions, inv_freq, cache, attend, LayerAccess(i))
-            return self.final_norm(x), cache
+                x, cache = self.layer(i)(x, positions, inv_freq, cache, attend,
+                                         LayerAccess(i, invariant=invariant))
+            return self.final_norm(x, invariant), cache
         layer_def, stacked = nnx.split(self.layers)
         matmul = attend.layer_matmul
         # In place: the scan carries only the layer id, and the stacked weights stay whole, loop
@@ -360,11 +376,11 @@ class Llama(nnx.Module):
             # uses to index the cache's layer axis in place.
             (x, cache), (weights, i) = carry, xs
             layer = whole if weights is None else nnx.merge(layer_def, weights)
-            return layer(x, positions, inv_freq, cache, attend, LayerAccess(i, matmul)), None
+            return layer(x, positions, inv_freq, cache, attend, LayerAccess(i, matmul, invariant)), None
 
         ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked if matmul is None else None, ids))
-        return self.final_norm(x), cache
+        return self.final_norm(x, invariant), cache
 
     def layer(self, i: int) -> DecoderLayer:
         """Layer `i` (a Python int) as its own `DecoderLayer`: slice `[i]` of every stacked weight
@@ -377,9 +393,15 @@ class Llama(nnx.Module):
         layer_def, stacked = nnx.split(self.layers)
         return nnx.merge(layer_def, jax.tree.map(lambda w: w[i], stacked))
 
-    def logits(self, hidden: Array) -> Array:
-        """hidden[..., d] -> float32 logits[..., V] (matmul in the config dtype)."""
+    def logits(self, hidden: Array, batch_invariant: bool = False) -> Array:
+        """hidden[..., d] -> float32 logits[..., V] (matmul in the config dtype). `batch_invariant`:
+        each row's bits independent of the others (`paged_kv.pallas_kernels.invariant.matmul`)."""
         head = self.embed[...] if self.config.tie_word_embeddings else self.lm_head[...]
+        if batch_invariant:
+            with jax.named_scope("lm_head"):
+                flat = hidden.reshape(-1, hidden.shape[-1])
+                y = invariant_ops.matmul(flat, head, transpose_w=True).astype(hidden.dtype)
+                return y.reshape(*hidden.shape[:-1], head.shape[0]).astype(jnp.float32)
         with jax.named_scope("lm_head"):
             return jnp.einsum("...d,vd->...v", hidden, head).astype(jnp.float32)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import TYPE_CHECKING
 
 import jax
@@ -100,7 +101,7 @@ def make_paged_batch(block_tables: ArrayLike, q_start: ArrayLike, q_lens: ArrayL
 
 # ---------------------------------------------------------------------------- forward
 def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
-                 head_dim: int | None = None) -> AttentionBackend:
+                 head_dim: int | None = None, batch_invariant: bool = False) -> AttentionBackend:
     """The `attend` of `paged_kv.models.protocol.PagedModel` over the paged cache, as an
     `AttentionBackend`: its callable writes k/v at `batch.slots`, then runs paged decode or prefill
     attention with the call's options (scale, soft_cap, alibi_slopes; anything else raises
@@ -110,9 +111,12 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
     that reads a stacked weight's layer in place, on one GPU), `static_layer` is
     `static_layer_impl(impl, head_dim, mesh)` (the Pallas kernels over a mesh); `layout_for_impl`
     names the layout each gives the Llama. The kernels take the layer as an int32 operand either
-    way, so every layer calls one compiled kernel per kind."""
+    way, so every layer calls one compiled kernel per kind. `batch_invariant`: the plan's
+    `batch_invariant`, and the attention's (`paged_kv.pallas_kernels.invariant`)."""
     plan = dict(static_layer=static_layer_impl(impl, head_dim, mesh),
                 layer_matmul=layer_matmul_for(impl, head_dim, mesh))
+    if batch_invariant:
+        plan["batch_invariant"] = True
 
     def attend_local(layer, q, k, v, pages, batch, slopes, *, scale=None, soft_cap=None):
         b, t, _, _ = q.shape
@@ -124,6 +128,8 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
         knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
         if slopes is not None:
             knobs["alibi_slopes"] = slopes
+        if batch_invariant:
+            knobs["batch_invariant"] = True
         if decode:
             out = pk.paged_decode_attention(q[:, 0], pages, layer, batch.block_tables, batch.lengths,
                                             scale=scale, impl=impl, **knobs)
@@ -242,7 +248,7 @@ def _check_mesh(model, mesh) -> None:
 
 def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Array, batch: PagedBatch,
                   tokens: jax.Array, *, impl: str = "auto", last_only: bool = False,
-                  mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+                  mesh: Mesh | None = None, batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
     """Un-jitted forward of a `paged_kv.models.protocol.PagedModel`. tokens int32[B, T] (a prefill chunk) or
     int32[B] (decode, one per sequence).
 
@@ -252,6 +258,11 @@ def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax
     `mesh`: a `jax.sharding.Mesh` with a "tp" axis when the model and pages were placed with
     `paged_kv.models.sharding.shard`; the KV write and paged attention then run per device under
     `jax.shard_map` over KV heads, and XLA inserts the all-reduces of the sharded matmuls.
+
+    `batch_invariant` (static): every token's logits depend only on its own sequence, whatever
+    the batch, its row, the chunking of its prompt or decode against prefill, and equal
+    `paged_kv.models.contiguous.score_tokens` bit for bit (`paged_kv.pallas_kernels.invariant`;
+    the reference kernels only, and a model whose `logits` takes `batch_invariant`, as the Llama's).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
@@ -259,13 +270,19 @@ def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax
     _check_mesh(model, mesh)
     decode = tokens.ndim == 1
     toks = tokens[:, None] if decode else tokens
-    attend = _make_attend(batch, impl, decode, mesh, model_facts(model).head_dim)
+    attend = _make_attend(batch, impl, decode, mesh, model_facts(model).head_dim, batch_invariant)
     hidden, pages = model(toks, batch.positions, pages, attend)
     if decode:
         hidden = hidden[:, 0]
     elif last_only:
         hidden = hidden[jnp.arange(toks.shape[0]), jnp.maximum(batch.q_lens - 1, 0)]
-    logits = model.logits(hidden)
+    if batch_invariant:
+        if "batch_invariant" not in inspect.signature(model.logits).parameters:
+            raise ValueError(f"{type(model).__name__} has no batch-invariant mode: its logits() takes no "
+                             "batch_invariant (docs/batch_invariance.md)")
+        logits = model.logits(hidden, batch_invariant=True)
+    else:
+        logits = model.logits(hidden)
     if mesh is not None:
         # A vocabulary-parallel head gives vocabulary-sharded logits; they are gathered here, once.
         # Left to the partitioner, the sampler's prefix sum over the sorted vocabulary became a
@@ -274,10 +291,11 @@ def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax
     return logits, pages
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "last_only", "mesh"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "last_only", "mesh", "batch_invariant"),
+                   donate_argnames=("pages",))
 def paged_prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array, batch: PagedBatch,
                        tokens: jax.Array, *, impl: str = "auto", last_only: bool = False,
-                       mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+                       mesh: Mesh | None = None, batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
     """`(graphdef, state, pages, batch, tokens int32[B, T]) -> (logits, pages)`: one prefill chunk
     per sequence, K/V written at `batch.slots`, causal paged attention. `pages` is donated.
     `mesh`: as in `paged_forward` (static). With Pallas kernels pass the split of
@@ -286,20 +304,22 @@ def paged_prefill_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Arra
     if tokens.ndim != 2:
         raise ValueError(f"prefill tokens must be [B, T], got shape {tokens.shape}")
     return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl, last_only=last_only,
-                         mesh=mesh)
+                         mesh=mesh, batch_invariant=batch_invariant)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "batch_invariant"),
+                   donate_argnames=("pages",))
 def paged_decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array, batch: PagedBatch,
                       tokens: jax.Array, *, impl: str = "auto",
-                      mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+                      mesh: Mesh | None = None, batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
     """`(graphdef, state, pages, batch, tokens int32[B]) -> (logits float32[B, V], pages)`: one token
     per sequence (batch.q_lens 1, or 0 for padding rows). `pages` is donated. `mesh`: as in
     `paged_forward` (static). With Pallas kernels pass the split of `layout_for_impl(model, impl)`
     (once, outside the step), as in `paged_prefill_step`."""
     if tokens.ndim != 1:
         raise ValueError(f"decode tokens must be [B], got shape {tokens.shape}")
-    return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl, mesh=mesh)
+    return paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl=impl, mesh=mesh,
+                         batch_invariant=batch_invariant)
 
 
 # ---------------------------------------------------------------------------- page sizing

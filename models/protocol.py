@@ -71,6 +71,10 @@ class AttentionBackend:
         copy) it (``paged_kv.pallas_kernels.layer_matmul``: the Pallas kernels on one GPU). None:
         project with XLA's matmuls (``x @ w`` on the layer's own weights). Not with
         ``static_layer`` (the two plans ask for different weight layouts): ValueError.
+      batch_invariant: True when the model should compute every row's bits independently of
+        the batch (``paged_kv.pallas_kernels.invariant``: fixed-tile projections, fixed-order norms;
+        the backend's attention is invariant already). A model that cannot may ignore it only
+        if its own ops are invariant.
 
     A frozen dataclass of Python values; ``attend`` usually closes over the step's traced batch
     metadata, so a backend is built inside the traced forward, once per step.
@@ -79,6 +83,7 @@ class AttentionBackend:
     attend: Callable[..., tuple[Array, Any]]
     static_layer: bool = False
     layer_matmul: LayerMatmul | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.static_layer and self.layer_matmul is not None:

@@ -28,9 +28,16 @@ def resolve_impl(impl: str, head_dim: int | None = None) -> str:
   return impl
 
 
+def _check_invariant(batch_invariant: bool, impl: str) -> None:
+  if batch_invariant and impl != "reference":
+    raise NotImplementedError(f"batch_invariant attention runs on the reference kernels (impl='reference'), "
+                              f"not impl={impl!r}")
+
+
 def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
                            lengths: jax.Array, *, scale: float | None = None, impl: str = "auto",
-                           soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> jax.Array:
+                           soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
+                           batch_invariant: bool = False) -> jax.Array:
   """Attention of one new query token per sequence over its paged K/V.
 
   Args:
@@ -51,6 +58,10 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
       soft_cap)`` (Gemma 2's attention logit soft-capping), before the bias and the mask.
     alibi_slopes: optional float ``[num_q_heads]``: adds ``slope[h] * (key_pos - query_pos)``
       to head ``h``'s scores (ALiBi; the query sits at ``lengths - 1``).
+    batch_invariant: static; each query's bits depend only on its own K/V and position, and
+      equal those of :func:`paged_prefill_attention` for the same token
+      (:mod:`paged_kv.pallas_kernels.invariant`). The reference only, for now: NotImplementedError
+      with a Pallas ``impl``.
 
   Returns:
     ``[B, num_q_heads, head_dim]`` in ``q.dtype``. Query head ``h`` reads KV head
@@ -62,6 +73,9 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
     knobs["alibi_slopes"] = alibi_slopes
+  _check_invariant(batch_invariant, impl)
+  if batch_invariant:
+    knobs["batch_invariant"] = True
   if impl == "reference":
     return reference.paged_decode_attention_reference(
         q, pages, layer, block_tables, lengths, scale=scale, **knobs)
@@ -72,7 +86,8 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
 
 def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
                             q_start: jax.Array, q_lens: jax.Array, *, scale: float | None = None, impl: str = "auto",
-                            soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> jax.Array:
+                            soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
+                            batch_invariant: bool = False) -> jax.Array:
   """Causal attention of a chunk of query tokens per sequence over its paged K/V.
 
   Query ``t`` of sequence ``b`` sits at absolute position ``q_start[b] + t``, is valid for
@@ -86,6 +101,7 @@ def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arr
     alibi_slopes: as in :func:`paged_decode_attention`; query ``t`` sits at ``q_start + t``.
     q_start: int32 ``[B]`` absolute position of each sequence's first query token.
     q_lens: int32 ``[B]`` valid query tokens per sequence (``<= T``).
+    batch_invariant: as in :func:`paged_decode_attention`.
 
   Returns:
     ``[B, T, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -97,6 +113,9 @@ def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arr
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
     knobs["alibi_slopes"] = alibi_slopes
+  _check_invariant(batch_invariant, impl)
+  if batch_invariant:
+    knobs["batch_invariant"] = True
   if impl == "reference":
     return reference.paged_prefill_attention_reference(
         q, pages, layer, block_tables, q_start, q_lens, scale=scale, **knobs)

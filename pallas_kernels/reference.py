@@ -22,6 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from paged_kv.pallas_kernels import invariant as invariant_ops
+
 NULL_BLOCK = 0
 
 # ``layer_matmul``'s operands: one stacked weight ``[L, K, N]`` or a group of them ``[L, K, N_i]``
@@ -59,7 +61,7 @@ def score_knobs(s: jax.Array, soft_cap: float | None, slopes: jax.Array | None, 
 
 
 def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap=None,
-                     slopes=None):
+                     slopes=None, invariant=False):
   """Blockwise paged attention in plain XLA.
 
   q ``[B, T, Hq, D]``; query ``(b, t)`` sits at position ``last_pos[b, t]`` and sees positions
@@ -72,11 +74,21 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   of the layer, with the KV-head and batch axes leading in both einsums so XLA transposes only
   queries and outputs. On a CPU this runs within about 1-2x of attention over contiguous K/V;
   gathering the whole table first and then attending is several times slower.
+
+  ``invariant`` (static): every step is :func:`paged_kv.pallas_kernels.invariant.attention_chunk` over
+  ``KEY_TILE`` keys, for decode and prefill alike, so a query's bits depend only on its own K/V and
+  position (not the batch, the chunk of queries around it, or the table's width); the block size
+  must divide ``KEY_TILE``.
   """
   b, t, hq, d = q.shape
   _, _, hkv, num_blocks, block_size, _ = pages.shape
   g = hq // hkv
   chunk = max(1, 128 // block_size)
+  if invariant:
+    if invariant_ops.KEY_TILE % block_size:
+      raise ValueError(f"batch-invariant attention needs a block size dividing {invariant_ops.KEY_TILE}, "
+                       f"got {block_size}")
+    chunk = invariant_ops.KEY_TILE // block_size
   bt = sanitize_block_tables(block_tables, num_blocks)
   num_chunks = -(-bt.shape[1] // chunk)
   bt = jnp.pad(bt, ((0, 0), (0, num_chunks * chunk - bt.shape[1])))
@@ -101,6 +113,13 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   decode = t == 1
   if slopes is not None:  # [Hq] -> [Hkv, 1, 1, G, 1], query head h = kv * G + g
     slopes = slopes.astype(jnp.float32).reshape(hkv, 1, 1, g, 1)
+
+  def invariant_step(c, carry):
+    ids = jax.lax.dynamic_slice_in_dim(bt, c * chunk, chunk, axis=1).reshape(1, -1)  # [1, B * chunk]
+    k = rows.at[k_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
+    v = rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
+    pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
+    return invariant_ops.attention_chunk(carry, qk, k, v, pos, last_pos, valid, scale, soft_cap, slopes)
 
   def step(c, carry):
     o, m, l = carry
@@ -135,32 +154,37 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   l = jnp.zeros((hkv, b, t, g), jnp.float32)
   needed = jnp.max(jnp.where(valid, last_pos + 1, 0))
   n = jnp.clip((needed + keys - 1) // keys, 0, num_chunks)
+  if invariant:
+    out = invariant_ops.attention_finish(jax.lax.fori_loop(0, n, invariant_step, (o, m, l)))
+    return out.transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
   o, m, l = jax.lax.fori_loop(0, n, step, (o, m, l))
   out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
   return out.transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "batch_invariant"))
 def paged_decode_attention_reference(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
                                      lengths: jax.Array, *, scale: float, soft_cap: float | None = None,
-                                     alibi_slopes: jax.Array | None = None) -> jax.Array:
+                                     alibi_slopes: jax.Array | None = None,
+                                     batch_invariant: bool = False) -> jax.Array:
   """q [B, Hq, D] -> [B, Hq, D]; attends to positions [0, lengths[b]) (the query at lengths - 1)."""
   out = _paged_attention(q[:, None], pages, layer, block_tables, (lengths - 1)[:, None],
-                         (lengths > 0)[:, None], scale, soft_cap, alibi_slopes)
+                         (lengths > 0)[:, None], scale, soft_cap, alibi_slopes, batch_invariant)
   return out[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "batch_invariant"))
 def paged_prefill_attention_reference(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
                                       q_start: jax.Array, q_lens: jax.Array, *, scale: float,
                                       soft_cap: float | None = None,
-                                      alibi_slopes: jax.Array | None = None) -> jax.Array:
+                                      alibi_slopes: jax.Array | None = None,
+                                      batch_invariant: bool = False) -> jax.Array:
   """q [B, T, Hq, D] -> [B, T, Hq, D]; query t attends to positions [0, q_start + t]."""
   tpos = jnp.arange(q.shape[1], dtype=jnp.int32)
   last_pos = jnp.maximum(q_start, 0)[:, None] + tpos[None, :]  # negative starts clamp to 0
   valid = tpos[None, :] < q_lens[:, None]
   return _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap,
-                          alibi_slopes)
+                          alibi_slopes, batch_invariant)
 
 
 @jax.jit

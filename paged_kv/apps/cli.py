@@ -272,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(on a CPU, N host devices are created); must fit the model's heads")
     g.add_argument("--impl", choices=("auto", "reference", "interpret", "pallas"), default="auto",
                    help="attention/copy kernels: auto = Pallas on GPU, the jnp reference on CPU")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant decoding (ServingConfig.batch_invariant): each request's tokens and "
+                        "log-probs the same bits whatever else runs; the reference kernels only")
     g = p.add_argument_group("output")
     g.add_argument("--show", type=_non_negative, default=4, metavar="N",
                    help="decoded outputs to print (a greedy answer, parallel samples, a beam search)")
@@ -750,7 +753,8 @@ def _run(args, ckpt: Path) -> int:
     # the workload's beams have width 4.
     candidates = max(8, (args.beam_width if prompts is not None else 4) * (1 + max(len(eos_ids), 1)))
     cfg = ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(rows, args.max_seqs),
-                        top_candidates=candidates, impl=args.impl, decode_steps=args.decode_steps)
+                        top_candidates=candidates, impl=args.impl, decode_steps=args.decode_steps,
+                        batch_invariant=args.batch_invariant)
     mesh = None
     if args.tp > 1:
         from paged_kv.models import sharding

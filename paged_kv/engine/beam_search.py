@@ -35,6 +35,7 @@ from paged_kv.engine import call_setup
 from paged_kv.engine.generate import BlockStats, bad_prompts
 from paged_kv.engine.sampling import BeamParams, is_eos
 from paged_kv.engine.steps import block_counts, decode, prefill
+from paged_kv.pallas_kernels.invariant import log_softmax as invariant_log_softmax
 from paged_kv.reclaim import free
 from paged_kv.share import select
 from paged_kv.state import BlockManagerState
@@ -164,7 +165,8 @@ def _reselect(loop: _BeamLoop, manager: ManagerConfig, parents, tokens, finished
 def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, state: BlockManagerState,
                      prompt_tokens: jax.Array, prompt_lens: jax.Array, *, manager: ManagerConfig, params: BeamParams,
                      impl: str, chunk_size: int, context: int, mesh: jax.sharding.Mesh | None = None,
-                     budgets: jax.Array | None = None) -> tuple[BeamOutput, jax.Array, BlockManagerState]:
+                     budgets: jax.Array | None = None, batch_invariant: bool = False
+                     ) -> tuple[BeamOutput, jax.Array, BlockManagerState]:
     """The traceable body of ``beam_search`` (arguments already checked; ``budgets``: optional
     int32 ``[B]`` per-prompt ``max_new_tokens``). Returns ``(BeamOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
@@ -182,7 +184,8 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
     # Each prompt is admitted and prefilled once, into its first beam's row; step 0's ``select``
     # gives the other beams its table.
     state, pages, logits, status = prefill(model, pages, manager, state, jnp.where(bad, -1, rows[::k]),
-                                           prompt_tokens, lens, chunk_size=chunk_size, impl=impl, mesh=mesh)
+                                           prompt_tokens, lens, chunk_size=chunk_size, impl=impl, mesh=mesh,
+                                               batch_invariant=batch_invariant)
     admitted = status == Status.OK
     used, shared = block_counts(manager, state, rows)
     first = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF).astype(jnp.float32)
@@ -193,7 +196,8 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
         pool_scores=jnp.full((b, k), NEG_INF, jnp.float32), pool_sums=jnp.full((b, k), NEG_INF, jnp.float32),
         pool_tokens=jnp.full((b, k, steps), -1, jnp.int32), pool_lens=jnp.zeros((b, k), jnp.int32),
         stats=BlockStats.zeros(steps).record(0, used, shared, 0), state=state, pages=pages)
-    logp = jnp.broadcast_to(jax.nn.log_softmax(logits, axis=-1)[:, None], (b, k, logits.shape[-1]))
+    log_softmax = invariant_log_softmax if batch_invariant else (lambda x: jax.nn.log_softmax(x, axis=-1))
+    logp = jnp.broadcast_to(log_softmax(logits)[:, None], (b, k, logits.shape[-1]))
     loop, parents, toks, finished = _choose(loop, logp, 0, admitted, budget, capped, params)
     loop = _reselect(loop, manager, parents, toks, finished, admitted, jnp.zeros((b,), bool), k)
 
@@ -202,7 +206,7 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
         active = ~loop.done
         live = jnp.repeat(active, k)
         state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur, live,
-                                                  impl=impl, mesh=mesh)
+                                                  impl=impl, mesh=mesh, batch_invariant=batch_invariant)
         used, shared = block_counts(manager, state, rows)
         loop = loop.replace(step=s, state=state, pages=pages, stats=loop.stats.record(s, used, shared, copies))
         # A prompt that ran out of blocks stops: its beams are hypotheses of their current length.
@@ -211,7 +215,7 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
                       failed[:, None] & jnp.isfinite(loop.beam_scores), params.length_penalty)
         loop = loop.replace(done=loop.done | failed, out_of_blocks=loop.out_of_blocks | failed)
         active = active & ~failed
-        logp = jax.nn.log_softmax(logits, axis=-1).reshape(b, k, -1)
+        logp = log_softmax(logits).reshape(b, k, -1)
         loop, parents, toks, finished = _choose(loop, logp, s, active, budget, capped, params)
         return _reselect(loop, manager, parents, toks, finished, active, failed, k)
 
@@ -223,19 +227,20 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
 
 
 beam_search_jit = jax.jit(beam_search_loop, static_argnames=("graphdef", "manager", "params", "impl", "chunk_size",
-                                                             "context", "mesh"),
+                                                             "context", "mesh", "batch_invariant"),
                           donate_argnames=("pages", "state"))
 
 
 def beam_search(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Array, prompt_tokens: ArrayLike,
                 prompt_lens: ArrayLike, params: BeamParams, *, manager: ManagerConfig,
                 state: BlockManagerState | None = None, max_new_tokens: ArrayLike | None = None, impl: str = "auto",
-                chunk_size: int | None = None,
-                mesh: jax.sharding.Mesh | None = None) -> tuple[BeamOutput, jax.Array, BlockManagerState]:
+                chunk_size: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                batch_invariant: bool = False) -> tuple[BeamOutput, jax.Array, BlockManagerState]:
     """Beam search of width ``params.beam_width`` for each prompt, on the device in one jitted loop.
 
     Arguments as in ``generate`` (no key: beam search is deterministic; ``mesh`` likewise runs it
-    tensor-parallel; ``max_new_tokens``: optional int32 ``[B]`` per-prompt budgets, clipped to
+    tensor-parallel; ``batch_invariant`` as there;
+    ``max_new_tokens``: optional int32 ``[B]`` per-prompt budgets, clipped to
     ``params.max_new_tokens``, which sizes the outputs; a prompt whose length plus budget runs past
     the context stops there, with ``BeamOutput.length_capped`` set); rows ``[0, B * k)`` of the block manager
     must be free and are free again on return. Returns ``(BeamOutput, pages, state)``.
@@ -266,7 +271,8 @@ def beam_search(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.A
     state, toks, lens, budgets = call_setup.replicate_inputs(mesh, state, jnp.asarray(prompt_tokens, jnp.int32),
                                                            jnp.asarray(prompt_lens, jnp.int32), budgets)
     return beam_search_jit(graphdef, weights, pages, state, toks, lens, manager=manager, params=params, impl=impl,
-                           chunk_size=req.chunk_size, context=req.context, mesh=mesh, budgets=budgets)
+                           chunk_size=req.chunk_size, context=req.context, mesh=mesh, budgets=budgets,
+                           batch_invariant=bool(batch_invariant))
 
 
 __all__ = ["BeamOutput", "beam_search", "beam_search_jit", "beam_search_loop"]

@@ -174,7 +174,8 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
                   prompt_tokens: jax.Array, prompt_lens: jax.Array, budgets: jax.Array, key: jax.Array,
                   seeds: jax.Array | None = None, *, manager: ManagerConfig, params: SamplingParams, impl: str,
                   chunk_size: int, context: int,
-                  mesh: jax.sharding.Mesh | None = None) -> tuple[GenerateOutput, jax.Array, BlockManagerState]:
+                  mesh: jax.sharding.Mesh | None = None, batch_invariant: bool = False
+                  ) -> tuple[GenerateOutput, jax.Array, BlockManagerState]:
     """The traceable body of ``generate`` (arguments already checked; ``seeds`` int32 ``[B]`` or
     None: ``derive_seeds(key, B)``). Returns ``(GenerateOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
@@ -192,7 +193,8 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     # Each prompt is admitted and prefilled once, into its first sample's row; the others fork it.
     with jax.named_scope("prefill"):
         state, pages, logits, status = prefill(model, pages, manager, state, jnp.where(bad, -1, rows[::n]),
-                                               prompt_tokens, lens, chunk_size=chunk_size, impl=impl, mesh=mesh)
+                                               prompt_tokens, lens, chunk_size=chunk_size, impl=impl, mesh=mesh,
+                                               batch_invariant=batch_invariant)
     admitted = jnp.repeat(status == Status.OK, n)
     if n > 1:
         is_child = rows % n != 0
@@ -218,7 +220,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     def body(loop: _SampleLoop):
         s = loop.step + 1
         state, pages, logits, st, copies = decode(model, loop.pages, manager, loop.state, rows, loop.cur, loop.live,
-                                                  impl=impl, mesh=mesh)
+                                                  impl=impl, mesh=mesh, batch_invariant=batch_invariant)
         failed = loop.live & (st != Status.OK)
         used, shared = block_counts(manager, state, rows)
         loop = loop.replace(
@@ -236,7 +238,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
 
 
 generate_jit = jax.jit(generate_loop, static_argnames=("graphdef", "manager", "params", "impl", "chunk_size",
-                                                       "context", "mesh"),
+                                                       "context", "mesh", "batch_invariant"),
                        donate_argnames=("pages", "state"))
 """``generate_loop`` compiled once per (model graph, manager config, params, shapes); pages and
 block-manager state are donated."""
@@ -246,7 +248,8 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
              prompt_lens: ArrayLike, key: ArrayLike, params: SamplingParams, *, manager: ManagerConfig,
              state: BlockManagerState | None = None, max_new_tokens: ArrayLike | None = None,
              impl: str = "auto", chunk_size: int | None = None, mesh: jax.sharding.Mesh | None = None,
-             seeds: ArrayLike | None = None) -> tuple[GenerateOutput, jax.Array, BlockManagerState]:
+             seeds: ArrayLike | None = None,
+             batch_invariant: bool = False) -> tuple[GenerateOutput, jax.Array, BlockManagerState]:
     """Samples ``params.n`` answers for each prompt, all on the device in one jitted loop.
 
     Args:
@@ -285,6 +288,11 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
         seeding rule of ``paged_kv.engine.sampling``), so the same prompt and seed give the same
         samples in any row and batch (where the logits are equal), and the same as a
         ``ServingEngine`` request with ``seed=seeds[b]``. Returned in ``GenerateOutput.seeds``.
+      batch_invariant: static. True: every prompt's tokens and log-probs are the same bits
+        whatever the other prompts, its row, the batch size and the chunk size, equal to
+        ``ServingEngine``'s in the same mode and to ``paged_kv.models.contiguous.score_tokens``
+        (docs/batch_invariance.md). The reference kernels only (``impl`` "reference", or "auto"
+        off a GPU).
 
     Returns:
       ``(GenerateOutput, pages, state)``.
@@ -319,7 +327,8 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
     state, toks, lens, budgets, key, seeds = call_setup.replicate_inputs(
         mesh, state, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), budgets, key, seeds)
     return generate_jit(graphdef, weights, pages, state, toks, lens, budgets, key, seeds, manager=manager,
-                        params=params, impl=impl, chunk_size=req.chunk_size, context=req.context, mesh=mesh)
+                        params=params, impl=impl, chunk_size=req.chunk_size, context=req.context, mesh=mesh,
+                        batch_invariant=bool(batch_invariant))
 
 
 __all__ = ["BlockStats", "FinishReason", "GenerateOutput", "bad_prompts", "generate", "generate_jit", "generate_loop"]

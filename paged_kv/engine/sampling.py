@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_kv.inputs import is_int, is_real
+from paged_kv.pallas_kernels.invariant import log_softmax as invariant_log_softmax
 from paged_kv.scan import per_platform
 
 INT32_LIMIT = 2**31
@@ -238,8 +239,11 @@ def default_seed(engine_seed: int, request_id: object) -> int:
 
 
 def _logprob_of(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """float32 ``[R]``: log-probability of ``tokens`` (int32 ``[R]``) under raw ``logits`` ``[R, V]``."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    """float32 ``[R]``: log-probability of ``tokens`` (int32 ``[R]``) under raw ``logits`` ``[R, V]``.
+    The normaliser is summed in a fixed order, so a row's value never depends on the others
+    (``jax.nn.log_softmax`` on XLA:CPU changed bits at R >= 16, V = 259); the training side's
+    ``paged_kv.models.contiguous.score_tokens`` uses the same function."""
+    logp = invariant_log_softmax(logits)
     return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 

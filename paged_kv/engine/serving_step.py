@@ -48,6 +48,7 @@ from paged_kv.engine.steps import decode_appended
 from paged_kv.fused import free_select_append
 from paged_kv.models.llama import in_vocab
 from paged_kv.models.paged import make_paged_batch, paged_forward
+from paged_kv.pallas_kernels.invariant import log_softmax as invariant_log_softmax
 from paged_kv.reclaim import free
 from paged_kv.scan import per_platform, target_of
 from paged_kv.share import fork
@@ -168,7 +169,7 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
 
         def prefill(pages):
             logits, pages = paged_forward(model, pages, batch, inp.pf_tokens, impl=cfg.impl, last_only=True,
-                                          mesh=shape.mesh)
+                                          mesh=shape.mesh, batch_invariant=cfg.batch_invariant)
             return logits.astype(jnp.float32), pages
 
         def skipped(pages):
@@ -186,7 +187,8 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
                 pf_logits, pages = prefill(pages)
 
     state, pages, logits, status, copies = decode_appended(model, pages, mgr, state, rows, inp.dec_tokens, res,
-                                                           impl=cfg.impl, mesh=shape.mesh)
+                                                           impl=cfg.impl, mesh=shape.mesh,
+                                                           batch_invariant=cfg.batch_invariant)
     if pf_logits is not None:
         # A row may have several pieces in the chunk (``prefill_pieces``): its logits are its last
         # piece's (the one with the largest start), the only one that can end the prompt.
@@ -204,7 +206,8 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
         # a greedy step skips the draw and with it the three fold-ins' loops, ~200 instructions).
         tokens, logp = sample_rows(logits, row_keys, inp.temperature, inp.top_k, inp.top_p, target=mgr.target)
         def top(x):
-            lp, ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), cfg.top_candidates)
+            logp = invariant_log_softmax(x) if cfg.batch_invariant else jax.nn.log_softmax(x, axis=-1)
+            lp, ids = jax.lax.top_k(logp, cfg.top_candidates)
             return lp, ids.astype(jnp.int32)
 
         def no_top(x):  # no beam row this step: nobody reads the top candidates

@@ -49,6 +49,11 @@ class ServingConfig:
         per step; a finished row's blocks are freed at the next call instead of the next step).
         Saves the host's per-step work and a dispatch per step; streaming arrives ``K`` tokens
         at a time.
+      batch_invariant: every request's tokens and log-probs the same bits whatever its
+        batchmates, row, ``max_seqs``, chunking, prefix-cache hits and preemptions, equal to
+        ``generate``'s in the same mode and to ``paged_kv.models.contiguous.score_tokens``
+        (docs/batch_invariance.md). The reference kernels only (``impl`` "reference", or "auto"
+        off a GPU); costs decode throughput (``scripts/bench_batch_invariant.py``).
     """
 
     manager: ManagerConfig
@@ -58,6 +63,7 @@ class ServingConfig:
     impl: str = "auto"
     record_tables: bool = True
     decode_steps: int = 1
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if not isinstance(self.manager, ManagerConfig):
@@ -73,8 +79,9 @@ class ServingConfig:
                              f"{self.manager.max_seqs}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r} must be one of {IMPLS}")
-        if not isinstance(self.record_tables, bool):
-            raise ValueError(f"record_tables={self.record_tables!r} must be a bool")
+        for name in ("record_tables", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
 
 @dataclasses.dataclass(frozen=True)

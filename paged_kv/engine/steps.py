@@ -32,7 +32,8 @@ from paged_kv.status import Status
 
 def prefill(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: BlockManagerState,
             seq_ids: jax.Array, prompt_tokens: jax.Array, prompt_lens: jax.Array, *, chunk_size: int, impl: str,
-            mesh: jax.sharding.Mesh | None = None) -> tuple[BlockManagerState, jax.Array, jax.Array, jax.Array]:
+            mesh: jax.sharding.Mesh | None = None, batch_invariant: bool = False
+            ) -> tuple[BlockManagerState, jax.Array, jax.Array, jax.Array]:
     """Admit and prefill prompts. Returns (state, pages, logits float32 [B, V] at each prompt's
     last token, admission status int32 [B]). Rows that were not admitted get garbage logits and
     write only into the null block. ``mesh``: see ``paged_kv.models.paged.paged_forward``."""
@@ -57,7 +58,8 @@ def prefill(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: B
         q_lens = jnp.clip(jnp.minimum(lo + chunk_size, lens) - q_start, 0, chunk_size)
         toks = jnp.take_along_axis(padded, q_start[:, None] + offsets, axis=1)
         batch = make_paged_batch(tables, q_start, q_lens, chunk_size, bs)
-        logits, pages = paged_forward(model, pages, batch, toks, impl=impl, last_only=True, mesh=mesh)
+        logits, pages = paged_forward(model, pages, batch, toks, impl=impl, last_only=True, mesh=mesh,
+                                      batch_invariant=batch_invariant)
         ends_here = (q_lens > 0) & (q_start + q_lens == lens)
         return pages, jnp.where(ends_here[:, None], logits, last)
 
@@ -71,7 +73,7 @@ def prefill(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: B
 
 def decode(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: BlockManagerState,
            seq_ids: jax.Array, tokens: jax.Array, live: jax.Array, *, impl: str,
-           mesh: jax.sharding.Mesh | None = None
+           mesh: jax.sharding.Mesh | None = None, batch_invariant: bool = False
            ) -> tuple[BlockManagerState, jax.Array, jax.Array, jax.Array, jax.Array]:
     """One token per live row (``seq_ids[r]`` running, ``tokens[r]`` the token to feed).
 
@@ -83,12 +85,13 @@ def decode(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: Bl
     ids = jnp.where(live, seq_ids, -1)
     with jax.named_scope("manager_append"):
         state, res = append(config, state, ids, tokens.astype(jnp.int32) if config.prefix_caching else None)
-    return decode_appended(model, pages, config, state, seq_ids, tokens, res, impl=impl, mesh=mesh)
+    return decode_appended(model, pages, config, state, seq_ids, tokens, res, impl=impl, mesh=mesh,
+                           batch_invariant=batch_invariant)
 
 
 def decode_appended(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: BlockManagerState,
                     seq_ids: jax.Array, tokens: jax.Array, res: AppendResult, *, impl: str,
-                    mesh: jax.sharding.Mesh | None = None
+                    mesh: jax.sharding.Mesh | None = None, batch_invariant: bool = False
                     ) -> tuple[BlockManagerState, jax.Array, jax.Array, jax.Array, jax.Array]:
     """``decode`` after its ``append``: ``res`` (an ``AppendResult`` of ``[R]`` rows) is what
     ``append`` of ``seq_ids`` (``-1`` where not live) returned and ``state`` the state after it.
@@ -105,7 +108,8 @@ def decode_appended(model: nnx.Module, pages: jax.Array, config: ManagerConfig, 
         slots=res.slots[:, None],
         lengths=n,
     )
-    logits, pages = paged_forward(model, pages, batch, tokens.astype(jnp.int32), impl=impl, mesh=mesh)
+    logits, pages = paged_forward(model, pages, batch, tokens.astype(jnp.int32), impl=impl, mesh=mesh,
+                                  batch_invariant=batch_invariant)
     return state, pages, logits, res.status, res.num_copies
 
 
