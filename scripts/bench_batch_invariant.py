@@ -20,27 +20,21 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paged_kv.checkpoints import BUILTIN
-from paged_kv.models import allocate_pages, load_hf_checkpoint, make_paged_batch, page_spec, paged_decode_step
+from paged_kv.models import allocate_pages, load_hf_checkpoint, page_spec, paged_decode_step
+from scripts.bench_model import decode_inputs
 
 
 def measure(batch: int, context: int, block_size: int, repeats: int) -> dict:
     model = load_hf_checkpoint(BUILTIN)
     cfg = model.config
     graphdef, state = nnx.split(model)
-    rs = np.random.RandomState(0)
-    tokens = jnp.asarray(rs.randint(0, cfg.vocab_size, batch), jnp.int32)
-    pos = jnp.full((batch,), context - 1, jnp.int32)
-    per_seq = -(-context // block_size)
-    tables = rs.permutation(np.arange(1, 1 + batch * per_seq)).reshape(batch, per_seq).astype(np.int32)
-    meta = make_paged_batch(tables, pos, np.ones(batch, np.int32), 1, block_size)
-    pages = {mode: allocate_pages(page_spec(cfg, 1 + batch * per_seq, block_size)) for mode in (False, True)}
+    tokens, _, meta, num_blocks = decode_inputs(cfg, batch, context, block_size)
+    pages = {mode: allocate_pages(page_spec(cfg, num_blocks, block_size)) for mode in (False, True)}
 
     def step(mode):
         logits, pages[mode] = paged_decode_step(graphdef, state, pages[mode], meta, tokens, impl="reference",

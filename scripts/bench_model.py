@@ -54,19 +54,25 @@ def _median_time(fn, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def decode_inputs(cfg: LlamaConfig, batch: int, context: int, block_size: int):
+    """One paged decode step's inputs, seeded: ``(tokens [batch], positions [batch] (the last of
+    ``context``), the paged batch, the number of blocks the pages need)``. Each sequence owns
+    ``ceil(context / block_size)`` blocks in a scrambled physical order."""
+    rs = np.random.RandomState(0)
+    tokens = jnp.asarray(rs.randint(0, cfg.vocab_size, batch), jnp.int32)
+    pos = jnp.full((batch,), context - 1, jnp.int32)
+    per_seq = -(-context // block_size)
+    tables = rs.permutation(np.arange(1, 1 + batch * per_seq)).reshape(batch, per_seq).astype(np.int32)
+    meta = make_paged_batch(tables, pos, np.ones(batch, np.int32), 1, block_size)
+    return tokens, pos, meta, 1 + batch * per_seq
+
+
 def run(batch: int, context: int, block_size: int, repeats: int, impl: str, dtype: str) -> dict:
     cfg = bench_config(dtype)
     model = init_model(cfg, seed=0)
     graphdef, state = nnx.split(model)
-    rs = np.random.RandomState(0)
-    tokens = jnp.asarray(rs.randint(0, cfg.vocab_size, batch), jnp.int32)
-    pos = jnp.full((batch,), context - 1, jnp.int32)
-
-    # Paged: each sequence owns ceil(context / bs) blocks in a scrambled physical order.
-    per_seq = -(-context // block_size)
-    tables = rs.permutation(np.arange(1, 1 + batch * per_seq)).reshape(batch, per_seq).astype(np.int32)
-    box = {"pages": allocate_pages(page_spec(cfg, 1 + batch * per_seq, block_size))}
-    meta = make_paged_batch(tables, pos, np.ones(batch, np.int32), 1, block_size)
+    tokens, pos, meta, num_blocks = decode_inputs(cfg, batch, context, block_size)
+    box = {"pages": allocate_pages(page_spec(cfg, num_blocks, block_size))}
 
     def paged():
         logits, box["pages"] = paged_decode_step(graphdef, state, box["pages"], meta, tokens, impl=impl)
