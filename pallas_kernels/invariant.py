@@ -104,6 +104,19 @@ def attention_chunk(carry: Carry, qk: jax.Array, k: jax.Array, v: jax.Array, key
   s = tree_sum(qk.astype(jnp.float32)[:, :, :, None, :] * k.astype(jnp.float32)[:, :, None], -1)
   s = s.reshape(h, b, t, g, keys) * scale
   s = score_knobs(s, soft_cap, slopes, key_pos, last_pos[None, :, :, None, None])
+  m_new, alpha, p = softmax_update(s, m, key_pos, last_pos, valid)
+  pv = tree_sum(p.reshape(h, b, t * g, keys)[..., None] * v.astype(jnp.float32)[:, :, None], -2)
+  return alpha[..., None] * o + pv.reshape(h, b, t, g, d), m_new, alpha * denom + tree_sum(p, -1)
+
+
+def softmax_update(s: jax.Array, m: jax.Array, key_pos: jax.Array, last_pos: jax.Array,
+                   valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One key tile's online-softmax update, shared by the reference attention and
+  :func:`attention_chunk`: scores ``s [H, B, T, G, keys]`` float32 (scaled, knobs applied), the
+  running max ``m [H, B, T, G]``, key positions ``[keys]``, each query's ``last_pos`` and
+  ``valid`` ``[B, T]``. Returns ``(new max, alpha = exp(old - new max), weights p)``, masked keys
+  weighing 0 and a row with no key yet keeping a max of -inf. Element-wise and a max: exact,
+  whatever the batch."""
   mask = (key_pos[None, None, :] <= last_pos[:, :, None]) & valid[:, :, None]
   mask = mask[None, :, :, None, :]
   s = jnp.where(mask, s, -jnp.inf)
@@ -111,8 +124,7 @@ def attention_chunk(carry: Carry, qk: jax.Array, k: jax.Array, v: jax.Array, key
   m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
   alpha = jnp.exp(m - m_safe)
   p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-  pv = tree_sum(p.reshape(h, b, t * g, keys)[..., None] * v.astype(jnp.float32)[:, :, None], -2)
-  return alpha[..., None] * o + pv.reshape(h, b, t, g, d), m_new, alpha * denom + tree_sum(p, -1)
+  return m_new, alpha, p
 
 
 def attention_init(h: int, b: int, t: int, g: int, d: int) -> Carry:

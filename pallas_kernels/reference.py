@@ -132,13 +132,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
     s = s.reshape(hkv, b, t, g, keys) * scale
     pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
     s = score_knobs(s, soft_cap, slopes, pos, last_pos[None, :, :, None, None])
-    mask = (pos[None, None, :] <= last_pos[:, :, None]) & valid[:, :, None]
-    mask = mask[None, :, :, None, :]
-    s = jnp.where(mask, s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+    m_new, alpha, p = invariant_ops.softmax_update(s, m, pos, last_pos, valid)
     v = rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
     rows_p = p.reshape(hkv, b, t * g, keys)
     if decode:
