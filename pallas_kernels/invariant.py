@@ -116,9 +116,9 @@ def softmax_update(s: jax.Array, m: jax.Array, key_pos: jax.Array, last_pos: jax
   :func:`attention_chunk`: scores ``s [H, B, T, G, keys]`` float32 (scaled, knobs applied), the
   running max ``m [H, B, T, G]``, key positions ``[keys]``, each query's ``last_pos`` and
   ``valid`` ``[B, T]``, and with a sliding window each query's first visible position ``first_pos``
-  int32 ``[B, T]`` (None: no lower bound, the same program as before). Returns ``(new max, alpha = exp(old - new max), weights p)``, masked keys
-  weighing 0 and a row with no key yet keeping a max of -inf. Element-wise and a max: exact,
-  whatever the batch."""
+  int32 ``[B, T]`` (None: no lower bound, the same program as before). Returns ``(new max,
+  alpha = exp(old - new max), weights p)``, masked keys weighing 0 and a row with no key yet
+  keeping a max of -inf. Element-wise and a max: exact, whatever the batch."""
   mask = (key_pos[None, None, :] <= last_pos[:, :, None]) & valid[:, :, None]
   if first_pos is not None:
     mask = mask & (key_pos[None, None, :] >= first_pos[:, :, None])
