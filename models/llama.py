@@ -116,7 +116,7 @@ class LayerAccess:
         (the scale multiplies the `x` tile in the kernel: the same product, no slice)."""
         if self.matmul is None:
             return norm(x, self.invariant), None
-        return norm.normalize(x), norm.scale[...]
+        return norm.normalize(x, self.invariant), norm.scale[...]
 
     def weight(self, w: Array) -> Array:
         """This layer's `w`: `w` itself on the layer's own weights, `w[layer]` when stacked."""
@@ -351,10 +351,7 @@ class Llama(nnx.Module):
         ``in_vocab``; the host-side entry points reject them before anything runs.
         """
         attend = as_backend(attend)
-        invariant = attend.batch_invariant
-        if invariant and attend.layer_matmul is not None:
-            raise NotImplementedError("batch_invariant with in-place projections (layer_matmul, the Pallas "
-                                      "kernels on one GPU) is not implemented")
+        invariant = attend.batch_invariant  # with `layer_matmul`, the backend's matmul is invariant too
         inv_freq = jnp.asarray(rope_inv_freq(self.config))
         x = jnp.take(self.embed[...], safe_tokens(tokens, self.config.vocab_size), axis=0)
         if is_per_layer(self) or attend.static_layer:
