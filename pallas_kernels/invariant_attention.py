@@ -101,8 +101,8 @@ def _kernel(layer_ref, window_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_
     mask = (pos <= q_pos) & valid & ((window <= 0) | (pos > q_pos - window))
     return online_softmax_step(carry, s, v, mask)
 
-  o, _, l = lax.fori_loop(first, steps, body, online_softmax_init(rows, head_dim))
-  o_ref[...] = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+  o, _, denom = lax.fori_loop(first, steps, body, online_softmax_init(rows, head_dim))
+  o_ref[...] = jnp.where(denom[:, None] > 0, o / jnp.where(denom > 0, denom, 1.0)[:, None], 0.0).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "soft_cap"))

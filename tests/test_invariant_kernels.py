@@ -15,7 +15,6 @@ matmul's invariant plan replaced by the shape-dependent ``plan``.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -96,18 +95,18 @@ def test_bfloat16_and_window(case):
     table = case.block_tables[2:3]
     q = random_queries(np.random.default_rng(4), (n, HQ, D), jnp.bfloat16)
     scale = D ** -0.5
-    for window in (jnp.asarray(10, jnp.int32),):
-        dec = invariant_attention.paged_decode_invariant_pallas(
-            q, pages16, case.layer, jnp.repeat(table, n, axis=0), jnp.arange(1, n + 1, dtype=jnp.int32),
-            scale=scale, interpret=True, window=window)
-        alone = invariant_attention.paged_decode_invariant_pallas(
-            q[n - 1:], pages16, case.layer, table, jnp.asarray([n], jnp.int32), scale=scale, interpret=True,
-            window=window)
-        np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(dec[n - 1], np.float32))
-        pre = invariant_attention.paged_invariant_attention_pallas(
-            q[None, 30:], pages16, case.layer, table, jnp.asarray([30], jnp.int32), jnp.asarray([n - 30], jnp.int32),
-            scale=scale, interpret=True, window=window)
-        np.testing.assert_array_equal(np.asarray(pre[0], np.float32), np.asarray(dec[30:], np.float32))
+    window = jnp.asarray(10, jnp.int32)
+    dec = invariant_attention.paged_decode_invariant_pallas(
+        q, pages16, case.layer, jnp.repeat(table, n, axis=0), jnp.arange(1, n + 1, dtype=jnp.int32),
+        scale=scale, interpret=True, window=window)
+    alone = invariant_attention.paged_decode_invariant_pallas(
+        q[n - 1:], pages16, case.layer, table, jnp.asarray([n], jnp.int32), scale=scale, interpret=True,
+        window=window)
+    np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(dec[n - 1], np.float32))
+    pre = invariant_attention.paged_invariant_attention_pallas(
+        q[None, 30:], pages16, case.layer, table, jnp.asarray([30], jnp.int32), jnp.asarray([n - 30], jnp.int32),
+        scale=scale, interpret=True, window=window)
+    np.testing.assert_array_equal(np.asarray(pre[0], np.float32), np.asarray(dec[30:], np.float32))
     full = invariant_attention.paged_decode_invariant_pallas(
         q[n - 1:], pages16, case.layer, table, jnp.asarray([n], jnp.int32), scale=scale, interpret=True)
     assert not np.array_equal(np.asarray(full, np.float32), np.asarray(alone, np.float32))
