@@ -123,16 +123,19 @@ class LayerAccess:
         return w if self.matmul is None else w[self.layer]
 
     def project(self, spec: str, x: Array, w: Array, *, bias: Array | None = None,
-                scale: Array | None = None) -> Array:
+                scale: Array | None = None, split: str = "k") -> Array:
         """`x[B, T, *K] @ w[*K, *N] + bias[*N]` -> `[B, T, *N]` in x's dtype: `jnp.einsum(spec)` on
         the layer's own `w`; on stacked `w[L, *K, *N]` (`bias [L, *N]`, `scale [L, K]`, the
         preceding norm's weight) `matmul` on the flattened `[B*T, prod(K)] @ [L, prod(K),
         prod(N)]`, layer `layer` read in place. `spec` names the einsum (`scale` is None there:
-        `norm` applied it)."""
+        `norm` applied it). `split`: how the invariant mode cuts the product so that tensor-parallel
+        degrees 1 and 2 give the same bits (`invariant_ops.matmul`): "k" for a row-parallel
+        projection (o_proj, down: `paged_kv.models.sharding`), "n" for a column-parallel one."""
         if self.matmul is None and self.invariant:  # fixed row tiles (`invariant_ops.matmul`)
             b, t, *k = x.shape
             out = w.shape[len(k):]
-            y = invariant_ops.matmul(x.reshape(b * t, math.prod(k)), w.reshape(math.prod(k), math.prod(out)))
+            y = invariant_ops.matmul(x.reshape(b * t, math.prod(k)), w.reshape(math.prod(k), math.prod(out)),
+                                     split=split)
             y = y.astype(x.dtype).reshape(b, t, *out)
             return y if bias is None else y + bias
         if self.matmul is None:
@@ -155,7 +158,8 @@ class LayerAccess:
         memory busy. No weight is concatenated or copied."""
         biases = (None,) * len(ws) if biases is None else biases
         if self.matmul is None:
-            return tuple(self.project(spec, x, w, bias=bias, scale=scale) for spec, w, bias in zip(specs, ws, biases))
+            return tuple(self.project(spec, x, w, bias=bias, scale=scale, split="n")  # column-parallel
+                         for spec, w, bias in zip(specs, ws, biases))
         b, t, *k = x.shape
         n = ws[0].shape[0]
         outs = [w.shape[1 + len(k):] for w in ws]
@@ -222,7 +226,7 @@ class Attention(nnx.Module):
         out, cache = attend(access.layer, q, k, v, cache)
         with jax.named_scope("o_proj"):
             return access.project("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...],
-                                  bias=self.o_bias[...] if self.has_o_bias else None), cache
+                                  bias=self.o_bias[...] if self.has_o_bias else None, split="k"), cache
 
 
 class MLP(nnx.Module):
@@ -246,7 +250,8 @@ class MLP(nnx.Module):
         bias = (lambda name: getattr(self, name)[...]) if self.mlp_bias else (lambda name: None)
         gate, up = access.project_group(("btd,df->btf", "btd,df->btf"), x, (self.gate[...], self.up[...]),
                                         biases=(bias("gate_bias"), bias("up_bias")), scale=norm_scale)
-        return access.project("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...], bias=bias("down_bias"))
+        return access.project("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...], bias=bias("down_bias"),
+                              split="k")  # row-parallel
 
 
 class DecoderLayer(nnx.Module):
@@ -397,7 +402,8 @@ class Llama(nnx.Module):
         if batch_invariant:
             with jax.named_scope("lm_head"):
                 flat = hidden.reshape(-1, hidden.shape[-1])
-                y = invariant_ops.matmul(flat, head, transpose_w=True).astype(hidden.dtype)
+                # Columns in two parts: the same bits whether the head is vocab-parallel or not.
+                y = invariant_ops.matmul(flat, head, transpose_w=True, split="n").astype(hidden.dtype)
                 return y.reshape(*hidden.shape[:-1], head.shape[0]).astype(jnp.float32)
         with jax.named_scope("lm_head"):
             return jnp.einsum("...d,vd->...v", hidden, head).astype(jnp.float32)

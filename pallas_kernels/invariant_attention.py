@@ -11,8 +11,9 @@ kernel fixes everything a query row's arithmetic depends on:
   (:func:`paged_decode_invariant_pallas`), so its ``G`` rows sit in one tile of the same shape.
   Within a tile every row runs the same dot and the same row reductions, so a row's bits do not
   depend on its place in the tile or the other rows.
-* **Keys**: steps of ``key_step(block_size)`` keys (``KEY_STEP`` = 64, or one block when blocks
-  are larger) from position 0, independent of the batch, the chunk and the context; no split-K.
+* **Keys**: steps of :func:`key_step` keys (from the head dim and dtype: 64 keys of a 128-wide
+  bfloat16 head, 16 to 64 in all, or one block when blocks are larger) from position 0,
+  independent of the batch, the chunk and the context; no split-K.
   A program walks the steps up to the last position its tile's valid rows see; a step that is
   entirely masked for a row (past its position, or before its sliding window) leaves that row's
   running max, sum and output bit for bit unchanged (its weights are exactly 0 and its rescale
@@ -43,17 +44,20 @@ from paged_kv.pallas_kernels.reference import sanitize_block_tables, score_knobs
 ROW_TILE = 16
 """Query rows (token x query head of one KV head) per program: Triton's smallest dot edge."""
 
-KEY_STEP = 64
-"""Keys per online-softmax step (blocks smaller than this are gathered several per step)."""
+KEY_STEP_BYTES = 16_384
+"""A key step's K tile (keys x head_dim x itemsize) is at most this, 16 to 64 keys: with its V tile
+and the 16-row accumulators it stays in registers (the GPU gate checks for spills)."""
 
 NUM_WARPS = 4
 NUM_STAGES = 2
 
 
-def key_step(block_size: int) -> int:
-  """Keys per step for pages of ``block_size`` (a power of two): ``KEY_STEP``, or one block when
-  blocks are larger. Depends on the cache's block size only, never on the batch or context."""
-  return max(KEY_STEP, block_size)
+def key_step(block_size: int, head_dim: int, itemsize: int) -> int:
+  """Keys per step for pages of ``block_size`` (a power of two), ``head_dim`` and ``itemsize``
+  bytes: ``KEY_STEP_BYTES / (head_dim x itemsize)`` clamped to 16..64, or one block when blocks
+  are larger. A function of the cache's layout only, never of the batch, chunk or context."""
+  keys = min(64, max(16, KEY_STEP_BYTES // (head_dim * itemsize)))
+  return max(keys, block_size)
 
 
 def window_operand(window: int | jax.Array | None) -> jax.Array:
@@ -125,7 +129,7 @@ def paged_invariant_attention_pallas(q: jax.Array, pages: jax.Array, layer: int 
   total_rows = num_tokens * group
   row_tiles = pl.cdiv(total_rows, ROW_TILE)
   padded_rows = row_tiles * ROW_TILE
-  blocks_per_step = key_step(block_size) // block_size
+  blocks_per_step = key_step(block_size, head_dim, jnp.dtype(pages.dtype).itemsize) // block_size
   padded_blocks = pl.cdiv(max_blocks, blocks_per_step) * blocks_per_step
 
   bt = jnp.pad(sanitize_block_tables(block_tables, num_blocks), ((0, 0), (0, padded_blocks - max_blocks)))
