@@ -170,9 +170,22 @@ class LayerAccess:
         return tuple(y.reshape(b, t, *out) for y, out in zip(ys, outs))
 
 
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+def apply_rope(x: Array, positions: Array, inv_freq: Array, invariant: bool = False) -> Array:
     """Rotate x[B, T, H, D] by angles positions[B, T] * inv_freq[D/2] (HF "rotate_half" layout:
-    dimension i pairs with i + D/2). Angles and products in float32."""
+    dimension i pairs with i + D/2). Angles and products in float32. `invariant`: computed in
+    fixed tiles of tokens (`paged_kv.pallas_kernels.invariant.row_tiles`): XLA:CPU gave a
+    position other bits in a one-token decode step than in a chunk (tiny model, head_dim 16),
+    so the batch-invariant mode computes every token on one shape."""
+    if invariant:
+        b, t, h, d = x.shape
+        out = invariant_ops.row_tiles(lambda xt, pt: _rope(xt[None], pt[None], inv_freq)[0],
+                                      x.reshape(b * t, h, d), positions.reshape(b * t))
+        return out.reshape(b, t, h, d)
+    return _rope(x, positions, inv_freq)
+
+
+def _rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """`apply_rope` on any shape: x[B, T, H, D], positions[B, T]."""
     angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, D/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
@@ -221,8 +234,8 @@ class Attention(nnx.Module):
                 q = access.weight(self.q_norm.scale[...]) * self.q_norm.normalize(q, access.invariant)
                 k = access.weight(self.k_norm.scale[...]) * self.k_norm.normalize(k, access.invariant)
         with jax.named_scope("rope"):
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+            q = apply_rope(q, positions, inv_freq, access.invariant)
+            k = apply_rope(k, positions, inv_freq, access.invariant)
         out, cache = attend(access.layer, q, k, v, cache)
         with jax.named_scope("o_proj"):
             return access.project("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...],

@@ -24,6 +24,8 @@ Used by the models' ``batch_invariant`` mode (``paged_kv.models.llama``, the ref
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -97,6 +99,20 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, split: str 
 
   out = tile(xp[0])[None] if tiles == 1 else jax.lax.map(tile, xp)
   return out.reshape(tiles * ROW_TILE, -1)[:m]
+
+
+def row_tiles(fn: Callable[..., jax.Array], *xs: jax.Array) -> jax.Array:
+  """``fn`` applied to arrays ``xs`` (each ``[M, ...]``) in tiles of ``ROW_TILE`` rows (M
+  zero-padded), one call shape for every tile: ``[M, *fn's trailing shape]``. For element-wise
+  work whose bits XLA:CPU lets depend on the whole shape (RoPE's products of cos and sin: a
+  position got other bits in a one-token decode step than in a chunk); ``fn`` must map each row
+  alone."""
+  m = xs[0].shape[0]
+  tiles = -(-m // ROW_TILE)
+  tiled = tuple(jnp.pad(x, [(0, tiles * ROW_TILE - m)] + [(0, 0)] * (x.ndim - 1)).reshape(
+      tiles, ROW_TILE, *x.shape[1:]) for x in xs)
+  out = fn(*(x[0] for x in tiled))[None] if tiles == 1 else jax.lax.map(lambda a: fn(*a), tiled)
+  return out.reshape(tiles * ROW_TILE, *out.shape[2:])[:m]
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:

@@ -15,11 +15,15 @@ matmul's invariant plan replaced by the shape-dependent ``plan``.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import paged_kv.pallas_kernels as pk
+from paged_kv.models import allocate_pages, init_model, make_paged_batch, page_spec, paged_forward
+from paged_kv.models.config import tiny
 from paged_kv.pallas_kernels import invariant_attention
 from paged_kv.pallas_kernels.testing import make_paged_case, random_queries
 
@@ -137,3 +141,30 @@ def test_layer_matmul_invariant_rows(grouped):
         moved = x.at[row].set(x[4])
         for got, want in zip(run(moved), ref):
             np.testing.assert_array_equal(got[row:row + 1], want, err_msg=f"row {row}")
+
+
+def test_model_pallas_invariant_prefill_chunks_and_decode():
+    """The whole model (tiny Llama, the scan with in-place ``layer_matmul``: Pallas attention and
+    projections in interpret mode): a 12-token prompt's logits prefilled alone in one padded chunk
+    (40 rows) equal, bit for bit, its logits prefilled beside another sequence in chunks of 7 and 4
+    tokens (16 and 10 rows) and its last token decoded in a batch of 2."""
+    cfg = tiny(num_layers=2)
+    model = init_model(cfg, seed=2, init_std=0.2)
+    rs = np.random.RandomState(0)
+    tok_a = jnp.asarray(rs.randint(0, cfg.vocab_size, 12), jnp.int32)
+    tok_b = jnp.asarray(rs.randint(0, cfg.vocab_size, 10), jnp.int32)
+    spec = page_spec(cfg, 8, 4)
+    run = functools.partial(paged_forward, model, impl="interpret", batch_invariant=True)
+    table_a = [[1, 2, 3, 0]]
+    alone, _ = run(allocate_pages(spec), make_paged_batch(table_a, [0], [12], 40, 4),
+                   jnp.zeros((1, 40), jnp.int32).at[0, :12].set(tok_a))
+    tables = [[4, 5, 6, 0], [1, 2, 3, 0]]
+    pages = allocate_pages(spec)
+    c1, pages = run(pages, make_paged_batch(tables, [0, 0], [8, 7], 8, 4),
+                    jnp.stack([tok_b[:8], jnp.zeros(8, jnp.int32).at[:7].set(tok_a[:7])]))
+    c2, pages = run(pages, make_paged_batch(tables, [8, 7], [1, 4], 5, 4),
+                    jnp.stack([jnp.zeros(5, jnp.int32).at[0].set(tok_b[8]),
+                               jnp.zeros(5, jnp.int32).at[:4].set(tok_a[7:11])]))
+    dec, _ = run(pages, make_paged_batch(tables, [9, 11], [1, 1], 1, 4), jnp.stack([tok_b[9], tok_a[11]]))
+    got = np.concatenate([np.asarray(c1[1, :7]), np.asarray(c2[1, :4]), np.asarray(dec[1:2])])
+    np.testing.assert_array_equal(got, np.asarray(alone[0, :12]))

@@ -338,6 +338,8 @@ def _kernel_program(spec: dict):
     # traced sliding window (an operand: the same kernel with or without one).
     knob = KNOBS.get(spec.get("knob"), {})
     kw = dict(impl="pallas", batch_invariant=True, soft_cap=knob.get("soft_cap"))
+    if spec["form"] == "prefill":
+      batch = min(batch, 4)
     pages = _sds((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d), dt, sh)
     bt, vec = _sds((batch, max_blocks), i32, sh), _sds((batch,), i32, sh)
     slopes = (_sds((KV_HEADS * g,), jnp.float32, sh),) if knob.get("alibi") else ()
@@ -346,7 +348,7 @@ def _kernel_program(spec: dict):
               (_sds((batch, KV_HEADS * g, d), dt, sh), pages, bt, vec) + slopes, ())
     return (lambda q, p, t, s0, n, *a: pk.paged_prefill_attention(
                 q, p, 1, t, s0, n, alibi_slopes=a[0] if a else None, **kw),
-            (_sds((min(batch, 4), tokens, KV_HEADS * g, d), dt, sh), pages, bt, vec, vec) + slopes, ())
+            (_sds((batch, tokens, KV_HEADS * g, d), dt, sh), pages, bt, vec, vec) + slopes, ())
   if kernel in ("decode", "prefill"):
     pages = _sds((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d), dt, sh)
     bt, vec = _sds((batch, max_blocks), i32, sh), _sds((batch,), i32, sh)
