@@ -267,9 +267,12 @@ def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax
     `jax.shard_map` over KV heads, and XLA inserts the all-reduces of the sharded matmuls.
 
     `batch_invariant` (static): every token's logits depend only on its own sequence, whatever
-    the batch, its row, the chunking of its prompt or decode against prefill, and equal
-    `paged_kv.models.contiguous.score_tokens` bit for bit (`paged_kv.pallas_kernels.invariant`;
-    the reference kernels only, and a model whose `logits` takes `batch_invariant`, as the Llama's).
+    the batch, its row, the chunking of its prompt or decode against prefill
+    (`paged_kv.pallas_kernels.invariant`; with a Pallas `impl` the fixed-tile kernels,
+    `invariant_attention` and `layer_matmul`'s invariant plan; a model whose `logits` takes
+    `batch_invariant`, as the Llama's). On the reference kernels they also equal
+    `paged_kv.models.contiguous.score_tokens` bit for bit. Over a mesh: tp = 1 and tp = 2 give
+    the same bits (docs/batch_invariance.md).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
