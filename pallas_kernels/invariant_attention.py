@@ -31,6 +31,7 @@ bits across backends need not agree. Grid ``(batch, num_kv_heads, row_tiles)``.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +68,12 @@ def window_operand(window: int | jax.Array | None) -> jax.Array:
   return jnp.asarray(window, jnp.int32).reshape(1)
 
 
-def _kernel(layer_ref, window_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
-            group: int, blocks_per_step: int, max_positions: int, soft_cap: float | None, has_bias: bool):
+def _kernel(layer_ref: Any, window_ref: Any, start_ref: Any, qlen_ref: Any, bt_ref: Any, q_ref: Any, k_ref: Any,
+            v_ref: Any, *refs: Any, scale: float, group: int, blocks_per_step: int, max_positions: int,
+            soft_cap: float | None, has_bias: bool) -> None:
+  """One program: KV head ``h`` of sequence ``b``, query rows ``[r * ROW_TILE, (r + 1) * ROW_TILE)``
+  (Pallas refs: the scalars, the block-table row, q ``[ROW_TILE, D]``, every layer's K and V plane,
+  the ALiBi slopes of the rows when ``has_bias``, then the output ``[ROW_TILE, D]``)."""
   slope_ref, o_ref = refs if has_bias else (None, refs[0])
   block_size, head_dim = k_ref.shape[-2:]
   keys = blocks_per_step * block_size

@@ -166,7 +166,7 @@ def multi(ckpt: str, process_id: int, port: int):
     return res
 
 
-def invariant(ckpt: str):
+def invariant(ckpt: str) -> dict:
     """`generate` in batch-invariant mode (docs/batch_invariance.md) on one device (no mesh) and
     over a tp=2 mesh: greedy and seeded sampling (n=2), the prompts in 4-token chunks. Returns
     each run's tokens and log-probs (float32 values as floats: exact)."""

@@ -25,7 +25,7 @@ import paged_kv.pallas_kernels as pk
 from paged_kv.models import allocate_pages, init_model, make_paged_batch, page_spec, paged_forward
 from paged_kv.models.config import tiny
 from paged_kv.pallas_kernels import invariant_attention
-from paged_kv.pallas_kernels.testing import make_paged_case, random_queries
+from paged_kv.pallas_kernels.testing import PagedCase, make_paged_case, random_queries
 
 BS = 8
 D = 32
@@ -34,12 +34,13 @@ HQ = 4  # GQA group of 2: a decode step's 2 rows sit in a 16-row tile; a prefill
 LENGTHS = (37, 20, 71, 5)  # 71 > one key step of 64: two steps
 
 
-def _decode(q, case, tables, lengths, **knobs):
+def _decode(q: jnp.ndarray, case: PagedCase, tables: jnp.ndarray, lengths: list | np.ndarray, **knobs) -> np.ndarray:
     return np.asarray(pk.paged_decode_attention(q, case.pages, case.layer, tables, jnp.asarray(lengths, jnp.int32),
                                                 impl="interpret", batch_invariant=True, **knobs).astype(jnp.float32))
 
 
-def _prefill(q, case, tables, q_start, q_lens, **knobs):
+def _prefill(q: jnp.ndarray, case: PagedCase, tables: jnp.ndarray, q_start: list, q_lens: list,
+             **knobs) -> np.ndarray:
     return np.asarray(pk.paged_prefill_attention(
         q, case.pages, case.layer, tables, jnp.asarray(q_start, jnp.int32), jnp.asarray(q_lens, jnp.int32),
         impl="interpret", batch_invariant=True, **knobs).astype(jnp.float32))
@@ -52,12 +53,12 @@ KNOBS = {
 
 
 @pytest.fixture(scope="module")
-def case():
+def case() -> PagedCase:
     return make_paged_case(np.random.default_rng(0), LENGTHS, block_size=BS, head_dim=D, num_kv_heads=HKV)
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
-def test_decode_alone_equals_batched_and_prefill_chunks(case, knob):
+def test_decode_alone_equals_batched_and_prefill_chunks(case: PagedCase, knob: str) -> None:
     """Sequence 0's tokens at every position: decoded alone, decoded all at once (a batch of 37
     rows), decoded among the other sequences (rows 2 of 4 and 0 of 3), and prefilled whole, in
     chunks of 13/17/7 and 1/36 beside another sequence: the same bits everywhere."""
@@ -91,7 +92,7 @@ def test_decode_alone_equals_batched_and_prefill_chunks(case, knob):
             np.testing.assert_array_equal(out[1, :b - a], dec[a:b], err_msg=f"chunk {a}..{b}")
 
 
-def test_bfloat16_and_window(case):
+def test_bfloat16_and_window(case: PagedCase) -> None:
     """bfloat16 pages, and a sliding window of 10 (an int32 scalar, as a model's per-layer window
     arrives): decoding alone equals a batch and a prefill chunk; the window changes the result."""
     pages16 = case.pages.astype(jnp.bfloat16)
@@ -117,7 +118,7 @@ def test_bfloat16_and_window(case):
 
 
 @pytest.mark.parametrize("grouped", [False, True])
-def test_layer_matmul_invariant_rows(grouped):
+def test_layer_matmul_invariant_rows(grouped: bool) -> None:
     """layer_matmul's invariant plan: rows 0 and 4 of x give the same bits for M = 1, 5, 17, 70 and
     placed at rows 63/64 (either side of a row tile's edge) of M = 70."""
     rs = np.random.RandomState(0)
@@ -128,7 +129,7 @@ def test_layer_matmul_invariant_rows(grouped):
     bias = tuple(jnp.asarray(rs.randn(layers, n).astype(np.float32)) for n in ns)
     w, b = (ws, bias) if grouped else (ws[0], bias[0])
 
-    def run(xm):
+    def run(xm: jnp.ndarray) -> list[np.ndarray]:
         out = pk.layer_matmul(xm, w, jnp.asarray(1), scale=scale, bias=b, impl="interpret", batch_invariant=True)
         return [np.asarray(o) for o in (out if grouped else (out,))]
 
@@ -143,28 +144,23 @@ def test_layer_matmul_invariant_rows(grouped):
             np.testing.assert_array_equal(got[row:row + 1], want, err_msg=f"row {row}")
 
 
-def test_model_pallas_invariant_prefill_chunks_and_decode():
-    """The whole model (tiny Llama, the scan with in-place ``layer_matmul``: Pallas attention and
-    projections in interpret mode): a 12-token prompt's logits prefilled alone in one padded chunk
-    (40 rows) equal, bit for bit, its logits prefilled beside another sequence in chunks of 7 and 4
-    tokens (16 and 10 rows) and its last token decoded in a batch of 2."""
-    cfg = tiny(num_layers=2)
+def test_model_pallas_invariant_prefill_chunks_and_decode() -> None:
+    """The whole model (tiny Llama, one layer, the scan with in-place ``layer_matmul``: Pallas
+    attention and projections in interpret mode): an 8-token prompt's logits prefilled alone in
+    one padded chunk (24 rows) equal, bit for bit, its first 7 tokens' prefilled beside another
+    sequence (a chunk of 8 rows each) and its last token's decoded in a batch of 2."""
+    cfg = tiny(num_layers=1)
     model = init_model(cfg, seed=2, init_std=0.2)
     rs = np.random.RandomState(0)
-    tok_a = jnp.asarray(rs.randint(0, cfg.vocab_size, 12), jnp.int32)
-    tok_b = jnp.asarray(rs.randint(0, cfg.vocab_size, 10), jnp.int32)
+    tok_a = jnp.asarray(rs.randint(0, cfg.vocab_size, 8), jnp.int32)
+    tok_b = jnp.asarray(rs.randint(0, cfg.vocab_size, 9), jnp.int32)
     spec = page_spec(cfg, 8, 4)
     run = functools.partial(paged_forward, model, impl="interpret", batch_invariant=True)
-    table_a = [[1, 2, 3, 0]]
-    alone, _ = run(allocate_pages(spec), make_paged_batch(table_a, [0], [12], 40, 4),
-                   jnp.zeros((1, 40), jnp.int32).at[0, :12].set(tok_a))
-    tables = [[4, 5, 6, 0], [1, 2, 3, 0]]
-    pages = allocate_pages(spec)
-    c1, pages = run(pages, make_paged_batch(tables, [0, 0], [8, 7], 8, 4),
-                    jnp.stack([tok_b[:8], jnp.zeros(8, jnp.int32).at[:7].set(tok_a[:7])]))
-    c2, pages = run(pages, make_paged_batch(tables, [8, 7], [1, 4], 5, 4),
-                    jnp.stack([jnp.zeros(5, jnp.int32).at[0].set(tok_b[8]),
-                               jnp.zeros(5, jnp.int32).at[:4].set(tok_a[7:11])]))
-    dec, _ = run(pages, make_paged_batch(tables, [9, 11], [1, 1], 1, 4), jnp.stack([tok_b[9], tok_a[11]]))
-    got = np.concatenate([np.asarray(c1[1, :7]), np.asarray(c2[1, :4]), np.asarray(dec[1:2])])
-    np.testing.assert_array_equal(got, np.asarray(alone[0, :12]))
+    alone, _ = run(allocate_pages(spec), make_paged_batch([[1, 2, 0]], [0], [8], 24, 4),
+                   jnp.zeros((1, 24), jnp.int32).at[0, :8].set(tok_a))
+    tables = [[4, 5, 6], [1, 2, 0]]
+    chunk, pages = run(allocate_pages(spec), make_paged_batch(tables, [0, 0], [8, 7], 8, 4),
+                       jnp.stack([tok_b[:8], jnp.zeros(8, jnp.int32).at[:7].set(tok_a[:7])]))
+    dec, _ = run(pages, make_paged_batch(tables, [8, 7], [1, 1], 1, 4), jnp.stack([tok_b[8], tok_a[7]]))
+    got = np.concatenate([np.asarray(chunk[1, :7]), np.asarray(dec[1:2])])
+    np.testing.assert_array_equal(got, np.asarray(alone[0, :8]))

@@ -244,7 +244,7 @@ def test_two_processes_one_mesh(workers, four):
 
 
 # ---------------------------------------------------------------------------- 2 devices, invariant mode
-def test_batch_invariant_tp1_equals_tp2(workers):
+def test_batch_invariant_tp1_equals_tp2(workers: dict) -> None:
     """Batch-invariant mode (docs/batch_invariance.md): `generate` on one device and over a tp=2
     mesh (heads, KV heads, MLP columns and the vocab all split in two) gives the same tokens and
     the same log-probs, bit for bit, greedy and seeded sampling with n=2, prompts in 4-token chunks.
