@@ -31,7 +31,7 @@ BS = 8
 D = 32
 HKV = 2
 HQ = 4  # GQA group of 2: a decode step's 2 rows sit in a 16-row tile; a prefill chunk's span tiles
-LENGTHS = (37, 20, 71, 5)  # 71 > one key step of 64: two steps
+LENGTHS = (75, 20, 71, 5)  # > one key step of 64: two steps (the default kernels' tile is 128 keys)
 
 
 def _decode(q: jnp.ndarray, case: PagedCase, tables: jnp.ndarray, lengths: list | np.ndarray, **knobs) -> np.ndarray:
@@ -54,21 +54,25 @@ KNOBS = {
 
 @pytest.fixture(scope="module")
 def case() -> PagedCase:
-    return make_paged_case(np.random.default_rng(0), LENGTHS, block_size=BS, head_dim=D, num_kv_heads=HKV)
+    # 400 table columns: wide enough for the default decode kernel to split K, by a count that
+    # follows the batch (50 splits at batch 1, 5 at 75), so routing invariant decode to it shows;
+    # this kernel's steps stop at each tile's last visible position whatever the width.
+    return make_paged_case(np.random.default_rng(0), LENGTHS, block_size=BS, head_dim=D, num_kv_heads=HKV,
+                           extra_columns=390)
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
 def test_decode_alone_equals_batched_and_prefill_chunks(case: PagedCase, knob: str) -> None:
-    """Sequence 0's tokens at every position: decoded alone, decoded all at once (a batch of 37
+    """Sequence 0's tokens at every position: decoded alone, decoded all at once (a batch of 75
     rows), decoded among the other sequences (rows 2 of 4 and 0 of 3), and prefilled whole, in
-    chunks of 13/17/7 and 1/36 beside another sequence: the same bits everywhere."""
+    chunks of 13/17/45 and 1/74 beside another sequence: the same bits everywhere."""
     knobs = KNOBS[knob]
     n = LENGTHS[0]
     table0 = case.block_tables[:1]
     q = random_queries(np.random.default_rng(1), (n, HQ, D))
     # Decode at each position p (length p + 1): one batch of n rows over the same table.
     dec = _decode(q, case, jnp.repeat(table0, n, axis=0), np.arange(1, n + 1), **knobs)
-    for p in (0, 19, n - 1):  # alone
+    for p in (0, 70, n - 1):  # alone
         np.testing.assert_array_equal(_decode(q[p:p + 1], case, table0, [p + 1], **knobs), dec[p:p + 1])
     # Among batchmates, in another row.
     others = random_queries(np.random.default_rng(2), (4, HQ, D))
@@ -147,8 +151,9 @@ def test_layer_matmul_invariant_rows(grouped: bool) -> None:
 def test_model_pallas_invariant_prefill_chunks_and_decode() -> None:
     """The whole model (tiny Llama, one layer, the scan with in-place ``layer_matmul``: Pallas
     attention and projections in interpret mode): an 8-token prompt's logits prefilled alone in
-    one padded chunk (24 rows) equal, bit for bit, its first 7 tokens' prefilled beside another
-    sequence (a chunk of 8 rows each) and its last token's decoded in a batch of 2."""
+    one padded chunk (72 rows: the default matmul plan takes 64-row tiles) equal, bit for
+    bit, its first 7 tokens' prefilled beside another sequence (a chunk of 8 rows each) and its
+    last token's decoded in a batch of 2."""
     cfg = tiny(num_layers=1)
     model = init_model(cfg, seed=2, init_std=0.2)
     rs = np.random.RandomState(0)
@@ -156,8 +161,8 @@ def test_model_pallas_invariant_prefill_chunks_and_decode() -> None:
     tok_b = jnp.asarray(rs.randint(0, cfg.vocab_size, 9), jnp.int32)
     spec = page_spec(cfg, 8, 4)
     run = functools.partial(paged_forward, model, impl="interpret", batch_invariant=True)
-    alone, _ = run(allocate_pages(spec), make_paged_batch([[1, 2, 0]], [0], [8], 24, 4),
-                   jnp.zeros((1, 24), jnp.int32).at[0, :8].set(tok_a))
+    alone, _ = run(allocate_pages(spec), make_paged_batch([[1, 2, 0]], [0], [8], 72, 4),
+                   jnp.zeros((1, 72), jnp.int32).at[0, :8].set(tok_a))
     tables = [[4, 5, 6], [1, 2, 0]]
     chunk, pages = run(allocate_pages(spec), make_paged_batch(tables, [0, 0], [8, 7], 8, 4),
                        jnp.stack([tok_b[:8], jnp.zeros(8, jnp.int32).at[:7].set(tok_a[:7])]))
