@@ -8,9 +8,10 @@
   tile, for one weight and a group, with the norm's scale and a bias.
 
 Mutation checks (each made alone, each fails a test here): the attention's key step made to
-depend on the batch (``key_step(block_size) * batch``), the row tile made to depend on the number
-of tokens, ``batch_invariant`` decode routed to the default split-K decode kernel, and the
-matmul's invariant plan replaced by the shape-dependent ``plan``.
+depend on the batch (``key_step(...) * batch``), the row tile made 64 for more than one token,
+``batch_invariant`` decode routed to the default split-K decode kernel, the matmul's invariant
+plan replaced by the shape-dependent ``plan``, and RoPE on the call's own shape (the model test).
+Not caught here: a row tile of 32 (XLA:CPU's dot gives a row the same bits in 16 and 32 rows).
 """
 
 from __future__ import annotations
