@@ -116,23 +116,26 @@ class LayerAccess:
         (the scale multiplies the `x` tile in the kernel: the same product, no slice)."""
         if self.matmul is None:
             return norm(x, self.invariant), None
-        return norm.normalize(x), norm.scale[...]
+        return norm.normalize(x, self.invariant), norm.scale[...]
 
     def weight(self, w: Array) -> Array:
         """This layer's `w`: `w` itself on the layer's own weights, `w[layer]` when stacked."""
         return w if self.matmul is None else w[self.layer]
 
     def project(self, spec: str, x: Array, w: Array, *, bias: Array | None = None,
-                scale: Array | None = None) -> Array:
+                scale: Array | None = None, split: str = "k") -> Array:
         """`x[B, T, *K] @ w[*K, *N] + bias[*N]` -> `[B, T, *N]` in x's dtype: `jnp.einsum(spec)` on
         the layer's own `w`; on stacked `w[L, *K, *N]` (`bias [L, *N]`, `scale [L, K]`, the
         preceding norm's weight) `matmul` on the flattened `[B*T, prod(K)] @ [L, prod(K),
         prod(N)]`, layer `layer` read in place. `spec` names the einsum (`scale` is None there:
-        `norm` applied it)."""
+        `norm` applied it). `split`: how the invariant mode cuts the product so that tensor-parallel
+        degrees 1 and 2 give the same bits (`invariant_ops.matmul`): "k" for a row-parallel
+        projection (o_proj, down: `paged_kv.models.sharding`), "n" for a column-parallel one."""
         if self.matmul is None and self.invariant:  # fixed row tiles (`invariant_ops.matmul`)
             b, t, *k = x.shape
             out = w.shape[len(k):]
-            y = invariant_ops.matmul(x.reshape(b * t, math.prod(k)), w.reshape(math.prod(k), math.prod(out)))
+            y = invariant_ops.matmul(x.reshape(b * t, math.prod(k)), w.reshape(math.prod(k), math.prod(out)),
+                                     split=split)
             y = y.astype(x.dtype).reshape(b, t, *out)
             return y if bias is None else y + bias
         if self.matmul is None:
@@ -155,7 +158,8 @@ class LayerAccess:
         memory busy. No weight is concatenated or copied."""
         biases = (None,) * len(ws) if biases is None else biases
         if self.matmul is None:
-            return tuple(self.project(spec, x, w, bias=bias, scale=scale) for spec, w, bias in zip(specs, ws, biases))
+            return tuple(self.project(spec, x, w, bias=bias, scale=scale, split="n")  # column-parallel
+                         for spec, w, bias in zip(specs, ws, biases))
         b, t, *k = x.shape
         n = ws[0].shape[0]
         outs = [w.shape[1 + len(k):] for w in ws]
@@ -166,9 +170,22 @@ class LayerAccess:
         return tuple(y.reshape(b, t, *out) for y, out in zip(ys, outs))
 
 
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+def apply_rope(x: Array, positions: Array, inv_freq: Array, invariant: bool = False) -> Array:
     """Rotate x[B, T, H, D] by angles positions[B, T] * inv_freq[D/2] (HF "rotate_half" layout:
-    dimension i pairs with i + D/2). Angles and products in float32."""
+    dimension i pairs with i + D/2). Angles and products in float32. `invariant`: computed in
+    fixed tiles of tokens (`paged_kv.pallas_kernels.invariant.row_tiles`): XLA:CPU gave a
+    position other bits in a one-token decode step than in a chunk (tiny model, head_dim 16),
+    so the batch-invariant mode computes every token on one shape."""
+    if invariant:
+        b, t, h, d = x.shape
+        out = invariant_ops.row_tiles(lambda xt, pt: _rope(xt[None], pt[None], inv_freq)[0],
+                                      x.reshape(b * t, h, d), positions.reshape(b * t))
+        return out.reshape(b, t, h, d)
+    return _rope(x, positions, inv_freq)
+
+
+def _rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """`apply_rope` on any shape: x[B, T, H, D], positions[B, T]."""
     angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, D/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
@@ -217,12 +234,12 @@ class Attention(nnx.Module):
                 q = access.weight(self.q_norm.scale[...]) * self.q_norm.normalize(q, access.invariant)
                 k = access.weight(self.k_norm.scale[...]) * self.k_norm.normalize(k, access.invariant)
         with jax.named_scope("rope"):
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+            q = apply_rope(q, positions, inv_freq, access.invariant)
+            k = apply_rope(k, positions, inv_freq, access.invariant)
         out, cache = attend(access.layer, q, k, v, cache)
         with jax.named_scope("o_proj"):
             return access.project("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...],
-                                  bias=self.o_bias[...] if self.has_o_bias else None), cache
+                                  bias=self.o_bias[...] if self.has_o_bias else None, split="k"), cache
 
 
 class MLP(nnx.Module):
@@ -246,7 +263,8 @@ class MLP(nnx.Module):
         bias = (lambda name: getattr(self, name)[...]) if self.mlp_bias else (lambda name: None)
         gate, up = access.project_group(("btd,df->btf", "btd,df->btf"), x, (self.gate[...], self.up[...]),
                                         biases=(bias("gate_bias"), bias("up_bias")), scale=norm_scale)
-        return access.project("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...], bias=bias("down_bias"))
+        return access.project("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...], bias=bias("down_bias"),
+                              split="k")  # row-parallel
 
 
 class DecoderLayer(nnx.Module):
@@ -351,10 +369,7 @@ class Llama(nnx.Module):
         ``in_vocab``; the host-side entry points reject them before anything runs.
         """
         attend = as_backend(attend)
-        invariant = attend.batch_invariant
-        if invariant and attend.layer_matmul is not None:
-            raise NotImplementedError("batch_invariant with in-place projections (layer_matmul, the Pallas "
-                                      "kernels on one GPU) is not implemented")
+        invariant = attend.batch_invariant  # with `layer_matmul`, the backend's matmul is invariant too
         inv_freq = jnp.asarray(rope_inv_freq(self.config))
         x = jnp.take(self.embed[...], safe_tokens(tokens, self.config.vocab_size), axis=0)
         if is_per_layer(self) or attend.static_layer:
@@ -400,7 +415,8 @@ class Llama(nnx.Module):
         if batch_invariant:
             with jax.named_scope("lm_head"):
                 flat = hidden.reshape(-1, hidden.shape[-1])
-                y = invariant_ops.matmul(flat, head, transpose_w=True).astype(hidden.dtype)
+                # Columns in two parts: the same bits whether the head is vocab-parallel or not.
+                y = invariant_ops.matmul(flat, head, transpose_w=True, split="n").astype(hidden.dtype)
                 return y.reshape(*hidden.shape[:-1], head.shape[0]).astype(jnp.float32)
         with jax.named_scope("lm_head"):
             return jnp.einsum("...d,vd->...v", hidden, head).astype(jnp.float32)

@@ -35,6 +35,7 @@ from paged_kv.models.protocol import (
     model_facts,
 )
 from paged_kv.pallas_kernels import IMPLS
+from paged_kv.pallas_kernels.reference import Projections, StackedBiases, StackedWeights
 
 if TYPE_CHECKING:
     from paged_kv.models.config import LlamaConfig
@@ -114,7 +115,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
     way, so every layer calls one compiled kernel per kind. `batch_invariant`: the plan's
     `batch_invariant`, and the attention's (`paged_kv.pallas_kernels.invariant`)."""
     plan = dict(static_layer=static_layer_impl(impl, head_dim, mesh),
-                layer_matmul=layer_matmul_for(impl, head_dim, mesh))
+                layer_matmul=layer_matmul_for(impl, head_dim, mesh, batch_invariant))
     if batch_invariant:
         plan["batch_invariant"] = True
 
@@ -177,27 +178,33 @@ def static_layer_impl(impl: str, head_dim: int | None = None, mesh: Mesh | None 
     return mesh is not None and pk.resolve_impl(impl, head_dim) != "reference"
 
 
-def layer_matmul_for(impl: str, head_dim: int | None = None, mesh: Mesh | None = None) -> LayerMatmul | None:
+def layer_matmul_for(impl: str, head_dim: int | None = None, mesh: Mesh | None = None,
+                     batch_invariant: bool = False) -> LayerMatmul | None:
     """The paged `AttentionBackend`'s `layer_matmul` (`paged_kv.models.protocol`): on one device with
     the Pallas kernels, `paged_kv.pallas_kernels.layer_matmul` in that impl ("pallas" or "interpret"), so
     the scan over stacked layers reads each layer's weights in place (XLA:GPU would copy the
     slices a scan takes, every step); None otherwise (the reference kernels on a CPU scan with
     XLA's slices, which XLA:CPU reads in place or copies cheaply; a mesh unrolls instead,
-    `static_layer_impl`)."""
+    `static_layer_impl`). `batch_invariant`: the kernel's fixed-tile plan (a row's bits independent
+    of the batch: `paged_kv.pallas_kernels.stacked_matmul.invariant_plan`)."""
     resolved = pk.resolve_impl(impl, head_dim)
     if mesh is not None or resolved == "reference":
         return None
+    if batch_invariant:
+        return functools.partial(_layer_matmul, impl=resolved, batch_invariant=True)
     return functools.partial(_layer_matmul, impl=resolved)
 
 
-def _layer_matmul(x, w, layer, *, scale=None, bias=None, impl: str):
+def _layer_matmul(x: jax.Array, w: StackedWeights, layer: int | jax.Array, *, scale: jax.Array | None = None,
+                  bias: StackedBiases = None, impl: str, batch_invariant: bool = False) -> Projections:
     """`paged_kv.pallas_kernels.layer_matmul` in `impl` (one weight, or a group: a tuple), or its XLA
     reference for a weight (a group with one) whose K or N is not a multiple of 16 (the kernel's
     smallest tile; such a weight's slice is then copied on a GPU, as any scan's would be)."""
     from paged_kv.pallas_kernels.stacked_matmul import supported
     ws = w if isinstance(w, (tuple, list)) else (w,)
     use = impl if all(supported(wi.shape[1], wi.shape[2]) for wi in ws) else "reference"
-    return pk.layer_matmul(x, w, layer, scale=scale, bias=bias, impl=use)
+    knobs = {"batch_invariant": True} if batch_invariant else {}
+    return pk.layer_matmul(x, w, layer, scale=scale, bias=bias, impl=use, **knobs)
 
 
 def layout_for_impl(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], impl: str,
@@ -262,9 +269,12 @@ def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax
     `jax.shard_map` over KV heads, and XLA inserts the all-reduces of the sharded matmuls.
 
     `batch_invariant` (static): every token's logits depend only on its own sequence, whatever
-    the batch, its row, the chunking of its prompt or decode against prefill, and equal
-    `paged_kv.models.contiguous.score_tokens` bit for bit (`paged_kv.pallas_kernels.invariant`;
-    the reference kernels only, and a model whose `logits` takes `batch_invariant`, as the Llama's).
+    the batch, its row, the chunking of its prompt or decode against prefill
+    (`paged_kv.pallas_kernels.invariant`; with a Pallas `impl` the fixed-tile kernels,
+    `invariant_attention` and `layer_matmul`'s invariant plan; a model whose `logits` takes
+    `batch_invariant`, as the Llama's). On the reference kernels they also equal
+    `paged_kv.models.contiguous.score_tokens` bit for bit. Over a mesh: tp = 1 and tp = 2 give
+    the same bits (docs/batch_invariance.md).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")

@@ -28,12 +28,6 @@ def resolve_impl(impl: str, head_dim: int | None = None) -> str:
   return impl
 
 
-def _check_invariant(batch_invariant: bool, impl: str) -> None:
-  if batch_invariant and impl != "reference":
-    raise NotImplementedError(f"batch_invariant attention runs on the reference kernels (impl='reference'), "
-                              f"not impl={impl!r}")
-
-
 def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
                            lengths: jax.Array, *, scale: float | None = None, impl: str = "auto",
                            soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
@@ -60,8 +54,8 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
       to head ``h``'s scores (ALiBi; the query sits at ``lengths - 1``).
     batch_invariant: static; each query's bits depend only on its own K/V and position, and
       equal those of :func:`paged_prefill_attention` for the same token
-      (:mod:`paged_kv.pallas_kernels.invariant`). The reference only, for now: NotImplementedError
-      with a Pallas ``impl``.
+      (:mod:`paged_kv.pallas_kernels.invariant` on the reference; with a Pallas ``impl`` the fixed-tile
+      kernel :mod:`paged_kv.pallas_kernels.invariant_attention`, which serves prefill and decode).
     window: sliding-window attention: the query at position ``p = lengths - 1`` sees key ``k``
       iff ``p - window < k <= p``. None (full attention), a Python int >= 1, or an integer scalar
       array (e.g. a per-layer window traced inside a scan over layers) where a value <= 0 means
@@ -80,11 +74,14 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
     knobs["alibi_slopes"] = alibi_slopes
-  _check_invariant(batch_invariant, impl)
-  if batch_invariant:
-    knobs["batch_invariant"] = True
   if window is not None:
     knobs["window"] = window
+  if batch_invariant and impl != "reference":
+    from paged_kv.pallas_kernels import invariant_attention
+    return invariant_attention.paged_decode_invariant_pallas(
+        q, pages, layer, block_tables, lengths, scale=scale, interpret=impl == "interpret", **knobs)
+  if batch_invariant:
+    knobs["batch_invariant"] = True
   if impl == "reference":
     return reference.paged_decode_attention_reference(
         q, pages, layer, block_tables, lengths, scale=scale, **knobs)
@@ -127,11 +124,14 @@ def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arr
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
     knobs["alibi_slopes"] = alibi_slopes
-  _check_invariant(batch_invariant, impl)
-  if batch_invariant:
-    knobs["batch_invariant"] = True
   if window is not None:
     knobs["window"] = window
+  if batch_invariant and impl != "reference":
+    from paged_kv.pallas_kernels import invariant_attention
+    return invariant_attention.paged_invariant_attention_pallas(
+        q, pages, layer, block_tables, q_start, q_lens, scale=scale, interpret=impl == "interpret", **knobs)
+  if batch_invariant:
+    knobs["batch_invariant"] = True
   if impl == "reference":
     return reference.paged_prefill_attention_reference(
         q, pages, layer, block_tables, q_start, q_lens, scale=scale, **knobs)
@@ -200,7 +200,7 @@ def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str =
 
 def layer_matmul(x: jax.Array, w: reference.StackedWeights, layer: int | jax.Array, *,
                  scale: jax.Array | None = None, bias: reference.StackedBiases = None,
-                 impl: str = "auto") -> reference.Projections:
+                 impl: str = "auto", batch_invariant: bool = False) -> reference.Projections:
   """One layer's projection out of a stacked weight: ``(scale[layer] * x) @ w[layer] + bias[layer]``;
   or a group of projections of the same ``x`` in one launch.
 
@@ -217,13 +217,17 @@ def layer_matmul(x: jax.Array, w: reference.StackedWeights, layer: int | jax.Arr
       weight): added after the cast to x's dtype.
     impl: "auto" | "pallas" | "interpret" | "reference". The Pallas kernel reads ``w[layer]``
       in place, where the reference's ``w[layer]`` is a slice XLA:GPU copies inside a scan.
+    batch_invariant: static; each row's bits independent of M and of the other rows (the
+      kernel's fixed-tile plan, ``stacked_matmul.invariant_plan``; the reference's
+      ``invariant.matmul``).
 
   Returns:
     ``[M, N]`` in x's dtype, accumulated in float32; for a group, a tuple of ``[M, N_i]``.
   """
   layer, impl = validate.check_layer_matmul(x, w, layer, scale, bias, impl)
   impl = resolve_impl(impl)
+  knobs = {"batch_invariant": True} if batch_invariant else {}  # the default call compiles as before
   if impl == "reference":
-    return reference.layer_matmul_reference(x, w, layer, scale, bias)
+    return reference.layer_matmul_reference(x, w, layer, scale, bias, **knobs)
   from paged_kv.pallas_kernels import stacked_matmul
-  return stacked_matmul.layer_matmul_pallas(x, w, layer, scale, bias, interpret=impl == "interpret")
+  return stacked_matmul.layer_matmul_pallas(x, w, layer, scale, bias, interpret=impl == "interpret", **knobs)

@@ -24,11 +24,17 @@ Used by the models' ``batch_invariant`` mode (``paged_kv.models.llama``, the ref
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 ROW_TILE = 16
 """Rows per dot in ``matmul``: decode batches of up to 16 rows run one dot; larger ones loop."""
+
+PARTS = 2
+"""Parts of a split ``matmul`` (its ``split``): the largest tensor-parallel degree whose bits equal
+one device's."""
 
 KEY_TILE = 128
 """Keys per online-softmax step in the invariant attention (paged or contiguous)."""
@@ -50,20 +56,63 @@ def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
   return jax.lax.squeeze(x, (axis,))
 
 
-def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, split: str | None = None) -> jax.Array:
   """``x[M, K] @ w[K, N]`` (``w[N, K]`` with ``transpose_w``) -> ``[M, N]`` in float32, each row's
   bits independent of M and of the other rows: ``ROW_TILE``-row tiles, one dot shape (see the
-  module docstring)."""
+  module docstring).
+
+  ``split`` makes the bits independent of the tensor-parallel degree too (1 or ``PARTS``), by
+  always computing the product in ``PARTS`` parts, as one dot batched over the parts, whether or
+  not the weight is sharded: ``"k"`` (row-parallel projections: o_proj, down, whose K GSPMD
+  shards) cuts K into ``PARTS`` ranges whose ``[M, N]`` partials are added (two terms: the same
+  bits in either order, so an all-reduce over 2 devices adds them as one device does); ``"n"``
+  (column-parallel: q/k/v, gate/up, a vocab-parallel head) cuts N into ``PARTS`` column ranges. On
+  ``PARTS`` devices GSPMD gives each device one part of the batched dot, the same dot shape and
+  operands as on one device. None (or a dimension ``PARTS`` does not divide): one dot."""
   m, k = x.shape
+  n = w.shape[0 if transpose_w else 1]
   tiles = -(-m // ROW_TILE)
   xp = jnp.pad(x, ((0, tiles * ROW_TILE - m), (0, 0))).reshape(tiles, ROW_TILE, k)
   dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
+  if split not in (None, "k", "n"):
+    raise ValueError(f"split must be None, 'k' or 'n', got {split!r}")
+  if split == "k" and k % PARTS == 0:
+    # w [PARTS, K / PARTS, N]; each tile [PARTS, ROW_TILE, K / PARTS]; partials summed.
+    wp = w.reshape(n, PARTS, k // PARTS).transpose(1, 2, 0) if transpose_w else w.reshape(PARTS, k // PARTS, n)
 
-  def tile(a):
-    return jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.float32)
+    def tile(a):
+      ap = a.reshape(ROW_TILE, PARTS, k // PARTS).transpose(1, 0, 2)
+      y = jax.lax.dot_general(ap, wp, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+      return y[0] + y[1]
+  elif split == "n" and n % PARTS == 0:
+    # w [PARTS, K, N / PARTS]; x broadcast over the parts; the parts' columns side by side.
+    wp = (w.reshape(PARTS, n // PARTS, k).transpose(0, 2, 1) if transpose_w
+          else w.reshape(k, PARTS, n // PARTS).transpose(1, 0, 2))
+
+    def tile(a):
+      ab = jnp.broadcast_to(a[None], (PARTS, ROW_TILE, k))
+      y = jax.lax.dot_general(ab, wp, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+      return y.transpose(1, 0, 2).reshape(ROW_TILE, n)
+  else:
+    def tile(a):
+      return jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.float32)
 
   out = tile(xp[0])[None] if tiles == 1 else jax.lax.map(tile, xp)
   return out.reshape(tiles * ROW_TILE, -1)[:m]
+
+
+def row_tiles(fn: Callable[..., jax.Array], *xs: jax.Array) -> jax.Array:
+  """``fn`` applied to arrays ``xs`` (each ``[M, ...]``) in tiles of ``ROW_TILE`` rows (M
+  zero-padded), one call shape for every tile: ``[M, *fn's trailing shape]``. For element-wise
+  work whose bits XLA:CPU lets depend on the whole shape (RoPE's products of cos and sin: a
+  position got other bits in a one-token decode step than in a chunk); ``fn`` must map each row
+  alone."""
+  m = xs[0].shape[0]
+  tiles = -(-m // ROW_TILE)
+  tiled = tuple(jnp.pad(x, [(0, tiles * ROW_TILE - m)] + [(0, 0)] * (x.ndim - 1)).reshape(
+      tiles, ROW_TILE, *x.shape[1:]) for x in xs)
+  out = fn(*(x[0] for x in tiled))[None] if tiles == 1 else jax.lax.map(lambda a: fn(*a), tiled)
+  return out.reshape(tiles * ROW_TILE, *out.shape[2:])[:m]
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:

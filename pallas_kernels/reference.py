@@ -227,14 +227,18 @@ def copy_blocks_reference(pages: jax.Array, src: jax.Array, dst: jax.Array) -> j
 
 
 def layer_matmul_reference(x: jax.Array, w: StackedWeights, layer: int | jax.Array, scale: jax.Array | None = None,
-                           bias: StackedBiases = None) -> Projections:
+                           bias: StackedBiases = None, batch_invariant: bool = False) -> Projections:
   """``(scale[layer] * x) @ w[layer] + bias[layer]`` with XLA ops: x ``[M, K]``, w ``[L, K, N]``,
   scale ``[L, K]``, bias ``[L, N]`` (both optional); float32 accumulation, result in x's dtype
   (the bias added after the cast, as the model adds it). A group (``w`` a tuple of ``[L, K, N_i]``,
-  ``bias`` None or a tuple of ``[L, N_i]`` or None): each weight's product on its own, a tuple."""
+  ``bias`` None or a tuple of ``[L, N_i]`` or None): each weight's product on its own, a tuple.
+  ``batch_invariant``: the product in fixed row tiles (``invariant.matmul``)."""
   if isinstance(w, (tuple, list)):
     biases = (None,) * len(w) if bias is None else tuple(bias)
-    return tuple(layer_matmul_reference(x, wi, layer, scale, bi) for wi, bi in zip(w, biases))
+    return tuple(layer_matmul_reference(x, wi, layer, scale, bi, batch_invariant) for wi, bi in zip(w, biases))
   a = x if scale is None else scale[layer] * x
-  out = jnp.dot(a, w[layer], preferred_element_type=jnp.float32).astype(x.dtype)
+  if batch_invariant:
+    out = invariant_ops.matmul(a, w[layer]).astype(x.dtype)
+  else:
+    out = jnp.dot(a, w[layer], preferred_element_type=jnp.float32).astype(x.dtype)
   return out if bias is None else out + bias[layer]

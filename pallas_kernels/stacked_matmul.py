@@ -191,6 +191,33 @@ def plan(m: int, k: int, n: int | tuple[int, ...], itemsize: int = 2, has_scale:
   return best[2]
 
 
+INVARIANT_ROWS = 64
+"""Rows per program of the batch-invariant plan, whatever M: a row's tile is always this shape."""
+
+
+def invariant_plan(k: int, n: int | tuple[int, ...], itemsize: int = 2, has_scale: bool = False) -> Plan:
+  """The batch-invariant plan of a ``[M, k] @ [k, n]`` product: the same for every M, so a row's
+  bits do not depend on the rows beside it (docs/batch_invariance.md).
+
+  ``bm = INVARIANT_ROWS`` (rows past M are masked: zeros in, nothing out), ``bn`` a 128-byte
+  weight row dividing every width (as :func:`plan`), ``bk`` a weight tile of at most 16 KB per K
+  step (a function of K and ``bn`` only), no split-K (a split's count follows M in :func:`plan`,
+  and its partials would add in another order). Every row runs the one ``[bm, bk] @ [bk, bn]``
+  dot per K step, in K order, whatever M and whichever row tile it falls in. ``num_stages`` (the
+  pipeline depth, which changes no arithmetic) is the deepest of 3..2 whose tiles fit an A100's
+  shared memory."""
+  ns = n if isinstance(n, tuple) else (n,)
+  width = functools.reduce(math.gcd, ns)
+  bn = _pow2_at_most(width, _ROW_BYTES // itemsize)
+  bk = _pow2_at_most(k, _STEP_BYTES // (bn * itemsize))
+  tiles = (INVARIANT_ROWS * bk + bk * bn) * itemsize
+  for stages in (3, 2):
+    smem = (stages - 1) * tiles + INVARIANT_ROWS * bn * 4 if has_scale else stages * tiles
+    if smem <= _SMEM_PER_BLOCK:
+      break
+  return Plan(INVARIANT_ROWS, bk, bn, 1, num_warps=4, num_stages=stages)
+
+
 def _columns(ns: tuple[int, ...], bn: int) -> tuple[tuple[int, int], ...]:
   """Each weight's column tiles ``[start, end)`` on the grid's column axis (the group's weights
   side by side, in order)."""
@@ -252,24 +279,27 @@ def _as_tuple(a) -> tuple:
   return tuple(a) if isinstance(a, (tuple, list)) else (a,)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages", "config"))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages", "config", "batch_invariant"))
 def layer_matmul_pallas(x: jax.Array, w: StackedWeights, layer: int | jax.Array, scale: jax.Array | None = None,
                         bias: StackedBiases = None, *, interpret: bool = False, num_warps: int | None = None,
-                        num_stages: int | None = None, config: Plan | None = None) -> Projections:
+                        num_stages: int | None = None, config: Plan | None = None,
+                        batch_invariant: bool = False) -> Projections:
   """Pallas version of :func:`paged_kv.pallas_kernels.layer_matmul` (same arguments).
 
   ``w`` is one stacked weight ``[L, K, N]`` (result ``[M, N]``) or a group: a tuple of them
   ``[L, K, N_i]`` sharing ``x`` and ``scale``, with ``bias`` None or a tuple of ``[L, N_i]`` or
   None per weight (result: a tuple of ``[M, N_i]``), run as one launch whose column tiles span
   the weights side by side. ``config`` overrides :func:`plan`'s choice (tests force splits on
-  small shapes with it); ``num_warps`` / ``num_stages`` override the plan's."""
+  small shapes with it); ``num_warps`` / ``num_stages`` override the plan's. ``batch_invariant``:
+  :func:`invariant_plan` instead of :func:`plan` (a row's bits independent of M)."""
   grouped = isinstance(w, (tuple, list))
   ws = _as_tuple(w)
   biases = (None,) * len(ws) if bias is None else _as_tuple(bias)
   m, k = x.shape
   num_layers = ws[0].shape[0]
   ns = tuple(int(a.shape[2]) for a in ws)
-  p = config or plan(m, k, ns if grouped else ns[0], jnp.dtype(x.dtype).itemsize, scale is not None)
+  choose = invariant_plan if batch_invariant else functools.partial(plan, m)
+  p = config or choose(k, ns if grouped else ns[0], jnp.dtype(x.dtype).itemsize, scale is not None)
   bm, bk, bn = p.bm, p.bk, p.bn
   if k % bk or any(n % bn for n in ns):  # a forced config's tile must divide K and every width
     raise ValueError(f"tile bk={bk}, bn={bn} must divide K={k} and every N of {ns}")

@@ -6,7 +6,7 @@ model with and without ``batch_invariant``, at batch 1, 8, 32 and 64, side by si
     python scripts/bench_batch_invariant.py --batches 1 8 --repeats 20 --context 256
 
 Prints a table and writes JSON (default results/bench_batch_invariant_<backend>.json). The
-reference kernels only: the invariant mode does not run on the Pallas kernels yet.
+reference kernels (the CPU path); the Pallas kernels' invariant mode is not measured here.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ configured before JAX starts (so never in the pytest process, whose other tests 
 
   python tests/sharding_worker.py four CKPT            4 devices in one process
   python tests/sharding_worker.py multi CKPT ID PORT   process ID of 2 (2 devices each) on 127.0.0.1:PORT
+  python tests/sharding_worker.py invariant CKPT       2 devices: batch-invariant mode, tp=1 vs tp=2
 
 CKPT: a Hugging Face checkpoint directory of a small model with 4 heads and 2 KV heads (the test
 writes one), so tp=4 replicates KV heads.
@@ -17,7 +18,7 @@ import os
 import sys
 
 MODE = sys.argv[1]
-DEVICES = {"four": 4, "multi": 2}[MODE]
+DEVICES = {"four": 4, "multi": 2, "invariant": 2}[MODE]
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={DEVICES}").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -165,6 +166,33 @@ def multi(ckpt: str, process_id: int, port: int):
     return res
 
 
+def invariant(ckpt: str) -> dict:
+    """`generate` in batch-invariant mode (docs/batch_invariance.md) on one device (no mesh) and
+    over a tp=2 mesh: greedy and seeded sampling (n=2), the prompts in 4-token chunks. Returns
+    each run's tokens and log-probs (float32 values as floats: exact)."""
+    from paged_kv import engine
+    from paged_kv.models import allocate_pages, load_hf_checkpoint, page_spec, sharding
+    assert jax.device_count() == 2
+    model = load_hf_checkpoint(ckpt)  # 4 heads, 2 KV heads, vocab 256: tp=2 splits all three
+    mgr, toks, lens = _setup()
+    res = {}
+    for name, mesh in (("tp1", None), ("tp2", sharding.make_mesh(2))):
+        runs = {}
+        for kind, params in (("greedy", engine.SamplingParams(max_new_tokens=NEW)),
+                             ("sampled", engine.SamplingParams(max_new_tokens=NEW, n=2, temperature=1.0))):
+            pages = allocate_pages(page_spec(model.config, NUM_BLOCKS, BLOCK_SIZE))
+            out, _, _ = engine.generate(model, pages, toks, lens, jax.random.key(1), params, manager=mgr,
+                                        chunk_size=4, mesh=mesh, batch_invariant=True)
+            runs[kind] = {"tokens": _tokens(out.tokens), "logprobs": np.asarray(out.logprobs, np.float64).tolist()}
+        res[name] = runs
+    return res
+
+
 if __name__ == "__main__":
-    result = four(sys.argv[2]) if MODE == "four" else multi(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if MODE == "invariant":
+        result = invariant(sys.argv[2])
+    elif MODE == "four":
+        result = four(sys.argv[2])
+    else:
+        result = multi(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     print("RESULT " + json.dumps(result), flush=True)

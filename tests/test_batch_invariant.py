@@ -53,14 +53,18 @@ def alone(model):
 # ---------------------------------------------------------------------------- primitives
 @pytest.mark.parametrize("k,n", [(128, 384), (384, 128), (128, 259), (2048, 512)])
 def test_primitives_row_invariant(k, n):
-    """A row's bits of matmul, rms_normalize, log_softmax and tree_sum do not depend on the number
-    of rows beside it (M 1..70) nor on its place among them."""
+    """A row's bits of matmul (one dot, and in two parts over K or N), rms_normalize, log_softmax
+    and tree_sum do not depend on the number of rows beside it (M 1..70) nor on its place among
+    them."""
     rs = np.random.RandomState(0)
     w = jnp.asarray(rs.randn(k, n).astype(np.float32))
     x = jnp.asarray(rs.randn(70, k).astype(np.float32))
     probe = x[5]
     fns = {"matmul": jax.jit(lambda a: inv.matmul(a, w)),
            "matmul_t": jax.jit(lambda a: inv.matmul(a, w.T, transpose_w=True)),
+           # The two-part forms (tp 1 = tp 2): K halves added, and N halves of a transposed head.
+           "matmul_k": jax.jit(lambda a: inv.matmul(a, w, split="k")),
+           "matmul_n_t": jax.jit(lambda a: inv.matmul(a, w.T, transpose_w=True, split="n")),
            "rms": jax.jit(lambda a: inv.rms_normalize(a, 1e-5)),
            "log_softmax": jax.jit(inv.log_softmax),
            "tree_sum": jax.jit(lambda a: inv.tree_sum(a * a, -1))}

@@ -87,16 +87,19 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(ckpt):
-    """The 4-device worker and the two processes of the 2-process mesh, started together (the
-    waits overlap); {"four": [result] | error, "multi": [result, result] | error}."""
+    """The 4-device worker, the two processes of the 2-process mesh and the 2-device
+    batch-invariant worker, started together (the waits overlap); {"four": [result] | error,
+    "multi": [result, result] | error, "invariant": [result] | error}."""
     port = str(_free_port())
     deadline = time.monotonic() + TIMEOUT_S
     four = [_start(["four", ckpt])]
     multi = [_start(["multi", ckpt, "0", port]), _start(["multi", ckpt, "1", port])]
+    inv = [_start(["invariant", ckpt])]
     try:
-        return {"four": _collect(four, deadline), "multi": _collect(multi, deadline)}
+        return {"four": _collect(four, deadline), "multi": _collect(multi, deadline),
+                "invariant": _collect(inv, deadline)}
     finally:
-        for p in four + multi:
+        for p in four + multi + inv:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
@@ -238,3 +241,17 @@ def test_two_processes_one_mesh(workers, four):
         # Each process reads its halves of the sharded tensors plus the replicated ones (norms),
         # never the whole checkpoint.
         assert r["load_stats"]["bytes_read"] < 0.75 * r["load_stats"]["bytes_total"]
+
+
+# ---------------------------------------------------------------------------- 2 devices, invariant mode
+def test_batch_invariant_tp1_equals_tp2(workers: dict) -> None:
+    """Batch-invariant mode (docs/batch_invariance.md): `generate` on one device and over a tp=2
+    mesh (heads, KV heads, MLP columns and the vocab all split in two) gives the same tokens and
+    the same log-probs, bit for bit, greedy and seeded sampling with n=2, prompts in 4-token chunks.
+    The invariant matmul always computes in two parts (`invariant.matmul`'s `split`), which tp=2
+    places one per device. Mutation check: without the split (one dot) the log-probs differ."""
+    res = _ok(workers["invariant"])[0]
+    for kind in ("greedy", "sampled"):
+        one, two = res["tp1"][kind], res["tp2"][kind]
+        assert two["tokens"] == one["tokens"], kind
+        assert two["logprobs"] == one["logprobs"], kind  # exact: float32 values carried as floats

@@ -322,9 +322,11 @@ def _kernel_program(spec: dict):
       rest = list(rest)
       scale = rest.pop(0) if "scale" in extras else None
       bias = rest.pop(0) if "bias" in extras else None
+      inv = {"batch_invariant": True} if spec.get("invariant") else {}
       if "group" not in spec:
-        return pk.layer_matmul(x, ws[0], layer, scale=scale, bias=None if bias is None else bias[0], impl="pallas")
-      return pk.layer_matmul(x, ws, layer, scale=scale, bias=bias, impl="pallas")
+        return pk.layer_matmul(x, ws[0], layer, scale=scale, bias=None if bias is None else bias[0], impl="pallas",
+                               **inv)
+      return pk.layer_matmul(x, ws, layer, scale=scale, bias=bias, impl="pallas", **inv)
     return matmul, args, ()
   d, bs, g = spec["head_dim"], spec["block_size"], spec["group"]
   batch, context, tokens, rows = SIZES[spec["size"]]
@@ -333,6 +335,22 @@ def _kernel_program(spec: dict):
   max_blocks = -(-context // bs)
   i32 = jnp.int32
   kernel = spec["kernel"]
+  if kernel == "invariant_attention":
+    # Batch-invariant mode: one kernel for both forms (decode: one token per sequence), a
+    # traced sliding window (an operand: the same kernel with or without one).
+    knob = KNOBS.get(spec.get("knob"), {})
+    kw = dict(impl="pallas", batch_invariant=True, soft_cap=knob.get("soft_cap"))
+    if spec["form"] == "prefill":
+      batch = min(batch, 4)
+    pages = _sds((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d), dt, sh)
+    bt, vec = _sds((batch, max_blocks), i32, sh), _sds((batch,), i32, sh)
+    slopes = (_sds((KV_HEADS * g,), jnp.float32, sh),) if knob.get("alibi") else ()
+    if spec["form"] == "decode":
+      return (lambda q, p, t, n, *a: pk.paged_decode_attention(q, p, 1, t, n, alibi_slopes=a[0] if a else None, **kw),
+              (_sds((batch, KV_HEADS * g, d), dt, sh), pages, bt, vec) + slopes, ())
+    return (lambda q, p, t, s0, n, *a: pk.paged_prefill_attention(
+                q, p, 1, t, s0, n, alibi_slopes=a[0] if a else None, **kw),
+            (_sds((batch, tokens, KV_HEADS * g, d), dt, sh), pages, bt, vec, vec) + slopes, ())
   if kernel in ("decode", "prefill"):
     pages = _sds((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d), dt, sh)
     bt, vec = _sds((batch, max_blocks), i32, sh), _sds((batch,), i32, sh)
@@ -480,9 +498,11 @@ def run_kernel_group(specs: list[dict], keep_dir: str | None, use_cache: bool = 
       out.append(res)
       continue
     name = "-".join(str(spec[k]) for k in ("target", "kernel", "dtype", "head_dim", "block_size",
-                                           "group", "size", "m", "k", "n", "extras") if k in spec)
+                                           "group", "size", "m", "k", "n", "extras", "form") if k in spec)
     if spec.get("knob"):
       name += "-" + spec["knob"]
+    if spec.get("invariant"):
+      name += "-invariant"
     res.update(_compile_or_cached(lowered, text, spec["target"], name, keep_dir,
                                   digest=lambda r: [r.pop(k, None) for k in ("_thunks", "_names", "_shapes")]))
     compiled_by_key[key] = name
@@ -691,6 +711,8 @@ def main(argv=None) -> int:
                   help="kernels: the configuration matrix; programs: the whole programs; perf: the "
                        "performance model's named shapes and sanity checks")
   ap.add_argument("--quick", action="store_true", help="large size only (a smoke run)")
+  ap.add_argument("--purpose", nargs="*", default=None,
+                  help="only the kernel configurations of these purposes (e.g. invariant); no programs, no perf")
   ap.add_argument("--keep-dumps", default=None, help="keep XLA dumps and logs under this folder")
   ap.add_argument("--programs", nargs="*", default=None, help="only these whole programs")
   ap.add_argument("--knobs", nargs="*", default=None, choices=sorted(KNOBS),
@@ -705,8 +727,11 @@ def main(argv=None) -> int:
   t_start = time.perf_counter()
 
   groups = [] if a.only in ("programs", "perf") else kernel_groups(a.quick, a.knobs)
-  perf_groups = [] if a.only in ("kernels", "programs") else perf_plan.perf_groups()
-  progs = [] if a.only in ("kernels", "perf") else [
+  if a.purpose is not None:
+    groups = [kept for g in groups for kept in [[s for s in g if s["purpose"] in a.purpose]] if kept]
+  only_kernels = a.only in ("kernels",) or a.purpose is not None
+  perf_groups = [] if only_kernels or a.only == "programs" else perf_plan.perf_groups()
+  progs = [] if only_kernels or a.only == "perf" else [
       (*p, a.layers) for p in PROGRAMS if a.programs is None or p[2] in a.programs]
   if progs and a.layers < 32 and a.layers != DEPTH_PROBE and any(p[2] == "serving_step_decode" for p in progs):
     # At a reduced depth, a second depth of the decode step gives the per-layer cost (the layers

@@ -129,6 +129,43 @@ def kernel_specs(quick: bool) -> list[dict]:
                         group=8, size="small", purpose="table_refusal"))
   specs += knob_specs()
   specs += matmul_specs(quick)
+  specs += invariant_specs()
+  return specs
+
+
+# Batch-invariant mode (docs/batch_invariance.md): one attention kernel for prefill and decode
+# (paged_kv.pallas_kernels.invariant_attention: 16 query rows, a key step from head_dim and
+# dtype) and layer_matmul's fixed plan (64 rows, no split). What can change the compiled kernel:
+# dtype, head_dim, block size (above the key step), the knobs, the target; for the matmul the
+# plan (from K and N only), the prologue/epilogue and the target. Not the batch, the tokens or M
+# (the grid): the decode and prefill forms of one configuration must compile to the same kernel.
+INVARIANT_HEAD_DIMS = (64, 128, 256)
+
+
+def invariant_specs() -> list[dict]:
+  """``invariant_attention`` on sm_90 (every dtype x head dim, block size 16, decode and prefill
+  forms; bfloat16 at block sizes 8 and 32 and with soft_cap+alibi) and sm_80 (bfloat16, every
+  head dim, plain and soft_cap+alibi); ``layer_matmul`` with ``batch_invariant`` on the 8B and 1B
+  shapes and groups (sm_90 bfloat16, one shape per other dtype; sm_80 bfloat16 1B)."""
+  base = dict(kernel="invariant_attention", purpose="invariant", size="large", group=4)
+  specs = []
+  for dt, d in itertools.product(DTYPES, INVARIANT_HEAD_DIMS):
+    specs += [dict(base, target="sm_90", dtype=dt, head_dim=d, block_size=16, form=f) for f in ("decode", "prefill")]
+  for d in INVARIANT_HEAD_DIMS:
+    specs += [dict(base, target="sm_90", dtype="bfloat16", head_dim=d, block_size=16, form="prefill",
+                   knob="soft_cap+alibi")]
+    specs += [dict(base, target="sm_80", dtype="bfloat16", head_dim=d, block_size=16, form="prefill", knob=knob)
+              for knob in (None, "soft_cap+alibi")]
+  specs += [dict(base, target="sm_90", dtype="bfloat16", head_dim=128, block_size=bs, form="decode")
+            for bs in (8, 32)]
+  mm = dict(kernel="layer_matmul", purpose="invariant", invariant=True)
+  specs += [dict(mm, target="sm_90", dtype="bfloat16", m=m, k=k, n=n, extras="scale" if k in (4096, 2048) else "none")
+            for (k, n), m in itertools.product(MATMUL_SHAPES + MATMUL_SHAPES_1B, (1, 64))]
+  specs += [dict(mm, target="sm_90", dtype="bfloat16", m=8, k=k, n=sum(ns), group=list(ns), extras="scale")
+            for k, ns in MATMUL_GROUPS + MATMUL_GROUPS_1B]
+  specs += [dict(mm, target="sm_90", dtype=dt, m=8, k=4096, n=4096, extras="scale+bias") for dt in DTYPES]
+  specs += [dict(mm, target="sm_80", dtype="bfloat16", m=8, k=k, n=n, extras="scale" if k == 2048 else "none")
+            for k, n in MATMUL_SHAPES_1B]
   return specs
 
 
@@ -245,7 +282,7 @@ def kernel_groups(quick: bool, knobs: list[str] | None = None) -> list[list[dict
     if knobs is not None and s.get("knob") not in knobs:
       continue
     groups.setdefault((s["target"], s["kernel"], s["dtype"], s.get("head_dim"), s.get("block_size")), []).append(s)
-  order = {"prefill": 0, "decode": 1, "layer_matmul": 2, "copy_blocks": 3, "write_kv": 4}
+  order = {"prefill": 0, "decode": 1, "invariant_attention": 2, "layer_matmul": 3, "copy_blocks": 4, "write_kv": 5}
   return sorted(groups.values(), key=lambda g: (order[g[0]["kernel"]], -len(g)))
 
 
@@ -258,7 +295,8 @@ PROGRAMS = [("sm_90", "tp1", n) for n in ("serving_step_decode", "serving_step_d
 
 # The names the project's Pallas kernels compile to (their ``pallas_call`` names); every other
 # kernel in a compiled program is one of XLA's own fusions.
-PALLAS_KERNELS = ("paged_decode_attention", "paged_prefill_attention", "write_kv", "copy_blocks", "layer_matmul")
+PALLAS_KERNELS = ("paged_decode_attention", "paged_prefill_attention", "paged_invariant_attention", "write_kv",
+                  "copy_blocks", "layer_matmul")
 
 
 def is_pallas_kernel(name: str) -> bool:

@@ -412,6 +412,7 @@ def kv_read_lower_bound(kv_bytes: int, bandwidth_bytes_per_s: float) -> float:
 # is told, and beside it this summary: per kernel group and per program the counts and figures
 # docs/gpu-gate.md's tables show, small enough to commit (results/gpu_compile_summary.json).
 _KERNEL_NAMES = {"decode": "paged_decode_attention", "prefill": "paged_prefill_attention",
+                 "invariant_attention": "paged_invariant_attention",
                  "write_kv": "write_kv", "copy_blocks": "copy_blocks", "layer_matmul": "layer_matmul"}
 _DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
 _HEADER = ("jax", "targets", "wall_s", "workers", "quick", "counts", "failures", "xla_fusion_spills",
