@@ -3,7 +3,7 @@
 Cache layout: one array `[num_layers, 2, batch, max_len, num_kv_heads, head_dim]` (axis 1: 0=K, 1=V);
 sequence b's token at position p lives at `[:, :, b, p]`. Attention is plain `jnp` over all `max_len`
 keys with a causal mask by position, and the same attend options as the paged path (scale, soft_cap,
-alibi_slopes). Used as the reference for the paged path in tests and benchmarks.
+alibi_slopes, window). Used as the reference for the paged path in tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -61,6 +61,11 @@ def _make_attend(q_start, q_lens) -> AttentionBackend:
             dist = jnp.arange(max_len)[None, None, :] - pos[:, :, None]  # key - query position [B, T, S]
             s = s + slopes * dist[:, None, None].astype(jnp.float32)
         mask = jnp.arange(max_len)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+        window = options.get("window")
+        if window is not None:  # sliding window: pos - W < key <= pos; a (traced) W <= 0 is none
+            w = jnp.asarray(window, jnp.int32)
+            first = jnp.where(w > 0, pos - w + 1, 0)
+            mask = mask & (jnp.arange(max_len)[None, None, :] >= first[:, :, None])
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)
         out = jnp.einsum("bkgts,bske->btkge", p, values.astype(jnp.float32)).reshape(b, t, qh, e)
@@ -124,7 +129,7 @@ def plain_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], tokens: ja
         scale = options.get("scale")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         out = contiguous_attention(q, k, v, positions, every, scale, options.get("soft_cap"),
-                                   options.get("alibi_slopes"))
+                                   options.get("alibi_slopes"), options.get("window"))
         return out, cache
 
     hidden, _ = model(tokens, positions, None, AttentionBackend(attend, batch_invariant=True))

@@ -104,7 +104,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
                  head_dim: int | None = None, batch_invariant: bool = False) -> AttentionBackend:
     """The `attend` of `paged_kv.models.protocol.PagedModel` over the paged cache, as an
     `AttentionBackend`: its callable writes k/v at `batch.slots`, then runs paged decode or prefill
-    attention with the call's options (scale, soft_cap, alibi_slopes; anything else raises
+    attention with the call's options (scale, soft_cap, alibi_slopes, window; anything else raises
     ValueError naming it).
 
     Its plan: `layer_matmul` is `layer_matmul_for(impl, head_dim, mesh)` (the Pallas projection
@@ -118,7 +118,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
     if batch_invariant:
         plan["batch_invariant"] = True
 
-    def attend_local(layer, q, k, v, pages, batch, slopes, *, scale=None, soft_cap=None):
+    def attend_local(layer, q, k, v, pages, batch, slopes, *, scale=None, soft_cap=None, window=None):
         b, t, _, _ = q.shape
         kvh, e = k.shape[2], k.shape[3]
         q = q.astype(pages.dtype)
@@ -130,6 +130,8 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
             knobs["alibi_slopes"] = slopes
         if batch_invariant:
             knobs["batch_invariant"] = True
+        if window is not None:
+            knobs["window"] = window
         if decode:
             out = pk.paged_decode_attention(q[:, 0], pages, layer, batch.block_tables, batch.lengths,
                                             scale=scale, impl=impl, **knobs)

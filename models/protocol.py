@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # config is imported lazily at run time (model_facts)
 
 Array = jax.Array
 
-ATTEND_OPTIONS = ("scale", "soft_cap", "alibi_slopes")
+ATTEND_OPTIONS = ("scale", "soft_cap", "alibi_slopes", "window")
 """Keyword options an ``attend`` callback accepts (see ``PagedModel``)."""
 
 FACTS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_positions", "dtype")
@@ -133,7 +133,9 @@ class PagedModel(Protocol):
         soft_cap: float > 0, logit soft-capping ``cap * tanh(s / cap)`` of the scaled scores
           (Gemma 2), applied before the bias and the causal mask;
         alibi_slopes: float ``[QH]``, adds ``slope[h] * (key_pos - query_pos)`` (<= 0) to head ``h``'s
-          scores (ALiBi).
+          scores (ALiBi);
+        window: sliding-window attention, the query at ``p`` sees keys ``p - window < k <= p``: a
+          Python int >= 1, or an int32 scalar (traced per layer) where ``<= 0`` means full attention.
       Any other option raises ``ValueError`` naming it. Every call must pass the same options for a
       given layer at every step (they are part of the compiled program).
     ``logits(hidden[..., ...]) -> float32[..., V]``: the output head on what ``__call__`` returned.

@@ -37,7 +37,7 @@ def _check_invariant(batch_invariant: bool, impl: str) -> None:
 def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
                            lengths: jax.Array, *, scale: float | None = None, impl: str = "auto",
                            soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
-                           batch_invariant: bool = False) -> jax.Array:
+                           batch_invariant: bool = False, window: int | jax.Array | None = None) -> jax.Array:
   """Attention of one new query token per sequence over its paged K/V.
 
   Args:
@@ -62,13 +62,20 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
       equal those of :func:`paged_prefill_attention` for the same token
       (:mod:`paged_kv.pallas_kernels.invariant`). The reference only, for now: NotImplementedError
       with a Pallas ``impl``.
+    window: sliding-window attention: the query at position ``p = lengths - 1`` sees key ``k``
+      iff ``p - window < k <= p``. None (full attention), a Python int >= 1, or an integer scalar
+      array (e.g. a per-layer window traced inside a scan over layers) where a value <= 0 means
+      full attention (:func:`paged_kv.pallas_kernels.validate.check_window`). Key tiles wholly
+      before the window are neither read nor computed, so the null-block entries a
+      sliding-window block manager leaves there are never read.
 
   Returns:
     ``[B, num_q_heads, head_dim]`` in ``q.dtype``. Query head ``h`` reads KV head
     ``h // (num_q_heads // num_kv_heads)``.
   """
+  window = validate.check_window(window)
   layer, scale, impl, soft_cap = validate.check_decode(
-      q, pages, layer, block_tables, lengths, scale, impl, soft_cap, alibi_slopes)
+      q, pages, layer, block_tables, lengths, scale, impl, soft_cap, alibi_slopes, window)
   impl = resolve_impl(impl, pages.shape[-1])
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
@@ -76,6 +83,8 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
   _check_invariant(batch_invariant, impl)
   if batch_invariant:
     knobs["batch_invariant"] = True
+  if window is not None:
+    knobs["window"] = window
   if impl == "reference":
     return reference.paged_decode_attention_reference(
         q, pages, layer, block_tables, lengths, scale=scale, **knobs)
@@ -87,7 +96,7 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
 def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
                             q_start: jax.Array, q_lens: jax.Array, *, scale: float | None = None, impl: str = "auto",
                             soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
-                            batch_invariant: bool = False) -> jax.Array:
+                            batch_invariant: bool = False, window: int | jax.Array | None = None) -> jax.Array:
   """Causal attention of a chunk of query tokens per sequence over its paged K/V.
 
   Query ``t`` of sequence ``b`` sits at absolute position ``q_start[b] + t``, is valid for
@@ -102,12 +111,15 @@ def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arr
     q_start: int32 ``[B]`` absolute position of each sequence's first query token.
     q_lens: int32 ``[B]`` valid query tokens per sequence (``<= T``).
     batch_invariant: as in :func:`paged_decode_attention`.
+    window: as in :func:`paged_decode_attention`: query ``t`` sees only positions
+      ``q_start + t - window < k <= q_start + t``.
 
   Returns:
     ``[B, T, num_q_heads, head_dim]`` in ``q.dtype``.
   """
+  window = validate.check_window(window)
   layer, scale, impl, soft_cap = validate.check_prefill(
-      q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap, alibi_slopes)
+      q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap, alibi_slopes, window)
   impl = resolve_impl(impl, pages.shape[-1])
   # Knobs are passed only when set, so the default call is exactly the program without them.
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
@@ -116,6 +128,8 @@ def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arr
   _check_invariant(batch_invariant, impl)
   if batch_invariant:
     knobs["batch_invariant"] = True
+  if window is not None:
+    knobs["window"] = window
   if impl == "reference":
     return reference.paged_prefill_attention_reference(
         q, pages, layer, block_tables, q_start, q_lens, scale=scale, **knobs)

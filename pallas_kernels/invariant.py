@@ -89,13 +89,14 @@ Carry = tuple[jax.Array, jax.Array, jax.Array]
 
 def attention_chunk(carry: Carry, qk: jax.Array, k: jax.Array, v: jax.Array, key_pos: jax.Array,
                     last_pos: jax.Array, valid: jax.Array, scale: float, soft_cap: float | None = None,
-                    slopes: jax.Array | None = None) -> Carry:
+                    slopes: jax.Array | None = None, first_pos: jax.Array | None = None) -> Carry:
   """One online-softmax step over ``KEY_TILE`` keys, identical per query row whatever the batch.
 
   carry ``(o [H, B, T, G, D], m [H, B, T, G], l [H, B, T, G])`` float32; qk ``[H, B, T * G, D]``
   (queries grouped by KV head ``H``); k, v ``[H, B, keys, D]``; key_pos int32 ``[keys]``; last_pos
   int32 and valid bool ``[B, T]`` (query ``(b, t)`` sees key positions ``<= last_pos``, nothing
-  when not valid); slopes None or float32 ``[H, 1, 1, G, 1]``. Returns the new carry."""
+  when not valid); slopes None or float32 ``[H, 1, 1, G, 1]``; first_pos None or int32 ``[B, T]``
+  (a sliding window: query ``(b, t)`` sees no key before ``first_pos``). Returns the new carry."""
   from paged_kv.pallas_kernels.reference import score_knobs  # reference imports this module
 
   o, m, denom = carry
@@ -104,20 +105,23 @@ def attention_chunk(carry: Carry, qk: jax.Array, k: jax.Array, v: jax.Array, key
   s = tree_sum(qk.astype(jnp.float32)[:, :, :, None, :] * k.astype(jnp.float32)[:, :, None], -1)
   s = s.reshape(h, b, t, g, keys) * scale
   s = score_knobs(s, soft_cap, slopes, key_pos, last_pos[None, :, :, None, None])
-  m_new, alpha, p = softmax_update(s, m, key_pos, last_pos, valid)
+  m_new, alpha, p = softmax_update(s, m, key_pos, last_pos, valid, first_pos)
   pv = tree_sum(p.reshape(h, b, t * g, keys)[..., None] * v.astype(jnp.float32)[:, :, None], -2)
   return alpha[..., None] * o + pv.reshape(h, b, t, g, d), m_new, alpha * denom + tree_sum(p, -1)
 
 
-def softmax_update(s: jax.Array, m: jax.Array, key_pos: jax.Array, last_pos: jax.Array,
-                   valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def softmax_update(s: jax.Array, m: jax.Array, key_pos: jax.Array, last_pos: jax.Array, valid: jax.Array,
+                   first_pos: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One key tile's online-softmax update, shared by the reference attention and
   :func:`attention_chunk`: scores ``s [H, B, T, G, keys]`` float32 (scaled, knobs applied), the
   running max ``m [H, B, T, G]``, key positions ``[keys]``, each query's ``last_pos`` and
-  ``valid`` ``[B, T]``. Returns ``(new max, alpha = exp(old - new max), weights p)``, masked keys
-  weighing 0 and a row with no key yet keeping a max of -inf. Element-wise and a max: exact,
-  whatever the batch."""
+  ``valid`` ``[B, T]``, and with a sliding window each query's first visible position ``first_pos``
+  int32 ``[B, T]`` (None: no lower bound, the same program as before). Returns ``(new max,
+  alpha = exp(old - new max), weights p)``, masked keys weighing 0 and a row with no key yet
+  keeping a max of -inf. Element-wise and a max: exact, whatever the batch."""
   mask = (key_pos[None, None, :] <= last_pos[:, :, None]) & valid[:, :, None]
+  if first_pos is not None:
+    mask = mask & (key_pos[None, None, :] >= first_pos[:, :, None])
   mask = mask[None, :, :, None, :]
   s = jnp.where(mask, s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=-1))
@@ -140,11 +144,16 @@ def attention_finish(carry: Carry) -> jax.Array:
 
 
 def contiguous_attention(q: jax.Array, k: jax.Array, v: jax.Array, last_pos: jax.Array, valid: jax.Array,
-                         scale: float, soft_cap: float | None = None, slopes: jax.Array | None = None) -> jax.Array:
+                         scale: float, soft_cap: float | None = None, slopes: jax.Array | None = None,
+                         window: int | jax.Array | None = None) -> jax.Array:
   """Causal attention over contiguous K/V with the invariant steps: q ``[B, T, QH, D]``, k, v
   ``[B, S, KVH, D]`` (key ``s`` at position ``s``), last_pos/valid ``[B, T]``; slopes None or
-  float ``[QH]``. Returns ``[B, T, QH, D]`` in q's dtype; the same bits per query as the paged
-  reference in invariant mode (same key tiles, same steps)."""
+  float ``[QH]``; window None, an int >= 1 or an int32 scalar (<= 0: none), as
+  :func:`paged_kv.pallas_kernels.reference.window_start`. Returns ``[B, T, QH, D]`` in q's dtype;
+  the same bits per query as the paged reference in invariant mode (same key tiles, same steps;
+  tiles wholly before every query's window are skipped, which leaves a carry's bits unchanged)."""
+  from paged_kv.pallas_kernels.reference import window_start  # reference imports this module
+
   b, t, hq, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
@@ -160,7 +169,11 @@ def contiguous_attention(q: jax.Array, k: jax.Array, v: jax.Array, last_pos: jax
     kc = jax.lax.dynamic_slice_in_dim(kt, c * KEY_TILE, KEY_TILE, axis=2)
     vc = jax.lax.dynamic_slice_in_dim(vt, c * KEY_TILE, KEY_TILE, axis=2)
     pos = c * KEY_TILE + jnp.arange(KEY_TILE, dtype=jnp.int32)
-    return attention_chunk(carry, qk, kc, vc, pos, last_pos, valid, scale, soft_cap, slopes)
+    return attention_chunk(carry, qk, kc, vc, pos, last_pos, valid, scale, soft_cap, slopes, first_pos)
 
-  out = attention_finish(jax.lax.fori_loop(0, n, step, attention_init(hkv, b, t, g, d)))
+  first_pos, lo = None, 0
+  if window is not None:
+    first_pos = window_start(last_pos, window)
+    lo = jnp.min(jnp.where(valid, first_pos, s_len)) // KEY_TILE
+  out = attention_finish(jax.lax.fori_loop(lo, n, step, attention_init(hkv, b, t, g, d)))
   return out.transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d).astype(q.dtype)

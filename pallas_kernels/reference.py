@@ -60,13 +60,26 @@ def score_knobs(s: jax.Array, soft_cap: float | None, slopes: jax.Array | None, 
   return s
 
 
+def window_start(last_pos: jax.Array, window: int | jax.Array) -> jax.Array:
+  """The first position each query sees under a sliding window: ``max(last_pos - window + 1, 0)``
+  (query at ``last_pos`` sees keys ``last_pos - window < k <= last_pos``), or 0 where the window
+  is ``<= 0`` (a traced per-layer window: full attention). ``last_pos`` int32, any shape; ``window``
+  a Python int >= 1 or an int32 scalar. Returns int32 of ``last_pos``'s shape."""
+  w = jnp.asarray(window, jnp.int32)
+  return jnp.where(w > 0, jnp.maximum(last_pos - w + 1, 0), 0).astype(jnp.int32)
+
+
 def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap=None,
-                     slopes=None, invariant=False):
+                     slopes=None, invariant=False, window=None):
   """Blockwise paged attention in plain XLA.
 
   q ``[B, T, Hq, D]``; query ``(b, t)`` sits at position ``last_pos[b, t]`` and sees positions
   ``0 .. last_pos[b, t]`` when ``valid[b, t]``, else nothing (zeros). ``soft_cap`` (static float)
-  and ``slopes`` (float ``[Hq]``): see :func:`score_knobs`. Returns ``[B, T, Hq, D]`` in ``q.dtype``.
+  and ``slopes`` (float ``[Hq]``): see :func:`score_knobs`. ``window`` (None, an int >= 1 or an int32
+  scalar, <= 0 meaning none): query ``(b, t)`` also sees nothing before
+  :func:`window_start`; the walk then starts at the first chunk any valid query's window reaches,
+  so chunks wholly before every window (and the null-block entries a sliding-window manager leaves
+  there) are never gathered. Returns ``[B, T, Hq, D]`` in ``q.dtype``.
 
   The table is walked ``chunk`` blocks (about 128 positions) at a time with an online
   softmax in float32, and only up to the furthest position any valid query sees. Each step
@@ -111,6 +124,12 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   # 1.6x faster per layer at batch 64, 640 positions; 1.05x at batch 32 (CPU, against dots on
   # materialised gathers). Prefill rows (T * G of them) stay matmuls.
   decode = t == 1
+  # Sliding window: each query's first visible position, and the first chunk any valid query needs
+  # (a Python 0 without a window, so the default program is unchanged).
+  first_pos, lo = None, 0
+  if window is not None:
+    first_pos = window_start(last_pos, window)
+    lo = jnp.min(jnp.where(valid, first_pos, num_chunks * keys)) // keys
   if slopes is not None:  # [Hq] -> [Hkv, 1, 1, G, 1], query head h = kv * G + g
     slopes = slopes.astype(jnp.float32).reshape(hkv, 1, 1, g, 1)
 
@@ -119,7 +138,8 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
     k = rows.at[k_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
     v = rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
     pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
-    return invariant_ops.attention_chunk(carry, qk, k, v, pos, last_pos, valid, scale, soft_cap, slopes)
+    return invariant_ops.attention_chunk(carry, qk, k, v, pos, last_pos, valid, scale, soft_cap, slopes,
+                                         first_pos)
 
   def step(c, carry):
     o, m, l = carry
@@ -132,7 +152,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
     s = s.reshape(hkv, b, t, g, keys) * scale
     pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
     s = score_knobs(s, soft_cap, slopes, pos, last_pos[None, :, :, None, None])
-    m_new, alpha, p = invariant_ops.softmax_update(s, m, pos, last_pos, valid)
+    m_new, alpha, p = invariant_ops.softmax_update(s, m, pos, last_pos, valid, first_pos)
     v = rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
     rows_p = p.reshape(hkv, b, t * g, keys)
     if decode:
@@ -149,9 +169,9 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   needed = jnp.max(jnp.where(valid, last_pos + 1, 0))
   n = jnp.clip((needed + keys - 1) // keys, 0, num_chunks)
   if invariant:
-    out = invariant_ops.attention_finish(jax.lax.fori_loop(0, n, invariant_step, (o, m, l)))
+    out = invariant_ops.attention_finish(jax.lax.fori_loop(lo, n, invariant_step, (o, m, l)))
     return out.transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
-  o, m, l = jax.lax.fori_loop(0, n, step, (o, m, l))
+  o, m, l = jax.lax.fori_loop(lo, n, step, (o, m, l))
   out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
   return out.transpose(1, 2, 0, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
 
@@ -160,10 +180,12 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
 def paged_decode_attention_reference(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
                                      lengths: jax.Array, *, scale: float, soft_cap: float | None = None,
                                      alibi_slopes: jax.Array | None = None,
-                                     batch_invariant: bool = False) -> jax.Array:
-  """q [B, Hq, D] -> [B, Hq, D]; attends to positions [0, lengths[b]) (the query at lengths - 1)."""
+                                     batch_invariant: bool = False,
+                                     window: int | jax.Array | None = None) -> jax.Array:
+  """q [B, Hq, D] -> [B, Hq, D]; attends to positions [0, lengths[b]) (the query at lengths - 1),
+  with a ``window`` only to ``[lengths[b] - window, lengths[b])``."""
   out = _paged_attention(q[:, None], pages, layer, block_tables, (lengths - 1)[:, None],
-                         (lengths > 0)[:, None], scale, soft_cap, alibi_slopes, batch_invariant)
+                         (lengths > 0)[:, None], scale, soft_cap, alibi_slopes, batch_invariant, window)
   return out[:, 0]
 
 
@@ -172,13 +194,15 @@ def paged_prefill_attention_reference(q: jax.Array, pages: jax.Array, layer: int
                                       q_start: jax.Array, q_lens: jax.Array, *, scale: float,
                                       soft_cap: float | None = None,
                                       alibi_slopes: jax.Array | None = None,
-                                      batch_invariant: bool = False) -> jax.Array:
-  """q [B, T, Hq, D] -> [B, T, Hq, D]; query t attends to positions [0, q_start + t]."""
+                                      batch_invariant: bool = False,
+                                      window: int | jax.Array | None = None) -> jax.Array:
+  """q [B, T, Hq, D] -> [B, T, Hq, D]; query t attends to positions [0, q_start + t], with a
+  ``window`` only to ``(q_start + t - window, q_start + t]``."""
   tpos = jnp.arange(q.shape[1], dtype=jnp.int32)
   last_pos = jnp.maximum(q_start, 0)[:, None] + tpos[None, :]  # negative starts clamp to 0
   valid = tpos[None, :] < q_lens[:, None]
   return _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft_cap,
-                          alibi_slopes, batch_invariant)
+                          alibi_slopes, batch_invariant, window)
 
 
 @jax.jit

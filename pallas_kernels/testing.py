@@ -83,16 +83,21 @@ def contiguous_kv(pages: ArrayLike, layer: int, table: ArrayLike, length: int
 
 
 def dense_attention(q: ArrayLike, pages: ArrayLike, layer: int, table: ArrayLike, num_visible: int, scale: float, *,
-                    soft_cap: float | None = None, alibi_slopes: ArrayLike | None = None) -> np.ndarray:
+                    soft_cap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                    window: int | None = None) -> np.ndarray:
   """q [Hq, D] of one query over the first ``num_visible`` positions -> float64 [Hq, D].
 
   The query sits at position ``num_visible - 1``. ``soft_cap``: scores become ``cap * tanh(s /
-  cap)``; ``alibi_slopes`` [Hq]: ``slope[h] * (key_pos - query_pos)`` is added (in that order)."""
+  cap)``; ``alibi_slopes`` [Hq]: ``slope[h] * (key_pos - query_pos)`` is added (in that order).
+  ``window`` (an int; None or <= 0: none): only the last ``window`` positions are visible, the
+  earlier ones are dropped (whatever their table entries hold)."""
   q = np.asarray(q, np.float64)
   num_q_heads, head_dim = q.shape
   if num_visible <= 0:
     return np.zeros((num_q_heads, head_dim))
   k, v = contiguous_kv(pages, layer, table, num_visible)
+  first = max(num_visible - window, 0) if window is not None and window > 0 else 0
+  k, v = k[:, first:], v[:, first:]
   group = num_q_heads // k.shape[0]
   out = np.zeros((num_q_heads, head_dim))
   for h in range(num_q_heads):
@@ -100,7 +105,7 @@ def dense_attention(q: ArrayLike, pages: ArrayLike, layer: int, table: ArrayLike
     if soft_cap is not None:
       logits = soft_cap * np.tanh(logits / soft_cap)
     if alibi_slopes is not None:
-      logits = logits + float(alibi_slopes[h]) * (np.arange(num_visible) - (num_visible - 1))
+      logits = logits + float(alibi_slopes[h]) * (np.arange(first, num_visible) - (num_visible - 1))
     w = np.exp(logits - logits.max())
     out[h] = (w / w.sum()) @ v[h // group]
   return out

@@ -71,21 +71,24 @@ class AttentionTile:
 @dataclasses.dataclass(frozen=True)
 class Knobs:
   """The attention knobs as the tiling sees them: whether the kernel carries them, not their
-  values (a soft cap's value is a constant in the same code; ALiBi slopes are an input). Both add
-  per-score work and live values to the score path, so a tile checked without them may not fit
-  with them (:data:`KNOB_TABLES`)."""
+  values (a soft cap's value is a constant in the same code; ALiBi slopes and the sliding window
+  are inputs). Each adds per-score work and live values to the score path (the window also a
+  second loop bound), so a tile checked without them may not fit with them (:data:`KNOB_TABLES`)."""
 
   soft_cap: bool = False
   alibi: bool = False
+  window: bool = False
 
   @classmethod
-  def of(cls, soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> Knobs:
+  def of(cls, soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
+         window: int | jax.Array | None = None) -> Knobs:
     """From a kernel call's arguments (``soft_cap`` a float or None, ``alibi_slopes`` an array or
-    None)."""
-    return cls(soft_cap=soft_cap is not None, alibi=alibi_slopes is not None)
+    None, ``window`` an int, an int32 scalar array or None)."""
+    return cls(soft_cap=soft_cap is not None, alibi=alibi_slopes is not None, window=window is not None)
 
   def describe(self) -> str:
-    on = [n for n, v in (("soft_cap", self.soft_cap), ("alibi_slopes", self.alibi)) if v]
+    on = [n for n, v in (("soft_cap", self.soft_cap), ("alibi_slopes", self.alibi), ("window", self.window))
+          if v]
     return " with " + " and ".join(on) if on else ""
 
 

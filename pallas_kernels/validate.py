@@ -105,6 +105,29 @@ def check_soft_cap(soft_cap: Any) -> float | None:
   return float(soft_cap)
 
 
+def check_window(window: Any) -> int | jax.Array | None:
+  """The sliding window of an attention call: a query at position ``p`` sees key ``k`` iff
+  ``p - window < k <= p``.
+
+  None (full causal attention); a static Python int ``>= 1``; or an integer scalar array (e.g. a
+  per-layer window traced inside a scan over layers; returned as int32), where a value ``<= 0``
+  means full attention, so one scan serves local and global layers. Arrays are never read here
+  (they may be tracers)."""
+  if window is None:
+    return None
+  if isinstance(window, (jax.Array, np.ndarray)):
+    if window.shape != () or not jnp.issubdtype(window.dtype, jnp.integer):
+      raise ValueError(f"window must be an integer scalar, got {window.dtype} shape {window.shape}")
+    return jnp.asarray(window, jnp.int32)
+  if not is_int(window):
+    raise ValueError(f"window must be None, a Python int >= 1 or an integer scalar array, got "
+                     f"{type(window).__name__} {window!r}")
+  if int(window) < 1:
+    raise ValueError(f"window={window} must be >= 1 (None for full attention; a traced window <= 0 "
+                     "also means full attention)")
+  return int(window)
+
+
 def check_alibi_slopes(alibi_slopes: Any, num_q_heads: int) -> Any:
   """None, or a float ``[num_q_heads]`` array of ALiBi slopes (one per query head)."""
   if alibi_slopes is None:
@@ -167,7 +190,8 @@ def _check_query(q: Any, ndim: int, pages: Any, num_kv_heads: int, head_dim: int
 
 
 def check_decode(q: Any, pages: Any, layer: Any, block_tables: Any, lengths: Any, scale: Any, impl: Any,
-                 soft_cap: Any = None, alibi_slopes: Any = None) -> tuple[int | jax.Array, float, str, float | None]:
+                 soft_cap: Any = None, alibi_slopes: Any = None,
+                 window: Any = None) -> tuple[int | jax.Array, float, str, float | None]:
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -182,12 +206,13 @@ def check_decode(q: Any, pages: Any, layer: Any, block_tables: Any, lengths: Any
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
   soft_cap = check_soft_cap(soft_cap)
   _check_tiling("decode", impl, pages.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
-                tiling.Knobs.of(soft_cap, alibi_slopes))
+                tiling.Knobs.of(soft_cap, alibi_slopes, check_window(window)))
   return layer, check_scale(scale, head_dim), impl, soft_cap
 
 
 def check_prefill(q: Any, pages: Any, layer: Any, block_tables: Any, q_start: Any, q_lens: Any, scale: Any, impl: Any,
-                  soft_cap: Any = None, alibi_slopes: Any = None) -> tuple[int | jax.Array, float, str, float | None]:
+                  soft_cap: Any = None, alibi_slopes: Any = None,
+                 window: Any = None) -> tuple[int | jax.Array, float, str, float | None]:
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -206,7 +231,7 @@ def check_prefill(q: Any, pages: Any, layer: Any, block_tables: Any, q_start: An
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
   soft_cap = check_soft_cap(soft_cap)
   _check_tiling("prefill", impl, pages.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
-                tiling.Knobs.of(soft_cap, alibi_slopes))
+                tiling.Knobs.of(soft_cap, alibi_slopes, check_window(window)))
   return layer, check_scale(scale, head_dim), impl, soft_cap
 
 
