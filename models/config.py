@@ -177,7 +177,8 @@ class LlamaConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name}={value!r} must be None or a finite float > 0")
-        if self.rope_local_theta is not None and not (self.rope_local_theta > 1 and math.isfinite(self.rope_local_theta)):
+        local = self.rope_local_theta
+        if local is not None and not (local > 1 and math.isfinite(local)):
             raise ValueError(f"rope_local_theta={self.rope_local_theta} must be None or a finite float > 1")
         windows = tuple(self.layer_windows) or (0,) * self.num_layers
         if len(windows) != self.num_layers or not all(is_int(w) and w >= 0 for w in windows):
@@ -275,12 +276,12 @@ class LlamaConfig:
         }[model_type]
         num_layers = int(hf["num_hidden_layers"])
         max_pos = int(hf.get("max_position_embeddings", 2048))
+        if gemma and hf.get("use_bidirectional_attention"):
+            raise ValueError(f"unsupported use_bidirectional_attention={hf['use_bidirectional_attention']!r}: "
+                             "only causal attention is implemented")
         windows = hf_layer_windows(hf, model_type, num_layers)
 
         if gemma:
-            if hf.get("use_bidirectional_attention"):
-                raise ValueError(f"unsupported use_bidirectional_attention={hf['use_bidirectional_attention']!r}: "
-                                 "only causal attention is implemented")
             switches.update(cls.gemma_switches(model_type))
             qpas = hf.get("query_pre_attn_scalar", 256)
             switches["query_pre_attn_scalar"] = None if qpas is None else float(qpas)

@@ -147,6 +147,11 @@ def test_windowed_hf_config_round_trip(family):
     layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * 4  # Mistral: every layer
     want = tuple(hf.sliding_window if t == "sliding_attention" else 0 for t in layer_types)
     assert cfg.layer_windows == want and any(want) and (family == "mistral" or not all(want))
+    # As Hub configs written before `layer_types` existed: the family's own rule gives the layers.
+    legacy = {k: v for k, v in hf.to_dict().items() if k != "layer_types"}
+    if family == "gemma3_text":
+        legacy["sliding_window_pattern"] = 3
+    assert LlamaConfig.from_hf_config(legacy).layer_windows == want
     assert LlamaConfig.from_hf_config(config_cls(**cfg.to_hf_config()).to_dict()) == cfg
 
 

@@ -40,6 +40,7 @@ from paged_kv.models import (
     per_layer,
     save_hf_checkpoint,
 )
+from paged_kv.models.contiguous import plain_forward
 from tests import tolerances as tol
 from tests.model_helpers import paged_prefill_logits
 
@@ -212,6 +213,42 @@ def test_unrolled_per_layer_logits_match(checkpoints):
     with torch.no_grad():
         ref = hf(torch.tensor(toks, dtype=torch.long)).logits.numpy()
     err = float(np.abs(paged_prefill_logits(model, toks, BLOCK) - ref).max() / np.abs(ref).max())
+    assert err <= tol.model_atol(model.config, toks.shape[1], 1.0, score_mag=tol.score_bound(model))
+
+
+def test_geglu_is_transformers_tanh_gelu(checkpoints):
+    """Gemma's MLP activation is transformers' `gelu_pytorch_tanh`: the exact erf GELU differs from
+    it by at most ~5e-4, below what the whole model's rounding bound can tell apart, so the MLP
+    is run here with 0/1 weights (exact products) that make its output `gelu(x) * x` per unit."""
+    from transformers.activations import ACT2FN
+
+    from paged_kv.models.llama import LayerAccess
+
+    _, path = checkpoints["gemma2"]
+    mlp = load_hf_checkpoint(path).layer(0).mlp
+    eye = np.eye(64, 128, dtype=np.float32)  # unit i of the MLP reads x_i (gate and up), down returns it
+    mlp.gate[...], mlp.up[...], mlp.down[...] = eye, eye, eye.T
+    x = np.linspace(-6.0, 6.0, 64, dtype=np.float32)[None, None]
+    got = np.asarray(mlp(jax.numpy.asarray(x), None, LayerAccess(0)))
+    with torch.no_grad():
+        ref = (ACT2FN["gelu_pytorch_tanh"](torch.tensor(x)) * torch.tensor(x)).numpy()
+    # Two float32 evaluations of 0.5 x (1 + tanh(...)) times x: 12 operations each
+    # (tests/tolerances.py), each off by u relative to a value of magnitude at most x^2 (the sum
+    # 1 + tanh is off absolutely, and near 0 for negative x). The erf GELU is off by up to 1e-3 here.
+    assert np.all(np.abs(got - ref) <= 2 * 12 * tol.eps(np.float32) * x * x)
+
+
+def test_batch_invariant_plain_forward_matches(checkpoints):
+    """`plain_forward` in its batch-invariant mode (fixed-order norms, fixed-tile projections, the
+    invariant attention steps with the window) on Gemma 2, whose every switch runs there too:
+    (1 + w) norms, windows, soft caps. Within the parity bound of transformers' logits."""
+    hf, path = checkpoints["gemma2"]
+    model = load_hf_checkpoint(path)
+    toks = _prompts()
+    with torch.no_grad():
+        ref = hf(torch.tensor(toks, dtype=torch.long)).logits.numpy()
+    got = np.asarray(plain_forward(model, jax.numpy.asarray(toks), batch_invariant=True))
+    err = float(np.abs(got - ref).max() / tol.logits_bound(model))
     assert err <= tol.model_atol(model.config, toks.shape[1], 1.0, score_mag=tol.score_bound(model))
 
 
