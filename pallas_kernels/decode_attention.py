@@ -81,13 +81,14 @@ next_power_of_two = tiling.next_power_of_two
 
 def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
                    max_blocks: int, block_size: int, blocks_per_tile: int, tiles_per_split: int,
-                   soft_cap: float | None = None, has_bias: bool = False):
-  # refs: (ALiBi slopes [rows] when has_bias,) then the output [rows, D] (one split) or the
-  # split partials o [rows, D] and lse [rows, D] (several). Rows past the GQA group, table
-  # columns past ``max_blocks`` and the group's partial rows lie outside their arrays: Pallas
-  # masks those loads and stores (its blocks are larger than the arrays there), so the wrapper
-  # pads nothing.
-  slope_ref, outs = (refs[0], refs[1:]) if has_bias else (None, refs)
+                   soft_cap: float | None = None, has_bias: bool = False, has_window: bool = False):
+  # refs: (ALiBi slopes [rows] when has_bias,) (the window [1] when has_window,) then the output
+  # [rows, D] (one split) or the split partials o [rows, D] and lse [rows, D] (several). Rows past
+  # the GQA group, table columns past ``max_blocks`` and the group's partial rows lie outside
+  # their arrays: Pallas masks those loads and stores (its blocks are larger than the arrays
+  # there), so the wrapper pads nothing.
+  slope_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
+  window_ref, outs = (refs[0], refs[1:]) if has_window else (None, refs)
   split = pl.program_id(2)
   num_layers, num_slots, head_dim = k_ref.shape
   num_blocks = num_slots // block_size
@@ -99,10 +100,22 @@ def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale
   layer = jnp.clip(layer_ref[0], 0, num_layers - 1)
   length = jnp.clip(len_ref[0], 0, max_blocks * block_size)
   num_tiles = pl.cdiv(pl.cdiv(length, block_size), blocks_per_tile)
-  first_tile = split * tiles_per_split
-  # Tiles of this split that hold at least one position < length (0 when the split lies past
-  # the end of the sequence: no K/V is read).
-  my_tiles = jnp.clip(num_tiles - first_tile, 0, tiles_per_split)
+  if has_window:
+    # Sliding window: the query (at length - 1) sees positions >= first_pos. The tiles from the
+    # one holding first_pos to the last are cut among the splits (not the whole table): tiles
+    # wholly before the window, and the null blocks a sliding-window manager puts there, are
+    # never read. A window <= 0 (a traced per-layer window) is full attention.
+    window = window_ref[0]
+    first_pos = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)
+    window_tile = first_pos // tile_keys
+    per_split = pl.cdiv(num_tiles - window_tile, pl.num_programs(2))
+    first_tile = window_tile + split * per_split
+    my_tiles = jnp.clip(num_tiles - first_tile, 0, per_split)
+  else:
+    first_tile = split * tiles_per_split
+    # Tiles of this split that hold at least one position < length (0 when the split lies past
+    # the end of the sequence: no K/V is read).
+    my_tiles = jnp.clip(num_tiles - first_tile, 0, tiles_per_split)
 
   # Rows past the group were read from outside q (undefined): zero them so they stay finite.
   q = jnp.where(lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group, q_ref[...], 0).astype(q_ref.dtype)
@@ -123,7 +136,9 @@ def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale
     s = s * scale
     pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
     s = score_knobs(s, soft_cap, slope, pos, length - 1)  # the query sits at length - 1
-    return online_softmax_step(carry, s, v, pos < length)
+    # Keys of the window's first tile before the window (read, weight 0) are masked too.
+    mask = (pos < length) & (pos >= first_pos) if has_window else pos < length
+    return online_softmax_step(carry, s, v, mask)
 
   o, m, l = lax.fori_loop(0, my_tiles, body, online_softmax_init(rows, head_dim))
   if len(outs) == 1:
@@ -263,20 +278,36 @@ class Partition:
   num_stages: int
 
 
+def window_blocks(window: int, blocks_per_tile: int, block_size: int, max_blocks: int) -> int:
+  """Table columns a decode program reads under a static sliding ``window`` (an int >= 1): the
+  whole tiles that can hold its ``window`` positions, wherever the window starts in its first
+  tile (``ceil((window - 1) / tile_keys) + 1`` tiles), at most the table's ``max_blocks``."""
+  tile_keys = blocks_per_tile * block_size
+  return min(max_blocks, (-(-(window - 1) // tile_keys) + 1) * blocks_per_tile)
+
+
 def decode_partition(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                      max_blocks: int, dtype: DTypeLike, knobs: tiling.Knobs = tiling.NO_KNOBS, *,
                      blocks_per_tile: int | None = None, num_splits: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> Partition:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     window: int | None = None) -> Partition:
   """The launch of :func:`paged_decode_attention_pallas` for one configuration (``dtype`` of q and
   the pages): the tiling table's row (:func:`paged_kv.pallas_kernels.tiling.decode_tiling`) and the
   split rule (:func:`choose_partition`); explicit values override them. Plain Python, also what
-  ``scripts/gate/perf_work_decode.py`` describes to the performance model."""
+  ``scripts/gate/perf_work_decode.py`` describes to the performance model.
+
+  ``window``: a static sliding window (an int >= 1, or None): the split rule then sees only the
+  tiles a window covers (:func:`window_blocks`), which is what each program reads, and
+  ``tiles_per_split`` counts a split's share of those (the kernel cuts each sequence's window
+  among the splits at run time)."""
   group = num_q_heads // num_kv_heads
   tile = tiling.decode_tiling(dtype, head_dim, block_size, group, max_blocks, knobs)
   warps = tile.num_warps if num_warps is None else num_warps
   stages = tile.num_stages if num_stages is None else num_stages
   bpt = tile.blocks_per_tile if blocks_per_tile is None else blocks_per_tile
   itemsize = jnp.dtype(dtype).itemsize
+  if window is not None:
+    max_blocks = window_blocks(window, bpt, block_size, max_blocks)
   bpt, tps, splits = choose_partition(
       max_blocks, block_size, batch, num_kv_heads, bpt, num_splits,
       tile_bytes=2 * bpt * block_size * head_dim * itemsize, stages=max(stages - 1, 1),
@@ -288,19 +319,24 @@ def decode_partition(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: 
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "interpret", "blocks_per_tile", "num_splits",
-                     "num_warps", "num_stages", "soft_cap"))
+                     "num_warps", "num_stages", "soft_cap", "window_bound"))
 def paged_decode_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
                                   lengths: jax.Array, *, scale: float, interpret: bool = False,
                                   blocks_per_tile: int | None = None, num_splits: int | None = None,
                                   num_warps: int | None = None, num_stages: int | None = None,
-                                  soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> jax.Array:
+                                  soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
+                                  window: int | jax.Array | None = None,
+                                  window_bound: int | None = None) -> jax.Array:
   """Pallas paged decode attention; arguments as :func:`paged_kv.pallas_kernels.paged_decode_attention`.
 
   ``blocks_per_tile``, ``num_splits``, ``num_warps``, ``num_stages``: None takes the tiling
   table's choice and the split rule (:func:`decode_partition`); explicit values override them
   (tests, the gate). ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel
   input when given. ``layer`` is an operand, not compiled in: a Python int or an int32 scalar
-  (traced or not); every layer gives the same kernel (see :func:`layer_operand`).
+  (traced or not); every layer gives the same kernel (see :func:`layer_operand`). ``window`` is
+  an int32 operand too (one kernel for every window; <= 0 is full attention); ``window_bound``
+  (static, optional) is the largest window the call can have, which the split rule then sizes
+  for (:func:`decode_partition`; the dispatcher passes a Python int window as its own bound).
 
   Nothing is prepared around the kernel: ``q``, ``block_tables`` and ``lengths`` go in as they
   are (reshapes only, which XLA does not copy) and the kernel clamps the layer, clips the
@@ -313,10 +349,13 @@ def paged_decode_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | j
   max_blocks = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
   part = decode_partition(batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, q.dtype,
-                          tiling.Knobs.of(soft_cap, alibi_slopes), blocks_per_tile=blocks_per_tile,
-                          num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+                          tiling.Knobs.of(soft_cap, alibi_slopes, window), blocks_per_tile=blocks_per_tile,
+                          num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                          window=None if window is None else window_bound)
   rows, bpt, tps, splits = part.rows, part.blocks_per_tile, part.tiles_per_split, part.num_splits
   padded_blocks = bpt * tps * splits
+  if window is not None:  # the splits share the window's tiles: each may reach any table column
+    padded_blocks = max(padded_blocks, pl.cdiv(max_blocks, bpt) * bpt)
   layer_op = (layer.astype(jnp.int32).reshape(1) if isinstance(layer, jax.Array)
               else layer_operand(layer, num_layers))
   lengths = lengths.astype(jnp.int32).reshape(batch, 1)
@@ -329,6 +368,9 @@ def paged_decode_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | j
   if alibi_slopes is not None:
     bias_inputs.append(alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group))
     bias_specs.append(pl.BlockSpec((None, rows), lambda b, h, s: (h, 0)))
+  if window is not None:  # an int32 [1] operand, like the layer
+    bias_inputs.append(jnp.asarray(window, jnp.int32).reshape(1))
+    bias_specs.append(pl.BlockSpec((1,), lambda b, h, s: (0,)))
 
   if splits == 1:
     out_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))]
@@ -339,7 +381,7 @@ def paged_decode_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | j
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group, head_dim), jnp.float32)] * 2
   kernel = functools.partial(_decode_kernel, scale=scale, group=group, max_blocks=max_blocks, block_size=block_size,
                              blocks_per_tile=bpt, tiles_per_split=tps, soft_cap=soft_cap,
-                             has_bias=alibi_slopes is not None)
+                             has_bias=alibi_slopes is not None, has_window=window is not None)
   # Every layer of one (K|V, KV head) plane; the kernel indexes the layer axis with its operand.
   # Pages seen as [L, 2, Hkv, slots, D] (a reshape XLA does not copy): a tile is one gather of
   # ``keys`` rows by slot.

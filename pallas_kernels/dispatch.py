@@ -89,6 +89,8 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
     return reference.paged_decode_attention_reference(
         q, pages, layer, block_tables, lengths, scale=scale, **knobs)
   from paged_kv.pallas_kernels import decode_attention
+  if isinstance(window, int):  # a static window: the split rule sizes the launch for it
+    knobs["window_bound"] = window
   return decode_attention.paged_decode_attention_pallas(
       q, pages, layer, block_tables, lengths, scale=scale, interpret=impl == "interpret", **knobs)
 

@@ -33,9 +33,11 @@ from paged_kv.pallas_kernels.reference import sanitize_block_tables, score_knobs
 
 def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
                     group: int, blocks_per_tile: int, max_positions: int,
-                    soft_cap: float | None = None, has_bias: bool = False):
-  # refs: (ALiBi slope of each row [rows] when has_bias,) then the output.
-  slope_ref, o_ref = refs if has_bias else (None, refs[0])
+                    soft_cap: float | None = None, has_bias: bool = False, has_window: bool = False):
+  # refs: (ALiBi slope of each row [rows] when has_bias,) (the window [1] when has_window,) then
+  # the output.
+  slope_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
+  window_ref, o_ref = refs if has_window else (None, refs[0])
   row_tile = pl.program_id(2)
   block_size, head_dim = k_ref.shape[-2:]
   tile_keys = blocks_per_tile * block_size
@@ -54,6 +56,16 @@ def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref,
   kv_len = jnp.where(first_row // group < q_len, q_start + last_t + 1, 0)
   kv_len = jnp.clip(kv_len, 0, max_positions)
   num_tiles = pl.cdiv(pl.cdiv(kv_len, block_size), blocks_per_tile)
+  first_tile = 0
+  if has_window:
+    # Sliding window: row r sees positions >= q_pos - window + 1. The loop starts at the tile
+    # holding the first position the tile's earliest query sees, so tiles wholly before every
+    # row's window (and the null blocks a sliding-window manager puts there) are never read. A
+    # window <= 0 (a traced per-layer window) is full attention.
+    window = window_ref[0]
+    first_pos = jnp.where(window > 0, jnp.maximum(q_pos - window + 1, 0), 0)  # [rows, keys]
+    earliest = jnp.where(window > 0, jnp.maximum(q_start + first_row // group - window + 1, 0), 0)
+    first_tile = earliest // tile_keys
 
   q = q_ref[...]
   slope = slope_ref[...][:, None] if has_bias else None  # [rows, 1] float32
@@ -68,9 +80,11 @@ def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref,
     pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
     s = score_knobs(s, soft_cap, slope, pos, q_pos)
     mask = (pos <= q_pos) & valid
+    if has_window:  # keys of a partly covered tile before a row's window: read, weight 0
+      mask = mask & (pos >= first_pos)
     return online_softmax_step((o, m, l), s, v, mask)
 
-  o, m, l = lax.fori_loop(0, num_tiles, body, online_softmax_init(rows, head_dim))
+  o, m, l = lax.fori_loop(first_tile, num_tiles, body, online_softmax_init(rows, head_dim))
   out = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
   o_ref[...] = out.astype(o_ref.dtype)
 
@@ -83,12 +97,14 @@ def paged_prefill_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | 
                                    q_start: jax.Array, q_lens: jax.Array, *, scale: float, interpret: bool = False,
                                    rows_per_tile: int | None = None, blocks_per_tile: int | None = None,
                                    num_warps: int | None = None, num_stages: int | None = None,
-                                   soft_cap: float | None = None, alibi_slopes: jax.Array | None = None) -> jax.Array:
+                                   soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
+                                   window: int | jax.Array | None = None) -> jax.Array:
   """Pallas paged prefill attention; arguments as :func:`paged_kv.pallas_kernels.paged_prefill_attention`.
 
   Tile parameters left None take the tiling table's choice
   (:func:`paged_kv.pallas_kernels.tiling.prefill_tiling`); explicit values override it.
-  ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given.
+  ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given, and
+  so is ``window`` (an int32 operand: one kernel for every window; <= 0 is full attention).
   """
   batch, num_tokens, num_q_heads, head_dim = q.shape
   num_layers, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
@@ -96,7 +112,7 @@ def paged_prefill_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | 
   group = num_q_heads // num_kv_heads
   total_rows = num_tokens * group
   tile = tiling.prefill_tiling(q.dtype, head_dim, block_size, group, num_tokens, max_blocks,
-                               tiling.Knobs.of(soft_cap, alibi_slopes))
+                               tiling.Knobs.of(soft_cap, alibi_slopes, window))
   rows_per_tile = tile.rows_per_tile if rows_per_tile is None else rows_per_tile
   blocks_per_tile = tile.blocks_per_tile if blocks_per_tile is None else blocks_per_tile
   num_warps = tile.num_warps if num_warps is None else num_warps
@@ -123,11 +139,14 @@ def paged_prefill_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | 
     slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
     bias_inputs.append(slopes[:, jnp.arange(padded_rows) % group])
     bias_specs.append(pl.BlockSpec((None, rows_per_tile), lambda b, h, r: (h, r)))
+  if window is not None:  # an int32 [1] operand, like the layer
+    bias_inputs.append(jnp.asarray(window, jnp.int32).reshape(1))
+    bias_specs.append(pl.BlockSpec((1,), lambda b, h, r: (0,)))
 
   kernel = functools.partial(_prefill_kernel, scale=scale, group=group,
                              blocks_per_tile=blocks_per_tile,
                              max_positions=max_blocks * block_size, soft_cap=soft_cap,
-                             has_bias=alibi_slopes is not None)
+                             has_bias=alibi_slopes is not None, has_window=window is not None)
   # Every layer of one (K|V, KV head) plane; the kernel indexes the layer axis with its operand.
   kv_block = (num_layers, None, None, num_blocks, block_size, head_dim)
   out = pl.pallas_call(

@@ -174,8 +174,10 @@ def test_named_shapes_cover_the_issue():
     q, kv = c["q_heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
     assert launched == c["d"] * (q + 2 * kv) + q * c["d"] + 3 * c["d"] * c["f"]
     assert sum(perf_plan.group_widths(model, "qkv")) == q + 2 * kv
-  assert {(s["batch"], s["context"]) for s in specs if s["kernel"] == "decode" and s["purpose"] == "perf"} == \
-      set(perf_plan.DECODE_SHAPES)
+  decode = [s for s in specs if s["kernel"] == "decode" and s["purpose"] == "perf"]
+  assert {(s["batch"], s["context"]) for s in decode if not s.get("window")} == set(perf_plan.DECODE_SHAPES)
+  assert {(s["batch"], s["context"], s["window"]) for s in decode if s.get("window")} == \
+      set(perf_plan.DECODE_WINDOW_SHAPES)
   copies = {(s["model"], s["copies"]) for s in specs if s["kernel"] == "copy_blocks" and s["purpose"] == "perf"}
   assert len(copies) == 6
   # Every copy_blocks spec has XLA's copy of the same bytes as its baseline.
@@ -213,3 +215,22 @@ def test_a_launch_with_everything_in_flight_at_once_is_not_held_to_more():
   serial = pm.estimate(pm.H200, 2, 128, 16, 0, pipe, pm.Work(bytes=65_536, flops=0, step_bytes=2048, steps=8,
                                                            read_fraction=0.5), None)
   assert not serial.all_at_once and len(pm.rule_violations(serial)) == 2
+
+
+def test_windowed_decode_counts_only_the_window():
+  """64 x 32k with a 4096 window: the roofline's K/V bytes are the window's (an eighth of the
+  context), the launch is sized for the window's tiles, and the busiest split walks no more of
+  them than the window holds (the kernel skips the tiles before it)."""
+  from scripts.gate.perf_work_decode import decode_launch, decode_work
+
+  c = perf_plan.MODELS["llama3.1-8b"]
+  args = (64, 32_768, c["q_heads"], c["kv_heads"], c["head_dim"], perf_plan.BLOCK_SIZE)
+  full, win = decode_work(*args, 2), decode_work(*args, 2, window=4096)
+  kv_bytes = 64 * c["kv_heads"] * c["head_dim"] * 2 * 2  # per position
+  q_and_out = 2 * 64 * c["q_heads"] * c["head_dim"] * 2
+  assert win.bytes == 4096 * kv_bytes + q_and_out and full.bytes == 32_768 * kv_bytes + q_and_out
+  launch = decode_launch(*args, window=4096)
+  tile_keys = launch.blocks_per_tile * perf_plan.BLOCK_SIZE
+  assert win.steps == launch.tiles_per_split
+  whole = decode_launch(*args)
+  assert launch.tiles_per_split * launch.num_splits <= 4096 // tile_keys + 1 < whole.tiles_per_split * whole.num_splits

@@ -21,7 +21,8 @@ What is compiled:
   query heads; GQA 1/4/8 for decode, whose group is padded to 16 rows either way).
 * the tiling table (``pallas_kernels/tiling.py``): every row at its largest accepted block
   size, for sm_90 and sm_80, and the check that the next block size is refused.
-* the attention knobs (``soft_cap``, ``alibi_slopes``, both): decode and prefill on every tiling
+* the attention knobs (``soft_cap``, ``alibi_slopes``, both; a sliding ``window``, alone and with
+  ``soft_cap``): decode and prefill on every tiling
   row at head_dim 64/128/256, at the row's smallest block, block size 16 and its largest block
   (decode at its largest group), for sm_90 and sm_80, each with the row the knob selects, and that
   row's refusals.
@@ -39,6 +40,7 @@ CPU-only)::
 
     python scripts/gate/gpu_compile.py [--workers 2] [--out results/gpu_compile_report.json]
         [--summary PATH] [--only kernels|programs] [--quick] [--keep-dumps DIR]
+        [--knobs window soft_cap+window]  # only those knobs' configurations
 
 The full report (every configuration with every fusion's figures, megabytes) goes to ``--out``
 (git ignores ``results/gpu_compile_report.json``); its summary (``gpu_report.summarize``: per kernel
@@ -334,16 +336,19 @@ def _kernel_program(spec: dict):
   if kernel in ("decode", "prefill"):
     pages = _sds((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d), dt, sh)
     bt, vec = _sds((batch, max_blocks), i32, sh), _sds((batch,), i32, sh)
-    # The attention knobs of a "knob_row" spec: a static cap, ALiBi slopes as one more input.
+    # The attention knobs of a "knob_row" spec: a static cap, ALiBi slopes as one more input, a
+    # static sliding window (an int32 operand of the kernel).
     knob = KNOBS.get(spec.get("knob"), {})
     cap = knob.get("soft_cap")
+    win = knob.get("window")
     slopes = (_sds((KV_HEADS * g,), jnp.float32, sh),) if knob.get("alibi") else ()
     if kernel == "decode":
       return (lambda q, p, t, n, *a: pk.paged_decode_attention(
-                  q, p, 1, t, n, impl="pallas", soft_cap=cap, alibi_slopes=a[0] if a else None),
+                  q, p, 1, t, n, impl="pallas", soft_cap=cap, alibi_slopes=a[0] if a else None, window=win),
               (_sds((batch, KV_HEADS * g, d), dt, sh), pages, bt, vec) + slopes, ())
     return (lambda q, p, t, s0, n, *a: pk.paged_prefill_attention(
-                q, p, 1, t, s0, n, impl="pallas", soft_cap=cap, alibi_slopes=a[0] if a else None),
+                q, p, 1, t, s0, n, impl="pallas", soft_cap=cap, alibi_slopes=a[0] if a else None,
+                window=win),
             (_sds((batch, tokens, KV_HEADS * g, d), dt, sh), pages, bt, vec, vec) + slopes, ())
   if kernel == "write_kv":
     pages = _sds((2, 2, KV_HEADS, 4096, bs, d), dt, sh)
@@ -391,7 +396,9 @@ def _perf_program(spec: dict):
         from paged_kv.pallas_kernels.decode_attention import paged_decode_attention_pallas
         return (lambda q, p, t, n: paged_decode_attention_pallas(q, p, 1, t, n, scale=d ** -0.5, **spec["variant"]),
                 (q, pages, bt, lens), ())
-      return (lambda q, p, t, n: pk.paged_decode_attention(q, p, 1, t, n, impl="pallas"), (q, pages, bt, lens), ())
+      win = spec.get("window")  # a static sliding window (the split rule sizes the launch for it)
+      return (lambda q, p, t, n: pk.paged_decode_attention(q, p, 1, t, n, impl="pallas", window=win),
+              (q, pages, bt, lens), ())
     kp = _sds((spec["kv_heads"], nblocks, bs, d), dt, sh)
     pa = jax_paged_attention()
     return (lambda q, k, v, t, n: pa.paged_attention(q, k, v, t, n), (q, kp, kp, bt, lens), ())
@@ -686,6 +693,9 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="large size only (a smoke run)")
   ap.add_argument("--keep-dumps", default=None, help="keep XLA dumps and logs under this folder")
   ap.add_argument("--programs", nargs="*", default=None, help="only these whole programs")
+  ap.add_argument("--knobs", nargs="*", default=None, choices=sorted(KNOBS),
+                  help="only the kernel configurations with these attention knobs (with --only kernels: "
+                       "a partial run after a change to one knob's code)")
   ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
                   help="decoder layers of the whole programs (Llama 3.1 8B has 32; see docs/gpu-gate.md)")
   ap.add_argument("--no-cache", action="store_true",
@@ -694,7 +704,7 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
   t_start = time.perf_counter()
 
-  groups = [] if a.only in ("programs", "perf") else kernel_groups(a.quick)
+  groups = [] if a.only in ("programs", "perf") else kernel_groups(a.quick, a.knobs)
   perf_groups = [] if a.only in ("kernels", "programs") else perf_plan.perf_groups()
   progs = [] if a.only in ("kernels", "perf") else [
       (*p, a.layers) for p in PROGRAMS if a.programs is None or p[2] in a.programs]

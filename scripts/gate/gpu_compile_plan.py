@@ -192,9 +192,13 @@ def matmul_specs(quick: bool) -> list[dict]:
 # (the row's largest, which sets the rows per program), the target. Not the batch or context
 # (the grid), so one (large) size; not head_dim 16/32 (the smallest accumulators, far below the
 # register limit). The refusals of the knob's row are checked too (the input checks must see
-# the knobs), which costs no compilation.
+# the knobs), which costs no compilation. A sliding window (issue 31) is one more int32 operand,
+# a second loop bound and a lower bound in the mask; its value is an operand, so one window (the
+# split rule sizes the decode launch for a static one) stands for all, and Gemma 2 puts it beside
+# the soft cap.
 KNOBS = {"soft_cap": dict(soft_cap=50.0), "alibi": dict(alibi=True),
-         "soft_cap+alibi": dict(soft_cap=50.0, alibi=True)}
+         "soft_cap+alibi": dict(soft_cap=50.0, alibi=True), "window": dict(window=1024),
+         "soft_cap+window": dict(soft_cap=50.0, window=1024)}
 KNOB_HEAD_DIMS = (64, 128, 256)
 
 
@@ -226,16 +230,20 @@ def knob_facts(knob: str | None) -> tiling.Knobs:
   """The tiling table's view of a knob name (``KNOBS`` key or None)."""
   from paged_kv.pallas_kernels import tiling
   kw = KNOBS.get(knob, {}) if knob else {}
-  return tiling.Knobs(soft_cap=kw.get("soft_cap") is not None, alibi=bool(kw.get("alibi")))
+  return tiling.Knobs(soft_cap=kw.get("soft_cap") is not None, alibi=bool(kw.get("alibi")),
+                      window=kw.get("window") is not None)
 
 
-def kernel_groups(quick: bool) -> list[list[dict]]:
+def kernel_groups(quick: bool, knobs: list[str] | None = None) -> list[list[dict]]:
   """Work units for the workers: the configurations of one (target, kernel, dtype, head_dim,
   block size; for ``layer_matmul`` one (target, dtype)), so configurations that may share a
   kernel (other GQA groups, sizes, purposes) meet in one worker, which compiles each distinct
-  kernel once. Largest groups first."""
+  kernel once. Largest groups first. ``knobs``: only the configurations with one of these
+  ``KNOBS`` names (a partial run, e.g. after a change to one knob's code)."""
   groups: dict[tuple, list[dict]] = {}
   for s in kernel_specs(quick):
+    if knobs is not None and s.get("knob") not in knobs:
+      continue
     groups.setdefault((s["target"], s["kernel"], s["dtype"], s.get("head_dim"), s.get("block_size")), []).append(s)
   order = {"prefill": 0, "decode": 1, "layer_matmul": 2, "copy_blocks": 3, "write_kv": 4}
   return sorted(groups.values(), key=lambda g: (order[g[0]["kernel"]], -len(g)))

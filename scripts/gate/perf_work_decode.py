@@ -6,7 +6,9 @@ the tiling table's row and the split rule, plain Python run at trace time), so
 the estimate follows the tiles and splits the kernel really launches. Every sequence is taken at
 full context (the busiest split walks ``tiles_per_split`` tiles).
 
-* ``bytes`` (the roofline's): every cached K and V element once, the queries and the output.
+* ``bytes`` (the roofline's): every cached K and V element once, the queries and the output;
+  with a sliding ``window``, only the K and V of the window's ``min(window, context)`` positions
+  (the kernel skips the tiles before it).
 * ``extra_bytes``: the split partials (float32 ``o`` and ``lse`` of the real query rows),
   written by the kernel and read back by the merge; 0 when there is one split (the kernel then
   writes the output itself and there is no merge).
@@ -23,8 +25,9 @@ def decode_launch(batch: int, context: int, num_q_heads: int, num_kv_heads: int,
                   block_size: int, dtype: str = "bfloat16", **overrides):
   """The kernel's own :class:`~paged_kv.pallas_kernels.decode_attention.Partition` for this
   shape (``dtype`` a name; ``overrides``: ``blocks_per_tile``, ``num_splits``, ``num_warps``,
-  ``num_stages`` as the kernel takes them); its grid is ``batch x num_kv_heads x num_splits``
-  CTAs (:func:`ctas`)."""
+  ``num_stages`` as the kernel takes them, and ``window``, a static sliding window, which the
+  split rule sizes the launch for); its grid is ``batch x num_kv_heads x num_splits`` CTAs
+  (:func:`ctas`)."""
   from paged_kv.pallas_kernels import decode_attention
 
   max_blocks = perf_model.ceil_div(context, block_size)
@@ -42,16 +45,19 @@ _DTYPES = {2: "bfloat16", 4: "float32"}
 
 
 def decode_work(batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                itemsize: int, launch=None, **overrides) -> perf_model.Work:
+                itemsize: int, launch=None, window: int | None = None, **overrides) -> perf_model.Work:
   """The model's :class:`~scripts.gate.perf_model.Work` of one decode call (every sequence at
   ``context`` tokens; ``itemsize`` 2 for bfloat16/float16, 4 for float32). ``launch``: the
   launch to describe (default :func:`decode_launch` of this shape, with ``overrides``: a
-  variant's ``num_splits`` etc., as the kernel takes them)."""
+  variant's ``num_splits`` etc., as the kernel takes them). ``window``: a static sliding window
+  (an int): each sequence attends to its last ``min(window, context)`` positions, and the
+  busiest split walks its share of the window's tiles."""
   if launch is None:
     launch = decode_launch(batch, context, num_q_heads, num_kv_heads, head_dim, block_size, _DTYPES[itemsize],
-                           **overrides)
+                           window=window, **overrides)
   group = num_q_heads // num_kv_heads
   tile_keys = launch.blocks_per_tile * block_size
+  context = context if window is None else min(window, context)  # the positions each query sees
   kv = batch * context * num_kv_heads * head_dim * 2 * itemsize
   q_and_out = 2 * batch * num_q_heads * head_dim * itemsize
   extra = 0
