@@ -99,7 +99,8 @@ class LlamaConfig:
     and of k, before RoPE).
 
     Sliding windows: `layer_windows`, one int per layer (0: full causal attention; W >= 1: the
-    query at position p sees keys p - W < k <= p). Left empty it means full attention everywhere.
+    query at position p sees keys p - W < k <= p). Empty means full attention everywhere (and is
+    what a config without any window stores); `windows` is the per-layer tuple either way.
 
     Gemma switches (`gemma_switches` gives a family's): `hidden_act` ("silu": SwiGLU;
     "gelu_pytorch_tanh": GeGLU), `norm_offset` (every RMSNorm scales by `1 + w`, in float32 before
@@ -184,7 +185,9 @@ class LlamaConfig:
         if len(windows) != self.num_layers or not all(is_int(w) and w >= 0 for w in windows):
             raise ValueError(f"layer_windows={self.layer_windows!r} must hold num_layers={self.num_layers} ints >= 0 "
                              "(0: full attention)")
-        object.__setattr__(self, "layer_windows", tuple(int(w) for w in windows))
+        # No window anywhere is stored as (), so such a config equals one built without the field
+        # and `replace(num_layers=...)` keeps working; `windows` gives the per-layer tuple either way.
+        object.__setattr__(self, "layer_windows", tuple(int(w) for w in windows) if any(windows) else ())
         eos = self.eos_token_ids
         if isinstance(eos, (int, np.integer)):
             eos = (int(eos),)
@@ -205,17 +208,22 @@ class LlamaConfig:
         return jnp.dtype(self.dtype)
 
     @property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's window (`layer_windows`, or num_layers zeros when it is empty)."""
+        return self.layer_windows or (0,) * self.num_layers
+
+    @property
     def attend_windows(self) -> tuple[int, ...]:
         """The window each layer's attention applies: `layer_windows` with a window that covers
         `max_position_embeddings` (no sequence is longer) as 0, full attention, which computes the
         same and skips the window's mask."""
-        return tuple(0 if w >= self.max_position_embeddings else w for w in self.layer_windows)
+        return tuple(0 if w >= self.max_position_embeddings else w for w in self.windows)
 
     @property
     def local_rope(self) -> tuple[bool, ...]:
         """Per layer: True when it rotates with `rope_local_theta` (a windowed layer of a model
         that has a local base: Gemma 3's sliding layers)."""
-        return tuple(self.rope_local_theta is not None and w > 0 for w in self.layer_windows)
+        return tuple(self.rope_local_theta is not None and w > 0 for w in self.windows)
 
     @staticmethod
     def gemma_switches(model_type: str) -> dict[str, Any]:
@@ -461,7 +469,7 @@ def hf_layer_windows(hf: Mapping[str, Any], model_type: str, num_layers: int) ->
 def _hf_window_fields(config: LlamaConfig) -> dict[str, Any]:
     """The `config.json` fields that make transformers' class of `config.model_type` derive
     `config.layer_windows` (`hf_layer_windows` inverted); ValueError when it cannot."""
-    windows = config.layer_windows
+    windows = config.windows
     sizes = sorted(set(windows) - {0})
     if config.model_type == "llama":
         if sizes:

@@ -216,6 +216,22 @@ def test_unrolled_per_layer_logits_match(checkpoints):
     assert err <= tol.model_atol(model.config, toks.shape[1], 1.0, score_mag=tol.score_bound(model))
 
 
+def test_tied_gemma_logits_match(tmp_path):
+    """Gemma ties its head to the embedding (the checkpoints above are untied, see CASES): the
+    head reads the stored embedding, not the sqrt(d)-scaled lookup. Gemma 3, tied, logits only."""
+    config_cls, model_cls, extra = CASES["gemma3"]
+    torch.manual_seed(5)
+    hf = model_cls(config_cls(**{**COMMON, **extra, "tie_word_embeddings": True})).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_hf_checkpoint(tmp_path)
+    assert model.config.tie_word_embeddings and not hasattr(model, "lm_head")
+    toks = _prompts(b=2, n=16, seed=6)
+    with torch.no_grad():
+        ref = hf(torch.tensor(toks, dtype=torch.long)).logits.numpy()
+    err = float(np.abs(paged_prefill_logits(model, toks, BLOCK) - ref).max() / np.abs(ref).max())
+    assert err <= tol.model_atol(model.config, toks.shape[1], 1.0, score_mag=tol.score_bound(model))
+
+
 def test_geglu_is_transformers_tanh_gelu(checkpoints):
     """Gemma's MLP activation is transformers' `gelu_pytorch_tanh`: the exact erf GELU differs from
     it by at most ~5e-4, below what the whole model's rounding bound can tell apart, so the MLP
