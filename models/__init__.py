@@ -16,7 +16,15 @@ capacity per device).
 """
 
 from paged_kv.models import sharding
-from paged_kv.models.config import Llama3RopeScaling, LlamaConfig, llama31_8b, llama32_1b, rope_inv_freq, tiny
+from paged_kv.models.config import (
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    LlamaConfig,
+    llama31_8b,
+    llama32_1b,
+    rope_inv_freq,
+    tiny,
+)
 from paged_kv.models.contiguous import (
     contiguous_forward,
     contiguous_step,
@@ -54,8 +62,8 @@ from paged_kv.models.paged import (
 from paged_kv.models.protocol import AttentionBackend, ModelFacts, PagedModel, model_facts
 
 __all__ = [
-    "AttentionBackend", "CheckpointError", "KVPageSpec", "Llama", "Llama3RopeScaling", "LlamaConfig", "ModelFacts",
-    "PagedBatch", "PagedModel", "model_facts",
+    "AttentionBackend", "CheckpointError", "KVPageSpec", "LinearRopeScaling", "Llama", "Llama3RopeScaling",
+    "LlamaConfig", "ModelFacts", "PagedBatch", "PagedModel", "model_facts",
     "abstract_model", "allocate_pages", "compute_slots", "contiguous_forward", "contiguous_step",
     "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "in_vocab", "init_contiguous_cache",
     "init_model", "is_per_layer", "kv_bytes_per_block", "layout_for_impl", "kv_bytes_per_token", "llama31_8b",

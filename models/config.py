@@ -13,11 +13,18 @@ Families (`model_type`), all the same decoder with a few switches (`FAMILIES`):
 | `llama` | `LlamaForCausalLM` | optional `attention_bias` (q/k/v/o) and `mlp_bias` (gate/up/down) |
 | `qwen2` | `Qwen2ForCausalLM` | a bias on q/k/v (always; none on o) |
 | `qwen3` | `Qwen3ForCausalLM` | RMSNorm over each head of q and k before RoPE; explicit `head_dim`; optional `attention_bias` (q/k/v/o) |
-| `mistral` | `MistralForCausalLM` | nothing, when its sliding window covers the whole context |
+| `qwen2` (window) | `Qwen2ForCausalLM` | `use_sliding_window`: layers from `max_window_layers` on attend to the last `sliding_window` keys |
+| `mistral` | `MistralForCausalLM` | every layer attends to the last `sliding_window` keys (when set) |
+| `gemma2` | `Gemma2ForCausalLM` | GeGLU (tanh GELU); RMSNorm with a `(1 + w)` scale; norms before and after attention and MLP; embeddings times `sqrt(hidden)`; softmax scale `query_pre_attn_scalar ** -0.5`; attention and final-logit soft caps; `layer_types` (default: even layers slide) |
+| `gemma3_text` | `Gemma3ForCausalLM` | Gemma 2's switches without the soft caps (unless set), plus `(1 + w)` q/k norms per head; sliding layers (default: 5 of every 6) rotate with `rope_local_base_freq`, full ones with `rope_theta` and the linear `rope_scaling` |
 
-A checkpoint this decoder cannot compute exactly (a sliding window shorter than the context, a
-RoPE type other than `default`/`llama3`, another architecture or activation) is refused with a
-one-line `ValueError` naming the field and its value.
+Per layer, `layer_windows[i]` is the window W of layer i (query at p sees key k iff `p - W < k <= p`;
+0 = full causal attention), derived from `sliding_window`/`layer_types`/`use_sliding_window`/
+`max_window_layers`/`sliding_window_pattern` as each transformers family does.
+
+A checkpoint this decoder cannot compute exactly (a RoPE type other than `default`/`llama3`/`linear`,
+bidirectional attention, another architecture or activation) is refused with a one-line
+`ValueError` naming the field and its value.
 """  # noqa: E501 (a Markdown table row does not wrap)
 
 from __future__ import annotations
@@ -33,8 +40,12 @@ from paged_kv.pallas_kernels.validate import is_int
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mistral": "MistralForCausalLM"}
+            "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 """model_type -> the transformers `*ForCausalLM` class of that family."""
+GEMMA = ("gemma2", "gemma3_text")
+"""The Gemma families (their switches: `LlamaConfig.gemma_switches`)."""
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+"""MLP activations: SwiGLU's SiLU (Llama, Qwen, Mistral), GeGLU's tanh GELU (Gemma)."""
 _HF_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -63,6 +74,18 @@ class Llama3RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+    """`rope_scaling` with `rope_type: linear`: every inverse frequency divided by `factor`
+    (positions interpolated; Gemma 3's full-attention layers)."""
+
+    factor: float = 1.0
+
+    def __post_init__(self):
+        if not (self.factor > 0 and math.isfinite(self.factor)):
+            raise ValueError(f"rope_scaling.factor={self.factor} must be a finite float > 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Shapes and hyper-parameters of a Llama 3 family decoder.
 
@@ -74,6 +97,19 @@ class LlamaConfig:
     writes), `qkv_bias` (biases on the q/k/v projections), `o_bias` (on the output projection),
     `mlp_bias` (on gate/up/down), `qk_norm` (RMSNorm with a `head_dim` scale over each head of q
     and of k, before RoPE).
+
+    Sliding windows: `layer_windows`, one int per layer (0: full causal attention; W >= 1: the
+    query at position p sees keys p - W < k <= p). Empty means full attention everywhere (and is
+    what a config without any window stores); `windows` is the per-layer tuple either way.
+
+    Gemma switches (`gemma_switches` gives a family's): `hidden_act` ("silu": SwiGLU;
+    "gelu_pytorch_tanh": GeGLU), `norm_offset` (every RMSNorm scales by `1 + w`, in float32 before
+    the cast, as Gemma's), `sandwich_norm` (a norm on the attention output and on the MLP output,
+    before each residual add), `embed_scale` (embeddings times `sqrt(hidden_size)`, rounded to
+    `dtype`), `query_pre_attn_scalar` (softmax scale `query_pre_attn_scalar ** -0.5` instead of
+    `head_dim ** -0.5`), `attn_soft_cap` (scores `c * tanh(s / c)`), `final_soft_cap` (the same on
+    the logits), `rope_local_theta` (the RoPE base of the windowed layers, which then take no
+    `rope_scaling`; None: every layer rotates alike).
     """
 
     vocab_size: int
@@ -96,6 +132,15 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    layer_windows: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    norm_offset: bool = False
+    sandwich_norm: bool = False
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -117,15 +162,32 @@ class LlamaConfig:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} must be a finite float > 0")
         if not (self.rope_theta > 1 and math.isfinite(self.rope_theta)):
             raise ValueError(f"rope_theta={self.rope_theta} must be a finite float > 1")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
-            raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None or a Llama3RopeScaling")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, (Llama3RopeScaling, LinearRopeScaling)):
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None, a Llama3RopeScaling or a "
+                             "LinearRopeScaling")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {SUPPORTED_DTYPES}")
         if self.model_type not in FAMILIES:
             raise ValueError(f"model_type={self.model_type!r} must be one of {tuple(FAMILIES)}")
-        for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm"):
+        for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "sandwich_norm", "embed_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} must be one of {HIDDEN_ACTS}")
+        for name in ("query_pre_attn_scalar", "attn_soft_cap", "final_soft_cap"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name}={value!r} must be None or a finite float > 0")
+        local = self.rope_local_theta
+        if local is not None and not (local > 1 and math.isfinite(local)):
+            raise ValueError(f"rope_local_theta={self.rope_local_theta} must be None or a finite float > 1")
+        windows = tuple(self.layer_windows) or (0,) * self.num_layers
+        if len(windows) != self.num_layers or not all(is_int(w) and w >= 0 for w in windows):
+            raise ValueError(f"layer_windows={self.layer_windows!r} must hold num_layers={self.num_layers} ints >= 0 "
+                             "(0: full attention)")
+        # No window anywhere is stored as (), so such a config equals one built without the field
+        # and `replace(num_layers=...)` keeps working; `windows` gives the per-layer tuple either way.
+        object.__setattr__(self, "layer_windows", tuple(int(w) for w in windows) if any(windows) else ())
         eos = self.eos_token_ids
         if isinstance(eos, (int, np.integer)):
             eos = (int(eos),)
@@ -145,13 +207,40 @@ class LlamaConfig:
         import jax.numpy as jnp
         return jnp.dtype(self.dtype)
 
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's window (`layer_windows`, or num_layers zeros when it is empty)."""
+        return self.layer_windows or (0,) * self.num_layers
+
+    @property
+    def attend_windows(self) -> tuple[int, ...]:
+        """The window each layer's attention applies: `layer_windows` with a window that covers
+        `max_position_embeddings` (no sequence is longer) as 0, full attention, which computes the
+        same and skips the window's mask."""
+        return tuple(0 if w >= self.max_position_embeddings else w for w in self.windows)
+
+    @property
+    def local_rope(self) -> tuple[bool, ...]:
+        """Per layer: True when it rotates with `rope_local_theta` (a windowed layer of a model
+        that has a local base: Gemma 3's sliding layers)."""
+        return tuple(self.rope_local_theta is not None and w > 0 for w in self.windows)
+
+    @staticmethod
+    def gemma_switches(model_type: str) -> dict[str, Any]:
+        """The switches a Gemma family always sets (its architecture, not its `config.json`
+        values): GeGLU, `(1 + w)` norms, sandwich norms, scaled embeddings, and Gemma 3's q/k norms."""
+        if model_type not in GEMMA:
+            raise ValueError(f"model_type={model_type!r} is not a Gemma family {GEMMA}")
+        return dict(hidden_act="gelu_pytorch_tanh", norm_offset=True, sandwich_norm=True, embed_scale=True,
+                    qk_norm=model_type == "gemma3_text")
+
     def num_params(self) -> int:
         """Number of parameters (embedding counted once when tied)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += self.qkv_bias * d * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * h + self.qk_norm * 2 * d
         mlp = 3 * h * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + h)
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + (4 if self.sandwich_norm else 2) * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
@@ -161,13 +250,13 @@ class LlamaConfig:
     # ------------------------------------------------------------------ Hugging Face
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], *, dtype: str | None = None) -> LlamaConfig:
-        """Build from a Hugging Face `config.json` dict of a `LlamaForCausalLM`, `Qwen2ForCausalLM`,
-        `Qwen3ForCausalLM` or `MistralForCausalLM` (module docstring).
+        """Build from a Hugging Face `config.json` dict of a family in `FAMILIES` (module docstring).
 
         Raises a one-line ValueError naming the field and its value for another architecture, an
-        activation other than SiLU, a RoPE type other than the default and `llama3`, or a sliding
-        window shorter than `max_position_embeddings` (the model would attend differently past
-        it). `dtype` overrides the checkpoint's `torch_dtype`/`dtype`.
+        activation the family's class would not run (SiLU; Gemma: tanh GELU), a RoPE type other
+        than `default`, `llama3` and `linear`, Gemma's bidirectional attention, or anything else
+        this decoder would compute differently. `dtype` overrides the checkpoint's
+        `torch_dtype`/`dtype`.
         """
         model_type = hf.get("model_type")
         if model_type not in FAMILIES:
@@ -176,9 +265,13 @@ class LlamaConfig:
         if archs is not None and FAMILIES[model_type] not in archs:
             raise ValueError(f"unsupported architectures={archs!r} for model_type={model_type!r}: expected "
                              f"[{FAMILIES[model_type]!r}]")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act={act!r}: only 'silu' is supported")
+        gemma = model_type in GEMMA
+        # Gemma's MLP reads `hidden_activation` (older configs also carry an unused `hidden_act`).
+        act_field = "hidden_activation" if gemma else "hidden_act"
+        act = hf.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise ValueError(f"unsupported {act_field}={act!r}: {model_type} runs "
+                             f"{'gelu_pytorch_tanh' if gemma else 'silu'} only")
         # Which projections carry biases, as each transformers family builds its modules.
         attention_bias = bool(hf.get("attention_bias") or False)
         switches = {
@@ -186,24 +279,28 @@ class LlamaConfig:
             "qwen2": dict(qkv_bias=True),
             "qwen3": dict(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True),
             "mistral": {},
+            "gemma2": dict(qkv_bias=attention_bias, o_bias=attention_bias),
+            "gemma3_text": dict(qkv_bias=attention_bias, o_bias=attention_bias),
         }[model_type]
         num_layers = int(hf["num_hidden_layers"])
         max_pos = int(hf.get("max_position_embeddings", 2048))
-        _check_sliding_window(hf, model_type, num_layers, max_pos)
+        if gemma and hf.get("use_bidirectional_attention"):
+            raise ValueError(f"unsupported use_bidirectional_attention={hf['use_bidirectional_attention']!r}: "
+                             "only causal attention is implemented")
+        windows = hf_layer_windows(hf, model_type, num_layers)
 
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
-        if rope_type == "default":
-            scaling = None
-        elif rope_type == "llama3":
-            scaling = Llama3RopeScaling(
-                factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-        else:
-            raise ValueError(f"unsupported {field}.rope_type={rope_type!r}: expected 'default' or 'llama3'")
+        if gemma:
+            switches.update(cls.gemma_switches(model_type))
+            qpas = hf.get("query_pre_attn_scalar", 256)
+            switches["query_pre_attn_scalar"] = None if qpas is None else float(qpas)
+            caps = {"gemma2": (50.0, 30.0), "gemma3_text": (None, None)}[model_type]  # transformers' defaults
+            for ours, field, default in (("attn_soft_cap", "attn_logit_softcapping", caps[0]),
+                                         ("final_soft_cap", "final_logit_softcapping", caps[1])):
+                value = hf.get(field, default)
+                switches[ours] = None if value is None else float(value)
+        theta, scaling, local_theta = _hf_rope(hf, model_type)
+        if local_theta is not None:
+            switches["rope_local_theta"] = local_theta
 
         if dtype is None:
             dtype = checkpoint_dtype(hf)
@@ -222,26 +319,42 @@ class LlamaConfig:
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             dtype=dtype,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(int(t) for t in eos),
             model_type=model_type,
+            layer_windows=windows,
             **switches,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
         """A `config.json` dict that transformers' class of this family (`FAMILIES`) loads into
-        the same model. A switch that family cannot express raises ValueError."""
-        expressible = {
+        the same model. A switch or a window pattern that family cannot express raises ValueError."""
+        gemma = self.model_type in GEMMA
+        family_switches = self.gemma_switches(self.model_type) if gemma else dict(
+            hidden_act="silu", norm_offset=False, sandwich_norm=False, embed_scale=False)
+        fixed = all(getattr(self, k) == v for k, v in family_switches.items() if k != "qk_norm")
+        expressible = fixed and {
             "llama": self.qkv_bias == self.o_bias and not self.qk_norm,
             "qwen2": self.qkv_bias and not (self.o_bias or self.mlp_bias or self.qk_norm),
             "qwen3": self.qk_norm and self.qkv_bias == self.o_bias and not self.mlp_bias,
             "mistral": not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm),
+            "gemma2": self.qkv_bias == self.o_bias and not (self.mlp_bias or self.qk_norm),
+            "gemma3_text": self.qk_norm and self.qkv_bias == self.o_bias and not self.mlp_bias,
         }[self.model_type]
+        if not gemma:
+            expressible = expressible and self.query_pre_attn_scalar is None and self.attn_soft_cap is None and \
+                self.final_soft_cap is None and self.rope_local_theta is None
+        if self.model_type != "gemma3_text":
+            expressible = expressible and self.rope_local_theta is None
         if not expressible:
             raise ValueError(f"model_type={self.model_type!r} cannot express qkv_bias={self.qkv_bias}, "
-                             f"o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}")
+                             f"o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}, "
+                             f"hidden_act={self.hidden_act!r}, norm_offset={self.norm_offset}, sandwich_norm="
+                             f"{self.sandwich_norm}, embed_scale={self.embed_scale}, query_pre_attn_scalar="
+                             f"{self.query_pre_attn_scalar}, attn_soft_cap={self.attn_soft_cap}, final_soft_cap="
+                             f"{self.final_soft_cap}, rope_local_theta={self.rope_local_theta}")
         out: dict[str, Any] = {
             "architectures": [FAMILIES[self.model_type]],
             "model_type": self.model_type,
@@ -252,7 +365,7 @@ class LlamaConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_activation" if gemma else "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": None,
@@ -263,19 +376,29 @@ class LlamaConfig:
             "eos_token_id": (None if not self.eos_token_ids else
                              self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)),
         }
+        if self.model_type in ("llama", "gemma2", "gemma3_text"):
+            out["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
-            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+            out["mlp_bias"] = self.mlp_bias
         elif self.model_type == "qwen3":
             out["attention_bias"] = self.qkv_bias
-        if self.model_type != "llama":  # full attention everywhere (these families can slide)
-            out.update(sliding_window=None, use_sliding_window=False)
-        if self.rope_scaling is not None:
-            s = self.rope_scaling
+        out.update(_hf_window_fields(self))
+        if gemma:
+            qpas = self.query_pre_attn_scalar  # transformers' strict config wants an int where it is one
+            qpas = int(qpas) if qpas is not None and float(qpas).is_integer() else qpas
+            out.update(query_pre_attn_scalar=qpas, attn_logit_softcapping=self.attn_soft_cap,
+                       final_logit_softcapping=self.final_soft_cap, use_bidirectional_attention=False)
+        if self.model_type == "gemma3_text":
+            out["rope_local_base_freq"] = self.rope_theta if self.rope_local_theta is None else self.rope_local_theta
+        s = self.rope_scaling
+        if isinstance(s, Llama3RopeScaling):
             out["rope_scaling"] = {
                 "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position_embeddings,
             }
+        elif isinstance(s, LinearRopeScaling):
+            out["rope_scaling"] = {"rope_type": "linear", "factor": s.factor}
         return out
 
 
@@ -289,36 +412,134 @@ def checkpoint_dtype(hf: Mapping[str, Any]) -> str:
     return _HF_DTYPE_NAMES[hf_dtype]
 
 
-def _check_sliding_window(hf: Mapping[str, Any], model_type: str, num_layers: int, max_pos: int) -> None:
-    """ValueError when some layer attends through a sliding window shorter than the context.
+def hf_layer_windows(hf: Mapping[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's attention window (0: full) as transformers' class of `model_type` derives it
+    from a `config.json` dict:
 
-    A window of W keys (transformers masks key j for query i unless i - j < W) changes nothing for
-    sequences of at most W tokens, and no sequence is longer than `max_position_embeddings`, so a
-    window at least that long is served exactly by full attention. Which layers slide follows
-    transformers: `layer_types` where given; else Qwen2/3 slide from layer `max_window_layers`
-    on when `use_sliding_window`, and Mistral slides everywhere when `sliding_window` is set.
-    Llama has no sliding window.
-    """
-    if model_type == "llama":
-        return
+      llama: none.
+      mistral: `sliding_window` on every layer when set (transformers ignores `layer_types` there).
+      qwen2/qwen3: no window unless `use_sliding_window`; then `layer_types` where given, else the
+        layers from `max_window_layers` (default 28) on.
+      gemma2: `layer_types` where given, else every even layer (0, 2, ...) slides.
+      gemma3_text: `layer_types` where given, else every layer but each `sliding_window_pattern`-th
+        (default 6: 5 local, 1 global) slides.
+
+    ValueError naming the field for a `layer_types` of the wrong length or with an unknown entry,
+    or a window that is not an int >= 1."""
     window = hf.get("sliding_window")
+    if model_type == "llama":
+        return (0,) * num_layers
+    if model_type == "qwen2" or model_type == "qwen3":
+        if not hf.get("use_sliding_window", False):
+            window = None
     layer_types = hf.get("layer_types")
+    if model_type == "mistral":
+        layer_types = None
     if layer_types is not None:
+        layer_types = list(layer_types)
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
             raise ValueError(f"unsupported layer_types entry {unknown[0]!r}: expected 'full_attention' or "
                              "'sliding_attention'")
-        sliding = "sliding_attention" in layer_types
-        where = "layer_types"
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries, expected num_hidden_layers={num_layers}")
+        sliding = [t == "sliding_attention" for t in layer_types]
+    elif model_type == "mistral":
+        sliding = [True] * num_layers
     elif model_type in ("qwen2", "qwen3"):
-        sliding = bool(hf.get("use_sliding_window", False)) and num_layers > int(hf.get("max_window_layers", 28))
-        where = "use_sliding_window"
-    else:
-        sliding = window is not None
-        where = "sliding_window"
-    if sliding and window is not None and int(window) < max_pos:
-        raise ValueError(f"unsupported sliding_window={int(window)} (set by {where}): shorter than "
-                         f"max_position_embeddings={max_pos}, and sliding-window attention is not implemented")
+        first = int(hf.get("max_window_layers", 28))
+        sliding = [i >= first for i in range(num_layers)]
+    elif model_type == "gemma2":
+        sliding = [bool((i + 1) % 2) for i in range(num_layers)]
+    else:  # gemma3_text
+        pattern = hf.get("sliding_window_pattern", 6)
+        if not is_int(pattern) or pattern < 1:
+            raise ValueError(f"unsupported sliding_window_pattern={pattern!r}: expected an int >= 1")
+        sliding = [bool((i + 1) % pattern) for i in range(num_layers)]
+    if window is None:
+        if model_type in GEMMA and any(sliding):
+            raise ValueError("unsupported sliding_window=None with sliding_attention layers: a Gemma local layer "
+                             "needs a window")
+        return (0,) * num_layers
+    if not is_int(window) or window < 1:
+        raise ValueError(f"unsupported sliding_window={window!r}: expected an int >= 1 or null")
+    return tuple(int(window) if s else 0 for s in sliding)
+
+
+def _hf_window_fields(config: LlamaConfig) -> dict[str, Any]:
+    """The `config.json` fields that make transformers' class of `config.model_type` derive
+    `config.layer_windows` (`hf_layer_windows` inverted); ValueError when it cannot."""
+    windows = config.windows
+    sizes = sorted(set(windows) - {0})
+    if config.model_type == "llama":
+        if sizes:
+            raise ValueError(f"model_type='llama' has no sliding window: layer_windows={windows}")
+        return {}
+    if len(sizes) > 1:
+        raise ValueError(f"layer_windows={windows}: transformers' {FAMILIES[config.model_type]} has one "
+                         "sliding_window for all its sliding layers")
+    window = sizes[0] if sizes else None
+    types = ["sliding_attention" if w else "full_attention" for w in windows]
+    if config.model_type == "mistral":
+        if window is not None and 0 in windows:
+            raise ValueError(f"layer_windows={windows}: Mistral slides on every layer or none")
+        return {"sliding_window": window}
+    if config.model_type in ("qwen2", "qwen3"):
+        first = windows.index(window) if window is not None else config.num_layers
+        if window is not None and any(w != (window if i >= first else 0) for i, w in enumerate(windows)):
+            raise ValueError(f"layer_windows={windows}: {config.model_type} slides on the layers from "
+                             "max_window_layers on only")
+        return {"sliding_window": window, "use_sliding_window": window is not None, "max_window_layers": first,
+                "layer_types": types}
+    if window is None:  # Gemma: every layer full; its sliding layers need a window, so name none
+        return {"sliding_window": config.max_position_embeddings, "layer_types": types}
+    return {"sliding_window": window, "layer_types": types}
+
+
+def _hf_rope(hf: Mapping[str, Any], model_type: str) -> tuple[float, Any, float | None]:
+    """(rope_theta, rope_scaling, rope_local_theta) from a `config.json` dict: the legacy fields
+    (`rope_theta`, `rope_scaling`, Gemma 3's `rope_local_base_freq`) or transformers 5's
+    `rope_parameters` (Gemma 3: one dict per layer type). ValueError naming the field for a RoPE
+    type other than `default`, `llama3` and `linear` (Gemma 3's local layers: `default` only)."""
+    params = hf.get("rope_parameters")
+    if model_type == "gemma3_text":
+        if params and ("full_attention" in params or "sliding_attention" in params):
+            full = dict(params.get("full_attention") or {})
+            local = dict(params.get("sliding_attention") or {})
+            full_field, local_field = "rope_parameters.full_attention", "rope_parameters.sliding_attention"
+        else:
+            full = dict(params or hf.get("rope_scaling") or {})
+            local = {}
+            full_field = local_field = "rope_parameters" if params else "rope_scaling"
+        full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+        local_type = local.get("rope_type", local.get("type", "default"))
+        if local_type != "default":
+            raise ValueError(f"unsupported {local_field}.rope_type={local_type!r} for the sliding layers: expected "
+                             "'default'")
+        theta, scaling = _rope_scaling(full, full_field)
+        return theta, scaling, float(local["rope_theta"])
+    rope = params or hf.get("rope_scaling") or {}
+    field = "rope_parameters" if params else "rope_scaling"
+    rope = {"rope_theta": hf.get("rope_theta", 10_000.0), **rope}
+    theta, scaling = _rope_scaling(rope, field)
+    return theta, scaling, None
+
+
+def _rope_scaling(rope: Mapping[str, Any], field: str) -> tuple[float, Any]:
+    """(theta, scaling) of one RoPE parameter dict (with its `rope_theta`)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope["rope_theta"])
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        return theta, Llama3RopeScaling(
+            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    if rope_type == "linear":
+        return theta, LinearRopeScaling(factor=float(rope["factor"]))
+    raise ValueError(f"unsupported {field}.rope_type={rope_type!r}: expected 'default', 'llama3' or 'linear'")
 
 
 # ---------------------------------------------------------------------- presets
@@ -351,14 +572,20 @@ def tiny(dtype: str = "float32", **overrides: Any) -> LlamaConfig:
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
-def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """Inverse RoPE frequencies float32[head_dim // 2], with the llama3 scaling when configured."""
+def rope_inv_freq(config: LlamaConfig, local: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies float32[head_dim // 2], with the configured scaling (llama3 or
+    linear). `local`: those of the windowed layers of a model with a `rope_local_theta` (that
+    base, no scaling; Gemma 3); the global ones when it has none."""
     d = config.head_dim
+    local = local and config.rope_local_theta is not None
+    theta = config.rope_local_theta if local else config.rope_theta
     exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
-    s = config.rope_scaling
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    s = None if local else config.rope_scaling
     if s is None:
         return inv_freq
+    if isinstance(s, LinearRopeScaling):
+        return (inv_freq / np.float32(s.factor)).astype(np.float32)
     old_len = float(s.original_max_position_embeddings)
     low_wavelen = old_len / s.low_freq_factor
     high_wavelen = old_len / s.high_freq_factor

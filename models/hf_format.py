@@ -30,7 +30,8 @@ class CheckpointError(ValueError):
 
 def hf_tensors(config: LlamaConfig) -> Iterator[tuple[str, tuple, tuple[int, ...]]]:
     """(HF tensor name, path into the NNX state, HF shape) for every weight of the model,
-    including the family's biases and q/k norms (`paged_kv.models.llama` docstring). A layer's path holds
+    including the family's biases, q/k norms and Gemma's four norms per layer (`paged_kv.models.llama`
+    docstring). A layer's path holds
     its index after "layers": ("layers", i, "attn", "q_proj") is slice [i] of the stacked
     `layers.attn.q_proj` (`state_node`)."""
     d, e, f, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
@@ -59,7 +60,12 @@ def hf_tensors(config: LlamaConfig) -> Iterator[tuple[str, tuple, tuple[int, ...
             yield p + "mlp.up_proj.bias", ("layers", i, "mlp", "up_bias"), (f,)
             yield p + "mlp.down_proj.bias", ("layers", i, "mlp", "down_bias"), (d,)
         yield p + "input_layernorm.weight", ("layers", i, "input_norm", "scale"), (d,)
-        yield p + "post_attention_layernorm.weight", ("layers", i, "post_attn_norm", "scale"), (d,)
+        if config.sandwich_norm:  # Gemma: norms after attention and MLP, and one before the MLP
+            yield p + "post_attention_layernorm.weight", ("layers", i, "attn_out_norm", "scale"), (d,)
+            yield p + "pre_feedforward_layernorm.weight", ("layers", i, "post_attn_norm", "scale"), (d,)
+            yield p + "post_feedforward_layernorm.weight", ("layers", i, "mlp_out_norm", "scale"), (d,)
+        else:
+            yield p + "post_attention_layernorm.weight", ("layers", i, "post_attn_norm", "scale"), (d,)
     yield "model.norm.weight", ("final_norm", "scale"), (d,)
     if not config.tie_word_embeddings:
         yield "lm_head.weight", ("lm_head",), (v, d)

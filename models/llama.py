@@ -46,7 +46,15 @@ Family switches (`LlamaConfig`; each parameter exists only when its switch is on
   layers.attn.o_bias  [L, d]                                  ...self_attn.o_proj.bias        (o_bias)
   layers.attn.q_norm / k_norm [L, D] (RMSNorm per head)       ...self_attn.{q,k}_norm.weight  (qk_norm)
   layers.mlp.gate_bias / up_bias [L, F]; down_bias [L, d]     ...mlp.{gate,up,down}_proj.bias (mlp_bias)
-"""
+  layers.attn_out_norm / mlp_out_norm [L, d]                  ...post_attention_layernorm / post_feedforward_layernorm (sandwich_norm;
+                                                              post_attn_norm is then ...pre_feedforward_layernorm)
+Gemma's other switches have no parameters: `norm_offset` (every norm scales by 1 + w), GeGLU
+(`hidden_act`), `embed_scale`, the attend options (`query_pre_attn_scalar`'s scale, `attn_soft_cap`),
+`final_soft_cap` in `logits`. Per layer, `LlamaConfig.attend_windows[i]` goes to `attend` as its
+`window` option (a Python int unrolled; in the scan an int32 per layer, <= 0 for full attention;
+never passed when no layer has a window), and the layers of `LlamaConfig.local_rope` rotate with
+the local base (Gemma 3).
+"""  # noqa: E501 (a table row)
 
 from __future__ import annotations
 
@@ -71,14 +79,28 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std: float):
 
 
 class RMSNorm(nnx.Module):
-    """y = scale * x / sqrt(mean(x^2) + eps); statistics in float32, as in HF."""
+    """y = scale * x / sqrt(mean(x^2) + eps); statistics in float32, as in HF.
 
-    def __init__(self, dim: int, eps: float, dtype: DTypeLike):
+    `offset` (Gemma): y = (1 + scale) * x / sqrt(mean(x^2) + eps), all in float32 and cast to x's
+    dtype once at the end (the scale starts at 0, the identity), as transformers' Gemma RMSNorm."""
+
+    def __init__(self, dim: int, eps: float, dtype: DTypeLike, offset: bool = False):
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.offset = offset
+        self.scale = nnx.Param((jnp.zeros if offset else jnp.ones)((dim,), dtype))
 
     def __call__(self, x: Array, invariant: bool = False) -> Array:
-        return self.scale[...] * self.normalize(x, invariant)
+        return self.apply(x, self.scale[...], invariant)
+
+    def apply(self, x: Array, scale: Array, invariant: bool = False) -> Array:
+        """The norm of x[..., dim] with `scale` [dim] (this norm's weight, or one layer's slice of
+        the stacked weight), in x's dtype."""
+        if not self.offset:
+            return scale * self.normalize(x, invariant)
+        x32 = x.astype(jnp.float32)  # Gemma: normalise and scale in float32, one rounding at the end
+        normed = invariant_ops.rms_normalize(x32, self.eps) if invariant else \
+            x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
 
     def normalize(self, x: Array, invariant: bool = False) -> Array:
         """x / sqrt(mean(x^2) + eps) in x's dtype, before the scale (with in-place projections
@@ -116,7 +138,14 @@ class LayerAccess:
         (the scale multiplies the `x` tile in the kernel: the same product, no slice)."""
         if self.matmul is None:
             return norm(x, self.invariant), None
+        if norm.offset:  # (1 + w) in float32 is not a scale of the normalised x in x's dtype: slice w
+            return self.full_norm(norm, x), None
         return norm.normalize(x, self.invariant), norm.scale[...]
+
+    def full_norm(self, norm: RMSNorm, x: Array) -> Array:
+        """`norm(x)` with this layer's scale (sliced when stacked): a norm no projection follows
+        (Gemma's norms of the attention and MLP outputs), or a `(1 + w)` one."""
+        return norm.apply(x, self.weight(norm.scale[...]), self.invariant)
 
     def weight(self, w: Array) -> Array:
         """This layer's `w`: `w` itself on the layer's own weights, `w[layer]` when stacked."""
@@ -198,7 +227,9 @@ class Attention(nnx.Module):
     """Grouped-query attention projections; the attention itself is delegated to `attend`.
 
     With the family switches (module docstring): biases added after the projections, and q/k
-    normalised per head (Qwen3) after their bias and before RoPE, in transformers' order."""
+    normalised per head (Qwen3, Gemma 3) after their bias and before RoPE, in transformers' order.
+    The attend options are the config's: `scale` from `query_pre_attn_scalar`, `soft_cap` from
+    `attn_soft_cap` (Gemma), and the layer's `window` (given per call)."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
         d, e, dt, std = config.hidden_size, config.head_dim, config.jnp_dtype, init_std
@@ -214,15 +245,24 @@ class Attention(nnx.Module):
         if config.o_bias:
             self.o_bias = nnx.Param(_normal(rngs, (d,), dt, std))
         if config.qk_norm:
-            self.q_norm = RMSNorm(e, config.rms_norm_eps, dt)
-            self.k_norm = RMSNorm(e, config.rms_norm_eps, dt)
+            self.q_norm = RMSNorm(e, config.rms_norm_eps, dt, config.norm_offset)
+            self.k_norm = RMSNorm(e, config.rms_norm_eps, dt, config.norm_offset)
         self.qkv_bias, self.has_o_bias, self.qk_norm = config.qkv_bias, config.o_bias, config.qk_norm
+        # Static attend options (Python floats, part of the compiled program; a tuple of pairs, so
+        # the graphdef stays hashable); none for a Llama.
+        options = []
+        if config.query_pre_attn_scalar is not None:
+            options.append(("scale", float(config.query_pre_attn_scalar) ** -0.5))
+        if config.attn_soft_cap is not None:
+            options.append(("soft_cap", float(config.attn_soft_cap)))
+        self.attend_options = tuple(options)
 
     def __call__(self, x: Array, norm_scale: Array | None, positions: Array, inv_freq: Array, cache,
-                 attend: AttentionBackend, access: LayerAccess):
+                 attend: AttentionBackend, access: LayerAccess, window: int | Array | None = None):
         """x[B, T, d] (after the input norm; `norm_scale` its weight when the projections apply it,
         `LayerAccess.norm`) -> (out[B, T, d] in x's dtype, cache): q/k/v, RoPE, `attend` at layer
-        `access.layer`, the output projection."""
+        `access.layer`, the output projection. `window`: the layer's sliding window for `attend`
+        (None: no window option; a Python int >= 1, or a traced int32 where <= 0 is full attention)."""
         bias = (lambda name: getattr(self, name)[...]) if self.qkv_bias else (lambda name: None)
         # Named scopes only label the HLO (scripts/profile_decode.py attributes time by them).
         with jax.named_scope("qkv_proj"):
@@ -231,19 +271,21 @@ class Attention(nnx.Module):
                 (self.q_proj[...], self.k_proj[...], self.v_proj[...]),
                 biases=(bias("q_bias"), bias("k_bias"), bias("v_bias")), scale=norm_scale)
             if self.qk_norm:  # per-head scales [D] ([L, D] stacked: a small slice each)
-                q = access.weight(self.q_norm.scale[...]) * self.q_norm.normalize(q, access.invariant)
-                k = access.weight(self.k_norm.scale[...]) * self.k_norm.normalize(k, access.invariant)
+                q = access.full_norm(self.q_norm, q)
+                k = access.full_norm(self.k_norm, k)
         with jax.named_scope("rope"):
             q = apply_rope(q, positions, inv_freq, access.invariant)
             k = apply_rope(k, positions, inv_freq, access.invariant)
-        out, cache = attend(access.layer, q, k, v, cache)
+        options = dict(self.attend_options) if window is None else {**dict(self.attend_options), "window": window}
+        out, cache = attend(access.layer, q, k, v, cache, **options)
         with jax.named_scope("o_proj"):
             return access.project("bthe,hed->btd", out.astype(x.dtype), self.o_proj[...],
                                   bias=self.o_bias[...] if self.has_o_bias else None, split="k"), cache
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), each projection with a bias under `mlp_bias`."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), each projection with a bias under `mlp_bias`; GeGLU
+    (`hidden_act="gelu_pytorch_tanh"`, Gemma): the tanh approximation of GELU in place of SiLU."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
         d, f, dt, std = config.hidden_size, config.intermediate_size, config.jnp_dtype, init_std
@@ -255,6 +297,7 @@ class MLP(nnx.Module):
             self.up_bias = nnx.Param(_normal(rngs, (f,), dt, std))
             self.down_bias = nnx.Param(_normal(rngs, (d,), dt, std))
         self.mlp_bias = config.mlp_bias
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     @jax.named_scope("mlp")
     def __call__(self, x: Array, norm_scale: Array | None, access: LayerAccess) -> Array:
@@ -263,30 +306,45 @@ class MLP(nnx.Module):
         bias = (lambda name: getattr(self, name)[...]) if self.mlp_bias else (lambda name: None)
         gate, up = access.project_group(("btd,df->btf", "btd,df->btf"), x, (self.gate[...], self.up[...]),
                                         biases=(bias("gate_bias"), bias("up_bias")), scale=norm_scale)
-        return access.project("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...], bias=bias("down_bias"),
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return access.project("btf,fd->btd", act * up, self.down[...], bias=bias("down_bias"),
                               split="k")  # row-parallel
 
 
 class DecoderLayer(nnx.Module):
     """One decoder layer (pre-norm attention and MLP, each residual). In `Llama` its parameters
-    carry a leading layer axis (the stacked layout) or it is one of a list (`per_layer`)."""
+    carry a leading layer axis (the stacked layout) or it is one of a list (`per_layer`).
+
+    `post_attn_norm` is the norm before the MLP (HF `post_attention_layernorm`, or Gemma's
+    `pre_feedforward_layernorm`). `sandwich_norm` (Gemma) adds `attn_out_norm` on the attention
+    output and `mlp_out_norm` on the MLP output, each before its residual add (HF
+    `post_attention_layernorm` and `post_feedforward_layernorm` there)."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
-        dt = config.jnp_dtype
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        dt, off = config.jnp_dtype, config.norm_offset
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, off)
         self.attn = Attention(config, rngs=rngs, init_std=init_std)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, off)
         self.mlp = MLP(config, rngs=rngs, init_std=init_std)
+        self.sandwich = config.sandwich_norm
+        if config.sandwich_norm:
+            self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, off)
+            self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, off)
 
     def __call__(self, x: Array, positions: Array, inv_freq: Array, cache, attend: AttentionBackend,
-                 access: LayerAccess):
+                 access: LayerAccess, window: int | Array | None = None):
         """x[B, T, d] -> (x[B, T, d], cache) for layer `access.layer`, its weights read as `access`
-        says (its own, or the stacked ones in place)."""
+        says (its own, or the stacked ones in place); `window` as in `Attention.__call__`."""
         h, scale = access.norm(self.input_norm, x)
-        h, cache = self.attn(h, scale, positions, inv_freq, cache, attend, access)
+        h, cache = self.attn(h, scale, positions, inv_freq, cache, attend, access, window)
+        if self.sandwich:
+            h = access.full_norm(self.attn_out_norm, h)
         x = x + h
         h, scale = access.norm(self.post_attn_norm, x)
-        return x + self.mlp(h, scale, access), cache
+        h = self.mlp(h, scale, access)
+        if self.sandwich:
+            h = access.full_norm(self.mlp_out_norm, h)
+        return x + h, cache
 
 
 SAFE_TOKEN = 0
@@ -351,7 +409,7 @@ class Llama(nnx.Module):
         # Each layer is built as before (same random draws, in the same order) and then stacked, so
         # a seed gives the weights it gave when layers were a list.
         self.layers = stack_layers([DecoderLayer(config, rngs=rngs, init_std=std) for _ in range(config.num_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, config.norm_offset)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dt, std))
 
@@ -370,15 +428,20 @@ class Llama(nnx.Module):
         """
         attend = as_backend(attend)
         invariant = attend.batch_invariant  # with `layer_matmul`, the backend's matmul is invariant too
-        inv_freq = jnp.asarray(rope_inv_freq(self.config))
-        x = jnp.take(self.embed[...], safe_tokens(tokens, self.config.vocab_size), axis=0)
+        cfg = self.config
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))
+        local_freq = jnp.asarray(rope_inv_freq(cfg, local=True)) if any(cfg.local_rope) else None
+        windows = cfg.attend_windows
+        x = jnp.take(self.embed[...], safe_tokens(tokens, cfg.vocab_size), axis=0)
+        if cfg.embed_scale:  # Gemma: sqrt(d) rounded to the model dtype first, as transformers does
+            x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
         if is_per_layer(self) or attend.static_layer:
             # Python-int ids. On stacked weights each layer is a static slice, which XLA:GPU
             # copies on every step: `paged_kv.models.paged.layout_for_impl` gives such a backend's
             # callers the per-layer layout instead, which has nothing to slice.
-            for i in range(self.config.num_layers):
-                x, cache = self.layer(i)(x, positions, inv_freq, cache, attend,
-                                         LayerAccess(i, invariant=invariant))
+            for i in range(cfg.num_layers):
+                x, cache = self.layer(i)(x, positions, local_freq if cfg.local_rope[i] else inv_freq, cache, attend,
+                                         LayerAccess(i, invariant=invariant), windows[i] or None)
             return self.final_norm(x, invariant), cache
         layer_def, stacked = nnx.split(self.layers)
         matmul = attend.layer_matmul
@@ -386,14 +449,21 @@ class Llama(nnx.Module):
         # invariants of the scan that XLA:GPU never copies. Else the scan slices them (its xs).
         whole = None if matmul is None else nnx.merge(layer_def, stacked)
 
+        # Per-layer differences that a scan carries as data: the window (an int32, <= 0 full) and
+        # the RoPE frequencies (Gemma 3's local base); a model without them passes neither.
+        window_of = jnp.asarray(windows, jnp.int32) if any(windows) else None
+        is_local = jnp.asarray(cfg.local_rope) if local_freq is not None else None
+
         def body(carry, xs):
             # xs: this layer's weights (None in place) and its id, an int32 scalar that `attend`
             # uses to index the cache's layer axis in place.
             (x, cache), (weights, i) = carry, xs
             layer = whole if weights is None else nnx.merge(layer_def, weights)
-            return layer(x, positions, inv_freq, cache, attend, LayerAccess(i, matmul, invariant)), None
+            freq = inv_freq if is_local is None else jnp.where(is_local[i], local_freq, inv_freq)
+            window = None if window_of is None else window_of[i]
+            return layer(x, positions, freq, cache, attend, LayerAccess(i, matmul, invariant), window), None
 
-        ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked if matmul is None else None, ids))
         return self.final_norm(x, invariant), cache
 
@@ -412,14 +482,18 @@ class Llama(nnx.Module):
         """hidden[..., d] -> float32 logits[..., V] (matmul in the config dtype). `batch_invariant`:
         each row's bits independent of the others (`paged_kv.pallas_kernels.invariant.matmul`)."""
         head = self.embed[...] if self.config.tie_word_embeddings else self.lm_head[...]
-        if batch_invariant:
-            with jax.named_scope("lm_head"):
+        with jax.named_scope("lm_head"):
+            if batch_invariant:
                 flat = hidden.reshape(-1, hidden.shape[-1])
                 # Columns in two parts: the same bits whether the head is vocab-parallel or not.
                 y = invariant_ops.matmul(flat, head, transpose_w=True, split="n").astype(hidden.dtype)
-                return y.reshape(*hidden.shape[:-1], head.shape[0]).astype(jnp.float32)
-        with jax.named_scope("lm_head"):
-            return jnp.einsum("...d,vd->...v", hidden, head).astype(jnp.float32)
+                logits = y.reshape(*hidden.shape[:-1], head.shape[0]).astype(jnp.float32)
+            else:
+                logits = jnp.einsum("...d,vd->...v", hidden, head).astype(jnp.float32)
+        cap = self.config.final_soft_cap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap), elementwise (batch-invariant too)
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
 
 
 def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:

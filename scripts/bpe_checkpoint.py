@@ -8,6 +8,10 @@ as Llama 3 has).
 
     python scripts/bpe_checkpoint.py OUT_DIR [--family qwen2] [--vocab 512] [--seed 0]
 
+`--family` is one of `FAMILY_NAMES`: `gemma2` and `gemma3` write Gemma-shaped folders (model_type
+`gemma2` / `gemma3_text`: GeGLU, (1 + w) norms, tied scaled embeddings, a 64-token sliding window
+on alternating layers; Gemma 2's soft caps, Gemma 3's q/k norms and local RoPE base).
+
 The weights are random, so the answers are not English; everything else (tokenizer, special
 tokens, chat template, EOS list, safetensors layout) is what a real checkpoint carries. The tests
 (tests/test_tokenizers.py, tests/test_cli.py), and the session in docs/usage.md
@@ -54,6 +58,33 @@ def train_bpe(vocab_size: int = 512, num_docs: int = 2000, seed: int = 0):
     return tok
 
 
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+"""`--family` choices (`gemma3` is model_type `gemma3_text`, the text decoder)."""
+WINDOW = 64
+"""The sliding window of the Gemma folders' local layers (tokens)."""
+
+
+def family_switches(family: str, num_layers: int, head_dim: int) -> dict:
+    """The `LlamaConfig` fields of `family` (one of `FAMILY_NAMES`) beyond the shared shapes."""
+    from paged_kv.models import LlamaConfig
+
+    if family not in FAMILY_NAMES:
+        raise ValueError(f"family={family!r} must be one of {FAMILY_NAMES}")
+    if family in ("gemma2", "gemma3"):
+        model_type = "gemma2" if family == "gemma2" else "gemma3_text"
+        # Local layers first, then global, alternating (Gemma 2's pattern; Gemma 3 uses 5:1 at scale).
+        windows = tuple(WINDOW if i % 2 == 0 else 0 for i in range(num_layers))
+        out = dict(model_type=model_type, layer_windows=windows, query_pre_attn_scalar=float(head_dim),
+                   **LlamaConfig.gemma_switches(model_type))
+        if family == "gemma2":
+            out.update(attn_soft_cap=50.0, final_soft_cap=30.0)
+        else:
+            out.update(rope_theta=1_000_000.0, rope_local_theta=10_000.0)
+        return out
+    return {"llama": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True, head_dim=32),
+            "mistral": {}}[family]
+
+
 def write_checkpoint(out: str | Path, *, family: str = "llama", vocab_size: int = 512, seed: int = 0,
                      hidden_size: int = 64, num_layers: int = 2, chat_template: str | None = CHAT_TEMPLATE,
                      eos: tuple[str, ...] = (EOS, EOT)) -> Path:
@@ -67,13 +98,11 @@ def write_checkpoint(out: str | Path, *, family: str = "llama", vocab_size: int 
     tok.save(str(out / "tokenizer.json"))
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eos_ids = [tok.token_to_id(t) for t in eos]
-    switches = {"llama": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True, head_dim=32),
-                "mistral": {}}[family]
+    switches = {"rope_theta": 10_000.0, "model_type": family, **family_switches(family, num_layers, hidden_size // 4)}
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                      num_layers=num_layers, num_heads=4, num_kv_heads=2, rope_theta=10_000.0,
-                      max_position_embeddings=512, tie_word_embeddings=family in ("qwen2", "qwen3"),
-                      bos_token_id=tok.token_to_id(BOS), eos_token_ids=tuple(eos_ids), model_type=family,
-                      **switches)
+                      num_layers=num_layers, num_heads=4, num_kv_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=family in ("qwen2", "qwen3", "gemma2", "gemma3"),
+                      bos_token_id=tok.token_to_id(BOS), eos_token_ids=tuple(eos_ids), **switches)
     save_hf_checkpoint(init_model(cfg, seed=seed, init_std=0.2), out)
     tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": eos[0], "pad_token": PAD,
             "model_max_length": cfg.max_position_embeddings}
@@ -88,7 +117,7 @@ def write_checkpoint(out: str | Path, *, family: str = "llama", vocab_size: int 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="checkpoint folder to write")
-    p.add_argument("--family", choices=("llama", "qwen2", "qwen3", "mistral"), default="llama")
+    p.add_argument("--family", choices=FAMILY_NAMES, default="llama")
     p.add_argument("--vocab", type=int, default=512, help="BPE vocabulary size")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -44,6 +44,11 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
     (dict(rms_norm_eps=0.0), "rms_norm_eps=0.0 must be"),
     (dict(rope_theta=1.0), "rope_theta=1.0 must be"),
     (dict(eos_token_ids=(999,)), "special token id 999 must be in \\[0, vocab_size=256\\)"),
+    (dict(layer_windows=(8,)), "layer_windows=\\(8,\\) must hold num_layers=2 ints >= 0"),
+    (dict(layer_windows=(8, -1)), "layer_windows=\\(8, -1\\) must hold num_layers=2 ints >= 0"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu' must be one of"),
+    (dict(attn_soft_cap=0.0), "attn_soft_cap=0.0 must be None or a finite float > 0"),
+    (dict(rope_local_theta=1.0), "rope_local_theta=1.0 must be None or a finite float > 1"),
 ])
 def test_validation(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -119,6 +124,58 @@ def test_allocate_pages():
     assert not np.asarray(pages, np.float32).any()
     with pytest.raises(ValueError, match="num_blocks=1 must be >= 2"):
         KVPageSpec(2, 2, 16, 1, 8, "float32")
+
+
+WINDOWED = {  # transformers' config class of a family, and a small config of it with sliding windows
+    "mistral": (transformers.MistralConfig, dict(sliding_window=12)),
+    "qwen2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=12, max_window_layers=2)),
+    "gemma2": (transformers.Gemma2Config, dict(sliding_window=12, head_dim=16)),
+    "gemma3_text": (transformers.Gemma3TextConfig, dict(sliding_window=12, head_dim=16, sliding_window_pattern=3,
+                                                        rope_scaling={"rope_type": "linear", "factor": 8.0})),
+}
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_windowed_hf_config_round_trip(family):
+    """Each family's windows as transformers lays them out (`layer_types` after its own
+    derivation), and our `to_hf_config` read back by transformers' class into the same config."""
+    config_cls, extra = WINDOWED[family]
+    hf = config_cls(**SMALL, **extra)
+    cfg = LlamaConfig.from_hf_config(hf.to_dict())
+    layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * 4  # Mistral: every layer
+    want = tuple(hf.sliding_window if t == "sliding_attention" else 0 for t in layer_types)
+    assert cfg.layer_windows == want and any(want) and (family == "mistral" or not all(want))
+    # As Hub configs written before `layer_types` existed: the family's own rule gives the layers.
+    legacy = {k: v for k, v in hf.to_dict().items() if k != "layer_types"}
+    if family == "gemma3_text":
+        legacy["sliding_window_pattern"] = 3
+    assert LlamaConfig.from_hf_config(legacy).layer_windows == want
+    assert LlamaConfig.from_hf_config(config_cls(**cfg.to_hf_config()).to_dict()) == cfg
+
+
+def test_window_patterns_transformers_cannot_express_are_refused():
+    with pytest.raises(ValueError, match="Mistral slides on every layer or none"):
+        tiny(model_type="mistral", rope_scaling=None, layer_windows=(8, 0)).to_hf_config()
+    with pytest.raises(ValueError, match="one sliding_window for all its sliding layers"):
+        tiny(model_type="mistral", rope_scaling=None, layer_windows=(8, 16)).to_hf_config()
+    with pytest.raises(ValueError, match="has no sliding window"):
+        tiny(layer_windows=(8, 0)).to_hf_config()
+
+
+def test_gemma3_local_and_global_rope_match_transformers():
+    """Gemma 3's two RoPE tables: the local layers' base without scaling, the global layers' base
+    with linear scaling (transformers' `Gemma3RotaryEmbedding` per layer type)."""
+    config_cls, extra = WINDOWED["gemma3_text"]
+    hf = config_cls(**SMALL, **{**extra, "rope_local_base_freq": 500.0})
+    cfg = LlamaConfig.from_hf_config(hf.to_dict())
+    emb = transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(hf)
+    for local, layer_type in ((False, "full_attention"), (True, "sliding_attention")):
+        ref = getattr(emb, f"{layer_type}_inv_freq").numpy()
+        rtol = tol.rope_inv_freq_rtol(None) + (0 if local else tol.eps(jnp.float32))  # + the division by the factor
+        np.testing.assert_allclose(rope_inv_freq(cfg, local=local), ref, rtol=rtol, atol=0)
+    assert cfg.local_rope == (True, True, False, True)
 
 
 @pytest.mark.parametrize("make", [llama31_8b, llama32_1b, tiny, lambda: tiny(rope_scaling=None)])

@@ -1,6 +1,11 @@
 """Llama-shaped families (paged_kv.models.config.FAMILIES) against transformers' own classes, on random
 float32 weights: Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm, explicit head_dim), Mistral
-(a sliding window that covers the whole context) and Llama with attention and MLP biases.
+(a sliding window that covers the whole context) and Llama with attention and MLP biases; and the
+sliding-window families, whose windows (8 to 16 tokens, against 24-token prompts and 32 new
+tokens: several windows) the paged and contiguous attention apply per layer: Mistral with a
+window, Qwen2 with `use_sliding_window` from layer 1 on, Gemma 2 (alternating local and global
+layers, soft caps, GeGLU, sandwich norms) and Gemma 3 (q/k norms, a local RoPE base, linear
+scaling on the global layer).
 
 Each family: transformers writes the checkpoint (single file and sharded), our loader reads it;
 prompt logits within the float32 bound of tests/tolerances.py (as tests/test_model_hf_parity.py);
@@ -26,13 +31,16 @@ import transformers
 from flax import nnx
 
 from paged_kv.models import (
+    LinearRopeScaling,
     LlamaConfig,
     allocate_pages,
     greedy_generate_paged,
     load_hf_checkpoint,
     page_spec,
+    per_layer,
     save_hf_checkpoint,
 )
+from paged_kv.models.contiguous import plain_forward
 from tests import tolerances as tol
 from tests.model_helpers import paged_prefill_logits
 
@@ -57,12 +65,39 @@ CASES = {
     # Llama with every bias transformers offers.
     "llama_bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                    dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
+    # Windows shorter than the context. Mistral: every layer; 10 keys (not a multiple of the block).
+    "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                       dict(sliding_window=10, head_dim=16, tie_word_embeddings=False)),
+    # Qwen2: layer 0 full, layer 1 slides over 16 keys (two blocks).
+    "qwen2_window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                     dict(use_sliding_window=True, sliding_window=16, max_window_layers=1, tie_word_embeddings=False)),
+    # Gemma 2: layer 0 local (8 keys), layer 1 global; a softmax scale off head_dim's (query_pre_attn_scalar),
+    # attention and final soft caps low enough to bite on these logits. Untied (as Gemma 3 below): at
+    # this size a tied head reads back the sqrt(d)-scaled embedding, and greedy decoding repeats a token.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                    final_logit_softcapping=6.0, tie_word_embeddings=False)),
+    # Gemma 3 (text): three layers, two local (12 keys, base 100) and a global one (base 10000, linear
+    # scaling 4), q/k norms.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               dict(num_hidden_layers=3, head_dim=16, sliding_window=12, sliding_window_pattern=3,
+                    query_pre_attn_scalar=24, rope_theta=10_000.0, rope_local_base_freq=100.0,
+                    rope_scaling={"rope_type": "linear", "factor": 4.0}, tie_word_embeddings=False)),
 }
 EXPECTED = {  # the switches our config must read from each
     "qwen2": dict(model_type="qwen2", qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
     "qwen3": dict(model_type="qwen3", qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True, head_dim=32),
     "mistral": dict(model_type="mistral", qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
     "llama_bias": dict(model_type="llama", qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=False),
+    "mistral_window": dict(model_type="mistral", layer_windows=(10, 10)),
+    "qwen2_window": dict(model_type="qwen2", qkv_bias=True, layer_windows=(0, 16)),
+    "gemma2": dict(model_type="gemma2", layer_windows=(8, 0), hidden_act="gelu_pytorch_tanh", norm_offset=True,
+                   sandwich_norm=True, embed_scale=True, qk_norm=False, query_pre_attn_scalar=24.0, attn_soft_cap=3.0,
+                   final_soft_cap=6.0, rope_local_theta=None),
+    "gemma3": dict(model_type="gemma3_text", layer_windows=(12, 12, 0), local_rope=(True, True, False),
+                   hidden_act="gelu_pytorch_tanh", norm_offset=True, sandwich_norm=True, embed_scale=True,
+                   qk_norm=True, attn_soft_cap=None, final_soft_cap=None, rope_local_theta=100.0, rope_theta=10_000.0,
+                   rope_scaling=LinearRopeScaling(4.0)),
 }
 PROMPT_LEN, NEW_TOKENS, BLOCK = 24, 32, 8
 
@@ -71,14 +106,15 @@ def _hf_model(case: str, seed: int = 0):
     config_cls, model_cls, extra = CASES[case]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**COMMON, **extra})).eval()
-    # transformers initialises biases to 0 and norm scales to 1: draw them, so that a bias or a
-    # norm scale applied in the wrong place (or not at all) changes the logits.
+    # transformers initialises biases to 0 and norm scales to 1 (Gemma's (1 + w): w to 0): draw
+    # them, so that a bias or a norm scale applied in the wrong place (or not at all) changes the logits.
+    unit = 0.0 if case.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.2)
             elif "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_(unit + 0.1 * torch.randn_like(p))
     return model
 
 
@@ -158,10 +194,78 @@ def test_prompt_logits_match(checkpoints, case):
     with torch.no_grad():
         ref = hf(torch.tensor(toks, dtype=torch.long)).logits.numpy()
     t = toks.shape[1]
-    err = float(np.abs(paged_prefill_logits(model, toks, BLOCK) - ref).max() / np.abs(ref).max())
+    # Relative to the logits' magnitude; under a final soft cap (slope <= 1) the error is the
+    # uncapped logits' error, relative to their magnitude (bounded from the weights).
+    mag = tol.logits_bound(model) if model.config.final_soft_cap else float(np.abs(ref).max())
+    err = float(np.abs(paged_prefill_logits(model, toks, BLOCK) - ref).max() / mag)
     rtol = tol.model_atol(model.config, t, 1.0, score_mag=tol.score_bound(model))
     print(f"{case}: relative error {err:.2e}, bound {rtol:.2e}")
     assert err <= rtol
+
+
+def test_unrolled_per_layer_logits_match(checkpoints):
+    """The unrolled forward (Python-int layer ids on the per-layer layout, what the Pallas kernels
+    over a mesh run) hands each layer its own window and RoPE base as Python values: Gemma 3's
+    logits there match transformers' within the same bound as the scan's."""
+    hf, path = checkpoints["gemma3"]
+    model = per_layer(load_hf_checkpoint(path))
+    toks = _prompts()
+    with torch.no_grad():
+        ref = hf(torch.tensor(toks, dtype=torch.long)).logits.numpy()
+    err = float(np.abs(paged_prefill_logits(model, toks, BLOCK) - ref).max() / np.abs(ref).max())
+    assert err <= tol.model_atol(model.config, toks.shape[1], 1.0, score_mag=tol.score_bound(model))
+
+
+def test_tied_gemma_logits_match(tmp_path):
+    """Gemma ties its head to the embedding (the checkpoints above are untied, see CASES): the
+    head reads the stored embedding, not the sqrt(d)-scaled lookup. Gemma 3, tied, logits only."""
+    config_cls, model_cls, extra = CASES["gemma3"]
+    torch.manual_seed(5)
+    hf = model_cls(config_cls(**{**COMMON, **extra, "tie_word_embeddings": True})).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_hf_checkpoint(tmp_path)
+    assert model.config.tie_word_embeddings and not hasattr(model, "lm_head")
+    toks = _prompts(b=2, n=16, seed=6)
+    with torch.no_grad():
+        ref = hf(torch.tensor(toks, dtype=torch.long)).logits.numpy()
+    err = float(np.abs(paged_prefill_logits(model, toks, BLOCK) - ref).max() / np.abs(ref).max())
+    assert err <= tol.model_atol(model.config, toks.shape[1], 1.0, score_mag=tol.score_bound(model))
+
+
+def test_geglu_is_transformers_tanh_gelu(checkpoints):
+    """Gemma's MLP activation is transformers' `gelu_pytorch_tanh`: the exact erf GELU differs from
+    it by at most ~5e-4, below what the whole model's rounding bound can tell apart, so the MLP
+    is run here with 0/1 weights (exact products) that make its output `gelu(x) * x` per unit."""
+    from transformers.activations import ACT2FN
+
+    from paged_kv.models.llama import LayerAccess
+
+    _, path = checkpoints["gemma2"]
+    mlp = load_hf_checkpoint(path).layer(0).mlp
+    eye = np.eye(64, 128, dtype=np.float32)  # unit i of the MLP reads x_i (gate and up), down returns it
+    mlp.gate[...], mlp.up[...], mlp.down[...] = eye, eye, eye.T
+    x = np.linspace(-6.0, 6.0, 64, dtype=np.float32)[None, None]
+    got = np.asarray(mlp(jax.numpy.asarray(x), None, LayerAccess(0)))
+    with torch.no_grad():
+        ref = (ACT2FN["gelu_pytorch_tanh"](torch.tensor(x)) * torch.tensor(x)).numpy()
+    # Two float32 evaluations of 0.5 x (1 + tanh(...)) times x: 12 operations each
+    # (tests/tolerances.py), each off by u relative to a value of magnitude at most x^2 (the sum
+    # 1 + tanh is off absolutely, and near 0 for negative x). The erf GELU is off by up to 1e-3 here.
+    assert np.all(np.abs(got - ref) <= 2 * 12 * tol.eps(np.float32) * x * x)
+
+
+def test_batch_invariant_plain_forward_matches(checkpoints):
+    """`plain_forward` in its batch-invariant mode (fixed-order norms, fixed-tile projections, the
+    invariant attention steps with the window) on Gemma 2, whose every switch runs there too:
+    (1 + w) norms, windows, soft caps. Within the parity bound of transformers' logits."""
+    hf, path = checkpoints["gemma2"]
+    model = load_hf_checkpoint(path)
+    toks = _prompts()
+    with torch.no_grad():
+        ref = hf(torch.tensor(toks, dtype=torch.long)).logits.numpy()
+    got = np.asarray(plain_forward(model, jax.numpy.asarray(toks), batch_invariant=True))
+    err = float(np.abs(got - ref).max() / tol.logits_bound(model))
+    assert err <= tol.model_atol(model.config, toks.shape[1], 1.0, score_mag=tol.score_bound(model))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

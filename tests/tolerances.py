@@ -178,16 +178,28 @@ def llama_reduction_lens(cfg, context: int, score_mag: float, *, num_layers: int
   attn = 2 * (d + 4) * score_mag + 4 * context + 7  # as in attention_atol
   # Family switches (paged_kv.models.config): a bias is one more rounding after its projection; a q/k
   # norm (Qwen3) is an RMSNorm over head_dim between the projection and RoPE.
-  proj += getattr(cfg, "qkv_bias", False) + (d + 2) * getattr(cfg, "qk_norm", False)
+  offset = getattr(cfg, "norm_offset", False)  # Gemma's (1 + w): one more rounding per norm
+  norm += offset
+  proj += getattr(cfg, "qkv_bias", False) + (d + 2 + offset) * getattr(cfg, "qk_norm", False)
+  # Gemma 2's attention soft cap adds its score operations (knob_score_ops) to the score dot.
+  attn += 2 * score_mag * knob_score_ops(getattr(cfg, "attn_soft_cap", None))
   o_add = 1 + getattr(cfg, "o_bias", False)
   mlp_add = getattr(cfg, "mlp_bias", False)
-  layer = [norm, proj, rope, attn, cfg.num_heads * d, o_add,  # o_proj (+ bias), residual add
-           norm, h + mlp_add, 3, f + mlp_add, 1]  # gate/up over hidden, SiLU times up, down, add
+  # The gate activation times up: SiLU (an exp, a sum, a division, the product: 3 counted as
+  # before) or GeGLU's tanh GELU (7 products and sums and a tanh within 2 ulp, and the product: 12).
+  act = 12 if getattr(cfg, "hidden_act", "silu") == "gelu_pytorch_tanh" else 3
+  sandwich = [norm] if getattr(cfg, "sandwich_norm", False) else []  # Gemma's norm on each output
+  layer = [norm, proj, rope, attn, cfg.num_heads * d, *sandwich, o_add,  # o_proj (+ bias), residual add
+           norm, h + mlp_add, act, f + mlp_add, *sandwich, 1]  # gate/up over hidden, act times up, down, add
+  head = [1] if getattr(cfg, "embed_scale", False) else []  # the embedding times sqrt(d)
   if through == "kv":
-    return layer * (layers - 1) + [norm, proj, rope]
+    return head + layer * (layers - 1) + [norm, proj, rope]
   if through != "logits":
     raise ValueError(f"through must be 'logits' or 'kv', got {through!r}")
-  return layer * layers + [norm, h]  # final norm, LM head over hidden
+  # The final soft cap c tanh(l / c): slope <= 1, so the logits' error passes on, plus its own
+  # division, tanh (2 ulp) and product (knob_score_ops' 6).
+  cap = [knob_score_ops(getattr(cfg, "final_soft_cap", None))] if getattr(cfg, "final_soft_cap", None) else []
+  return head + layer * layers + [norm, h] + cap  # final norm, LM head over hidden
 
 
 def rope_inv_freq_rtol(rope_scaling) -> float:
@@ -236,12 +248,20 @@ def _f64(x) -> np.ndarray:
   return np.asarray(x, np.float64)
 
 
+def _norm_scale(norm) -> np.ndarray:
+  """The effective scale of a :class:`paged_kv.models.llama.RMSNorm`: ``w``, or ``1 + w`` for
+  Gemma's offset norms."""
+  w = _f64(norm.scale[...])
+  return 1.0 + w if getattr(norm, "offset", False) else w
+
+
 def logits_bound(model) -> float:
   """An a-priori bound on ``max |logits|`` of a :class:`paged_kv.models.Llama` from its weights alone:
   the final RMSNorm's output is ``g * x_hat`` with ``||x_hat||_2 <= sqrt(hidden)``, so by
-  Cauchy-Schwarz ``|logit_v| <= sqrt(hidden) * ||head_v * g||_2``."""
+  Cauchy-Schwarz ``|logit_v| <= sqrt(hidden) * ||head_v * g||_2``. Before any final soft cap (which
+  only shrinks them)."""
   head = model.embed[...] if model.config.tie_word_embeddings else model.lm_head[...]
-  rows = _f64(head) * _f64(model.final_norm.scale[...])
+  rows = _f64(head) * _norm_scale(model.final_norm)
   return math.sqrt(model.config.hidden_size) * float(np.sqrt((rows ** 2).sum(-1)).max())
 
 
@@ -254,11 +274,14 @@ def score_bound(model) -> float:
 
   Family switches: a bias ``b_h`` adds at most ``||b_h||`` to a head's norm (triangle inequality);
   a per-head RMSNorm with scale ``g'`` (Qwen3's q/k norm) bounds it by ``sqrt(head_dim) max |g'|``
-  whatever came before."""
+  whatever came before. Gemma: the norms scale by ``1 + w``, and the softmax scale is
+  ``query_pre_attn_scalar ** -0.5``."""
   cfg = model.config
+  qpas = getattr(cfg, "query_pre_attn_scalar", None)
+  scale = cfg.head_dim ** -0.5 if qpas is None else qpas ** -0.5
   best = 0.0
   for layer in (model.layer(i) for i in range(cfg.num_layers)):
-    g = _f64(layer.input_norm.scale[...])[:, None]
+    g = _norm_scale(layer.input_norm)[:, None]
     norms = []
     for which in ("q", "k"):
       w = _f64(getattr(layer.attn, f"{which}_proj")[...])
@@ -266,9 +289,9 @@ def score_bound(model) -> float:
       if getattr(cfg, "qkv_bias", False):
         n += float(np.sqrt((_f64(getattr(layer.attn, f"{which}_bias")[...]) ** 2).sum(-1)).max())
       if getattr(cfg, "qk_norm", False):
-        n = math.sqrt(cfg.head_dim) * float(np.abs(_f64(getattr(layer.attn, f"{which}_norm").scale[...])).max())
+        n = math.sqrt(cfg.head_dim) * float(np.abs(_norm_scale(getattr(layer.attn, f"{which}_norm"))).max())
       norms.append(n)
-    best = max(best, cfg.head_dim ** -0.5 * norms[0] * norms[1])
+    best = max(best, scale * norms[0] * norms[1])
   return best
 
 
