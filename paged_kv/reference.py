@@ -302,8 +302,9 @@ class GroupedReference(ReferenceBlockManager):
         return (g, salt, tuple(tokens[:n]))
 
     def _release_blocks(self, blocks: list[int]) -> None:
-        """Blocks (in release order) lose one reference each; the order rules of ``_release``."""
-        self._release([list(reversed(blocks))])
+        """Columns of one table (first column first) lose one reference each, tail first, with
+        the order rules of ``_release``."""
+        self._release([blocks])
 
     def _held(self, sid: int, g: int) -> list[int]:
         return self.tables[sid][g][self.null_prefix[sid][g]:]
