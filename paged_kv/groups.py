@@ -44,6 +44,8 @@ block that an earlier row of the same call takes fresh is reported as shared, no
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +68,10 @@ from paged_kv.state import (
     add_stats,
 )
 from paged_kv.status import Status
+
+if TYPE_CHECKING:
+    from paged_kv.admission import AdmitResult
+    from paged_kv.allocate import AppendResult
 
 _TWEAK = np.array([0x9E3779B9, 0x85EBCA6B], np.uint32)
 
@@ -193,7 +199,7 @@ def take_tables(config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Ar
 
 
 def append(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
-           token_ids: jax.Array | None):
+           token_ids: jax.Array | None) -> tuple[BlockManagerState, AppendResult]:
     """``allocate.append`` with groups (checked inputs: int32 ``[B]`` ids, tokens or None).
 
     Returns the state and an ``allocate.AppendResult`` whose ``slots``, ``copy_src`` and
@@ -299,7 +305,7 @@ def _append_row(config: ManagerConfig, state: BlockManagerState, tables: jax.Arr
 
 
 def admit(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, prompt_lens: jax.Array,
-          prompt_tokens: jax.Array | None, salts: jax.Array | None):
+          prompt_tokens: jax.Array | None, salts: jax.Array | None) -> tuple[BlockManagerState, AdmitResult]:
     """``admission.admit`` with groups (checked inputs; ``prompt_tokens`` int32 ``[B, L]`` and
     ``salts`` uint32 ``[B]`` required with prefix caching). Returns the state and an
     ``admission.AdmitResult``."""
