@@ -83,6 +83,9 @@ def admit(
         prompt_tokens = inputs.int_array("admit", "prompt_tokens", prompt_tokens, ndim=2, batch=b)
     if salts is not None:
         salts = inputs.int_array("admit", "salts", salts, ndim=1, batch=b, unsigned_ok=True)
+    if config.grouped and not config.prefix_caching:
+        from paged_kv import groups
+        return groups.admit(config, state, seq_ids, prompt_lens, None, salts)
     if not config.prefix_caching:
         state, status = _admit_fresh(config, state, seq_ids, prompt_lens)
         zero = jnp.zeros_like(status)
@@ -100,6 +103,9 @@ def admit(
         )
     if salts is None:
         salts = jnp.zeros(seq_ids.shape, jnp.uint32)
+    if config.grouped:
+        from paged_kv import groups
+        return groups.admit(config, state, seq_ids, prompt_lens, prompt_tokens, salts)
     return _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts)
 
 

@@ -71,10 +71,17 @@ def append(
       seq_ids: int32 ``[B]`` running sequences (< 0: padding).
       token_ids: int32 ``[B]`` the tokens being appended (required with prefix caching).
 
+    With ``config.grouped`` (KV-cache groups, ``paged_kv.groups``): window groups first reclaim
+    the blocks that left their window, then every group gets its slot; ``slots``, ``copy_src``
+    and ``copy_dst`` are then int32 ``[B, G]``.
+
     Returns:
       The new state and an ``AppendResult``.
     """
     seq_ids, token_ids = check_inputs(config, seq_ids, token_ids)
+    if config.grouped:
+        from paged_kv import groups
+        return groups.append(config, state, seq_ids, token_ids)
 
     def one_check(state):
         # The rare path reuses the decisions made on the input (the loop's state is the input).
@@ -101,7 +108,10 @@ def check_inputs(config: ManagerConfig, seq_ids: ArrayLike,
 def append_general(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
                    token_ids: jax.Array | None) -> tuple[BlockManagerState, AppendResult]:
     """``append`` on checked inputs in the form with its skips and loops: the CPU form, and the
-    GPU form's rare path."""
+    GPU form's rare path. With groups, the grouped form (``groups.append``)."""
+    if config.grouped:
+        from paged_kv import groups
+        return groups.append(config, state, seq_ids, token_ids)
     return _write(config, state, _decide(config, state, seq_ids), token_ids, straight=False)
 
 

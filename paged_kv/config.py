@@ -20,6 +20,64 @@ block-table entries hold it."""
 TARGETS = ("auto", "cpu", "gpu")
 """Values of ``ManagerConfig.target``."""
 
+GROUP_KINDS = ("full", "window")
+"""Values of ``Group.kind``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One KV-cache group: the layers of a model that share an attention type (vLLM's
+    ``KVCacheGroupSpec``). Every group of a manager has its own block table per sequence; all
+    share one block size, one pool, one free queue and one prefix cache.
+
+    Attributes:
+      kind: ``"full"`` (every earlier token is attended) or ``"window"`` (sliding window: a
+        query at position ``p`` attends keys ``p - window < k <= p``).
+      window: tokens in the window (>= 1) for ``"window"``; 0 for ``"full"``.
+    """
+
+    kind: str
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"Group.kind must be one of {GROUP_KINDS}, got {self.kind!r}")
+        if self.kind == "full":
+            if self.window != 0:
+                raise ValueError(f"Group('full') takes no window, got window={self.window!r}")
+        else:
+            _check_int("Group.window", self.window, 1)
+            if self.window > _INT32_MAX:
+                raise ValueError(f"Group.window must be <= {_INT32_MAX}, got {self.window}")
+
+    @property
+    def is_window(self) -> bool:
+        return self.kind == "window"
+
+    def skipped_blocks(self, computed: int, block_size: int) -> int:
+        """Leading blocks that no query after ``computed`` tokens reads: those whose tokens all
+        lie before ``computed - window + 1`` (0 for a full group). Plain-Python form of
+        ``groups.skipped_blocks``."""
+        if not self.is_window:
+            return 0
+        return max(0, computed - self.window + 1) // block_size
+
+    @property
+    def caches_blocks(self) -> bool:
+        """Whether the group's full blocks are cached. Not for a window of 1 token: a query
+        then reads only its own token, no prefix hit needs a cached block of the group, and
+        vLLM 0.33 keeps no hash for them either (its ``reachable_block_mask`` is all False)."""
+        return self.window != 1
+
+    def hit_blocks(self, block_size: int) -> int:
+        """Trailing cached blocks a prefix hit of this group needs (vLLM's
+        ``cdiv(window - 1, block_size)``, at least 1); 0 for a full group (it needs all)."""
+        return max(1, -(-(self.window - 1) // block_size)) if self.is_window else 0
+
+
+DEFAULT_GROUPS = (Group("full"),)
+"""``ManagerConfig.groups`` by default: one full-attention group."""
+
 
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -46,6 +104,11 @@ class ManagerConfig:
         last block) can never be a hit, so it joins the *front* of the free queue and is reused
         before any cached block (vLLM 0.33 does the same). False puts every freed block at
         the back, for comparing eviction policies.
+      groups: the KV-cache groups (``Group``), default one full-attention group. With more
+        than one group, or a window group, every operation keeps one table per group
+        (``BlockManagerState.tables``), reclaims a window group's blocks as they leave its window,
+        and runs its sequential grouped form (``paged_kv.groups``) on every platform; the default
+        runs the same programs as before groups existed.
       target: which form of each operation is traced (``scan.per_platform``): ``"cpu"`` (skips
         and loops that run only when needed), ``"gpu"`` (straight-line code behind one predicate
         per call), or ``"auto"`` (both, the lowering keeps the one for its platform: a CPU's form
@@ -59,8 +122,18 @@ class ManagerConfig:
     prefix_caching: bool = True
     uncached_to_front: bool = True
     target: str = "auto"
+    groups: tuple[Group, ...] = DEFAULT_GROUPS
 
     def __post_init__(self) -> None:
+        if isinstance(self.groups, list):
+            object.__setattr__(self, "groups", tuple(self.groups))
+        if not isinstance(self.groups, tuple) or not self.groups:
+            raise ValueError(f"groups must be a non-empty tuple of Group, got {self.groups!r}")
+        for i, g in enumerate(self.groups):
+            if not isinstance(g, Group):
+                raise ValueError(f"groups[{i}] must be a Group, got {type(g).__name__} {g!r}")
+        if len(self.groups) > 64:
+            raise ValueError(f"at most 64 groups, got {len(self.groups)}")
         _check_int("num_blocks", self.num_blocks, 2)
         _check_int("block_size", self.block_size, 1)
         _check_int("max_seqs", self.max_seqs, 1)
@@ -79,6 +152,15 @@ class ManagerConfig:
             )
         if 2 * self.num_blocks > _INT32_MAX:
             raise ValueError(f"num_blocks={self.num_blocks} too large for the int32 free queue")
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the groups differ from the default single full group (the grouped forms run)."""
+        return self.groups != DEFAULT_GROUPS
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
 
     @property
     def max_tokens_per_seq(self) -> int:

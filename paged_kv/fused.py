@@ -35,6 +35,10 @@ def free_then_select(
       The new state, the status of ``free`` and the status of ``select`` (int32 ``[B]`` each).
     """
 
+    if config.grouped:  # the grouped forms have no straight-line variant: the calls in turn
+        state, (freed, selected) = _separate(config, state, free_ids, dst_ids, parent_ids)
+        return state, freed, selected
+
     def one_check(state):
         crowded = _crowded(config, state, free_ids, dst_ids)
         off = lambda ids: jnp.where(crowded, -1, ids)  # all padding: nothing changes
@@ -68,7 +72,7 @@ def free_select_append(
       seq_ids, token_ids: int32 ``[B2]``, as ``append`` takes them.
       table_rows: int32 ``[P]`` rows (< 0: padding) whose block tables to read between select
         and append (a prefill chunk's, which the serving step feeds after all three); default
-        none.
+        none. With groups: group 0's tables (the engines do not take grouped managers yet).
 
     Returns:
       The new state, the status of ``free`` and of ``select`` (int32 ``[B]`` each), the
@@ -88,6 +92,10 @@ def free_select_append(
         tables = tables_of(state)
         state, res = allocate.append_general(config, state, seq_ids, token_ids)
         return state, (freed, selected, res, tables)
+
+    if config.grouped:  # every platform runs the calls in turn (no straight-line grouped form)
+        state, (freed, selected, res, tables) = cpu(state)
+        return state, freed, selected, res, tables
 
     def one_check(state):
         crowded = _crowded(config, state, free_ids, dst_ids)

@@ -25,28 +25,48 @@ def free_queue_order(state: BlockManagerState) -> list[int]:
 
 
 def check_invariants(config: ManagerConfig, state: BlockManagerState) -> None:
-    """Raises ``AssertionError`` naming the first broken invariant."""
+    """Raises ``AssertionError`` naming the first broken invariant.
+
+    With KV-cache groups (``config.grouped``), per group ``g`` and running row ``s``: columns
+    before ``null_prefix[g, s]`` hold ``NULL_BLOCK`` and the rest of the ``ceil(tokens / bs)``
+    columns hold distinct blocks of group ``g`` (``block_group``); a full group has no null
+    prefix; a window group's null prefix never covers a block the window still reads (``<=
+    skipped_blocks(tokens)``); and reference counts equal the table entries summed over groups
+    and rows. (That a null prefix only grows is a property of a sequence of states:
+    ``check_null_prefix_grows``.)"""
     ref = np.asarray(state.ref_count)
-    tables = np.asarray(state.block_tables)
+    all_tables = np.asarray(state.tables)  # [G, S, M]
     tokens = np.asarray(state.num_tokens)
     active = np.asarray(state.active)
     held = np.asarray(blocks_held(config, tokens))
     m = config.max_blocks_per_seq
+    nulls = np.asarray(state.null_prefix) if config.grouped else np.zeros((1, config.max_seqs), np.int32)
+    owner = np.asarray(state.block_group) if config.grouped else None
 
     holders: collections.Counter[int] = collections.Counter()
-    for s in range(config.max_seqs):
-        row = tables[s]
-        if not active[s]:
-            assert tokens[s] == 0 and (row == NULL_BLOCK).all(), f"inactive row {s} not cleared"
-            continue
-        assert 1 <= tokens[s] <= config.max_tokens_per_seq, f"row {s}: {tokens[s]} tokens"
-        assert held[s] <= m, f"row {s} holds {held[s]} blocks > max_blocks_per_seq {m}"
-        used, unused = row[: held[s]], row[held[s]:]
-        # Invariant 3 (lazy): exactly ceil(num_tokens / block_size) blocks, none beyond.
-        assert (used != NULL_BLOCK).all(), f"row {s} has a null block among its {held[s]} blocks"
-        assert (unused == NULL_BLOCK).all(), f"row {s} holds blocks beyond ceil(tokens/bs)"
-        assert len(set(used.tolist())) == len(used), f"row {s} holds a block twice: {used}"
-        holders.update(used.tolist())
+    for g, group in enumerate(config.groups):
+        tables = all_tables[g]
+        for s in range(config.max_seqs):
+            row = tables[s]
+            if not active[s]:
+                assert tokens[s] == 0 and (row == NULL_BLOCK).all(), f"inactive row {s} not cleared"
+                assert nulls[g, s] == 0, f"inactive row {s} has a null prefix in group {g}"
+                continue
+            assert 1 <= tokens[s] <= config.max_tokens_per_seq, f"row {s}: {tokens[s]} tokens"
+            assert held[s] <= m, f"row {s} holds {held[s]} blocks > max_blocks_per_seq {m}"
+            lo = int(nulls[g, s])
+            limit = group.skipped_blocks(int(tokens[s]), config.block_size)
+            assert 0 <= lo <= limit, (
+                f"group {g} row {s}: null prefix {lo} > {limit} blocks out of the window at {tokens[s]} tokens")
+            assert (row[:lo] == NULL_BLOCK).all(), f"group {g} row {s}: a block inside the null prefix"
+            used, unused = row[lo: held[s]], row[held[s]:]
+            # Invariant 3 (lazy): exactly ceil(num_tokens / block_size) blocks, none beyond.
+            assert (used != NULL_BLOCK).all(), f"row {s} has a null block among its {held[s]} blocks"
+            assert (unused == NULL_BLOCK).all(), f"row {s} holds blocks beyond ceil(tokens/bs)"
+            assert len(set(used.tolist())) == len(used), f"row {s} holds a block twice: {used}"
+            if owner is not None:
+                assert (owner[used] == g).all(), f"group {g} row {s} holds blocks of groups {owner[used]}"
+            holders.update(used.tolist())
 
     # Invariant 1: counts equal table references.
     expected = np.zeros_like(ref)
@@ -76,10 +96,21 @@ def check_invariants(config: ManagerConfig, state: BlockManagerState) -> None:
     assert (slot[held_blocks] == -1).all(), "a held block has a live queue slot"
 
     if config.prefix_caching:
-        _check_cache(config, state, tables, tokens, active)
+        _check_cache(config, state, all_tables, nulls, tokens, active)
 
 
-def _check_cache(config, state, tables, tokens, active) -> None:
+def check_null_prefix_grows(config: ManagerConfig, before: BlockManagerState, after: BlockManagerState,
+                            rows: list[int]) -> None:
+    """Raises ``AssertionError`` if a window group's null prefix of one of ``rows`` (running in
+    both states, the same sequence: not freed, re-admitted or reselected in between) shrank."""
+    if not config.grouped:
+        return
+    a, b = np.asarray(before.null_prefix), np.asarray(after.null_prefix)
+    for s in rows:
+        assert (b[:, s] >= a[:, s]).all(), f"row {s}: null prefix shrank from {a[:, s]} to {b[:, s]}"
+
+
+def _check_cache(config, state, tables, nulls, tokens, active) -> None:
     """Invariant 4: every hash entry points at a full block whose stored tokens and chain match,
     every full block in a table is cached, and the classes are consistent (see
     ``state.PrefixCache``): blocks of one class hold one prefix, a block with a parent class has a
@@ -103,13 +134,21 @@ def _check_cache(config, state, tables, tokens, active) -> None:
     assert (keys[slot[cached]] == np.asarray(cache.key)[cached]).all(), "stored key differs"
     assert EMPTY < 0 and TOMBSTONE < 0
 
-    # Full blocks, and only full blocks, of running sequences are cached.
+    # Full blocks, and only full blocks, of running sequences are cached (none of a group that
+    # caches nothing, ``Group.caches_blocks``).
     bs = config.block_size
-    for s in np.flatnonzero(active):
-        held = config.blocks_for(int(tokens[s]))
-        for j, b in enumerate(tables[s, :held]):
-            full = (j + 1) * bs <= tokens[s]
-            assert (slot[b] >= 0) == full, f"row {s}: block {b} (position {j}) full={full} but cached={slot[b] >= 0}"
+    for g, group in enumerate(config.groups):
+        for s in np.flatnonzero(active):
+            held = config.blocks_for(int(tokens[s]))
+            for j in range(int(nulls[g, s]), held):
+                b = tables[g, s, j]
+                full = (j + 1) * bs <= tokens[s] and group.caches_blocks
+                assert (slot[b] >= 0) == full, (
+                    f"group {g} row {s}: block {b} (position {j}) full={full} but cached={slot[b] >= 0}")
+    window_blocks = set()
+    if config.grouped:  # a window group's parent may be gone: its chain is not checked here
+        owner = np.asarray(state.block_group)
+        window_blocks = {b for b in cached.tolist() if config.groups[owner[b]].is_window}
 
     # Classes: one prefix per class, a live parent class for every child.
     klass = [tuple(x) for x in np.asarray(cache.klass).tolist()]
@@ -119,7 +158,8 @@ def _check_cache(config, state, tables, tokens, active) -> None:
     block_tokens = np.asarray(cache.tokens)
     members: dict[tuple, list[int]] = collections.defaultdict(list)
     for b in cached.tolist():
-        members[klass[b]].append(b)
+        if b not in window_blocks:
+            members[klass[b]].append(b)
     for label, group in members.items():
         first = group[0]
         for b in group[1:]:
@@ -146,7 +186,11 @@ def _check_cache(config, state, tables, tokens, active) -> None:
 
     labels = list(members)
     if labels:
-        keys_now = np.asarray(block_hash.key_of(jnp.asarray(np.stack([chain_of(lb) for lb in labels]))))
+        from paged_kv.groups import group_chains
+
+        owner = np.asarray(state.block_group) if config.grouped else np.zeros(len(all_keys), np.int32)
+        chains = [np.asarray(group_chains(jnp.asarray(chain_of(lb)), int(owner[members[lb][0]]))) for lb in labels]
+        keys_now = np.asarray(block_hash.key_of(jnp.asarray(np.stack(chains))))
         bad = [lb for lb, k in zip(labels, keys_now) if (k != all_keys[members[lb][0]]).any()]
         assert not bad, f"classes {bad[:8]}: key does not match their tokens and chain"
     # Equal prefixes (same key, salt, tokens and parent class) share one class.

@@ -218,7 +218,7 @@ class BlockManager:
         self.state, result = _append(
             self.config, self.state, _padded(ids, size), _padded(token_ids, size)
         )
-        k = len(ids)
+        k = len(ids)  # with groups, slots and copy lists are [k, G]
         return allocate.AppendResult(
             status=StatusArray(np.asarray(result.status)[:k]),
             slots=np.asarray(result.slots)[:k],
@@ -270,11 +270,19 @@ class BlockManager:
     # -- views -----------------------------------------------------------------------------
 
     def table(self, seq_id: int) -> list[int]:
-        """Physical block ids of a running sequence, first block first."""
+        """Physical block ids of a running sequence, first block first (group 0's, with groups)."""
         sid = self._check_id(seq_id, "table")
         self._check_running([sid], "table")
         held = int(blocks_held(self.config, self.state.num_tokens[sid]))
         return np.asarray(self.state.block_tables[sid, :held]).tolist()
+
+    def tables(self, seq_id: int) -> list[list[int]]:
+        """Every group's physical block ids of a running sequence (``NULL_BLOCK`` for a window
+        group's reclaimed prefix), group by group; ``[table(seq_id)]`` without groups."""
+        sid = self._check_id(seq_id, "tables")
+        self._check_running([sid], "tables")
+        held = int(blocks_held(self.config, self.state.num_tokens[sid]))
+        return np.asarray(self.state.tables[:, sid, :held]).tolist()
 
     def num_tokens(self, seq_id: int) -> int:
         """Tokens held by sequence ``seq_id``."""

@@ -86,6 +86,9 @@ def free(
       The new state and status int32 ``[B]`` (BAD_SEQUENCE for a row that is not running).
     """
     seq_ids, _ = inputs.batch_ids("free", "seq_ids", seq_ids)
+    if config.grouped:
+        from paged_kv import groups
+        return groups.free(config, state, seq_ids)
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
     ok = status == Status.OK
     rows = state.block_tables[sid]

@@ -285,3 +285,191 @@ class ReferenceBlockManager:
 
     def cached_blocks(self) -> set[int]:
         return set(self.key_of)
+
+
+class GroupedReference(ReferenceBlockManager):
+    """The plain-Python form of ``paged_kv.groups`` (a ``ManagerConfig`` with KV-cache groups):
+    one table per group, window reclaim in ``append``, per-group prefix hits with the hybrid
+    rule, rows one at a time with first come, first served. Cache keys are exact: ``(group,
+    salt, prefix tokens)``. ``tables[sid]`` is the list of the groups' tables (``NULL_BLOCK``
+    for a reclaimed prefix); ``null_prefix[sid][g]`` the length of that prefix."""
+
+    def __init__(self, config: ManagerConfig):
+        super().__init__(config)
+        self.null_prefix: dict[int, list[int]] = {}
+
+    def _gkey(self, g: int, salt: int, tokens: Sequence[int], n: int) -> tuple:
+        return (g, salt, tuple(tokens[:n]))
+
+    def _release_blocks(self, blocks: list[int]) -> None:
+        """Columns of one table (first column first) lose one reference each, tail first, with
+        the order rules of ``_release``."""
+        self._release([blocks])
+
+    def _held(self, sid: int, g: int) -> list[int]:
+        return self.tables[sid][g][self.null_prefix[sid][g]:]
+
+    def _hit_length(self, toks: list[int], salt: int) -> tuple[int, list[list[int | None]]]:
+        cfg, bs = self.config, self.config.block_size
+        n_cacheable = (len(toks) - 1) // bs
+        cands = [[self._lookup(self._gkey(g, salt, toks, (j + 1) * bs)) for j in range(n_cacheable)]
+                 for g in range(cfg.num_groups)]
+
+        def accepts(g: int, h: int) -> bool:
+            group = cfg.groups[g]
+            lo = max(0, h - group.hit_blocks(bs)) if group.is_window else 0
+            return all(c is not None for c in cands[g][lo:h])
+
+        h = max(h for h in range(n_cacheable + 1) if all(accepts(g, h) for g in range(cfg.num_groups)))
+        return h, cands
+
+    def admit(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+              salts: Sequence[int] | None = None, max_len: int | None = None) -> list[tuple]:
+        cfg, bs, groups = self.config, self.config.block_size, self.config.groups
+        salts = [0] * len(seq_ids) if salts is None else list(salts)
+        limit = cfg.max_tokens_per_seq if max_len is None else min(max_len, cfg.max_tokens_per_seq)
+        seen, out, blocked, pending = set(), [], False, set()
+        for sid, toks, salt in zip(seq_ids, prompts, salts):
+            toks = list(toks)
+            status = self._row_status(sid, seen, must_be_active=False)
+            if status == Status.OK and not 1 <= len(toks) <= limit:
+                status = Status.BAD_LENGTH
+            if status != Status.OK:
+                out.append((status, 0, 0))
+                continue
+            n_blocks = cfg.blocks_for(len(toks))
+            h, cands = self._hit_length(toks, salt) if cfg.prefix_caching else (0, [[]] * len(groups))
+            skip = [g.skipped_blocks(h * bs, bs) for g in groups]
+            hits = [cands[g][skip[g]:h] for g in range(len(groups))]
+            pulls = [b for hs in hits for b in hs if self.ref_count[b] == 0]
+            if blocked or len(groups) * (n_blocks - h) + len(pulls) > len(self.free_queue):
+                blocked = True
+                out.append((Status.NO_FREE_BLOCKS, 0, 0))
+                continue
+            for b in pulls:
+                del self.free_queue[b]
+            fresh = [[self._take() for _ in range(n_blocks - h)] for _ in groups]
+            n_cached = min([next((skip[g] + i for i, b in enumerate(hits[g]) if b in pending), h)
+                            for g in range(len(groups))])
+            tables = []
+            for g, group in enumerate(groups):
+                table = [NULL_BLOCK] * skip[g] + hits[g] + fresh[g]
+                for b in hits[g] + fresh[g]:
+                    self.ref_count[b] += 1
+                pending.update(fresh[g])
+                if cfg.prefix_caching:
+                    for j, b in enumerate(fresh[g], start=h):
+                        self.block_tokens[b] = (toks[j * bs:(j + 1) * bs] + [0] * bs)[:bs]
+                        if j < len(toks) // bs and group.caches_blocks:
+                            self._cache(b, self._gkey(g, salt, toks, (j + 1) * bs))
+                tables.append(table)
+            self.tables[sid], self.num_tokens[sid], self.null_prefix[sid] = tables, len(toks), skip
+            self.seq_tokens[sid], self.seq_salt[sid] = toks, salt
+            if cfg.prefix_caching:
+                self.stats["lookups"] += 1
+                self.stats["query_tokens"] += len(toks)
+                self.stats["hit_tokens"] += h * bs
+            out.append((Status.OK, n_cached * bs, (h - n_cached) * bs))
+        return out
+
+    def append(self, seq_ids: Sequence[int], token_ids: Sequence[int] | None = None
+               ) -> tuple[list[Status], list[list[int]], list[list[int]], list[list[int]]]:
+        """Returns (statuses, slots, copy_src, copy_dst); the last three ``[row][group]``."""
+        cfg, bs, groups = self.config, self.config.block_size, self.config.groups
+        token_ids = [0] * len(seq_ids) if token_ids is None else list(token_ids)
+        seen, blocked = set(), False
+        statuses, slots, src, dst = [], [], [], []
+        nulls = [NULL_BLOCK] * len(groups)
+        for sid, token in zip(seq_ids, token_ids):
+            status = self._row_status(sid, seen, must_be_active=True)
+            slot, c_src, c_dst = [NULL_BLOCK * bs] * len(groups), list(nulls), list(nulls)
+            if status == Status.OK:
+                tables, n = self.tables[sid], self.num_tokens[sid]
+                for g, group in enumerate(groups):  # 1. reclaim, tail first
+                    lo = self.null_prefix[sid][g]
+                    hi = max(lo, min(group.skipped_blocks(n, bs), len(tables[g])))
+                    self._release_blocks(tables[g][lo:hi])
+                    tables[g][lo:hi] = [NULL_BLOCK] * (hi - lo)
+                    self.null_prefix[sid][g] = hi
+                offset = n % bs
+                if offset == 0 and len(tables[0]) >= cfg.max_blocks_per_seq:
+                    status = Status.TABLE_FULL
+                else:
+                    takes = [offset == 0 or self.ref_count[t[-1]] > 1 for t in tables]
+                    if any(takes) and (blocked or sum(takes) > len(self.free_queue)):
+                        blocked = True
+                        status = Status.NO_FREE_BLOCKS
+                    else:
+                        for g, t in enumerate(tables):
+                            if not takes[g]:
+                                continue
+                            new = self._take()
+                            self.ref_count[new] = 1
+                            if offset == 0:
+                                t.append(new)
+                            else:
+                                old = t[-1]
+                                self.ref_count[old] -= 1
+                                t[-1] = new
+                                c_src[g], c_dst[g] = old, new
+                                if cfg.prefix_caching:
+                                    self.block_tokens[new] = list(self.block_tokens[old])
+                        self.num_tokens[sid] = n + 1
+                        slot = [t[-1] * bs + offset for t in tables]
+                        if cfg.prefix_caching:
+                            self.seq_tokens[sid].append(token)
+                            for g, t in enumerate(tables):
+                                self.block_tokens.setdefault(t[-1], [0] * bs)[offset] = token
+                                if offset == bs - 1 and groups[g].caches_blocks:
+                                    toks = self.seq_tokens[sid]
+                                    self._cache(t[-1], self._gkey(g, self.seq_salt[sid], toks, len(toks)))
+            statuses.append(status)
+            slots.append(slot)
+            src.append(c_src)
+            dst.append(c_dst)
+        return statuses, slots, src, dst
+
+    def _take_tables(self, dst_ids, src_ids, *, dst_must_be_free: bool) -> list[Status]:
+        cfg, seen, statuses = self.config, set(), []
+        for d, s in zip(dst_ids, src_ids):
+            if d < 0:
+                statuses.append(Status.PADDING)
+                continue
+            bad = d >= cfg.max_seqs or d in seen or (dst_must_be_free and d in self.tables)
+            seen.add(d)
+            bad = bad or s < 0 or s not in self.tables
+            statuses.append(Status.BAD_SEQUENCE if bad else Status.OK)
+        moves = [(d, s) for d, s, st in zip(dst_ids, src_ids, statuses) if st == Status.OK]
+        new = {d: ([list(t) for t in self.tables[s]], self.num_tokens[s], list(self.seq_tokens.get(s, [])),
+                   self.seq_salt.get(s, 0), list(self.null_prefix[s])) for d, s in moves}
+        for d, _ in moves:
+            for g in range(cfg.num_groups):
+                for block in new[d][0][g][new[d][4][g]:]:
+                    self.ref_count[block] += 1
+        old = [d for d, _ in moves if d in self.tables]
+        for g in range(cfg.num_groups):
+            self._release([self._held(d, g) for d in old])
+        for d, (tables, n, toks, salt, nulls) in new.items():
+            self.tables[d], self.num_tokens[d], self.null_prefix[d] = tables, n, nulls
+            self.seq_tokens[d], self.seq_salt[d] = toks, salt
+        return statuses
+
+    def free(self, seq_ids: Sequence[int]) -> list[Status]:
+        seen, out, released = set(), [], []
+        for sid in seq_ids:
+            status = self._row_status(sid, seen, must_be_active=True)
+            if status == Status.OK:
+                released.append(sid)
+            out.append(status)
+        for g in range(self.config.num_groups):
+            self._release([self._held(sid, g) for sid in released])
+        for sid in released:
+            del self.tables[sid], self.num_tokens[sid], self.null_prefix[sid]
+            self.seq_tokens.pop(sid, None)
+            self.seq_salt.pop(sid, None)
+        return out
+
+
+def reference_for(config: ManagerConfig) -> ReferenceBlockManager:
+    """The reference manager for ``config``: ``GroupedReference`` with KV-cache groups."""
+    return GroupedReference(config) if config.grouped else ReferenceBlockManager(config)

@@ -26,6 +26,9 @@ def _take_tables(
     dst_must_be_free: bool,
     straight: bool = False,
 ) -> tuple[BlockManagerState, jax.Array]:
+    if config.grouped:
+        from paged_kv import groups
+        return groups.take_tables(config, state, dst_ids, src_ids, dst_must_be_free=dst_must_be_free)
     s, n = config.max_seqs, config.num_blocks
     dst_ids = dst_ids.astype(jnp.int32)
     src_ids = src_ids.astype(jnp.int32)

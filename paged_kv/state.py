@@ -192,6 +192,16 @@ class BlockManagerState:
         block (the parent of the next block to fill).
       seq_salt: uint32 ``[max_seqs]``; each sequence's cache salt.
       cache: the prefix cache.
+      group_tables: with ``config.grouped``, int32 ``[G - 1, max_seqs, max_blocks_per_seq]``,
+        the tables of groups ``1 .. G - 1`` (``block_tables`` is group 0's); None otherwise, so
+        the default configuration's programs are the same as before groups existed.
+      null_prefix: with ``config.grouped``, int32 ``[G, max_seqs]``: per group and sequence, the
+        first table column that holds a block. Columns before it are ``NULL_BLOCK``: a window
+        group's blocks reclaimed as they left the window (always 0 for a full group). None
+        otherwise.
+      block_group: with ``config.grouped``, int32 ``[num_blocks]``: the group whose K/V a block
+        holds (set when it is taken from the queue, kept while it is free), so a prefix hit is
+        checked to be of the group that asks. None otherwise.
     """
 
     ref_count: jax.Array
@@ -202,6 +212,23 @@ class BlockManagerState:
     seq_chain: jax.Array
     seq_salt: jax.Array
     cache: PrefixCache
+    group_tables: jax.Array | None = None
+    null_prefix: jax.Array | None = None
+    block_group: jax.Array | None = None
+
+    @property
+    def tables(self) -> jax.Array:
+        """int32 ``[G, max_seqs, max_blocks_per_seq]``: every group's block tables (``[1, ...]``,
+        ``block_tables`` itself, without groups)."""
+        if self.group_tables is None:
+            return self.block_tables[None]
+        return jnp.concatenate([self.block_tables[None], self.group_tables], axis=0)
+
+    def with_tables(self, tables: jax.Array) -> BlockManagerState:
+        """The state with every group's tables replaced by ``tables`` (int32 ``[G, S, M]``)."""
+        if self.group_tables is None:
+            return self.replace(block_tables=tables[0])
+        return self.replace(block_tables=tables[0], group_tables=tables[1:])
 
 
 def init_cache(config: ManagerConfig) -> PrefixCache:
@@ -244,4 +271,11 @@ def init_state(config: ManagerConfig) -> BlockManagerState:
         seq_salt=np.zeros((config.max_seqs,), np.uint32),
         cache=None,
     )
+    if config.grouped:
+        g, s = config.num_groups, config.max_seqs
+        state = state.replace(
+            group_tables=np.full((g - 1, s, config.max_blocks_per_seq), NULL_BLOCK, np.int32),
+            null_prefix=np.zeros((g, s), np.int32),
+            block_group=np.zeros((n,), np.int32),
+        )
     return jax.tree.map(jnp.asarray, state).replace(cache=init_cache(config))

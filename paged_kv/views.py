@@ -23,8 +23,9 @@ class Usage:
       used: blocks held by at least one table.
       free: blocks in the free queue (their contents may still be reusable).
       shared: blocks held by two or more tables.
-      table_entries: block-table entries in use; ``table_entries - used`` blocks are saved by
-        sharing, compared with giving every sequence its own copy.
+      table_entries: block-table entries in use (with groups: non-null entries of every group's
+        table); ``table_entries - used`` blocks are saved by sharing, compared with giving every
+        sequence its own copy.
       running: running sequences.
     """
 
@@ -37,6 +38,8 @@ class Usage:
 
 def usage(config: ManagerConfig, state: BlockManagerState) -> Usage:
     held = blocks_held(config, state.num_tokens)
+    if config.grouped:  # every group's table, less its null prefix
+        held = jnp.sum(held[None, :] - state.null_prefix, axis=0)
     return Usage(
         used=jnp.sum(state.ref_count > 0, dtype=jnp.int32),
         free=state.queue.num_free,

@@ -14,6 +14,15 @@ Build the vLLM environment once (see ../shared/tools/vllm_ref/README.md), then:
     python scripts/diff_vllm.py --vllm-env ~/.cache/vllm-ref-env --out results/diff_vllm.json
 
 ``tests/test_diff_vllm.py`` runs a short version when the environment exists.
+
+``--groups`` checks KV-cache groups instead (``paged_kv.groups``): the same kind of streams, with
+longer prompts and bursts of appends so that sliding windows reclaim, through a manager with a
+full-attention group and sliding-window groups (``--group-sets``, block size 4), against
+``scripts/vllm_groups_driver.py`` (vLLM's ``KVCacheManager`` with the same groups). Compared after
+every op: the admission's hit tokens, every group's table of the request, id for id, and the whole
+free queue::
+
+    python scripts/diff_vllm.py --groups --streams 8 --ops 300 --out results/diff_vllm_groups.json
 """
 
 from __future__ import annotations
@@ -145,6 +154,165 @@ def compare(seed: int, num_ops: int, usable: int, env: Path, driver: Path) -> di
     }
 
 
+GROUP_BLOCK = 4
+GROUP_SETS = ("full,w5", "full,w6,w9", "w7", "full,w2", "full,w1", "full,w13,full")
+GROUPS_DRIVER = ROOT / "scripts" / "vllm_groups_driver.py"
+
+
+def parse_groups(spec: str) -> tuple:
+    """``"full,w6"`` -> ``(Group("full"), Group("window", 6))``."""
+    from paged_kv.config import Group
+
+    return tuple(Group("full") if g == "full" else Group("window", int(g[1:])) for g in spec.split(","))
+
+
+def groups_config(usable: int, spec: str, max_seqs: int = 6):
+    import paged_kv as pk
+
+    return pk.ManagerConfig(num_blocks=usable + 1, block_size=GROUP_BLOCK, max_seqs=max_seqs,
+                            max_blocks_per_seq=32, groups=parse_groups(spec))
+
+
+def make_groups_stream(seed: int, num_ops: int, usable: int, spec: str, max_seqs: int = 6) -> list[list]:
+    """A random op stream for ``vllm_groups_driver.py``, rich in shared prefixes: most prompts are
+    a prefix of one document (32 blocks drawn from 4 distinct ones, so blocks also repeat inside
+    it), sometimes with a short tail of their own; appends come in bursts of up to 12 tokens that
+    mostly continue the document (windows move, and a reclaimed block stays a hit for later
+    requests); a request that runs out of blocks is freed right after."""
+    import paged_kv as pk
+
+    bs = GROUP_BLOCK
+    rng = random.Random(seed)
+    blocks = [[rng.randrange(6) for _ in range(bs)] for _ in range(4)]
+    doc = [t for _ in range(32) for t in blocks[rng.choice([0, 0, 1, 2, 3])]]
+    bm = pk.BlockManager(groups_config(usable, spec, max_seqs))
+    limit = bm.config.max_tokens_per_seq - 1
+    tokens: dict[int, list[int]] = {}
+    ops: list[list] = []
+
+    def prompt() -> list[int]:
+        body = doc[: bs * rng.randrange(1, 9)]
+        if rng.random() < 0.5:
+            return body
+        return body + [rng.randrange(6) for _ in range(rng.randrange(1, bs + 2))]
+
+    def drop(rid: int) -> None:
+        ops.append(["free", rid])
+        bm.free([rid])
+        del tokens[rid]
+
+    while len(ops) < num_ops:
+        free_ids = [s for s in range(max_seqs) if s not in tokens]
+        r = rng.random()
+        if free_ids and (r < 0.3 or not tokens):
+            rid, p = rng.choice(free_ids), prompt()
+            salt = 1 if rng.random() < 0.1 else 0
+            ops.append(["admit", rid, p, salt])
+            if int(bm.admit([rid], [p], [salt]).status[0]) == pk.Status.OK:
+                tokens[rid] = list(p)
+        elif tokens and r < 0.85:
+            rid = rng.choice(sorted(tokens))
+            for _ in range(rng.randrange(1, 13)):
+                seq = tokens[rid]
+                if len(seq) >= limit:
+                    break
+                tok = doc[len(seq)] if rng.random() < 0.9 else rng.randrange(6)
+                ops.append(["append", rid, tok])
+                if int(bm.append([rid], [tok]).status[0]) == pk.Status.OK:
+                    seq.append(tok)
+                else:
+                    drop(rid)
+                    break
+        elif tokens:
+            drop(rng.choice(sorted(tokens)))
+    return ops
+
+
+def run_paged_kv_groups(ops: list[list], usable: int, spec: str, max_seqs: int = 6) -> list[str]:
+    """``vllm_groups_driver.py``'s output lines, produced by paged-kv."""
+    import paged_kv as pk
+
+    bm = pk.BlockManager(groups_config(usable, spec, max_seqs))
+    lines = []
+    for i, op in enumerate(ops):
+        rid = op[1]
+        if op[0] == "admit":
+            res = bm.admit([rid], [op[2]], [op[3]])
+            ok = int(res.status[0]) == pk.Status.OK
+            hit = int(res.cached_tokens[0]) if ok else None
+            what = f"admit {rid} hit {hit} tables {bm.tables(rid) if ok else None}"
+        elif op[0] == "append":
+            ok = int(bm.append([rid], [op[2]]).status[0]) == pk.Status.OK
+            what = f"append {rid} {'ok' if ok else 'out of blocks'} tables {bm.tables(rid)}"
+        else:
+            bm.free([rid])
+            what = f"free {rid}"
+        lines.append(f"{i} {what} queue {bm.free_queue()}")
+    return lines
+
+
+def run_vllm_groups(ops: list[list], usable: int, spec: str, env: Path) -> list[str]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(ops, f)
+    try:
+        out = subprocess.run([str(env / "bin" / "python"), str(GROUPS_DRIVER), f.name, str(usable),
+                              str(GROUP_BLOCK), spec], capture_output=True, text=True, check=True, timeout=600)
+    finally:
+        os.unlink(f.name)
+    return [line for line in out.stdout.splitlines() if line and line.split()[0].isdigit()]
+
+
+def compare_groups(seed: int, num_ops: int, usable: int, spec: str, env: Path) -> dict:
+    ops = make_groups_stream(seed, num_ops, usable, spec)
+    ours, theirs = run_paged_kv_groups(ops, usable, spec), run_vllm_groups(ops, usable, spec, env)
+    admits = [line.split() for line in ours if line.split()[1] == "admit"]
+    hit_tokens = sum(int(w[4]) for w in admits if w[4] != "None")
+    # Reclaims seen: appends after which a window table gained a null entry.
+    nulls = sum(line.count("[0, ") for line in ours if " append " in line)
+    first_diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first_diff is None and len(ours) != len(theirs):
+        first_diff = min(len(ours), len(theirs))
+    return {
+        "seed": seed, "groups": spec, "ops": len(ops), "admissions": len(admits), "hit_tokens": hit_tokens,
+        "appends": sum(op[0] == "append" for op in ops), "null_entries_seen": nulls,
+        "equal": first_diff is None,
+        "first_difference": None if first_diff is None else {
+            "op": ops[first_diff] if first_diff < len(ops) else None,
+            "paged_kv": ours[first_diff] if first_diff < len(ours) else None,
+            "vllm": theirs[first_diff] if first_diff < len(theirs) else None,
+        },
+    }
+
+
+def main_groups(args) -> int:
+    if not GROUPS_DRIVER.is_file() or not (args.vllm_env / "bin" / "python").exists():
+        print(f"needs {GROUPS_DRIVER} and the vLLM environment ({args.vllm_env})", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    results = []
+    for spec in args.group_sets.split(";"):
+        for k in range(args.streams):
+            r = compare_groups(args.seed + k, args.ops, args.usable_blocks, spec, args.vllm_env)
+            results.append(r)
+            print(f"groups {spec} stream {r['seed']}: {r['ops']} ops, {r['admissions']} admissions, "
+                  f"{r['hit_tokens']} hit tokens: "
+                  + ("identical" if r["equal"] else f"DIFFERS at {r['first_difference']}"), flush=True)
+    summary = {
+        "group_sets": args.group_sets.split(";"), "block_size": GROUP_BLOCK, "streams": len(results),
+        "ops_per_stream": args.ops, "usable_blocks": args.usable_blocks,
+        "identical": sum(r["equal"] for r in results), "hit_tokens": sum(r["hit_tokens"] for r in results),
+        "compared": "after every op: hit tokens of an admission, every group's table of the request, the free queue",
+        "seconds": round(time.perf_counter() - t0, 1), "results": results,
+        "command": "python " + " ".join(sys.argv),
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"{summary['identical']}/{summary['streams']} grouped streams identical to vLLM 0.33 "
+          f"({summary['hit_tokens']} hit tokens in all)")
+    return 0 if summary["identical"] == summary["streams"] else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=10)
@@ -153,7 +321,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-env", type=Path, default=DEFAULT_ENV)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--groups", action="store_true", help="KV-cache groups against vllm_groups_driver.py")
+    ap.add_argument("--group-sets", default=";".join(GROUP_SETS),
+                    help="with --groups: ';'-separated group lists, each like 'full,w6'")
     args = ap.parse_args()
+    if args.groups:
+        if args.usable_blocks == 12:  # the single-group default is too small for several groups
+            args.usable_blocks = 24
+        return main_groups(args)
     driver = find_driver()
     if driver is None or not (args.vllm_env / "bin" / "python").exists():
         print(f"needs vllm_driver.py ({DRIVER_CANDIDATES[0]}) and the vLLM environment ({args.vllm_env})",

@@ -17,3 +17,13 @@ def test_identical_to_vllm_on_random_streams(seed):
     r = diff_vllm.compare(seed, 120, 12, diff_vllm.DEFAULT_ENV, diff_vllm.find_driver())
     assert r["hit_tokens"] > 0
     assert r["equal"], r["first_difference"]
+
+
+@pytest.mark.skipif(not (diff_vllm.DEFAULT_ENV / "bin" / "python").exists(),
+                    reason="vLLM 0.33 reference environment not built (../shared/tools/vllm_ref/setup.sh)")
+def test_groups_identical_to_vllm():
+    """A full group and a sliding window of 5 tokens (block size 4): hits, every group's table
+    and the free queue equal vLLM's hybrid ``KVCacheManager``'s after every op."""
+    r = diff_vllm.compare_groups(7, 120, 40, "full,w5", diff_vllm.DEFAULT_ENV)
+    assert r["hit_tokens"] > 0 and r["null_entries_seen"] > 0
+    assert r["equal"], r["first_difference"]

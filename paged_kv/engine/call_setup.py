@@ -286,6 +286,15 @@ class CallShape:
         return self.num_prompts * self.rows_per_prompt
 
 
+def refuse_groups(manager: ManagerConfig) -> None:
+    """``ValueError`` for a manager with KV-cache groups other than one full group: the engines
+    read one block table per sequence and the attention kernels have no window yet."""
+    if manager.grouped:
+        raise ValueError(
+            f"the engines take a manager with one full-attention group only, got groups={manager.groups!r} "
+            "(KV-cache groups and windows are block-manager only for now)")
+
+
 def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, state: BlockManagerState | None,
                prompt_tokens: ArrayLike, prompt_lens: ArrayLike, *, rows_per_prompt: int, what: str,
                budgets: ArrayLike | None = None, chunk_size: int | None = None, impl: str = "auto",
@@ -299,6 +308,7 @@ def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, stat
     facts = model_facts(facts)  # ModelFacts from ``place`` (a model or a LlamaConfig also works)
     if not isinstance(manager, ManagerConfig):
         raise ValueError(f"manager must be a ManagerConfig, got {type(manager).__name__}")
+    refuse_groups(manager)
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
     spec = page_spec(facts, manager.num_blocks, manager.block_size, dtype=getattr(pages, "dtype", None))

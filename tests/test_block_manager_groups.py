@@ -1,0 +1,145 @@
+"""KV-cache groups (``paged_kv.groups``): worked examples of window reclaim, hit rules, the hybrid
+intersection, fork/select over a reclaimed prefix, and a seeded random run against the
+plain-Python ``GroupedReference`` with the invariants checked after every call."""
+
+import random
+
+import jax
+import numpy as np
+import pytest
+
+import paged_kv as pk
+from paged_kv.config import Group
+from paged_kv.invariants import check_invariants, check_null_prefix_grows
+from paged_kv.reference import GroupedReference
+
+BS = 4
+HYBRID = (Group("full"), Group("window", 5))
+
+
+def manager(groups=HYBRID, num_blocks=24, max_seqs=4) -> pk.BlockManager:
+    return pk.BlockManager(pk.ManagerConfig(num_blocks=num_blocks, block_size=BS, max_seqs=max_seqs,
+                                            max_blocks_per_seq=8, groups=groups))
+
+
+def test_group_validation():
+    with pytest.raises(ValueError, match="window"):
+        Group("window", 0)
+    with pytest.raises(ValueError, match="kind"):
+        Group("local", 4)
+    with pytest.raises(ValueError, match="groups"):
+        pk.ManagerConfig(num_blocks=8, groups=())
+    assert not pk.ManagerConfig(num_blocks=8).grouped
+    assert pk.ManagerConfig(num_blocks=8, groups=[Group("window", 3)]).grouped
+
+
+def test_reclaim_timing_tail_first_back_of_queue():
+    bm = manager()
+    bm.admit([0], [list(range(10))])  # 3 blocks per group: [1, 2, 3] full, [4, 5, 6] window
+    assert bm.tables(0) == [[1, 2, 3], [4, 5, 6]]
+    bm.append([0], [10])  # computed 10: tokens before 10 - 5 + 1 = 6 leave -> block 0 (tokens 0..3)
+    assert bm.tables(0) == [[1, 2, 3], [0, 5, 6]]
+    assert bm.free_queue()[-1] == 4 and bm.ref_count(4) == 0
+    bm.append([0], [11])  # computed 11: before 7, block 1 (tokens 4..7) still read
+    assert bm.tables(0)[1] == [0, 5, 6]
+    bm.append([0], [12])  # computed 12: before 8, block 1 leaves; a fresh block for token 12
+    assert bm.tables(0) == [[1, 2, 3, 7], [0, 0, 6, 8]]
+    assert bm.free_queue()[-2:] == [4, 5]
+    check_invariants(bm.config, bm.state)
+
+
+def test_reclaimed_blocks_stay_hits_and_hybrid_intersection():
+    bm = manager()
+    prompt = list(range(16))
+    bm.admit([0], [prompt])
+    for t in range(16, 21):
+        bm.append([0], [t])
+    bm.free([0])
+    # The full group holds blocks 0..3 cached; the window group only its last window (c = 1 block
+    # for W = 5, bs = 4) -- every reclaimed block is still cached in the queue.
+    res = bm.admit([1], [list(range(17))])  # n_cacheable = 4 blocks
+    assert int(res.cached_tokens[0]) == 16
+    full, window = bm.tables(1)
+    assert full[:4] == [1, 2, 3, 4] and window[:3] == [0, 0, 0] and window[3] != 0
+    # Hybrid: the window group needs its last block before h; a prompt that differs there
+    # from position 8 on hits only what both groups accept.
+    res = bm.admit([2], [list(range(8)) + [99] * 9])
+    assert int(res.cached_tokens[0]) == 8
+    check_invariants(bm.config, bm.state)
+
+
+def test_window_only_hit_needs_last_window():
+    bm = manager(groups=(Group("window", 9),))  # c = 2 blocks
+    bm.admit([0], [list(range(24))])
+    bm.append([0], [24])  # reclaims blocks 0..3 (tokens before 16)
+    bm.free([0])
+    res = bm.admit([1], [list(range(24)) + [7]])  # blocks 4, 5 cached: hit 6 blocks
+    assert int(res.cached_tokens[0]) == 24
+    assert bm.tables(1)[0][:4] == [0, 0, 0, 0]
+
+
+def test_fork_and_select_share_a_reclaimed_prefix():
+    bm = manager()
+    bm.admit([0], [list(range(12))])
+    bm.append([0], [12])
+    bm.fork(0, [1])
+    assert bm.tables(1) == bm.tables(0)
+    nulls = int(np.asarray(bm.state.null_prefix)[1, 0])
+    assert nulls == 2
+    # Row 0 copies its shared last block in every group; row 1 is then the only holder and
+    # writes in place (rows behave as if one at a time).
+    res = bm.append([0, 1], [13, 14])
+    assert int(res.num_copies) == 2 and (res.copy_src[0] > 0).all() and (res.copy_src[1] == 0).all()
+    before = jax.tree.map(np.array, bm.state)  # the manager donates its state
+    for t in range(15, 24):
+        bm.append([0, 1], [t, t])
+    check_null_prefix_grows(bm.config, before, bm.state, [0, 1])
+    bm.select([0, 1], [1, 1])
+    assert bm.tables(0) == bm.tables(1)
+    bm.free([0, 1])
+    check_invariants(bm.config, bm.state)
+    assert bm.usage()["used"] == 0
+
+
+def _snapshot(bm: pk.BlockManager) -> dict:
+    return {s: bm.tables(s) for s in sorted(bm.running())}, bm.free_queue(), np.asarray(bm.state.ref_count).tolist()
+
+
+def _reference_snapshot(ref: GroupedReference) -> dict:
+    counts = list(ref.ref_count)
+    return {s: ref.tables[s] for s in sorted(ref.tables)}, ref.queue_order(), counts
+
+
+@pytest.mark.parametrize("groups", [HYBRID, (Group("full"), Group("window", 2), Group("window", 9))])
+def test_random_ops_equal_reference(groups):
+    cfg = pk.ManagerConfig(num_blocks=20, block_size=BS, max_seqs=4, max_blocks_per_seq=8, groups=groups)
+    bm, ref = pk.BlockManager(cfg), GroupedReference(cfg)
+    rng = random.Random(0)
+    doc = [rng.randrange(3) for _ in range(32)]
+    for _ in range(80):
+        running = sorted(ref.tables)
+        idle = [s for s in range(4) if s not in ref.tables]
+        r = rng.random()
+        if idle and (r < 0.3 or not running):
+            ids = rng.sample(idle, rng.randrange(1, len(idle) + 1))
+            prompts = [doc[: rng.randrange(1, 20)] for _ in ids]
+            got = bm.admit(ids, prompts)
+            want = ref.admit(ids, prompts)
+            assert [tuple(int(x) for x in t) for t in zip(got.status, got.cached_tokens, got.shared_tokens)] == \
+                [(int(a), b, c) for a, b, c in want]
+        elif running and r < 0.8:
+            ids = rng.sample(running, rng.randrange(1, len(running) + 1))
+            toks = [doc[ref.num_tokens[s] % 32] for s in ids]
+            got = bm.append(ids, toks)
+            st, slots, src, dst = ref.append(ids, toks)
+            assert [int(x) for x in got.status] == [int(x) for x in st]
+            assert got.slots.tolist() == slots and got.copy_src.tolist() == src and got.copy_dst.tolist() == dst
+        elif running and r < 0.9:
+            src = rng.choice(running)
+            dst = idle[:1] if idle else []
+            assert bm.fork(src, dst).tolist() == [int(x) for x in ref.fork([src] * len(dst), dst)]
+        elif running:
+            ids = rng.sample(running, rng.randrange(1, len(running) + 1))
+            assert bm.free(ids).tolist() == [int(x) for x in ref.free(ids)]
+        assert _snapshot(bm) == _reference_snapshot(ref)
+        check_invariants(cfg, bm.state)
