@@ -134,7 +134,7 @@ CONFIGS = [  # (max_seqs, chunk_size, num_blocks): the last two pressure the poo
     (8, 32, 96), (4, 8, 64), (8, 16, 14), (4, 32, 11)]
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(config=st.sampled_from(CONFIGS),
        mates=st.lists(st.tuples(st.integers(1, 110), st.integers(0, 12), st.integers(4, 24), st.booleans()),
                       max_size=7),

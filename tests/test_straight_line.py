@@ -95,10 +95,10 @@ def _machine(base, examples):
     return machine.TestCase
 
 
-TestCachingBothTargets = _machine(props.CachingMachine, 12)
-TestPlainBothTargets = _machine(props.PlainMachine, 8)
-TestDuplicatesBothTargets = _machine(props.DuplicatesMachine, 10)
-TestWideBothTargets = _machine(props.WideTableMachine, 5)
+TestCachingBothTargets = _machine(props.CachingMachine, 6)
+TestPlainBothTargets = _machine(props.PlainMachine, 4)
+TestDuplicatesBothTargets = _machine(props.DuplicatesMachine, 5)
+TestWideBothTargets = _machine(props.WideTableMachine, 3)
 
 
 # ------------------------------------------------------------------ each rare path, forced
