@@ -78,6 +78,22 @@ def test_window_only_hit_needs_last_window():
     assert bm.tables(1)[0][:4] == [0, 0, 0, 0]
 
 
+def test_window_hit_refused_when_only_part_of_the_last_window_is_cached():
+    """W = 9, bs = 4: a hit at h needs the two blocks before h (tokens h - 8 .. h - 1). Block 5
+    (tokens 16..19) stays cached while everything around it is evicted: a rule that looked at the
+    last block alone would hit 20 tokens; the last window is never whole, so nothing hits."""
+    bm = manager(groups=(Group("window", 9),), num_blocks=12)
+    bm.admit([0], [list(range(24))])
+    bm.append([0], [24])  # reclaims tokens 0..15 (blocks 1..4)
+    bm.free([0])
+    assert bm.free_queue() == [7, 8, 9, 10, 11, 4, 3, 2, 1, 6, 5]
+    bm.admit([1, 2], [[100 + i for i in range(20)], [200 + i for i in range(20)]])  # evicts all but 5
+    bm.free([1, 2])
+    res = bm.admit([3], [list(range(24)) + [7]])
+    assert int(res.cached_tokens[0]) == 0
+    check_invariants(bm.config, bm.state)
+
+
 def test_fork_and_select_share_a_reclaimed_prefix():
     bm = manager()
     bm.admit([0], [list(range(12))])
