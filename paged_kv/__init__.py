@@ -26,6 +26,7 @@ _EXPORTS = {
     "AppendResult": "paged_kv.allocate",
     "append": "paged_kv.allocate",
     "NULL_BLOCK": "paged_kv.config",
+    "Group": "paged_kv.config",
     "ManagerConfig": "paged_kv.config",
     "BlockManager": "paged_kv.manager",
     "free": "paged_kv.reclaim",
@@ -51,7 +52,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from paged_kv.admission import AdmitResult, admit
     from paged_kv.allocate import AppendResult, append
-    from paged_kv.config import NULL_BLOCK, ManagerConfig
+    from paged_kv.config import NULL_BLOCK, Group, ManagerConfig
     from paged_kv.manager import BlockManager
     from paged_kv.prefix_cache import is_cached, reset_prefix_cache
     from paged_kv.reclaim import free
