@@ -84,6 +84,25 @@ def first_occurrence(ids: jax.Array, size: int) -> jax.Array:
     return first[jnp.clip(ids, 0, size - 1)] == lanes
 
 
+def take_status(config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Array, src_ids: jax.Array,
+                dst_must_be_free: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """fork/select's row checks: ``(dst, src, status)``, the int32 ``[B]`` ids clipped into
+    ``[0, max_seqs)`` and the int32 ``[B]`` statuses. Destinations are distinct rows (fork: not
+    running); sources may repeat but must be running; a ``-1`` destination is padding."""
+    s = config.max_seqs
+    dst_ids = dst_ids.astype(jnp.int32)
+    src_ids = src_ids.astype(jnp.int32)
+    dst, src = jnp.clip(dst_ids, 0, s - 1), jnp.clip(src_ids, 0, s - 1)
+    bad_dst = (dst_ids >= s) | ~first_occurrence(dst_ids, s)
+    if dst_must_be_free:
+        bad_dst |= state.active[dst]
+    bad_src = (src_ids < 0) | (src_ids >= s) | ~state.active[src]
+    status = jnp.where(
+        dst_ids < 0, Status.PADDING, jnp.where(bad_dst | bad_src, Status.BAD_SEQUENCE, Status.OK)
+    ).astype(jnp.int32)
+    return dst, src, status
+
+
 def blocks_held(config: ManagerConfig, num_tokens: jax.Array) -> jax.Array:
     """int32 ``[...]``: ``ceil(num_tokens / block_size)``, the blocks a sequence holds."""
     return (num_tokens + config.block_size - 1) // config.block_size

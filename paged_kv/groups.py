@@ -52,7 +52,7 @@ import numpy as np
 from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
-from paged_kv.batch import blocks_held, check_rows, first_occurrence
+from paged_kv.batch import blocks_held, check_rows, take_status
 from paged_kv.config import NULL_BLOCK, Group, ManagerConfig
 from paged_kv.reclaim import cache_slots, release
 from paged_kv.scan import leading_count, prefix_sum
@@ -151,16 +151,7 @@ def take_tables(config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Ar
     then (select) each group's old destination tables are released, group by group. Returns
     the state and int32 ``[B]`` statuses."""
     s, n, m = config.max_seqs, config.num_blocks, config.max_blocks_per_seq
-    dst_ids = dst_ids.astype(jnp.int32)
-    src_ids = src_ids.astype(jnp.int32)
-    dst, src = jnp.clip(dst_ids, 0, s - 1), jnp.clip(src_ids, 0, s - 1)
-    bad_dst = (dst_ids >= s) | ~first_occurrence(dst_ids, s)
-    if dst_must_be_free:
-        bad_dst |= state.active[dst]
-    bad_src = (src_ids < 0) | (src_ids >= s) | ~state.active[src]
-    status = jnp.where(
-        dst_ids < 0, Status.PADDING, jnp.where(bad_dst | bad_src, Status.BAD_SEQUENCE, Status.OK)
-    ).astype(jnp.int32)
+    dst, src, status = take_status(config, state, dst_ids, src_ids, dst_must_be_free)
     ok = status == Status.OK
 
     tables = state.tables

@@ -230,17 +230,21 @@ class ReferenceBlockManager:
                     self._cache(table[-1], key)
         return statuses, slots, src, dst
 
-    def _take_tables(self, dst_ids, src_ids, *, dst_must_be_free: bool) -> list[Status]:
-        cfg, seen, statuses = self.config, set(), []
+    def _take_statuses(self, dst_ids, src_ids, dst_must_be_free: bool) -> tuple[list[Status], list]:
+        """fork/select's per-row statuses and the (destination, source) moves that go ahead."""
+        seen, statuses = set(), []
         for d, s in zip(dst_ids, src_ids):
             if d < 0:
                 statuses.append(Status.PADDING)
                 continue
-            bad = d >= cfg.max_seqs or d in seen or (dst_must_be_free and d in self.tables)
+            bad = d >= self.config.max_seqs or d in seen or (dst_must_be_free and d in self.tables)
             seen.add(d)
             bad = bad or s < 0 or s not in self.tables
             statuses.append(Status.BAD_SEQUENCE if bad else Status.OK)
-        moves = [(d, s) for d, s, st in zip(dst_ids, src_ids, statuses) if st == Status.OK]
+        return statuses, [(d, s) for d, s, st in zip(dst_ids, src_ids, statuses) if st == Status.OK]
+
+    def _take_tables(self, dst_ids, src_ids, *, dst_must_be_free: bool) -> list[Status]:
+        statuses, moves = self._take_statuses(dst_ids, src_ids, dst_must_be_free)
         # Every row switches at once: read all sources before touching anything.
         new = {d: (list(self.tables[s]), self.num_tokens[s], list(self.seq_tokens.get(s, [])),
                    self.seq_salt.get(s, 0)) for d, s in moves}
@@ -430,16 +434,8 @@ class GroupedReference(ReferenceBlockManager):
         return statuses, slots, src, dst
 
     def _take_tables(self, dst_ids, src_ids, *, dst_must_be_free: bool) -> list[Status]:
-        cfg, seen, statuses = self.config, set(), []
-        for d, s in zip(dst_ids, src_ids):
-            if d < 0:
-                statuses.append(Status.PADDING)
-                continue
-            bad = d >= cfg.max_seqs or d in seen or (dst_must_be_free and d in self.tables)
-            seen.add(d)
-            bad = bad or s < 0 or s not in self.tables
-            statuses.append(Status.BAD_SEQUENCE if bad else Status.OK)
-        moves = [(d, s) for d, s, st in zip(dst_ids, src_ids, statuses) if st == Status.OK]
+        cfg = self.config
+        statuses, moves = self._take_statuses(dst_ids, src_ids, dst_must_be_free)
         new = {d: ([list(t) for t in self.tables[s]], self.num_tokens[s], list(self.seq_tokens.get(s, [])),
                    self.seq_salt.get(s, 0), list(self.null_prefix[s])) for d, s in moves}
         for d, _ in moves:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_kv import inputs
-from paged_kv.batch import blocks_held, by_width, first_occurrence, start_rows, tail_first
+from paged_kv.batch import blocks_held, by_width, start_rows, tail_first, take_status
 from paged_kv.config import ManagerConfig
 from paged_kv.reclaim import cache_slots, release
 from paged_kv.state import BlockManagerState
@@ -30,17 +30,7 @@ def _take_tables(
         from paged_kv import groups
         return groups.take_tables(config, state, dst_ids, src_ids, dst_must_be_free=dst_must_be_free)
     s, n = config.max_seqs, config.num_blocks
-    dst_ids = dst_ids.astype(jnp.int32)
-    src_ids = src_ids.astype(jnp.int32)
-    dst, src = jnp.clip(dst_ids, 0, s - 1), jnp.clip(src_ids, 0, s - 1)
-    # Destinations are distinct rows (fork: not running); sources may repeat but must be running.
-    bad_dst = (dst_ids >= s) | ~first_occurrence(dst_ids, s)
-    if dst_must_be_free:
-        bad_dst |= state.active[dst]
-    bad_src = (src_ids < 0) | (src_ids >= s) | ~state.active[src]
-    status = jnp.where(
-        dst_ids < 0, Status.PADDING, jnp.where(bad_dst | bad_src, Status.BAD_SEQUENCE, Status.OK)
-    ).astype(jnp.int32)
+    dst, src, status = take_status(config, state, dst_ids, src_ids, dst_must_be_free)
     ok = status == Status.OK
 
     # Everything reads the state before the call: a row can be a source and a destination at once.
