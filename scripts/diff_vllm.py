@@ -305,10 +305,15 @@ def main_groups(args) -> int:
         "seconds": round(time.perf_counter() - t0, 1), "results": results,
         "command": "python " + " ".join(sys.argv),
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"{summary['identical']}/{summary['streams']} grouped streams identical to vLLM 0.33 "
+    return report(summary, args.out, "grouped streams")
+
+
+def report(summary: dict, out: Path | None, what: str) -> int:
+    """Writes ``summary`` to ``out`` (when given), prints the verdict; 0 when every stream agreed."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"{summary['identical']}/{summary['streams']} {what} identical to vLLM 0.33 "
           f"({summary['hit_tokens']} hit tokens in all)")
     return 0 if summary["identical"] == summary["streams"] else 1
 
@@ -347,12 +352,7 @@ def main() -> int:
         "seconds": round(time.perf_counter() - t0, 1), "results": results,
         "command": "python " + " ".join(sys.argv),
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"{summary['identical']}/{summary['streams']} streams identical to vLLM 0.33 "
-          f"({summary['hit_tokens']} hit tokens in all)")
-    return 0 if summary["identical"] == summary["streams"] else 1
+    return report(summary, args.out, "streams")
 
 
 if __name__ == "__main__":
