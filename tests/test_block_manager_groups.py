@@ -4,9 +4,12 @@ plain-Python ``GroupedReference`` with the invariants checked after every call."
 
 import random
 
+import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import paged_kv as pk
 from paged_kv.config import Group
@@ -159,3 +162,102 @@ def test_random_ops_equal_reference(groups):
             assert bm.free(ids).tolist() == [int(x) for x in ref.free(ids)]
         assert _snapshot(bm) == _reference_snapshot(ref)
         check_invariants(cfg, bm.state)
+
+
+# ------------------------------------------------------------- hypothesis: long random sequences
+
+DOC = [1, 2, 0, 1] * 8  # prompts are prefixes of this (plus a tail), so blocks and windows repeat
+
+
+class GroupedMachine(RuleBasedStateMachine):
+    """admit / append / fork / beam select / free drawn by hypothesis on a hybrid manager (one
+    full group, two window groups, one smaller than a block); after every step the jitted manager
+    equals ``GroupedReference`` (tables per group, free queue order, counts), the invariants hold,
+    and no window table's null prefix shrank for a row that is still the same sequence."""
+
+    config = pk.ManagerConfig(num_blocks=22, block_size=BS, max_seqs=4, max_blocks_per_seq=8,
+                              groups=(Group("full"), Group("window", 6), Group("window", 3)))
+
+    def __init__(self):
+        super().__init__()
+        self.bm, self.ref = pk.BlockManager(self.config), GroupedReference(self.config)
+        self.before = jax.tree.map(np.array, self.bm.state)
+        self.same = set()  # rows that are the same sequence as in ``before``
+
+    def running(self) -> list[int]:
+        return sorted(self.ref.tables)
+
+    @rule(data=st.data())
+    def admit(self, data):
+        idle = [s for s in range(4) if s not in self.ref.tables]
+        if not idle:
+            return
+        ids = data.draw(st.lists(st.sampled_from(idle), min_size=1, max_size=len(idle), unique=True))
+        prompts = [DOC[: data.draw(st.integers(0, 24))] + data.draw(st.lists(st.integers(0, 2), max_size=3))
+                   for _ in ids]
+        prompts = [p or [0] for p in prompts]
+        got = self.bm.admit(ids, prompts)
+        want = self.ref.admit(ids, prompts)
+        assert [tuple(int(x) for x in t) for t in zip(got.status, got.cached_tokens, got.shared_tokens)] == \
+            [(int(a), b, c) for a, b, c in want]
+        self.same -= set(ids)
+
+    @rule(data=st.data())
+    def append(self, data):
+        running = self.running()
+        if not running:
+            return
+        ids = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique=True))
+        toks = [DOC[self.ref.num_tokens[s] % len(DOC)] for s in ids]
+        got = self.bm.append(ids, toks)
+        st_, slots, src, dst = self.ref.append(ids, toks)
+        assert [int(x) for x in got.status] == [int(x) for x in st_]
+        assert got.slots.tolist() == slots and got.copy_src.tolist() == src and got.copy_dst.tolist() == dst
+
+    @rule(data=st.data())
+    def fork(self, data):
+        running, idle = self.running(), [s for s in range(4) if s not in self.ref.tables]
+        if not running or not idle:
+            return
+        src = data.draw(st.sampled_from(running))
+        dst = data.draw(st.lists(st.sampled_from(idle), min_size=1, max_size=len(idle), unique=True))
+        assert self.bm.fork(src, dst).tolist() == [int(x) for x in self.ref.fork([src] * len(dst), dst)]
+        self.same -= set(dst)
+
+    @rule(data=st.data())
+    def beam_select(self, data):
+        running = self.running()
+        if not running:
+            return
+        parents = data.draw(st.lists(st.sampled_from(running), min_size=len(running), max_size=len(running)))
+        assert self.bm.select(running, parents).tolist() == [int(x) for x in self.ref.select(running, parents)]
+        self.same -= {d for d, p in zip(running, parents) if d != p}
+
+    @rule(data=st.data())
+    def free(self, data):
+        running = self.running()
+        if not running:
+            return
+        ids = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique=True))
+        assert self.bm.free(ids).tolist() == [int(x) for x in self.ref.free(ids)]
+        self.same -= set(ids)
+
+    @invariant()
+    def agrees_with_reference_and_invariants_hold(self):
+        assert _snapshot(self.bm) == _reference_snapshot(self.ref)
+        check_invariants(self.config, self.bm.state)
+        check_null_prefix_grows(self.config, self.before, self.bm.state, sorted(self.same & set(self.running())))
+        self.before = jax.tree.map(np.array, self.bm.state)
+        self.same = set(self.running())
+
+    def teardown(self):
+        running = self.running()
+        if running:
+            self.bm.free(running)
+        check_invariants(self.config, self.bm.state)
+        assert self.bm.usage()["used"] == 0
+
+
+GroupedMachine.TestCase.settings = settings(max_examples=5, stateful_step_count=20, deadline=None,
+                                            suppress_health_check=list(HealthCheck))
+TestGroupedManager = GroupedMachine.TestCase
