@@ -26,7 +26,7 @@ def test_run_specs_are_every_estimated_spec_but_the_rule_checks_uniquely_named()
   names = [perf_plan.spec_name(s) for s in specs]
   assert len(set(names)) == len(names), "measurements are matched to estimates by name"
   assert specs[0]["kernel"] == "xla_copy" and specs[0]["purpose"] == "perf_sanity"
-  only = gpu_check.perf_run_specs(["DECODE 64x", "llama3.2-1b down M=256"])
+  only = gpu_check.perf_run_specs(["DECODE 64x4096", "llama3.2-1b down M=256"])
   assert [perf_plan.spec_name(s) for s in only] == ["decode 64x4096", "layer_matmul llama3.2-1b down M=256"]
 
 
