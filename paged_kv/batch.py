@@ -108,13 +108,16 @@ def blocks_held(config: ManagerConfig, num_tokens: jax.Array) -> jax.Array:
     return (num_tokens + config.block_size - 1) // config.block_size
 
 
-def tail_first(tables: jax.Array, num_blocks: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def tail_first(tables: jax.Array, num_blocks: jax.Array, mask: jax.Array, first: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
     """Flattens block-table rows into release order: row by row, each row last block first.
 
     Args:
       tables: int32 ``[B, M]`` rows of block ids.
-      num_blocks: int32 ``[B]`` blocks held by each row.
+      num_blocks: int32 ``[B]`` blocks held by each row (its columns end there).
       mask: bool ``[B]`` rows to include.
+      first: optional int32 ``[B]`` first column of each row to include (a window group's null
+        prefix ends there); 0 when not given.
 
     Returns:
       blocks int32 ``[B * M]`` and valid bool ``[B * M]``.
@@ -122,7 +125,7 @@ def tail_first(tables: jax.Array, num_blocks: jax.Array, mask: jax.Array) -> tup
     m = tables.shape[1]
     j = jnp.arange(m, dtype=jnp.int32)[None, :]
     col = num_blocks[:, None] - 1 - j
-    valid = mask[:, None] & (col >= 0)
+    valid = mask[:, None] & (col >= (0 if first is None else first[:, None]))
     blocks = jnp.take_along_axis(tables, jnp.clip(col, 0, m - 1), axis=1)
     return blocks.reshape(-1), valid.reshape(-1)
 

@@ -52,7 +52,7 @@ import numpy as np
 from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
-from paged_kv.batch import blocks_held, check_rows, take_status
+from paged_kv.batch import blocks_held, check_rows, tail_first, take_status
 from paged_kv.config import NULL_BLOCK, Group, ManagerConfig
 from paged_kv.reclaim import cache_slots, release
 from paged_kv.scan import leading_count, prefix_sum
@@ -97,20 +97,6 @@ def skipped_blocks(group: Group, computed: jax.Array, block_size: int) -> jax.Ar
     return jnp.maximum(computed - group.window + 1, 0) // block_size
 
 
-def tail_first_range(tables: jax.Array, lo: jax.Array, hi: jax.Array, mask: jax.Array
-                     ) -> tuple[jax.Array, jax.Array]:
-    """Columns ``[lo, hi)`` of each row of ``tables`` (int32 ``[B, M]``; ``lo``, ``hi`` int32
-    ``[B]``; rows where bool ``[B]`` ``mask``), flattened in release order: row by row, each
-    from column ``hi - 1`` down to ``lo``. Returns int32 ``[B * M]`` blocks and bool ``[B * M]``
-    valid."""
-    m = tables.shape[1]
-    j = jnp.arange(m, dtype=jnp.int32)[None, :]
-    col = hi[:, None] - 1 - j
-    valid = mask[:, None] & (col >= lo[:, None])
-    blocks = jnp.take_along_axis(tables, jnp.clip(col, 0, m - 1), axis=1)
-    return blocks.reshape(-1), valid.reshape(-1)
-
-
 def _salt_bits(salt: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(salt.astype(jnp.uint32), jnp.int32)
 
@@ -130,7 +116,7 @@ def free(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array
     slots = cache_slots(config, state)
     ref_count, queue = state.ref_count, state.queue
     for g in range(config.num_groups):
-        blocks, valid = tail_first_range(tables[g][sid], state.null_prefix[g, sid], held, ok)
+        blocks, valid = tail_first(tables[g][sid], held, ok, state.null_prefix[g, sid])
         ref_count, queue = release(ref_count, queue, blocks, valid, slots, target=config.target)
     target = jnp.where(ok, sid, config.max_seqs)
     state = state.with_tables(tables.at[:, target].set(NULL_BLOCK, mode="drop"))
@@ -169,7 +155,7 @@ def take_tables(config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Ar
     queue = state.queue
     if not dst_must_be_free:
         for g in range(config.num_groups):
-            blocks, valid = tail_first_range(dst_rows[g], dst_null[g], dst_held, dropping)
+            blocks, valid = tail_first(dst_rows[g], dst_held, dropping, dst_null[g])
             ref_count, queue = release(ref_count, queue, blocks, valid, slots, target=config.target)
 
     target = jnp.where(ok, dst, s)
@@ -231,7 +217,7 @@ def _append_row(config: ManagerConfig, state: BlockManagerState, tables: jax.Arr
         lo = null_prefix[g, s]
         hi = jnp.where(valid, jnp.clip(skipped_blocks(group, n, bs), lo, held), lo)
         row = tables[g, s]
-        blocks, mask = tail_first_range(row[None], lo[None], hi[None], valid[None])
+        blocks, mask = tail_first(row[None], hi[None], valid[None], lo[None])
         ref_count, queue = release(ref_count, queue, blocks, mask, slots, target=config.target)
         tables = tables.at[g, s].set(jnp.where((j >= lo) & (j < hi), NULL_BLOCK, row))
         null_prefix = null_prefix.at[g, s].set(hi)

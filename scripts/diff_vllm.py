@@ -124,11 +124,13 @@ def run_paged_kv(ops: list[list], usable: int, max_seqs: int = 8) -> list[str]:
     return lines
 
 
-def run_vllm(ops: list[list], usable: int, env: Path, driver: Path) -> list[str]:
+def run_vllm(ops: list[list], usable: int, env: Path, driver: Path, *extra: str) -> list[str]:
+    """Runs ``driver`` (``vllm_driver.py``, or ``vllm_groups_driver.py`` with its block size and
+    group spec as ``extra``) on ``ops`` in the vLLM environment; returns its numbered lines."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ops, f)
     try:
-        out = subprocess.run([str(env / "bin" / "python"), str(driver), f.name, str(usable)],
+        out = subprocess.run([str(env / "bin" / "python"), str(driver), f.name, str(usable), *extra],
                              capture_output=True, text=True, check=True, timeout=600)
     finally:
         os.unlink(f.name)
@@ -251,20 +253,10 @@ def run_paged_kv_groups(ops: list[list], usable: int, spec: str, max_seqs: int =
     return lines
 
 
-def run_vllm_groups(ops: list[list], usable: int, spec: str, env: Path) -> list[str]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(ops, f)
-    try:
-        out = subprocess.run([str(env / "bin" / "python"), str(GROUPS_DRIVER), f.name, str(usable),
-                              str(GROUP_BLOCK), spec], capture_output=True, text=True, check=True, timeout=600)
-    finally:
-        os.unlink(f.name)
-    return [line for line in out.stdout.splitlines() if line and line.split()[0].isdigit()]
-
-
 def compare_groups(seed: int, num_ops: int, usable: int, spec: str, env: Path) -> dict:
     ops = make_groups_stream(seed, num_ops, usable, spec)
-    ours, theirs = run_paged_kv_groups(ops, usable, spec), run_vllm_groups(ops, usable, spec, env)
+    ours = run_paged_kv_groups(ops, usable, spec)
+    theirs = run_vllm(ops, usable, env, GROUPS_DRIVER, str(GROUP_BLOCK), spec)
     admits = [line.split() for line in ours if line.split()[1] == "admit"]
     hit_tokens = sum(int(w[4]) for w in admits if w[4] != "None")
     # Reclaims seen: appends after which a window table gained a null entry.

@@ -129,6 +129,19 @@ def _reference_snapshot(ref: GroupedReference) -> dict:
     return {s: ref.tables[s] for s in sorted(ref.tables)}, ref.queue_order(), counts
 
 
+def _admit_both(bm: pk.BlockManager, ref: GroupedReference, ids: list[int], prompts: list[list[int]]) -> None:
+    got, want = bm.admit(ids, prompts), ref.admit(ids, prompts)
+    assert [tuple(int(x) for x in t) for t in zip(got.status, got.cached_tokens, got.shared_tokens)] == \
+        [(int(a), b, c) for a, b, c in want]
+
+
+def _append_both(bm: pk.BlockManager, ref: GroupedReference, ids: list[int], toks: list[int]) -> None:
+    got = bm.append(ids, toks)
+    status, slots, src, dst = ref.append(ids, toks)
+    assert [int(x) for x in got.status] == [int(x) for x in status]
+    assert got.slots.tolist() == slots and got.copy_src.tolist() == src and got.copy_dst.tolist() == dst
+
+
 @pytest.mark.parametrize("groups", [HYBRID, (Group("full"), Group("window", 2), Group("window", 9))])
 def test_random_ops_equal_reference(groups):
     cfg = pk.ManagerConfig(num_blocks=20, block_size=BS, max_seqs=4, max_blocks_per_seq=8, groups=groups)
@@ -142,17 +155,11 @@ def test_random_ops_equal_reference(groups):
         if idle and (r < 0.3 or not running):
             ids = rng.sample(idle, rng.randrange(1, len(idle) + 1))
             prompts = [doc[: rng.randrange(1, 20)] for _ in ids]
-            got = bm.admit(ids, prompts)
-            want = ref.admit(ids, prompts)
-            assert [tuple(int(x) for x in t) for t in zip(got.status, got.cached_tokens, got.shared_tokens)] == \
-                [(int(a), b, c) for a, b, c in want]
+            _admit_both(bm, ref, ids, prompts)
         elif running and r < 0.8:
             ids = rng.sample(running, rng.randrange(1, len(running) + 1))
             toks = [doc[ref.num_tokens[s] % 32] for s in ids]
-            got = bm.append(ids, toks)
-            st, slots, src, dst = ref.append(ids, toks)
-            assert [int(x) for x in got.status] == [int(x) for x in st]
-            assert got.slots.tolist() == slots and got.copy_src.tolist() == src and got.copy_dst.tolist() == dst
+            _append_both(bm, ref, ids, toks)
         elif running and r < 0.9:
             src = rng.choice(running)
             dst = idle[:1] if idle else []
@@ -187,19 +194,24 @@ class GroupedMachine(RuleBasedStateMachine):
     def running(self) -> list[int]:
         return sorted(self.ref.tables)
 
+    def idle(self) -> list[int]:
+        return [s for s in range(self.config.max_seqs) if s not in self.ref.tables]
+
+    @staticmethod
+    def some(data: st.DataObject, pool: list[int]) -> list[int]:
+        """A non-empty subset of ``pool`` in a drawn order (``pool`` is not empty)."""
+        return data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=len(pool), unique=True))
+
     @rule(data=st.data())
     def admit(self, data):
-        idle = [s for s in range(4) if s not in self.ref.tables]
+        idle = self.idle()
         if not idle:
             return
-        ids = data.draw(st.lists(st.sampled_from(idle), min_size=1, max_size=len(idle), unique=True))
+        ids = self.some(data, idle)
         prompts = [DOC[: data.draw(st.integers(0, 24))] + data.draw(st.lists(st.integers(0, 2), max_size=3))
                    for _ in ids]
         prompts = [p or [0] for p in prompts]
-        got = self.bm.admit(ids, prompts)
-        want = self.ref.admit(ids, prompts)
-        assert [tuple(int(x) for x in t) for t in zip(got.status, got.cached_tokens, got.shared_tokens)] == \
-            [(int(a), b, c) for a, b, c in want]
+        _admit_both(self.bm, self.ref, ids, prompts)
         self.same -= set(ids)
 
     @rule(data=st.data())
@@ -207,20 +219,17 @@ class GroupedMachine(RuleBasedStateMachine):
         running = self.running()
         if not running:
             return
-        ids = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique=True))
+        ids = self.some(data, running)
         toks = [DOC[self.ref.num_tokens[s] % len(DOC)] for s in ids]
-        got = self.bm.append(ids, toks)
-        st_, slots, src, dst = self.ref.append(ids, toks)
-        assert [int(x) for x in got.status] == [int(x) for x in st_]
-        assert got.slots.tolist() == slots and got.copy_src.tolist() == src and got.copy_dst.tolist() == dst
+        _append_both(self.bm, self.ref, ids, toks)
 
     @rule(data=st.data())
     def fork(self, data):
-        running, idle = self.running(), [s for s in range(4) if s not in self.ref.tables]
+        running, idle = self.running(), self.idle()
         if not running or not idle:
             return
         src = data.draw(st.sampled_from(running))
-        dst = data.draw(st.lists(st.sampled_from(idle), min_size=1, max_size=len(idle), unique=True))
+        dst = self.some(data, idle)
         assert self.bm.fork(src, dst).tolist() == [int(x) for x in self.ref.fork([src] * len(dst), dst)]
         self.same -= set(dst)
 
@@ -238,7 +247,7 @@ class GroupedMachine(RuleBasedStateMachine):
         running = self.running()
         if not running:
             return
-        ids = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique=True))
+        ids = self.some(data, running)
         assert self.bm.free(ids).tolist() == [int(x) for x in self.ref.free(ids)]
         self.same -= set(ids)
 
