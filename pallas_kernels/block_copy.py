@@ -23,6 +23,11 @@ distinct and not also sources in the same list: programs run in no particular or
 chain ``2 -> 3, 3 -> 4`` may copy the new block 3 (old 2) to 4, and a swap ``2 -> 3, 3 -> 2``
 may leave both blocks equal. :func:`paged_kv.pallas_kernels.copy_blocks` checks this on concrete lists
 (:func:`paged_kv.pallas_kernels.validate.check_copy_lists`); under ``jit`` the caller guarantees it.
+
+Quantized pages (:class:`paged_kv.pallas_kernels.quant.QuantPages`): the scales
+``[L, 2, Hkv, NB, bs]`` are viewed as ``[rows, NB, bs]`` and are a second aliased operand of the
+same launch; each step copies its slab's ``[slab_rows, bs]`` scales with its values, so a copied
+block always dequantizes exactly as its source.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from paged_kv.pallas_kernels.reference import sanitize_block_tables
+from paged_kv.pallas_kernels import quant
+from paged_kv.pallas_kernels.reference import PagesLike, sanitize_block_tables
 
 # Bytes one program loads per step (one slab). 8 KB is 64 B (four 16-byte vector loads) per
 # thread at 128 threads, about 30 registers: up to 16 programs fit on an SM, and even the ~8 per
@@ -114,10 +120,26 @@ def _copy_kernel(src_ref, dst_ref, pages_ref, out_ref, *, head_rows: int, slab_r
     lax.fori_loop(0, head_rows // slab_rows, step, 0)
 
 
+def _copy_quant_kernel(src_ref, dst_ref, pages_ref, scales_ref, out_ref, out_scales_ref, *, head_rows: int,
+                       slab_rows: int):
+  del pages_ref, scales_ref  # Same buffers as out_ref, out_scales_ref (aliased).
+  src = src_ref[0]
+  dst = dst_ref[0]
+
+  @pl.when(src != dst)  # Padding (0, 0) and self-copies move nothing.
+  def _copy():
+    def step(j, carry):
+      rows = pl.ds(pl.multiple_of(j * slab_rows, slab_rows), slab_rows)
+      out_ref[rows, dst] = out_ref[rows, src]
+      out_scales_ref[rows, dst] = out_scales_ref[rows, src]  # the slab's [slab_rows, bs] scales
+      return carry
+    lax.fori_loop(0, head_rows // slab_rows, step, 0)
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "head_rows", "slab_rows", "num_warps"))
-def copy_blocks_pallas(pages: jax.Array, src: jax.Array, dst: jax.Array, *, interpret: bool = False,
+def copy_blocks_pallas(pages: PagesLike, src: jax.Array, dst: jax.Array, *, interpret: bool = False,
                        head_rows: int | None = None, slab_rows: int | None = None,
-                       num_warps: int = 4) -> jax.Array:
+                       num_warps: int = 4) -> PagesLike:
   """Pallas block copy; arguments as :func:`paged_kv.pallas_kernels.copy_blocks`.
 
   ``head_rows`` (rows per program) and ``slab_rows`` (rows per step): as :func:`resolve_plan`
@@ -130,6 +152,25 @@ def copy_blocks_pallas(pages: jax.Array, src: jax.Array, dst: jax.Array, *, inte
                                       head_rows, slab_rows)
   src = sanitize_block_tables(src, num_blocks).reshape(num_copies, 1)
   dst = sanitize_block_tables(dst, num_blocks).reshape(num_copies, 1)
+  if quant.is_quant(pages):
+    flat = pages.values.reshape(rows, num_blocks, block_size, head_dim)
+    flat_scales = pages.scales.reshape(rows, num_blocks, block_size)
+    spec = pl.BlockSpec((head_rows, num_blocks, block_size, head_dim), lambda i, g: (g, 0, 0, 0))
+    scale_spec = pl.BlockSpec((head_rows, num_blocks, block_size), lambda i, g: (g, 0, 0))
+    id_spec = pl.BlockSpec((None, 1), lambda i, g: (i, 0))
+    values, scales = pl.pallas_call(
+        functools.partial(_copy_quant_kernel, head_rows=head_rows, slab_rows=slab_rows),
+        grid=(num_copies, rows // head_rows),
+        in_specs=[id_spec, id_spec, spec, scale_spec],
+        out_specs=[spec, scale_spec],
+        out_shape=[jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+                   jax.ShapeDtypeStruct(flat_scales.shape, flat_scales.dtype)],
+        input_output_aliases={2: 0, 3: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="copy_blocks_quant",
+    )(src, dst, flat, flat_scales)
+    return quant.QuantPages(values=values.reshape(pages.shape), scales=scales.reshape(pages.scales.shape))
   flat = pages.reshape(rows, num_blocks, block_size, head_dim)
   spec = pl.BlockSpec((head_rows, num_blocks, block_size, head_dim), lambda i, g: (g, 0, 0, 0))
   out = pl.pallas_call(

@@ -45,8 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.typing import DTypeLike
 
-from paged_kv.pallas_kernels import tiling
-from paged_kv.pallas_kernels.reference import NULL_BLOCK, score_knobs
+from paged_kv.pallas_kernels import quant, tiling
+from paged_kv.pallas_kernels.reference import NULL_BLOCK, PagesLike, score_knobs
 
 # A finite "minus infinity": exp(MASK - m) is 0, and MASK - MASK is 0, never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -59,17 +59,22 @@ def online_softmax_init(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array,
 
 
 def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, v: jax.Array,
-                        mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        mask: jax.Array, v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Folds one tile of scores ``s [rows, keys]`` (float32, scaled) and values ``v [keys, D]`` into
   the running softmax ``carry``; masked scores count as absent. Shared by the decode and prefill
-  kernels (flash attention's rescaling: old terms are scaled by exp(m_old - m_new))."""
+  kernels (flash attention's rescaling: old terms are scaled by exp(m_old - m_new)).
+
+  ``v_scale`` (quantized pages): float32 ``[keys]``, each value row's scale; it multiplies the
+  probabilities that weigh ``v`` (the quantized rows, in the compute dtype) in ``P V``, not the
+  denominator, so the tile is never dequantized."""
   o, m, l = carry
   s = jnp.where(mask, s, MASK_VALUE)
   m_new = jnp.maximum(m, s.max(axis=1))
   alpha = jnp.exp(m - m_new)
   p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
   l_new = alpha * l + p.sum(axis=1)
-  pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+  weights = p if v_scale is None else p * v_scale[None, :]
+  pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                        preferred_element_type=jnp.float32)
   return alpha[:, None] * o + pv, m_new, l_new
 
@@ -81,14 +86,17 @@ next_power_of_two = tiling.next_power_of_two
 
 def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, group: int,
                    max_blocks: int, block_size: int, blocks_per_tile: int, tiles_per_split: int,
-                   soft_cap: float | None = None, has_bias: bool = False, has_window: bool = False):
-  # refs: (ALiBi slopes [rows] when has_bias,) (the window [1] when has_window,) then the output
+                   soft_cap: float | None = None, has_bias: bool = False, has_window: bool = False,
+                   has_scales: bool = False):
+  # refs: (ALiBi slopes [rows] when has_bias,) (the window [1] when has_window,) (K's and V's
+  # per-token scales [L, slots] when has_scales: quantized pages,) then the output
   # [rows, D] (one split) or the split partials o [rows, D] and lse [rows, D] (several). Rows past
   # the GQA group, table columns past ``max_blocks`` and the group's partial rows lie outside
   # their arrays: Pallas masks those loads and stores (its blocks are larger than the arrays
   # there), so the wrapper pads nothing.
   slope_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
-  window_ref, outs = (refs[0], refs[1:]) if has_window else (None, refs)
+  window_ref, refs = (refs[0], refs[1:]) if has_window else (None, refs)
+  (ks_ref, vs_ref), outs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
   split = pl.program_id(2)
   num_layers, num_slots, head_dim = k_ref.shape
   num_blocks = num_slots // block_size
@@ -132,13 +140,21 @@ def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale
     slot = ids * block_size + key % block_size
     k = k_ref[layer, slot]  # [keys, D]: one 2-D gather the Triton pipeliner can buffer
     v = v_ref[layer, slot]
+    v_scale = None
+    if has_scales:
+      # Quantized pages: the int8/e4m3 tiles convert to q's dtype exactly (in registers, for the
+      # dot); the scales ride along as one [keys] gather per tile.
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
+      v_scale = vs_ref[layer, slot]
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if has_scales:  # K's per-token scale multiplies its logits column
+      s = s * ks_ref[layer, slot][None, :]
     s = s * scale
     pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
     s = score_knobs(s, soft_cap, slope, pos, length - 1)  # the query sits at length - 1
     # Keys of the window's first tile before the window (read, weight 0) are masked too.
     mask = (pos < length) & (pos >= first_pos) if has_window else pos < length
-    return online_softmax_step(carry, s, v, mask)
+    return online_softmax_step(carry, s, v, mask, v_scale)
 
   o, m, l = lax.fori_loop(0, my_tiles, body, online_softmax_init(rows, head_dim))
   if len(outs) == 1:
@@ -290,7 +306,7 @@ def decode_partition(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: 
                      max_blocks: int, dtype: DTypeLike, knobs: tiling.Knobs = tiling.NO_KNOBS, *,
                      blocks_per_tile: int | None = None, num_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     window: int | None = None) -> Partition:
+                     window: int | None = None, kv_dtype: DTypeLike | None = None) -> Partition:
   """The launch of :func:`paged_decode_attention_pallas` for one configuration (``dtype`` of q and
   the pages): the tiling table's row (:func:`paged_kv.pallas_kernels.tiling.decode_tiling`) and the
   split rule (:func:`choose_partition`); explicit values override them. Plain Python, also what
@@ -299,18 +315,25 @@ def decode_partition(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: 
   ``window``: a static sliding window (an int >= 1, or None): the split rule then sees only the
   tiles a window covers (:func:`window_blocks`), which is what each program reads, and
   ``tiles_per_split`` counts a split's share of those (the kernel cuts each sequence's window
-  among the splits at run time)."""
+  among the splits at run time).
+
+  ``kv_dtype``: the pages' storage dtype when it differs from ``dtype`` (quantized pages, int8 or
+  e4m3: one byte per element plus a float32 scale per key); the split rule then counts the bytes
+  a tile really moves. The tiling row stays the compute dtype's."""
   group = num_q_heads // num_kv_heads
   tile = tiling.decode_tiling(dtype, head_dim, block_size, group, max_blocks, knobs)
   warps = tile.num_warps if num_warps is None else num_warps
   stages = tile.num_stages if num_stages is None else num_stages
   bpt = tile.blocks_per_tile if blocks_per_tile is None else blocks_per_tile
   itemsize = jnp.dtype(dtype).itemsize
+  row_bytes = head_dim * itemsize
+  if kv_dtype is not None:  # a quantized key: its values and its float32 scale
+    row_bytes = head_dim * jnp.dtype(kv_dtype).itemsize + 4
   if window is not None:
     max_blocks = window_blocks(window, bpt, block_size, max_blocks)
   bpt, tps, splits = choose_partition(
       max_blocks, block_size, batch, num_kv_heads, bpt, num_splits,
-      tile_bytes=2 * bpt * block_size * head_dim * itemsize, stages=max(stages - 1, 1),
+      tile_bytes=2 * bpt * block_size * row_bytes, stages=max(stages - 1, 1),
       ctas_per_sm=tile.ctas_per_sm, partial_bytes=2 * 2 * group * head_dim * 4)
   return Partition(blocks_per_tile=bpt, tiles_per_split=tps, num_splits=splits, rows=tile.rows_per_tile,
                    num_warps=warps, num_stages=stages)
@@ -320,7 +343,7 @@ def decode_partition(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: 
     jax.jit,
     static_argnames=("scale", "interpret", "blocks_per_tile", "num_splits",
                      "num_warps", "num_stages", "soft_cap", "window_bound"))
-def paged_decode_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+def paged_decode_attention_pallas(q: jax.Array, pages: PagesLike, layer: int | jax.Array, block_tables: jax.Array,
                                   lengths: jax.Array, *, scale: float, interpret: bool = False,
                                   blocks_per_tile: int | None = None, num_splits: int | None = None,
                                   num_warps: int | None = None, num_stages: int | None = None,
@@ -343,7 +366,14 @@ def paged_decode_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | j
   lengths, maps bad block ids to the null block and reads the GQA group's rows and the table's
   columns through masked loads. With one split the kernel writes the output in q's dtype;
   with several, one XLA merge follows (:func:`merge_splits`).
+
+  Quantized ``pages`` (:class:`paged_kv.pallas_kernels.quant.QuantPages`): the K and V scale planes
+  ``[L, slots]`` of the program's KV head are two more inputs, gathered by the same slots as the
+  tiles; each tile converts to q's dtype for the dots (module docstring of ``quant``).
   """
+  scales = None
+  if quant.is_quant(pages):
+    pages, scales = pages.values, pages.scales
   batch, num_q_heads, head_dim = q.shape
   num_layers, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
   max_blocks = block_tables.shape[1]
@@ -351,7 +381,8 @@ def paged_decode_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | j
   part = decode_partition(batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, q.dtype,
                           tiling.Knobs.of(soft_cap, alibi_slopes, window), blocks_per_tile=blocks_per_tile,
                           num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                          window=None if window is None else window_bound)
+                          window=None if window is None else window_bound,
+                          **({} if scales is None else {"kv_dtype": pages.dtype}))
   rows, bpt, tps, splits = part.rows, part.blocks_per_tile, part.tiles_per_split, part.num_splits
   padded_blocks = bpt * tps * splits
   if window is not None:  # the splits share the window's tiles: each may reach any table column
@@ -381,12 +412,19 @@ def paged_decode_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | j
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group, head_dim), jnp.float32)] * 2
   kernel = functools.partial(_decode_kernel, scale=scale, group=group, max_blocks=max_blocks, block_size=block_size,
                              blocks_per_tile=bpt, tiles_per_split=tps, soft_cap=soft_cap,
-                             has_bias=alibi_slopes is not None, has_window=window is not None)
+                             has_bias=alibi_slopes is not None, has_window=window is not None,
+                             **({} if scales is None else {"has_scales": True}))
   # Every layer of one (K|V, KV head) plane; the kernel indexes the layer axis with its operand.
   # Pages seen as [L, 2, Hkv, slots, D] (a reshape XLA does not copy): a tile is one gather of
   # ``keys`` rows by slot.
   kv_block = (num_layers, None, None, num_blocks * block_size, head_dim)
   flat = pages.reshape(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim)
+  if scales is not None:  # the scale planes [L, slots] of the program's KV head, K then V
+    flat_scales = scales.reshape(num_layers, 2, num_kv_heads, num_blocks * block_size)
+    scale_block = (num_layers, None, None, num_blocks * block_size)
+    bias_inputs += [flat_scales, flat_scales]
+    bias_specs += [pl.BlockSpec(scale_block, lambda b, h, s: (0, 0, h, 0)),
+                   pl.BlockSpec(scale_block, lambda b, h, s: (0, 1, h, 0))]
   outs = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, splits),

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import jax
 
-from paged_kv.pallas_kernels import reference, validate
+from paged_kv.pallas_kernels import quant, reference, validate
+from paged_kv.pallas_kernels.reference import PagesLike
 
 
 def resolve_impl(impl: str, head_dim: int | None = None) -> str:
@@ -28,15 +29,28 @@ def resolve_impl(impl: str, head_dim: int | None = None) -> str:
   return impl
 
 
-def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+def _check_invariant(pages: PagesLike, batch_invariant: bool) -> None:
+  """The batch-invariant kernels read plain pages only (their fixed-tile chunk has no scale
+  operands yet)."""
+  if batch_invariant and quant.is_quant(pages):
+    raise ValueError(f"batch_invariant=True is not supported with quantized pages ({pages.dtype}); "
+                     "use plain pages or batch_invariant=False")
+
+
+def paged_decode_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Array, block_tables: jax.Array,
                            lengths: jax.Array, *, scale: float | None = None, impl: str = "auto",
                            soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
                            batch_invariant: bool = False, window: int | jax.Array | None = None) -> jax.Array:
   """Attention of one new query token per sequence over its paged K/V.
 
   Args:
-    q: ``[B, num_q_heads, head_dim]``, same dtype as ``pages``.
-    pages: ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``.
+    q: ``[B, num_q_heads, head_dim]``, same dtype as ``pages`` (quantized pages: any float
+      dtype, the compute dtype the kernels convert each int8/e4m3 tile to).
+    pages: ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``, or
+      :class:`paged_kv.pallas_kernels.quant.QuantPages` (int8 / float8_e4m3fn values of that shape
+      and float32 per-token scales ``[..., block_size]``): K's scale multiplies each score column,
+      V's each probability, and no tile is dequantized. float8_e4m3fn on a GPU below compute
+      capability 8.9 is refused (:func:`paged_kv.pallas_kernels.quant.check_kv_dtype`).
     layer: the layer whose K/V are read: a Python int in ``[0, num_layers)``, or an integer
       scalar array (e.g. traced inside a scan over layers), for every ``impl``. The Pallas
       kernels take it as an int32 operand, so all layers run one compiled kernel; a traced id
@@ -56,6 +70,7 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
       equal those of :func:`paged_prefill_attention` for the same token
       (:mod:`paged_kv.pallas_kernels.invariant` on the reference; with a Pallas ``impl`` the fixed-tile
       kernel :mod:`paged_kv.pallas_kernels.invariant_attention`, which serves prefill and decode).
+      Not with quantized pages (ValueError).
     window: sliding-window attention: the query at position ``p = lengths - 1`` sees key ``k``
       iff ``p - window < k <= p``. None (full attention), a Python int >= 1, or an integer scalar
       array (e.g. a per-layer window traced inside a scan over layers) where a value <= 0 means
@@ -68,6 +83,7 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
     ``h // (num_q_heads // num_kv_heads)``.
   """
   window = validate.check_window(window)
+  _check_invariant(pages, batch_invariant)
   layer, scale, impl, soft_cap = validate.check_decode(
       q, pages, layer, block_tables, lengths, scale, impl, soft_cap, alibi_slopes, window)
   impl = resolve_impl(impl, pages.shape[-1])
@@ -92,7 +108,7 @@ def paged_decode_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arra
       q, pages, layer, block_tables, lengths, scale=scale, interpret=impl == "interpret", **knobs)
 
 
-def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+def paged_prefill_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Array, block_tables: jax.Array,
                             q_start: jax.Array, q_lens: jax.Array, *, scale: float | None = None, impl: str = "auto",
                             soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
                             batch_invariant: bool = False, window: int | jax.Array | None = None) -> jax.Array:
@@ -104,7 +120,7 @@ def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arr
   chunks and for the uncached suffix after a prefix-cache hit.
 
   Args:
-    q: ``[B, T, num_q_heads, head_dim]``, same dtype as ``pages``.
+    q: ``[B, T, num_q_heads, head_dim]``, same dtype as ``pages`` (quantized pages: any float dtype).
     pages, layer, block_tables, scale, impl, soft_cap: as in :func:`paged_decode_attention`.
     alibi_slopes: as in :func:`paged_decode_attention`; query ``t`` sits at ``q_start + t``.
     q_start: int32 ``[B]`` absolute position of each sequence's first query token.
@@ -117,6 +133,7 @@ def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arr
     ``[B, T, num_q_heads, head_dim]`` in ``q.dtype``.
   """
   window = validate.check_window(window)
+  _check_invariant(pages, batch_invariant)
   layer, scale, impl, soft_cap = validate.check_prefill(
       q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap, alibi_slopes, window)
   impl = resolve_impl(impl, pages.shape[-1])
@@ -141,21 +158,23 @@ def paged_prefill_attention(q: jax.Array, pages: jax.Array, layer: int | jax.Arr
       interpret=impl == "interpret", **knobs)
 
 
-def write_kv(pages: jax.Array, layer: int | jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, *,
-             impl: str = "auto") -> jax.Array:
+def write_kv(pages: PagesLike, layer: int | jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, *,
+             impl: str = "auto") -> PagesLike:
   """Writes K/V rows at slot indices: ``pages[layer, 0|1, h, s // bs, s % bs] = k|v[n, h]``.
 
   Args:
-    pages: the page array; donate it (``jax.jit(..., donate_argnums=...)``) so the update is
-      in place.
+    pages: the page array, or :class:`paged_kv.pallas_kernels.quant.QuantPages`; donate it
+      (``jax.jit(..., donate_argnums=...)``) so the update is in place.
     layer: as in :func:`paged_decode_attention`.
-    k, v: ``[N, num_kv_heads, head_dim]`` in the pages' dtype.
+    k, v: ``[N, num_kv_heads, head_dim]`` in the pages' dtype (quantized pages: any float dtype,
+      k and v alike; each row is quantized as written, one scale per token and KV head,
+      :func:`paged_kv.pallas_kernels.quant.quantize`).
     slots: int32 ``[N]``, ``slot = block_id * block_size + offset``. Padding rows should carry
       a slot inside the null block 0; slots outside ``[0, num_blocks * block_size)`` are
       redirected to slot 0. Two real rows must not share a slot (which one wins is undefined).
 
   Returns:
-    The updated pages.
+    The updated pages, of the type given.
   """
   layer, impl = validate.check_write_kv(pages, layer, k, v, slots, impl)
   impl = resolve_impl(impl, pages.shape[-1])
@@ -165,12 +184,13 @@ def write_kv(pages: jax.Array, layer: int | jax.Array, k: jax.Array, v: jax.Arra
   return kv_write.write_kv_pallas(pages, layer, k, v, slots, interpret=impl == "interpret")
 
 
-def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str = "auto") -> jax.Array:
+def copy_blocks(pages: PagesLike, src: jax.Array, dst: jax.Array, *, impl: str = "auto") -> PagesLike:
   """Copies whole blocks in every layer, K and V, every KV head: ``pages[..., dst[i], :, :] =
   pages[..., src[i], :, :]``.
 
   Args:
-    pages: the page array. The Pallas version writes in place through
+    pages: the page array, or :class:`paged_kv.pallas_kernels.quant.QuantPages` (values and
+      scales copied together, in one launch). The Pallas version writes in place through
       ``input_output_aliases``; callers should donate ``pages`` (otherwise XLA inserts a full
       copy of the array first to keep the input alive).
     src, dst: int32 ``[C]``, a padded fixed-size copy list (padding is ``(0, 0)``, a no-op on

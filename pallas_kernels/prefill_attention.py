@@ -26,18 +26,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from paged_kv.pallas_kernels import tiling
+from paged_kv.pallas_kernels import quant, tiling
 from paged_kv.pallas_kernels.decode_attention import layer_operand, online_softmax_init, online_softmax_step
-from paged_kv.pallas_kernels.reference import sanitize_block_tables, score_knobs
+from paged_kv.pallas_kernels.reference import PagesLike, sanitize_block_tables, score_knobs
 
 
 def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
                     group: int, blocks_per_tile: int, max_positions: int,
-                    soft_cap: float | None = None, has_bias: bool = False, has_window: bool = False):
-  # refs: (ALiBi slope of each row [rows] when has_bias,) (the window [1] when has_window,) then
-  # the output.
+                    soft_cap: float | None = None, has_bias: bool = False, has_window: bool = False,
+                    has_scales: bool = False):
+  # refs: (ALiBi slope of each row [rows] when has_bias,) (the window [1] when has_window,) (K's
+  # and V's per-token scales [L, NB, bs] when has_scales: quantized pages,) then the output.
   slope_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
-  window_ref, o_ref = refs if has_window else (None, refs[0])
+  window_ref, refs = (refs[0], refs[1:]) if has_window else (None, refs)
+  (ks_ref, vs_ref), refs = (refs[:2], refs[2:]) if has_scales else ((None, None), refs)
+  o_ref = refs[0]
   row_tile = pl.program_id(2)
   block_size, head_dim = k_ref.shape[-2:]
   tile_keys = blocks_per_tile * block_size
@@ -75,14 +78,22 @@ def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref,
     ids = bt_ref[pl.ds(tile * blocks_per_tile, blocks_per_tile)]
     k = k_ref[layer, ids].reshape(tile_keys, head_dim)
     v = v_ref[layer, ids].reshape(tile_keys, head_dim)
+    v_scale = None
+    if has_scales:
+      # Quantized pages: int8/e4m3 -> q's dtype is exact (registers only, for the dots); each
+      # tile's scales are one [keys] gather per plane.
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
+      v_scale = vs_ref[layer, ids].reshape(tile_keys)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if has_scales:  # K's per-token scale multiplies its logits column
+      s = s * ks_ref[layer, ids].reshape(tile_keys)[None, :]
     s = s * scale
     pos = tile * tile_keys + lax.broadcasted_iota(jnp.int32, (rows, tile_keys), 1)
     s = score_knobs(s, soft_cap, slope, pos, q_pos)
     mask = (pos <= q_pos) & valid
     if has_window:  # keys of a partly covered tile before a row's window: read, weight 0
       mask = mask & (pos >= first_pos)
-    return online_softmax_step((o, m, l), s, v, mask)
+    return online_softmax_step((o, m, l), s, v, mask, v_scale)
 
   o, m, l = lax.fori_loop(first_tile, num_tiles, body, online_softmax_init(rows, head_dim))
   out = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
@@ -93,7 +104,7 @@ def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref,
     jax.jit,
     static_argnames=("scale", "interpret", "rows_per_tile", "blocks_per_tile",
                      "num_warps", "num_stages", "soft_cap"))
-def paged_prefill_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+def paged_prefill_attention_pallas(q: jax.Array, pages: PagesLike, layer: int | jax.Array, block_tables: jax.Array,
                                    q_start: jax.Array, q_lens: jax.Array, *, scale: float, interpret: bool = False,
                                    rows_per_tile: int | None = None, blocks_per_tile: int | None = None,
                                    num_warps: int | None = None, num_stages: int | None = None,
@@ -105,7 +116,12 @@ def paged_prefill_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | 
   (:func:`paged_kv.pallas_kernels.tiling.prefill_tiling`); explicit values override it.
   ``soft_cap`` is static (compiled in); ``alibi_slopes`` is an extra kernel input when given, and
   so is ``window`` (an int32 operand: one kernel for every window; <= 0 is full attention).
+  Quantized ``pages`` (:class:`paged_kv.pallas_kernels.quant.QuantPages`): the K and V scale planes
+  of the program's KV head are two more inputs; the tiling row is q's dtype's (the compute dtype).
   """
+  scales = None
+  if quant.is_quant(pages):
+    pages, scales = pages.values, pages.scales
   batch, num_tokens, num_q_heads, head_dim = q.shape
   num_layers, _, num_kv_heads, num_blocks, block_size, _ = pages.shape
   max_blocks = block_tables.shape[1]
@@ -146,9 +162,15 @@ def paged_prefill_attention_pallas(q: jax.Array, pages: jax.Array, layer: int | 
   kernel = functools.partial(_prefill_kernel, scale=scale, group=group,
                              blocks_per_tile=blocks_per_tile,
                              max_positions=max_blocks * block_size, soft_cap=soft_cap,
-                             has_bias=alibi_slopes is not None, has_window=window is not None)
+                             has_bias=alibi_slopes is not None, has_window=window is not None,
+                             **({} if scales is None else {"has_scales": True}))
   # Every layer of one (K|V, KV head) plane; the kernel indexes the layer axis with its operand.
   kv_block = (num_layers, None, None, num_blocks, block_size, head_dim)
+  if scales is not None:  # the scale planes [L, NB, bs] of the program's KV head, K then V
+    scale_block = (num_layers, None, None, num_blocks, block_size)
+    bias_inputs += [scales, scales]
+    bias_specs += [pl.BlockSpec(scale_block, lambda b, h, r: (0, 0, h, 0, 0)),
+                   pl.BlockSpec(scale_block, lambda b, h, r: (0, 1, h, 0, 0))]
   out = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, row_tiles),

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_kv.pallas_kernels import invariant as invariant_ops
+from paged_kv.pallas_kernels import quant
 
 NULL_BLOCK = 0
 
@@ -32,6 +33,8 @@ NULL_BLOCK = 0
 StackedWeights = jax.Array | tuple[jax.Array, ...]
 StackedBiases = jax.Array | tuple[jax.Array | None, ...] | None
 Projections = jax.Array | tuple[jax.Array, ...]
+# The KV pages every kernel takes: a plain float array, or int8 / e4m3 values with their scales.
+PagesLike = jax.Array | quant.QuantPages
 
 
 def sanitize_block_tables(block_tables: jax.Array, num_blocks: int) -> jax.Array:
@@ -92,7 +95,17 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   ``KEY_TILE`` keys, for decode and prefill alike, so a query's bits depend only on its own K/V and
   position (not the batch, the chunk of queries around it, or the table's width); the block size
   must divide ``KEY_TILE``.
+
+  ``pages`` may be :class:`paged_kv.pallas_kernels.quant.QuantPages`: each chunk's int8/e4m3 K and V
+  are gathered as stored (converted to the compute dtype, exactly), and their per-token scales
+  ``[Hkv, B, keys]`` with them; K's scales multiply the score columns, V's the probabilities
+  before ``P V`` (the softmax denominator sums the unscaled probabilities). No tile is dequantized.
   """
+  scales = None
+  if quant.is_quant(pages):
+    if invariant:
+      raise ValueError("batch_invariant=True is not supported with quantized (QuantPages) pages")
+    pages, scales = pages.values, pages.scales
   b, t, hq, d = q.shape
   _, _, hkv, num_blocks, block_size, _ = pages.shape
   g = hq // hkv
@@ -110,6 +123,9 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   # (a scan over layers) `pages[layer]` would be a dynamic slice XLA may copy out, one layer's
   # pages per layer per step; a reshape is free and the gather reads only the rows it needs.
   rows = pages.reshape(-1, block_size * d)
+  # Quantized pages: the scales' rows ([block_size] per (layer, K|V, head, block)) share the
+  # values' row ids, so one id gathers a block's values and its scales.
+  scale_rows = None if scales is None else scales.reshape(-1, block_size)
   # K and V are gathered separately, each straight into the layout its einsum reads: one gather
   # of both planes followed by slicing it into K and V made XLA:CPU copy every chunk twice more
   # (scripts/profile_decode.py measured the slices at ~8% of a batch-32 decode step).
@@ -145,16 +161,24 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
     o, m, l = carry
     ids = jax.lax.dynamic_slice_in_dim(bt, c * chunk, chunk, axis=1).reshape(1, -1)  # [1, B * chunk]
     k = rows.at[k_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)  # in range
+    if scale_rows is not None and not decode:  # int8/e4m3 -> q's dtype is exact
+      k = k.astype(q.dtype)
     if decode:  # [Hkv, B, G, keys]: one multiply-reduce over head_dim, the gather fused in
       s = jnp.sum(qk.astype(jnp.float32)[:, :, :, None, :] * k.astype(jnp.float32)[:, :, None], axis=-1)
     else:
       s = jnp.einsum("kbrd,kbsd->kbrs", qk, k, preferred_element_type=jnp.float32, precision=hi)
-    s = s.reshape(hkv, b, t, g, keys) * scale
+    s = s.reshape(hkv, b, t, g, keys)
+    if scale_rows is not None:  # K's per-token scale multiplies its score column
+      k_scale = scale_rows.at[k_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, 1, 1, keys)
+      s = s * k_scale
+    s = s * scale
     pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
     s = score_knobs(s, soft_cap, slopes, pos, last_pos[None, :, :, None, None])
     m_new, alpha, p = invariant_ops.softmax_update(s, m, pos, last_pos, valid, first_pos)
     v = rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
     rows_p = p.reshape(hkv, b, t * g, keys)
+    if scale_rows is not None:  # V's per-token scale multiplies its probability (l keeps p unscaled)
+      rows_p = rows_p * scale_rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, 1, keys)
     if decode:
       pv = jnp.sum(rows_p[..., None] * v.astype(jnp.float32)[:, :, None], axis=-2)
     else:
@@ -177,7 +201,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "batch_invariant"))
-def paged_decode_attention_reference(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+def paged_decode_attention_reference(q: jax.Array, pages: PagesLike, layer: int | jax.Array, block_tables: jax.Array,
                                      lengths: jax.Array, *, scale: float, soft_cap: float | None = None,
                                      alibi_slopes: jax.Array | None = None,
                                      batch_invariant: bool = False,
@@ -190,7 +214,7 @@ def paged_decode_attention_reference(q: jax.Array, pages: jax.Array, layer: int 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "batch_invariant"))
-def paged_prefill_attention_reference(q: jax.Array, pages: jax.Array, layer: int | jax.Array, block_tables: jax.Array,
+def paged_prefill_attention_reference(q: jax.Array, pages: PagesLike, layer: int | jax.Array, block_tables: jax.Array,
                                       q_start: jax.Array, q_lens: jax.Array, *, scale: float,
                                       soft_cap: float | None = None,
                                       alibi_slopes: jax.Array | None = None,
@@ -206,9 +230,18 @@ def paged_prefill_attention_reference(q: jax.Array, pages: jax.Array, layer: int
 
 
 @jax.jit
-def write_kv_reference(pages: jax.Array, layer: int | jax.Array, k: jax.Array, v: jax.Array,
-                       slots: jax.Array) -> jax.Array:
-  """pages[layer, 0|1, h, slot // bs, slot % bs] = k|v[n, h] for every row n."""
+def write_kv_reference(pages: PagesLike, layer: int | jax.Array, k: jax.Array, v: jax.Array,
+                       slots: jax.Array) -> PagesLike:
+  """pages[layer, 0|1, h, slot // bs, slot % bs] = k|v[n, h] for every row n. Quantized pages:
+  each row is quantized (:func:`paged_kv.pallas_kernels.quant.quantize`) and its values and scale
+  written at the same slot."""
+  if quant.is_quant(pages):
+    kq, ks = quant.quantize(k, pages.dtype)
+    vq, vs = quant.quantize(v, pages.dtype)
+    values = write_kv_reference(pages.values, layer, kq, vq, slots)
+    # The scales as one-element rows: the same scatter on [L, 2, Hkv, NB, bs, 1].
+    scales = write_kv_reference(pages.scales[..., None], layer, ks[..., None], vs[..., None], slots)
+    return quant.QuantPages(values=values, scales=scales[..., 0])
   num_layers, _, hkv, num_blocks, block_size, d = pages.shape
   slots = sanitize_slots(slots, num_blocks * block_size)
   flat = pages.reshape(num_layers, 2, hkv, num_blocks * block_size, d)
@@ -218,12 +251,13 @@ def write_kv_reference(pages: jax.Array, layer: int | jax.Array, k: jax.Array, v
 
 
 @jax.jit
-def copy_blocks_reference(pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-  """pages[:, :, :, dst[i]] = pages[:, :, :, src[i]] (all sources read before any write)."""
+def copy_blocks_reference(pages: PagesLike, src: jax.Array, dst: jax.Array) -> PagesLike:
+  """pages[:, :, :, dst[i]] = pages[:, :, :, src[i]] (all sources read before any write); for
+  quantized pages the values and the scales alike (both have the block axis at 3)."""
   num_blocks = pages.shape[3]
   src = sanitize_block_tables(src, num_blocks)
   dst = sanitize_block_tables(dst, num_blocks)
-  return pages.at[:, :, :, dst].set(pages[:, :, :, src])
+  return jax.tree.map(lambda a: a.at[:, :, :, dst].set(a[:, :, :, src]), pages)
 
 
 def layer_matmul_reference(x: jax.Array, w: StackedWeights, layer: int | jax.Array, scale: jax.Array | None = None,

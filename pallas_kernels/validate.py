@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_kv.pallas_kernels import tiling
+from paged_kv.pallas_kernels import quant, tiling
 from paged_kv.pallas_kernels.reference import NULL_BLOCK
 
 IMPLS = ("auto", "pallas", "interpret", "reference")
@@ -46,7 +46,13 @@ def check_impl(impl: Any) -> str:
 
 
 def check_pages(pages: Any) -> tuple[int, int, int, int, int]:
-  """Returns (num_layers, num_kv_heads, num_blocks, block_size, head_dim)."""
+  """Returns (num_layers, num_kv_heads, num_blocks, block_size, head_dim).
+
+  ``pages``: a plain float page array, or :class:`paged_kv.pallas_kernels.quant.QuantPages` whose
+  ``values`` (int8 | float8_e4m3fn) have the same layout and whose ``scales`` are float32 of the
+  values' shape without head_dim."""
+  if quant.is_quant(pages):
+    return _check_quant_pages(pages)
   shape = tuple(np.shape(pages))
   if len(shape) != 6:
     raise ValueError(f"pages must have rank 6 {PAGES_LAYOUT}, got rank {len(shape)} shape {shape}")
@@ -60,6 +66,35 @@ def check_pages(pages: Any) -> tuple[int, int, int, int, int]:
   if jnp.dtype(pages.dtype) not in FLOAT_DTYPES:
     raise ValueError(f"pages dtype must be one of float32/bfloat16/float16, got {pages.dtype}")
   return num_layers, num_kv_heads, num_blocks, block_size, head_dim
+
+
+def _check_quant_pages(pages: quant.QuantPages) -> tuple[int, int, int, int, int]:
+  """:func:`check_pages` for :class:`paged_kv.pallas_kernels.quant.QuantPages`."""
+  values, scales = pages.values, pages.scales
+  if jnp.dtype(values.dtype) not in quant.KV_DTYPES:
+    raise ValueError(f"QuantPages values dtype must be one of {[str(d) for d in quant.KV_DTYPES]}, "
+                     f"got {values.dtype}")
+  if not hasattr(scales, "shape") or jnp.dtype(scales.dtype) != jnp.dtype(jnp.float32):
+    raise ValueError(f"QuantPages scales must be float32, got {getattr(scales, 'dtype', type(scales).__name__)}")
+  dims = check_pages(jax.ShapeDtypeStruct(tuple(np.shape(values)), jnp.float32))
+  if tuple(np.shape(scales)) != tuple(np.shape(values))[:-1]:
+    raise ValueError(f"QuantPages scales must have shape [num_layers, 2, num_kv_heads, num_blocks, block_size] = "
+                     f"{tuple(np.shape(values))[:-1]} (values' shape without head_dim), got {tuple(np.shape(scales))}")
+  return dims
+
+
+def compute_dtype(pages: Any, q: Any) -> jnp.dtype:
+  """The dtype attention computes in: the pages' dtype for plain pages, q's for quantized ones (the
+  kernels convert each int8/e4m3 tile to it for the dot)."""
+  return jnp.dtype(q.dtype if quant.is_quant(pages) else pages.dtype)
+
+
+def check_target_dtype(pages: Any, impl: str) -> None:
+  """Refuses quantized pages the GPU cannot compute (float8_e4m3fn below compute capability 8.9)
+  on the Pallas paths that compile for it (``"pallas"``, ``"auto"`` on a GPU); interpret mode and
+  the reference run anywhere (:func:`paged_kv.pallas_kernels.quant.check_kv_dtype`)."""
+  if quant.is_quant(pages) and impl in ("pallas", "auto"):
+    quant.check_kv_dtype(pages.dtype, "auto")
 
 
 def check_layer(layer: Any, num_layers: int) -> int | jax.Array:
@@ -184,7 +219,10 @@ def _check_query(q: Any, ndim: int, pages: Any, num_kv_heads: int, head_dim: int
   if num_q_heads < 1 or num_q_heads % num_kv_heads:
     raise ValueError(
         f"num_q_heads={num_q_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
-  if jnp.dtype(q.dtype) != jnp.dtype(pages.dtype):
+  if quant.is_quant(pages):
+    if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
+      raise ValueError(f"q dtype must be one of float32/bfloat16/float16 with {pages.dtype} pages, got {q.dtype}")
+  elif jnp.dtype(q.dtype) != jnp.dtype(pages.dtype):
     raise ValueError(f"q dtype {q.dtype} must equal pages dtype {pages.dtype}")
   return shape
 
@@ -205,7 +243,8 @@ def check_decode(q: Any, pages: Any, layer: Any, block_tables: Any, lengths: Any
   _check_pallas_shapes(impl, head_dim)
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
   soft_cap = check_soft_cap(soft_cap)
-  _check_tiling("decode", impl, pages.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
+  check_target_dtype(pages, impl)
+  _check_tiling("decode", impl, compute_dtype(pages, q), head_dim, block_size, num_q_heads // num_kv_heads,
                 tiling.Knobs.of(soft_cap, alibi_slopes, check_window(window)))
   return layer, check_scale(scale, head_dim), impl, soft_cap
 
@@ -230,7 +269,8 @@ def check_prefill(q: Any, pages: Any, layer: Any, block_tables: Any, q_start: An
   _check_pallas_shapes(impl, head_dim)
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
   soft_cap = check_soft_cap(soft_cap)
-  _check_tiling("prefill", impl, pages.dtype, head_dim, block_size, num_q_heads // num_kv_heads,
+  check_target_dtype(pages, impl)
+  _check_tiling("prefill", impl, compute_dtype(pages, q), head_dim, block_size, num_q_heads // num_kv_heads,
                 tiling.Knobs.of(soft_cap, alibi_slopes, check_window(window)))
   return layer, check_scale(scale, head_dim), impl, soft_cap
 
@@ -245,9 +285,16 @@ def check_write_kv(pages: Any, layer: Any, k: Any, v: Any, slots: Any, impl: Any
     if tuple(np.shape(x)) != want:
       raise ValueError(f"{name} must have shape [N, num_kv_heads, head_dim] = {want} "
                        f"(N from slots), got {tuple(np.shape(x))}")
-    if jnp.dtype(x.dtype) != jnp.dtype(pages.dtype):
+    if quant.is_quant(pages):
+      if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"{name} dtype must be one of float32/bfloat16/float16 with {pages.dtype} pages "
+                         f"(quantized as written), got {x.dtype}")
+    elif jnp.dtype(x.dtype) != jnp.dtype(pages.dtype):
       raise ValueError(f"{name} dtype {x.dtype} must equal pages dtype {pages.dtype}")
+  if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
+    raise ValueError(f"k dtype {k.dtype} must equal v dtype {v.dtype}")
   _check_pallas_shapes(impl, head_dim)
+  check_target_dtype(pages, impl)
   return layer, impl
 
 
@@ -257,6 +304,7 @@ def check_copy_blocks(pages: Any, src: Any, dst: Any, impl: Any) -> str:
   c = _check_int32("src", src, ndim=1)
   _check_int32("dst", dst, shape=c)
   _check_pallas_shapes(impl, head_dim)
+  check_target_dtype(pages, impl)
   check_copy_lists(src, dst, num_blocks)
   return impl
 

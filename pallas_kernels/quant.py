@@ -1,0 +1,203 @@
+"""Quantized KV pages: int8 or float8_e4m3fn values with one float32 scale per token and KV head.
+
+Layout (:class:`QuantPages`, a pytree)::
+
+    values: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]  int8 | float8_e4m3fn
+    scales: [num_layers, 2, num_kv_heads, num_blocks, block_size]            float32
+
+``values`` has exactly the layout of plain pages (``pallas_kernels`` module docstring), so every
+kernel walks it the same way; ``scales`` is that layout without the head_dim axis, so block ``b``
+of every (layer, K|V, head) plane is one contiguous ``[block_size]`` run of scales and a block
+copy moves its scales with the same index arithmetic.
+
+Scale rule (:func:`quantize`): symmetric, per row over head_dim, i.e. per token, per KV head, for
+K and for V separately: ``scale = max|x| / qmax`` (``qmax`` 127 for int8, 448 for e4m3) and
+``q = round(x / scale)`` (int8, saturating at +-127) or ``q = cast(x / scale)`` (e4m3, round to
+nearest even, clipped to +-448 first so nothing overflows to NaN). A zero row gets scale 0 and
+``q = 0``, and dequantizes to exactly 0 (``0 * 0``); no division by zero happens. The kernels
+never dequantize a tile: K's scale multiplies the logits column, V's scale the probabilities
+(``s_j = (q . k_q,j) k_scale,j softmax_scale``, ``o = sum_j (p_j v_scale,j) v_q,j / sum_j p_j``).
+
+Targets: the Pallas kernels convert the int8/e4m3 tile to the query's dtype for the dot, which
+Triton can do for e4m3 only on compute capability >= 8.9 (Ada, Hopper). :func:`check_kv_dtype`
+refuses float8_e4m3fn for an older target (an A100, sm_80) before anything is traced.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+# The page dtypes accepted besides the model's own (float32 / bfloat16 / float16).
+KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+# Largest magnitude each quantized dtype stores: int8 symmetric (-128 is never used, so the grid
+# is symmetric about 0), e4m3fn's largest finite value.
+QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+# The lowest compute capability whose Triton converts float8_e4m3fn (sm_89, Ada; Hopper is 9.0).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_quant_dtype(dtype: DTypeLike) -> jnp.dtype:
+  """``dtype`` as a ``jnp.dtype`` when it is one of :data:`KV_DTYPES`.
+
+  Raises:
+    ValueError: naming the dtype and the accepted ones.
+  """
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f"KV dtype must be one of {[str(d) for d in KV_DTYPES]}, got {dtype!r}") from e
+  if dt not in KV_DTYPES:
+    raise ValueError(f"KV dtype must be one of {[str(d) for d in KV_DTYPES]}, got {dt}")
+  return dt
+
+
+@flax.struct.dataclass
+class QuantPages:
+  """Quantized KV pages (module docstring): ``values`` int8 | float8_e4m3fn
+  ``[L, 2, Hkv, NB, bs, D]`` and ``scales`` float32 ``[L, 2, Hkv, NB, bs]``. A pytree: it goes
+  through ``jit`` (donate it like plain pages), ``scan`` and ``tree_map`` as its two arrays."""
+
+  values: jax.Array
+  scales: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """``values.shape``: ``(num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)``."""
+    return tuple(self.values.shape)
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    """The storage dtype (int8 or float8_e4m3fn)."""
+    return jnp.dtype(self.values.dtype)
+
+  @property
+  def num_blocks(self) -> int:
+    return int(self.values.shape[3])
+
+  @property
+  def block_size(self) -> int:
+    return int(self.values.shape[4])
+
+  @classmethod
+  def zeros(cls, shape: tuple[int, ...], dtype: DTypeLike) -> QuantPages:
+    """Zeroed pages of ``shape`` (the values' 6-axis shape) in storage ``dtype`` (one of
+    :data:`KV_DTYPES`), scales 0: every row dequantizes to exactly 0."""
+    dt = check_quant_dtype(dtype)
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 6:
+      raise ValueError(f"QuantPages shape must have 6 axes [L, 2, Hkv, NB, bs, D], got {shape}")
+    return cls(values=jnp.zeros(shape, dt), scales=jnp.zeros(shape[:-1], jnp.float32))
+
+
+def is_quant(pages: Any) -> bool:
+  """Whether ``pages`` is a :class:`QuantPages` (else plain pages)."""
+  return isinstance(pages, QuantPages)
+
+
+def quantize(x: jax.Array, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+  """Symmetric quantization per row over the last axis (module docstring).
+
+  Args:
+    x: float ``[..., D]`` (any float dtype; computed in float32).
+    dtype: int8 or float8_e4m3fn.
+
+  Returns:
+    ``(q, scale)``: ``q`` ``[..., D]`` in ``dtype``, ``scale`` float32 ``[...]`` with
+    ``dequantize(q, scale) ~= x``: per element within ``scale / 2`` for int8, within ``2**-4 |x|``
+    (plus ``2**-10 scale`` in e4m3's subnormal range) for e4m3 (``tests/tolerances.py``). A zero row
+    gives ``scale = 0`` and ``q = 0``.
+  """
+  dt = check_quant_dtype(dtype)
+  qmax = QMAX[dt]
+  xf = x.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(xf), axis=-1) / qmax
+  # A zero row divides by 1 instead of 0: q is then exactly 0 (and so is q * 0 on the way back).
+  y = xf / jnp.where(scale > 0, scale, 1.0)[..., None]
+  # x / (max|x| / qmax) can round a hair above qmax; clip so int8 saturates and e4m3fn (which has
+  # no infinity: an overflowing cast is NaN) stays finite.
+  y = jnp.clip(y, -qmax, qmax)
+  q = jnp.round(y).astype(dt) if dt == jnp.dtype(jnp.int8) else y.astype(dt)
+  return q, scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: DTypeLike = jnp.float32) -> jax.Array:
+  """``q * scale[..., None]`` in ``dtype``: ``q`` ``[..., D]`` int8 | float8_e4m3fn, ``scale``
+  float32 ``[...]``. The inverse of :func:`quantize` up to its rounding; the kernels never call it
+  on a tile (they fold the scales into the logits and the probabilities instead)."""
+  return (q.astype(jnp.float32) * scale[..., None].astype(jnp.float32)).astype(dtype)
+
+
+def quantize_pages(pages: jax.Array, dtype: DTypeLike) -> QuantPages:
+  """Plain pages ``[L, 2, Hkv, NB, bs, D]`` quantized row by row into :class:`QuantPages`."""
+  values, scales = quantize(pages, dtype)
+  return QuantPages(values=values, scales=scales)
+
+
+def dequantize_pages(pages: QuantPages, dtype: DTypeLike = jnp.float32) -> jax.Array:
+  """:class:`QuantPages` back to plain pages ``[L, 2, Hkv, NB, bs, D]`` in ``dtype`` (tests and
+  the explicit-dequantize comparison path)."""
+  return dequantize(pages.values, pages.scales, dtype)
+
+
+def parse_target(target: Any) -> tuple[int, int] | None:
+  """A GPU target as ``(major, minor)`` compute capability: ``"sm_90a"``, ``"sm_80"``, ``"9.0"``,
+  ``(8, 0)`` or a ``jax.Device`` with a ``compute_capability``; None for a CPU (or any target
+  without one: nothing is compiled by Triton there).
+
+  Raises:
+    ValueError: for a string that is none of these forms.
+  """
+  if target is None:
+    return None
+  if isinstance(target, tuple) and len(target) == 2:
+    return int(target[0]), int(target[1])
+  cc = getattr(target, "compute_capability", None)
+  if cc is not None:
+    target = str(cc)
+  elif not isinstance(target, str):
+    return None
+  text = target.strip().lower()
+  if text in ("cpu", "tpu", ""):
+    return None
+  m = re.fullmatch(r"sm_(\d+)(\d)a?", text) or re.fullmatch(r"(\d+)\.(\d+)", text)
+  if not m:
+    raise ValueError(f"target {target!r} is neither 'sm_XY[a]', 'X.Y', a (major, minor) pair nor a device")
+  return int(m.group(1)), int(m.group(2))
+
+
+def default_target() -> tuple[int, int] | None:
+  """The compute capability of JAX's first device when the default backend is a GPU, else None."""
+  if jax.default_backend() != "gpu":
+    return None
+  return parse_target(jax.devices()[0])
+
+
+def check_kv_dtype(dtype: DTypeLike, target: Any = "auto") -> jnp.dtype:
+  """Refuses a KV page dtype the target cannot compute, before anything is traced.
+
+  Args:
+    dtype: the page dtype: a float dtype (plain pages, always accepted here) or one of
+      :data:`KV_DTYPES`.
+    target: "auto" (JAX's default device: a GPU's compute capability, or None on a CPU), None (no
+      GPU: every dtype runs through XLA or interpret mode), or a target as :func:`parse_target`
+      reads it (the gate passes ``"sm_80"`` / ``"sm_90a"``).
+
+  Returns:
+    ``jnp.dtype(dtype)``.
+
+  Raises:
+    ValueError: one line naming the dtype and the target, for float8_e4m3fn below compute
+      capability 8.9 (Triton converts e4m3 only from Ada / Hopper on).
+  """
+  dt = jnp.dtype(dtype)
+  cc = default_target() if isinstance(target, str) and target == "auto" else parse_target(target)
+  if dt == jnp.dtype(jnp.float8_e4m3fn) and cc is not None and cc < FP8_MIN_CAPABILITY:
+    raise ValueError(f"KV dtype float8_e4m3fn needs compute capability >= 8.9 (sm_89 / sm_90), "
+                     f"target is sm_{cc[0]}{cc[1]}; use int8")
+  return dt
