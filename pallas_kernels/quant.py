@@ -171,8 +171,31 @@ def parse_target(target: Any) -> tuple[int, int] | None:
   return int(m.group(1)), int(m.group(2))
 
 
+# Compute capability of the NVIDIA parts a lowering may name by device kind (an abstract mesh, as
+# the deviceless GPU gate and the tests use): the first matching substring wins.
+_KIND_CAPABILITY = (("GH200", (9, 0)), ("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)),
+                    ("B200", (10, 0)), ("L40", (8, 9)), ("L4", (8, 9)), ("RTX 40", (8, 9)),
+                    ("A100", (8, 0)), ("A800", (8, 0)), ("A30", (8, 0)), ("A10", (8, 6)), ("A40", (8, 6)))
+
+
+def _abstract_device_kind() -> str | None:
+  """The GPU device kind an enclosing abstract mesh names (``jax_compat.cuda_lowering``), else None."""
+  try:
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  except AttributeError:  # a JAX without abstract meshes
+    return None
+  if device is None or getattr(device, "platform", None) != "gpu":
+    return None
+  return getattr(device, "device_kind", None)
+
+
 def default_target() -> tuple[int, int] | None:
-  """The compute capability of JAX's first device when the default backend is a GPU, else None."""
+  """The compute capability the Pallas kernels are lowered for here: the GPU an enclosing abstract
+  mesh names (a deviceless lowering; None for a device kind not in the table), else JAX's first
+  device when the default backend is a GPU, else None (a CPU: nothing is compiled by Triton)."""
+  kind = _abstract_device_kind()
+  if kind is not None:
+    return next((cc for name, cc in _KIND_CAPABILITY if name in kind), None)
   if jax.default_backend() != "gpu":
     return None
   return parse_target(jax.devices()[0])
@@ -184,9 +207,9 @@ def check_kv_dtype(dtype: DTypeLike, target: Any = "auto") -> jnp.dtype:
   Args:
     dtype: the page dtype: a float dtype (plain pages, always accepted here) or one of
       :data:`KV_DTYPES`.
-    target: "auto" (JAX's default device: a GPU's compute capability, or None on a CPU), None (no
-      GPU: every dtype runs through XLA or interpret mode), or a target as :func:`parse_target`
-      reads it (the gate passes ``"sm_80"`` / ``"sm_90a"``).
+    target: "auto" (:func:`default_target`: the GPU a deviceless lowering names, or JAX's GPU, or
+      None on a CPU), None (no GPU: every dtype runs through XLA or interpret mode), or a target
+      as :func:`parse_target` reads it (the gate passes ``"sm_80"`` / ``"sm_90"``).
 
   Returns:
     ``jnp.dtype(dtype)``.

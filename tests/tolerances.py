@@ -370,3 +370,73 @@ def gpt2_atol(model, context: int, magnitude: float) -> float:
     raise ValueError(f"gpt2_atol counts no roundings to {model.dtype}; float32 models only")
   lens = gpt2_reduction_lens(model.cfg, context, gpt2_score_bound(model))
   return chain_atol(model.dtype, lens, magnitude, roundings=0)
+
+
+# ---------------------------------------------------------------------------- quantized KV pages
+# The step of e4m3's grid: 3 mantissa bits, so a normal value rounds to nearest within half an ulp,
+# 2**-4 of its magnitude; below the smallest normal (2**-6) the spacing is the subnormal step 2**-9,
+# so the absolute error is at most 2**-10 (in units of the scale).
+E4M3_REL = 2.0 ** -4
+E4M3_SUBNORMAL_ABS = 2.0 ** -10
+
+
+def quant_error_bound(x, dtype) -> np.ndarray:
+  """Per-element bound on ``|dequantize(quantize(x)) - x|`` for ``x [..., D]`` quantized per row
+  (``paged_kv.pallas_kernels.quant``: ``scale = max|x| / qmax``), as float64 ``[..., D]``.
+
+  int8: ``round(x / scale)`` is within 1/2 of ``x / scale``, so the value within ``scale / 2``
+  (saturation never triggers: ``|x| / scale <= qmax``). e4m3: the cast rounds ``x / scale`` to
+  within ``2**-4`` of itself (normal range) or ``2**-10`` (subnormal), times ``scale``. Both plus
+  the float32 roundings of ``max|x| / qmax``, the division and the product back (``3 u`` of
+  ``|x|``, and ``u`` of ``scale * qmax`` for the scale itself)."""
+  from paged_kv.pallas_kernels import quant
+  x = np.asarray(x, np.float64)
+  qmax = quant.QMAX[jnp.dtype(dtype)]
+  scale = np.abs(x).max(axis=-1, keepdims=True) / qmax
+  u = eps(jnp.float32) / 2
+  if jnp.dtype(dtype) == jnp.dtype(jnp.int8):
+    step = scale / 2
+  else:
+    step = E4M3_REL * np.abs(x) + E4M3_SUBNORMAL_ABS * scale
+  return step * (1 + 4 * u) + 4 * u * np.abs(x) + u * qmax * scale
+
+
+def quantized_attention_atol(q, k, v, k_err, v_err, scale: float, rounding_atol: float, *,
+                             soft_cap=None) -> float:
+  """Bound on ``|attention(q, K^, V^) - attention(q, K, V)|`` when every key row ``K^_j`` differs
+  from ``K_j`` by at most ``k_err [..., D]`` elementwise and every value by ``v_err`` (quantized
+  pages against the float values they were written from), plus ``rounding_atol`` (the two
+  computations' own float rounding, :func:`attention_atol` on either input).
+
+  A score moves by ``|ds_j| <= scale sum_i |q_i| k_err_ji <= eps_s`` (soft-capping has slope
+  <= 1; ALiBi adds the same bias to both). Every unnormalised weight ``exp(s_j - m)`` then moves
+  by a factor in ``[e^-eps_s, e^eps_s]``, so the normalised weights ``w_j`` by a factor in
+  ``[e^-2 eps_s, e^2 eps_s]``: ``sum_j |w^_j - w_j| <= e^(2 eps_s) - 1``, and
+  ``|sum_j (w^_j - w_j) v_j| <= (e^(2 eps_s) - 1) max|v|``. The values' own error weighs in
+  convexly: ``sum_j w^_j |v^_j - v_j| <= max v_err``. ``q [..., D]``, ``k``, ``v``, ``k_err``,
+  ``v_err`` ``[..., D]`` rows (maxima over all of them: an upper bound for any visible subset)."""
+  del soft_cap  # slope <= 1: the bound on ``ds`` holds after the cap as before it
+  q = np.abs(np.asarray(q, np.float64)).reshape(-1, np.shape(q)[-1])
+  k_err = np.asarray(k_err, np.float64).reshape(-1, np.shape(k_err)[-1])
+  eps_s = abs(scale) * float((q @ k_err.T).max(initial=0.0))
+  v_mag = float(np.abs(np.asarray(v, np.float64)).max(initial=0.0))
+  del k
+  return math.expm1(2 * eps_s) * v_mag + float(np.asarray(v_err, np.float64).max(initial=0.0)) + rounding_atol
+
+
+def quantized_kernel_atol(q, pages_hat, layer: int, scale: float, context: int, *, roundings: float = 0,
+                          soft_cap=None, alibi_slopes=None) -> float:
+  """:func:`paged_attention_atol` for a kernel reading quantized pages against attention over the
+  explicitly dequantized values ``pages_hat`` (float, ``[L, 2, Hkv, NB, bs, D]``): the same float
+  computation except that K's scale multiplies each score (one more score operation, ``u S``)
+  and V's scale each probability (one more relative ``u`` on every numerator term: ``eps V``
+  over two computations). The int8/e4m3 -> compute dtype conversion is exact."""
+  k = np.asarray(pages_hat[layer, 0], np.float64)
+  v = np.asarray(pages_hat[layer, 1], np.float64)
+  s = score_magnitude(np.asarray(q, np.float64), k, scale)
+  if alibi_slopes is not None:
+    s += float(np.abs(np.asarray(alibi_slopes, np.float64)).max()) * max(context - 1, 0)
+  v_mag = float(np.abs(v).max())
+  ops = knob_score_ops(soft_cap, alibi_slopes) + 1
+  return (attention_atol(np.asarray(q).dtype, np.shape(q)[-1], context, s, v_mag, roundings=roundings,
+                         score_ops=ops) + eps(jnp.float32) * v_mag)

@@ -330,6 +330,14 @@ def _kernel_program(spec: dict):
     return matmul, args, ()
   d, bs, g = spec["head_dim"], spec["block_size"], spec["group"]
   batch, context, tokens, rows = SIZES[spec["size"]]
+  kv_dt = spec.get("kv_dtype")
+
+  def page_arg(shape):
+    """Plain pages in the compute dtype, or quantized ones (``kv_dtype`` values, float32 scales)."""
+    if kv_dt is None:
+      return _sds(shape, dt, sh)
+    from paged_kv.pallas_kernels.quant import QuantPages
+    return QuantPages(values=_sds(shape, jnp.dtype(kv_dt), sh), scales=_sds(shape[:-1], jnp.float32, sh))
   if spec["kernel"] == "prefill":
     batch = min(batch, 4)
   max_blocks = -(-context // bs)
@@ -352,7 +360,7 @@ def _kernel_program(spec: dict):
                 q, p, 1, t, s0, n, alibi_slopes=a[0] if a else None, **kw),
             (_sds((batch, tokens, KV_HEADS * g, d), dt, sh), pages, bt, vec, vec) + slopes, ())
   if kernel in ("decode", "prefill"):
-    pages = _sds((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d), dt, sh)
+    pages = page_arg((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d))
     bt, vec = _sds((batch, max_blocks), i32, sh), _sds((batch,), i32, sh)
     # The attention knobs of a "knob_row" spec: a static cap, ALiBi slopes as one more input, a
     # static sliding window (an int32 operand of the kernel).
@@ -369,12 +377,12 @@ def _kernel_program(spec: dict):
                 window=win),
             (_sds((batch, tokens, KV_HEADS * g, d), dt, sh), pages, bt, vec, vec) + slopes, ())
   if kernel == "write_kv":
-    pages = _sds((2, 2, KV_HEADS, 4096, bs, d), dt, sh)
+    pages = page_arg((2, 2, KV_HEADS, 4096, bs, d))
     kv = _sds((rows, KV_HEADS, d), dt, sh)
     return (lambda p, k, v, s: pk.write_kv(p, 1, k, v, s, impl="pallas"),
             (pages, kv, kv, _sds((rows,), i32, sh)), (0,))
   if kernel == "copy_blocks":
-    pages = _sds((32, 2, KV_HEADS, 4096, bs, d), dt, sh)
+    pages = page_arg((32, 2, KV_HEADS, 4096, bs, d))
     lst = _sds((rows,), i32, sh)
     return (lambda p, s, t: pk.copy_blocks(p, s, t, impl="pallas"), (pages, lst, lst), (0,))
   raise ValueError(f"unknown kernel {kernel!r}")
@@ -501,6 +509,8 @@ def run_kernel_group(specs: list[dict], keep_dir: str | None, use_cache: bool = 
                                            "group", "size", "m", "k", "n", "extras", "form") if k in spec)
     if spec.get("knob"):
       name += "-" + spec["knob"]
+    if spec.get("kv_dtype"):
+      name += "-kv_" + spec["kv_dtype"]
     if spec.get("invariant"):
       name += "-invariant"
     res.update(_compile_or_cached(lowered, text, spec["target"], name, keep_dir,

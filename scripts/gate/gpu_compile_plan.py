@@ -130,6 +130,42 @@ def kernel_specs(quick: bool) -> list[dict]:
   specs += knob_specs()
   specs += matmul_specs(quick)
   specs += invariant_specs()
+  specs += quant_specs()
+  return specs
+
+
+# Quantized KV pages (issue 32, paged_kv.pallas_kernels.quant): int8 / float8_e4m3fn values with a
+# float32 scale per token and KV head, read by the attention kernels (each tile converted to the
+# compute dtype for the dots, the scales two more [keys] gathers per tile), written by write_kv
+# (values and scales aliased) and copied by copy_blocks (scales beside the values). What can
+# change the compiled kernel: the storage dtype, the compute dtype, head_dim, block size, the knobs
+# (which add score operations next to the K scale), the target. sm_90: both storage dtypes, every
+# kernel, every head dim at block 16 in bfloat16, the tiling rows' block extremes (8, 32) at head
+# dim 128, float16 and float32 compute once, soft_cap+window (Gemma 2's pair) on the attention
+# kernels. sm_80: int8 on every kernel and head dim; float8_e4m3fn there is refused before tracing
+# (Triton converts e4m3 only from compute capability 8.9), which costs no compilation.
+QUANT_KV_DTYPES = ("int8", "float8_e4m3fn")
+QUANT_HEAD_DIMS = (64, 128, 256)
+
+
+def quant_specs() -> list[dict]:
+  """The quantized-page configurations (comment above): ``kv_dtype`` is the pages' storage dtype,
+  ``dtype`` the compute dtype (q, and k/v before ``write_kv`` quantizes them); purpose ``quant``,
+  and ``quant_refusal`` for float8_e4m3fn on sm_80."""
+  base = dict(purpose="quant", size="large", group=8)
+  specs = [dict(base, target="sm_90", kernel=k, dtype="bfloat16", kv_dtype=kv, head_dim=d, block_size=16)
+           for k, kv, d in itertools.product(KERNELS, QUANT_KV_DTYPES, QUANT_HEAD_DIMS)]
+  specs += [dict(base, target="sm_90", kernel=k, dtype="bfloat16", kv_dtype=kv, head_dim=128, block_size=bs)
+            for k, kv, bs in itertools.product(("decode", "prefill"), QUANT_KV_DTYPES, (8, 32))]
+  specs += [dict(base, target="sm_90", kernel=k, dtype=dt, kv_dtype=kv, head_dim=128, block_size=16)
+            for k, dt, kv in itertools.product(("decode", "prefill"), ("float16", "float32"), QUANT_KV_DTYPES)]
+  specs += [dict(base, target="sm_90", kernel=k, dtype="bfloat16", kv_dtype=kv, head_dim=d, block_size=16,
+                 knob="soft_cap+window")
+            for k, kv, d in itertools.product(("decode", "prefill"), QUANT_KV_DTYPES, (128, 256))]
+  specs += [dict(base, target="sm_80", kernel=k, dtype="bfloat16", kv_dtype="int8", head_dim=d, block_size=16)
+            for k, d in itertools.product(KERNELS, QUANT_HEAD_DIMS)]
+  specs += [dict(base, target="sm_80", kernel=k, dtype="bfloat16", kv_dtype="float8_e4m3fn", head_dim=128,
+                 block_size=16, purpose="quant_refusal") for k in KERNELS]
   return specs
 
 
@@ -296,7 +332,7 @@ PROGRAMS = [("sm_90", "tp1", n) for n in ("serving_step_decode", "serving_step_d
 # The names the project's Pallas kernels compile to (their ``pallas_call`` names); every other
 # kernel in a compiled program is one of XLA's own fusions.
 PALLAS_KERNELS = ("paged_decode_attention", "paged_prefill_attention", "paged_invariant_attention", "write_kv",
-                  "copy_blocks", "layer_matmul")
+                  "copy_blocks", "layer_matmul")  # also write_kv_quant, copy_blocks_quant (prefixes)
 
 
 def is_pallas_kernel(name: str) -> bool:
@@ -314,7 +350,7 @@ def judge(res: dict) -> str | None:
   spec = res.get("spec", {})
   purpose = spec.get("purpose")
   status = res.get("status")
-  if purpose == "table_refusal":
+  if purpose in ("table_refusal", "quant_refusal"):
     return None if status == "refused" else f"expected a ValueError refusal, got {status}"
   if status in ("same_kernel_as",):
     return None
