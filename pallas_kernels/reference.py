@@ -22,8 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from paged_kv.pallas_kernels import invariant as invariant_ops
-from paged_kv.pallas_kernels import quant
+from paged_kv.pallas_kernels import invariant as invariant_ops, quant
 
 NULL_BLOCK = 0
 
