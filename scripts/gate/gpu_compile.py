@@ -418,6 +418,10 @@ def _perf_program(spec: dict):
     bt, lens = _sds((b, max_blocks), i32, sh), _sds((b,), i32, sh)
     if kernel == "decode":
       pages = _sds((MATMUL_LAYERS, 2, spec["kv_heads"], nblocks, bs, d), dt, sh)
+      if spec.get("kv_dtype"):  # quantized pages: kv_dtype values, float32 scales
+        from paged_kv.pallas_kernels.quant import QuantPages
+        pages = QuantPages(values=_sds(pages.shape, jnp.dtype(spec["kv_dtype"]), sh),
+                           scales=_sds(pages.shape[:-1], jnp.float32, sh))
       if spec.get("variant"):
         from paged_kv.pallas_kernels.decode_attention import paged_decode_attention_pallas
         return (lambda q, p, t, n: paged_decode_attention_pallas(q, p, 1, t, n, scale=d ** -0.5, **spec["variant"]),

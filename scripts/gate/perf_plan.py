@@ -14,7 +14,8 @@ intermediate 8,192, 16 layers; block size 16):
   down) of both models at M = 1, 8, 64 and 256 rows; target 80 % of the roofline.
 * decode attention (8B heads): batch x context 64 x 4k, 256 x 1k, 1 x 32k, 4 x 8k, every
   sequence at full context, and 64 x 32k with a sliding window of 4096 (Mistral's; only the
-  window's K/V count); target 85 %.
+  window's K/V count); 64 x 4k over int8 pages (``kv_dtype``: one byte per element plus a float32
+  scale per token and head, so the roofline's bytes are about 0.52x bf16's); target 85 %.
 * ``copy_blocks``: 1, 16 and 256 blocks of the 8B's pages (all 32 layers: 2 MiB a block) and of
   the 1B's per-layer pages (one layer: 32 KB a block); target 80 % of XLA's own copy of the same
   bytes, estimated the same way.
@@ -38,6 +39,8 @@ MATMUL_ROWS = (1, 8, 64, 256)
 DECODE_SHAPES = ((64, 4096), (256, 1024), (1, 32_768), (4, 8192))
 # (batch, context, window) of sliding-window decode: the kernel reads only the window's tiles.
 DECODE_WINDOW_SHAPES = ((64, 32_768, 4096),)
+# (batch, context, kv_dtype) of decode over quantized pages (paged_kv.pallas_kernels.quant).
+DECODE_QUANT_SHAPES = ((64, 4096, "int8"),)
 COPY_COUNTS = (1, 16, 256)
 BLOCK_SIZE = 16
 TARGETS = {"layer_matmul": 0.80, "decode": 0.85, "copy_blocks": 0.80}
@@ -88,6 +91,9 @@ def perf_specs() -> list[dict]:
                       q_heads=c["q_heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], block_size=BLOCK_SIZE))
   for batch, context, window in DECODE_WINDOW_SHAPES:
     specs.append(dict(base, kernel="decode", model="llama3.1-8b", batch=batch, context=context, window=window,
+                      q_heads=c["q_heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], block_size=BLOCK_SIZE))
+  for batch, context, kv_dtype in DECODE_QUANT_SHAPES:
+    specs.append(dict(base, kernel="decode", model="llama3.1-8b", batch=batch, context=context, kv_dtype=kv_dtype,
                       q_heads=c["q_heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], block_size=BLOCK_SIZE))
   for model, layers in (("llama3.1-8b", 32), ("llama3.2-1b", 1)):
     m = MODELS[model]
@@ -153,7 +159,8 @@ def spec_name(spec: dict) -> str:
     return f"layer_matmul {spec['model']} {spec['proj']} M={spec['m']}"
   if k in ("decode", "jax_paged_attention"):
     window = f" window={spec['window']}" if spec.get("window") else ""
-    return f"{k} {spec['batch']}x{spec['context']}{window}"
+    kv = f" kv={spec['kv_dtype']}" if spec.get("kv_dtype") else ""
+    return f"{k} {spec['batch']}x{spec['context']}{window}{kv}"
   if k == "copy_blocks":
     return f"copy_blocks {spec['model']} {spec['layers']} layer(s) x {spec['copies']}"
   if k == "xla_copy":
@@ -173,7 +180,8 @@ def work(spec: dict, facts: dict) -> perf_model.Work:
   if k == "decode":
     from scripts.gate.perf_work_decode import decode_work
     return decode_work(spec["batch"], spec["context"], spec["q_heads"], spec["kv_heads"], spec["head_dim"],
-                       spec["block_size"], 2, window=spec.get("window"), **spec.get("variant", {}))
+                       spec["block_size"], 2, window=spec.get("window"), kv_dtype=spec.get("kv_dtype"),
+                       **spec.get("variant", {}))
   if k == "copy_blocks":
     from scripts.gate.perf_work_copy import copy_work
     return copy_work(spec["copies"], spec["layers"] * 2 * spec["kv_heads"], spec["block_size"], spec["head_dim"], 2,
@@ -453,6 +461,7 @@ def _estimates(perf_results: list[dict]) -> dict:
       continue
     if s["kernel"] == "layer_matmul":
       est[("layer_matmul", s["model"], s["proj"], s["m"])] = m
-    elif s["kernel"] == "decode" and not s.get("window"):  # the Llama steps attend over everything
+    elif s["kernel"] == "decode" and not s.get("window") and not s.get("kv_dtype"):
+      # the Llama steps attend over everything, on bf16 pages
       est[("decode", s["batch"], s["context"])] = m
   return est
