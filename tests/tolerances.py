@@ -401,8 +401,7 @@ def quant_error_bound(x, dtype) -> np.ndarray:
   return step * (1 + 4 * u) + 4 * u * np.abs(x) + u * qmax * scale
 
 
-def quantized_attention_atol(q, k, v, k_err, v_err, scale: float, rounding_atol: float, *,
-                             soft_cap=None) -> float:
+def quantized_attention_atol(q, v, k_err, v_err, scale: float, rounding_atol: float) -> float:
   """Bound on ``|attention(q, K^, V^) - attention(q, K, V)|`` when every key row ``K^_j`` differs
   from ``K_j`` by at most ``k_err [..., D]`` elementwise and every value by ``v_err`` (quantized
   pages against the float values they were written from), plus ``rounding_atol`` (the two
@@ -413,14 +412,12 @@ def quantized_attention_atol(q, k, v, k_err, v_err, scale: float, rounding_atol:
   by a factor in ``[e^-eps_s, e^eps_s]``, so the normalised weights ``w_j`` by a factor in
   ``[e^-2 eps_s, e^2 eps_s]``: ``sum_j |w^_j - w_j| <= e^(2 eps_s) - 1``, and
   ``|sum_j (w^_j - w_j) v_j| <= (e^(2 eps_s) - 1) max|v|``. The values' own error weighs in
-  convexly: ``sum_j w^_j |v^_j - v_j| <= max v_err``. ``q [..., D]``, ``k``, ``v``, ``k_err``,
-  ``v_err`` ``[..., D]`` rows (maxima over all of them: an upper bound for any visible subset)."""
-  del soft_cap  # slope <= 1: the bound on ``ds`` holds after the cap as before it
+  convexly: ``sum_j w^_j |v^_j - v_j| <= max v_err``. ``q [..., D]``, ``v``, ``k_err``, ``v_err``
+  ``[..., D]`` rows (maxima over all of them: an upper bound for any visible subset)."""
   q = np.abs(np.asarray(q, np.float64)).reshape(-1, np.shape(q)[-1])
   k_err = np.asarray(k_err, np.float64).reshape(-1, np.shape(k_err)[-1])
   eps_s = abs(scale) * float((q @ k_err.T).max(initial=0.0))
   v_mag = float(np.abs(np.asarray(v, np.float64)).max(initial=0.0))
-  del k
   return math.expm1(2 * eps_s) * v_mag + float(np.asarray(v_err, np.float64).max(initial=0.0)) + rounding_atol
 
 
