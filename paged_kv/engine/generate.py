@@ -311,9 +311,10 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     key = call_setup.check_key(key)
     graphdef, weights, facts, pages, mesh = call_setup.place(model, pages, mesh)
+    layout = call_setup.group_layout((graphdef, weights), manager)
     req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
-                                 chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
+                                 chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids, layout=layout,
                                  top_k=params.top_k)
     # Pallas kernels over a tensor-parallel mesh: one weight array per layer, converted here once
     # per call (a copy of the layer weights; pass a `paged_kv.models.per_layer` model to convert once for

@@ -177,7 +177,9 @@ class ServingEngine:
         graphdef, weights = call_setup.split_model(model)
         # The model's facts (paged_kv.models.protocol): checked here, before anything is compiled.
         base_config = model_facts((graphdef, weights))
-        pages = allocate_pages(page_spec(base_config, mgr.num_blocks, mgr.block_size))
+        # A grouped manager (a windowed model's `manager_layout`): pages of `layout.slots` layers.
+        self.layout = call_setup.group_layout((graphdef, weights), mgr)
+        pages = allocate_pages(page_spec(base_config, mgr.num_blocks, mgr.block_size, layout=self.layout))
         if mesh is None:
             model_config = base_config
         else:
@@ -189,7 +191,7 @@ class ServingEngine:
         graphdef, weights = call_setup.layer_layout(graphdef, weights, config.impl, mesh)
         self.graphdef, self.weights, self.model_config, self.mesh = graphdef, weights, model_config, mesh
         state, self.key = call_setup.replicate_inputs(mesh, init_state(mgr), root_key())
-        self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size)
+        self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size, layout=self.layout)
         self.device = DeviceStep(config, graphdef, weights, pages, state, self.key, mesh)
         self.scheduler = Scheduler(config, self.device, vocab_size=model_config.vocab_size,
                                    max_positions=model_config.max_positions, seed=seed)
