@@ -29,7 +29,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax.typing import ArrayLike, DTypeLike
 
 from paged_kv import pallas_kernels as pk
-from paged_kv.config import DEFAULT_GROUPS, Group
 from paged_kv.models.protocol import (
     AttentionBackend,
     LayerMatmul,
@@ -65,13 +64,15 @@ class KVGroupLayout:
     `l` writes and reads `pages[layer_slot[l]]` at the slots of `tables[layer_group[l]]`.
 
     Attributes:
-      groups: the `ManagerConfig.groups` of the layout (`paged_kv.config.Group` per group).
+      group_windows: per group, its window in tokens (0: full attention); the manager's groups
+        are `paged_kv.engine.kv_cache_groups(model)` (`Group("window", w)` or `Group("full")`
+        each; the models layer does not import the block manager's types).
       layer_group: per layer, the index of its group.
       layer_slot: per layer, its slot (0 <= slot < `slots`) in its group's blocks.
       slots: layers per group, the leading axis of the pages.
     """
 
-    groups: tuple[Group, ...]
+    group_windows: tuple[int, ...]
     layer_group: tuple[int, ...]
     layer_slot: tuple[int, ...]
     slots: int
@@ -82,7 +83,7 @@ class KVGroupLayout:
                              f"({len(self.layer_slot)}) must name the same layers, at least one")
         if sorted(set(zip(self.layer_group, self.layer_slot))) != sorted(zip(self.layer_group, self.layer_slot)):
             raise ValueError("two layers share a (group, slot)")
-        for name, vals, hi in (("layer_group", self.layer_group, len(self.groups)),
+        for name, vals, hi in (("layer_group", self.layer_group, len(self.group_windows)),
                                ("layer_slot", self.layer_slot, self.slots)):
             if any(v < 0 or v >= hi for v in vals):
                 raise ValueError(f"{name}={vals} must lie in [0, {hi})")
@@ -93,13 +94,13 @@ class KVGroupLayout:
 
     @property
     def num_groups(self) -> int:
-        return len(self.groups)
+        return len(self.group_windows)
 
     @property
     def grouped(self) -> bool:
         """Whether the manager runs its grouped forms (`ManagerConfig.grouped`): any layout but
         one full group."""
-        return self.groups != DEFAULT_GROUPS
+        return self.group_windows != (0,)
 
     def group_layers(self, g: int) -> tuple[int, ...]:
         """The layers of group `g`, in slot order (padding slots left out)."""
@@ -110,7 +111,7 @@ class KVGroupLayout:
     def single(cls, num_layers: int) -> KVGroupLayout:
         """One full group of `num_layers` layers, layer `l` in slot `l` (the pages and tables of
         a manager without groups)."""
-        return cls(DEFAULT_GROUPS, (0,) * num_layers, tuple(range(num_layers)), num_layers)
+        return cls((0,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
 
 
 def layer_windows(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig
@@ -150,7 +151,7 @@ def kv_group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFa
     slots = min(counts)
     if max(counts) < 1.5 * min(counts):  # few padding slots: one group per kind
         slots = max(counts)
-    groups: list[Group] = []
+    groups: list[int] = []
     layer_group = [0] * len(windows)
     layer_slot = [0] * len(windows)
     for w, layers in kinds.items():
@@ -158,25 +159,8 @@ def kv_group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFa
         for i in range(n):
             for s, layer in enumerate(layers[i::n]):
                 layer_group[layer], layer_slot[layer] = len(groups), s
-            groups.append(Group("window", w) if w else Group("full"))
+            groups.append(w)
     return KVGroupLayout(tuple(groups), tuple(layer_group), tuple(layer_slot), slots)
-
-
-def manager_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig
-                   | tuple[int, ...], groups: tuple[Group, ...]) -> KVGroupLayout:
-    """The layout the pages of `model` take under a manager with `groups` (`ManagerConfig.groups`):
-    `KVGroupLayout.single` for the default one full group (any model: a windowed model then keeps
-    one full table per sequence and never reclaims), else `kv_group_layout(model)`, whose groups
-    must equal `groups` (ValueError naming both)."""
-    windows = layer_windows(model)
-    if tuple(groups) == DEFAULT_GROUPS:
-        return KVGroupLayout.single(len(windows))
-    layout = kv_group_layout(windows)
-    if layout.groups != tuple(groups):
-        raise ValueError(f"manager groups={tuple(groups)!r} differ from the model's KV-cache groups "
-                         f"{layout.groups!r} (paged_kv.models.kv_group_layout(model).groups; layer windows "
-                         f"{windows})")
-    return layout
 
 
 # ---------------------------------------------------------------------------- batch metadata
@@ -426,7 +410,7 @@ def _batch_layout(model: nnx.Module, pages: jax.Array, batch: PagedBatch) -> KVG
     if batch.block_tables.shape[0] != layout.num_groups or pages.shape[0] != layout.slots:
         raise ValueError(f"a batch of {batch.block_tables.shape[0]} KV-cache groups and pages of {pages.shape[0]} "
                          f"layer slots; the model's layout has {layout.num_groups} groups of {layout.slots} slots "
-                         f"({layout.groups!r})")
+                         f"(group windows {layout.group_windows})")
     return layout
 
 
@@ -573,7 +557,7 @@ def kv_bytes_per_block(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Mode
                        block_size: int = 16, dtype: DTypeLike | None = None,
                        layout: KVGroupLayout | None = None) -> int:
     """Bytes of one block (Llama 3.1 8B bf16, 16 tokens: 2 MiB). With a `layout` (a grouped
-    manager's, `manager_layout`), a block holds `layout.slots` layers: Gemma 3's 5 : 1 layout
+    manager's, `kv_group_layout`), a block holds `layout.slots` layers: Gemma 3's 5 : 1 layout
     makes a block 1/6 of the model's per-block bytes, the same in every group."""
     if layout is None:
         return kv_bytes_per_token(model, dtype) * block_size
@@ -625,7 +609,7 @@ def page_spec(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | 
               layout: KVGroupLayout | None = None) -> KVPageSpec:
     """Pages for `model` (a `paged_kv.models.protocol.PagedModel`, its split, its `ModelFacts` or a
     `LlamaConfig`): its layers (`layout.slots` with a `layout`: a grouped manager's pages, from
-    `manager_layout(model, manager.groups)`), KV heads, head_dim and dtype (or `dtype`)."""
+    `paged_kv.engine.call_setup.group_layout(model, manager)`), KV heads, head_dim and dtype (or `dtype`)."""
     f = model_facts(model)
     _check_layout(f, layout)
     layers = f.num_layers if layout is None else layout.slots

@@ -9,8 +9,8 @@ import pytest
 
 import paged_kv as pk
 from paged_kv.config import DEFAULT_GROUPS, Group
-from paged_kv.engine import BeamParams, SamplingParams, beam_search, generate
-from paged_kv.engine.call_setup import pad_prompts
+from paged_kv.engine import BeamParams, SamplingParams, beam_search, generate, kv_cache_groups
+from paged_kv.engine.call_setup import group_layout, pad_prompts
 from paged_kv.engine.serving import Request, ServingConfig, ServingEngine
 from paged_kv.invariants import check_invariants
 from paged_kv.models import (
@@ -20,7 +20,6 @@ from paged_kv.models import (
     init_model,
     kv_bytes_per_block,
     kv_group_layout,
-    manager_layout,
     page_spec,
     page_spec_for_budget,
 )
@@ -50,11 +49,11 @@ def _manager(groups, num_blocks=96, max_seqs=8):
 
 
 def _pages(model, mgr):
-    layout = manager_layout(model, mgr.groups) if mgr.grouped else None
-    return allocate_pages(page_spec(model, mgr.num_blocks, mgr.block_size, layout=layout))
+    return allocate_pages(page_spec(model, mgr.num_blocks, mgr.block_size, layout=group_layout(model, mgr)))
 
 
-def _generate(model, groups, params=SamplingParams(max_new_tokens=NEW), key=0):
+def _generate(model, groups, params=None, key=0):
+    params = SamplingParams(max_new_tokens=NEW) if params is None else params
     mgr = _manager(groups)
     toks, lens = pad_prompts(PROMPTS)
     out, pages, state = generate(model, _pages(model, mgr), toks, lens, key, params, manager=mgr, impl="reference")
@@ -67,28 +66,29 @@ def _generate(model, groups, params=SamplingParams(max_new_tokens=NEW), key=0):
 def test_layout_follows_vllm_grouping():
     win, full = Group("window", W), Group("full")
     g3 = kv_group_layout((W,) * 5 + (0,))  # kinds in first-layer order, groups of min(count) layers
-    assert g3.groups == (win,) * 5 + (full,) and g3.slots == 1
+    assert kv_cache_groups((W,) * 5 + (0,)) == (win,) * 5 + (full,) and g3.slots == 1
     assert g3.layer_group == (0, 1, 2, 3, 4, 5) and g3.layer_slot == (0,) * 6
     g2 = kv_group_layout((W, 0, W, 0))
-    assert (g2.groups, g2.layer_group, g2.layer_slot, g2.slots) == ((win, full), (0, 1, 0, 1), (0, 0, 1, 1), 2)
+    assert (g2.group_windows, g2.layer_group, g2.layer_slot, g2.slots) == ((W, 0), (0, 1, 0, 1), (0, 0, 1, 1), 2)
     # 3 window : 2 full: 3 < 1.5 * 2, so groups of 2: window layers split strided, (0, 2) and (1,)
     odd = kv_group_layout((W, W, W, 0, 0))
-    assert odd.groups == (win, win, full) and odd.slots == 2
+    assert odd.group_windows == (W, W, 0) and odd.slots == 2
     assert odd.layer_group == (0, 1, 0, 2, 2) and odd.layer_slot == (0, 0, 1, 0, 1)
     assert odd.group_layers(0) == (0, 2) and odd.group_layers(1) == (1,)
     # 7 window : 5 full: 7 < 7.5, one group per kind, the full one with 2 padding slots
     pad = kv_group_layout((W,) * 7 + (0,) * 5)
-    assert pad.groups == (win, full) and pad.slots == 7 and pad.group_layers(1) == (7, 8, 9, 10, 11)
-    assert kv_group_layout((W,) * 4) == KVGroupLayout((win,), (0,) * 4, (0, 1, 2, 3), 4)
+    assert kv_cache_groups(pad) == (win, full) and pad.slots == 7 and pad.group_layers(1) == (7, 8, 9, 10, 11)
+    assert kv_group_layout((W,) * 4) == KVGroupLayout((W,), (0,) * 4, (0, 1, 2, 3), 4)
     assert kv_group_layout((0,) * 3) == KVGroupLayout.single(3) and not KVGroupLayout.single(3).grouped
 
 
 def test_pages_and_bytes_follow_the_layout(gemma3):
     layout = kv_group_layout(gemma3)
-    assert manager_layout(gemma3, DEFAULT_GROUPS) == KVGroupLayout.single(6)
-    assert manager_layout(gemma3, layout.groups) == layout
+    groups = kv_cache_groups(gemma3)
+    assert group_layout(gemma3, _manager(DEFAULT_GROUPS)) is None
+    assert group_layout(gemma3, _manager(groups)) == layout
     with pytest.raises(ValueError, match=r"manager groups=.*differ from the model's KV-cache groups"):
-        manager_layout(gemma3, (Group("window", W), Group("full")))
+        group_layout(gemma3, _manager((Group("window", W), Group("full"))))
     full = page_spec(gemma3, 32, BS)
     grouped = page_spec(gemma3, 32, BS, layout=layout)
     assert full.shape == (6, 2, 2, 32, BS, 16) and grouped.shape == (1, 2, 2, 32, BS, 16)
@@ -101,7 +101,7 @@ def test_pages_and_bytes_follow_the_layout(gemma3):
         generate(gemma3, allocate_pages(full), *pad_prompts(PROMPTS), 0, SamplingParams(), manager=mgr)
     with pytest.raises(ValueError, match="pages have shape"):  # full-layer pages for a grouped manager
         generate(gemma3, allocate_pages(page_spec(gemma3, 96, BS)), *pad_prompts(PROMPTS), 0, SamplingParams(),
-                 manager=_manager(layout.groups))
+                 manager=_manager(groups))
 
 
 # -- generate, beam search, sampling -------------------------------------------------------------
@@ -110,7 +110,7 @@ def test_pages_and_bytes_follow_the_layout(gemma3):
 def test_greedy_generate_with_reclaim_equals_single_group_and_contiguous(gemma3):
     layout = kv_group_layout(gemma3)
     _, single, _ = _generate(gemma3, DEFAULT_GROUPS)
-    mgr, grouped, state = _generate(gemma3, layout.groups)
+    mgr, grouped, state = _generate(gemma3, kv_cache_groups(gemma3))
     ref, _ = greedy_generate_contiguous(gemma3, PROMPTS, NEW)
     np.testing.assert_array_equal(np.asarray(grouped.tokens), np.asarray(single.tokens))
     np.testing.assert_array_equal(np.asarray(grouped.tokens)[:, 0], np.asarray(ref))
@@ -126,15 +126,14 @@ def test_greedy_generate_with_reclaim_equals_single_group_and_contiguous(gemma3)
 
 
 def test_beam_and_sampled_forks_equal_single_group(gemma3):
-    layout = kv_group_layout(gemma3)
     params = SamplingParams(max_new_tokens=20, n=3, temperature=1.0)
     _, single, _ = _generate(gemma3, DEFAULT_GROUPS, params, key=7)
-    mgr, grouped, state = _generate(gemma3, layout.groups, params, key=7)
+    mgr, grouped, state = _generate(gemma3, kv_cache_groups(gemma3), params, key=7)
     np.testing.assert_array_equal(np.asarray(grouped.tokens), np.asarray(single.tokens))
     assert int(np.max(grouped.stats.shared)) > 0  # the samples share their prompt's blocks
     check_invariants(mgr, state)
     beams = {}
-    for name, groups in (("single", DEFAULT_GROUPS), ("grouped", layout.groups)):
+    for name, groups in (("single", DEFAULT_GROUPS), ("grouped", kv_cache_groups(gemma3))):
         m = _manager(groups)
         out, _, st = beam_search(gemma3, _pages(gemma3, m), *pad_prompts(PROMPTS[:1]),
                                  BeamParams(beam_width=2, max_new_tokens=20), manager=m, impl="reference")
@@ -149,7 +148,7 @@ def test_other_layouts_equal_contiguous(windows):
     model = _model(len(windows), windows)
     layout = kv_group_layout(model)
     assert layout.grouped and layout.num_groups == (2 if 0 in windows else 1)
-    mgr, out, state = _generate(model, layout.groups)
+    mgr, out, state = _generate(model, kv_cache_groups(model))
     ref, _ = greedy_generate_contiguous(model, PROMPTS, NEW)
     np.testing.assert_array_equal(np.asarray(out.tokens)[:, 0], np.asarray(ref))
     check_invariants(mgr, state)
@@ -159,7 +158,6 @@ def test_other_layouts_equal_contiguous(windows):
 
 
 def test_serving_engine_with_groups_equals_single_group(gemma3):
-    layout = kv_group_layout(gemma3)
     rng = np.random.RandomState(3)
     shared = list(rng.randint(1, 250, 14))
     reqs = [Request(tuple(shared), SamplingParams(max_new_tokens=22), arrival=0, request_id="a"),
@@ -169,7 +167,7 @@ def test_serving_engine_with_groups_equals_single_group(gemma3):
             Request(tuple(rng.randint(1, 250, 5)), BeamParams(beam_width=2, max_new_tokens=16), arrival=2,
                     request_id="beam")]
     results = {}
-    for name, groups in (("single", DEFAULT_GROUPS), ("grouped", layout.groups)):
+    for name, groups in (("single", DEFAULT_GROUPS), ("grouped", kv_cache_groups(gemma3))):
         mgr = _manager(groups, num_blocks=128)
         eng = ServingEngine(gemma3, ServingConfig(mgr, chunk_size=8, max_prefill_rows=2, impl="reference"))
         outs = {o.request_id: o for o in eng.run(reqs)}

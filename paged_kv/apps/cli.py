@@ -746,13 +746,14 @@ def _run(args, ckpt: Path) -> int:
     # A windowed model serves with its KV-cache groups (vLLM's layout: reclaim on). --num-blocks
     # counts blocks of every layer, as without groups: each group gets as many, in blocks of
     # `slots` layers (the same KV bytes when the groups need no padding slots).
+    from paged_kv.engine.call_setup import layout_groups
     from paged_kv.models import kv_group_layout
 
     layout = kv_group_layout(model)
     num_blocks = args.num_blocks if not layout.grouped else 1 + (args.num_blocks - 1) * layout.num_groups
     mgr = pk.ManagerConfig(num_blocks=num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                            max_blocks_per_seq=-(-context // args.block_size),
-                           prefix_caching=not args.no_prefix_caching, groups=layout.groups)
+                           prefix_caching=not args.no_prefix_caching, groups=layout_groups(layout))
     rows = args.max_prefill_rows
     if prompts is not None:  # a family of n samples or k beams is (re-)admitted in one admission
         rows = max(rows, args.n, args.beam_width)
@@ -779,7 +780,7 @@ def _run(args, ckpt: Path) -> int:
           f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}"
           + (f", tensor-parallel over {args.tp} devices" if mesh is not None else ""), flush=True)
     if layout.grouped:
-        kinds = ", ".join(f"window {g.window}" if g.is_window else "full" for g in layout.groups)
+        kinds = ", ".join(f"window {w}" if w else "full" for w in layout.group_windows)
         print(f"KV-cache groups: {layout.num_groups} of {layout.slots} layer(s) each ({kinds}); out-of-window "
               f"blocks reclaimed; a block holds {layout.slots} of {model.config.num_layers} layers", flush=True)
     print(f"tokenizer: {tok_desc}; EOS ids {', '.join(map(str, eos_ids)) or 'none'}"

@@ -19,9 +19,9 @@ import numpy as np
 from flax import nnx
 from numpy.typing import ArrayLike
 
-from paged_kv.config import ManagerConfig
+from paged_kv.config import DEFAULT_GROUPS, Group, ManagerConfig
 from paged_kv.inputs import is_int
-from paged_kv.models.paged import KVGroupLayout, manager_layout, page_spec
+from paged_kv.models.paged import KVGroupLayout, kv_group_layout, layer_windows, page_spec
 from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv.pallas_kernels import IMPLS
 from paged_kv.state import BlockManagerState, init_state
@@ -286,16 +286,38 @@ class CallShape:
         return self.num_prompts * self.rows_per_prompt
 
 
-def group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], manager: ManagerConfig
+def layout_groups(layout: KVGroupLayout) -> tuple[Group, ...]:
+    """The ``ManagerConfig.groups`` of a ``KVGroupLayout``: ``Group("window", w)`` for a group
+    window ``w >= 1``, ``Group("full")`` for 0."""
+    return tuple(Group("window", w) if w else Group("full") for w in layout.group_windows)
+
+
+def kv_cache_groups(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any) -> tuple[Group, ...]:
+    """The KV-cache groups to build a windowed ``model``'s manager with
+    (``ManagerConfig(groups=kv_cache_groups(model))``): those of
+    ``paged_kv.models.kv_group_layout(model)``, vLLM 0.33's layer grouping. ``(Group("full"),)``
+    for a model without windows. ``model``: anything ``kv_group_layout`` takes (a model, its
+    split, a ``LlamaConfig``, per-layer windows)."""
+    return layout_groups(kv_group_layout(model))
+
+
+def group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any, manager: ManagerConfig
                  ) -> KVGroupLayout | None:
-    """The pages' ``KVGroupLayout`` for a grouped ``manager`` (``paged_kv.models.manager_layout``:
-    its groups must equal the model's ``kv_group_layout(model).groups``, else ``ValueError`` naming
-    both); None for the default single full group (pages of every layer, as without groups)."""
+    """The pages' ``KVGroupLayout`` for a grouped ``manager``: ``kv_group_layout(model)``, whose
+    groups must equal ``manager.groups`` (else ``ValueError`` naming both); None for the default
+    single full group (pages of every layer, as without groups: a windowed model then keeps one
+    full table per sequence and never reclaims)."""
     if not isinstance(manager, ManagerConfig):
         raise ValueError(f"manager must be a ManagerConfig, got {type(manager).__name__}")
-    if not manager.grouped:
+    if manager.groups == DEFAULT_GROUPS:
         return None
-    return manager_layout(model, manager.groups)
+    windows = layer_windows(model)
+    layout = kv_group_layout(windows)
+    if layout_groups(layout) != manager.groups:
+        raise ValueError(f"manager groups={manager.groups!r} differ from the model's KV-cache groups "
+                         f"{layout_groups(layout)!r} (paged_kv.engine.kv_cache_groups(model); layer windows "
+                         f"{windows})")
+    return layout
 
 
 def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, state: BlockManagerState | None,
@@ -314,7 +336,7 @@ def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, stat
     facts = model_facts(facts)  # ModelFacts from ``place`` (a model or a LlamaConfig also works)
     if not isinstance(manager, ManagerConfig):
         raise ValueError(f"manager must be a ManagerConfig, got {type(manager).__name__}")
-    if manager.grouped and (layout is None or layout.groups != manager.groups):
+    if manager.grouped and (layout is None or layout_groups(layout) != manager.groups):
         raise ValueError(f"manager groups={manager.groups!r} need the model's KVGroupLayout with those groups, "
                          f"got {layout!r} (call_setup.group_layout)")
     if impl not in IMPLS:

@@ -177,7 +177,7 @@ class ServingEngine:
         graphdef, weights = call_setup.split_model(model)
         # The model's facts (paged_kv.models.protocol): checked here, before anything is compiled.
         base_config = model_facts((graphdef, weights))
-        # A grouped manager (a windowed model's `manager_layout`): pages of `layout.slots` layers.
+        # A grouped manager (`call_setup.group_layout`): pages of `layout.slots` layers.
         self.layout = call_setup.group_layout((graphdef, weights), mgr)
         pages = allocate_pages(page_spec(base_config, mgr.num_blocks, mgr.block_size, layout=self.layout))
         if mesh is None:

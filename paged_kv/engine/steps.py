@@ -13,7 +13,7 @@
 Both are traceable functions (no jit of their own); the loops in ``generate``/``beam_search``
 call them under one ``jax.jit``.
 
-With KV-cache groups (``ManagerConfig.grouped``, a windowed model's ``manager_layout``) both pass
+With KV-cache groups (``ManagerConfig.grouped``, a windowed model's ``call_setup.group_layout``) both pass
 every group's tables (``[G, B, M]``) and slots to the forward, which maps each layer to its
 group, and ``decode`` applies every group's copy-on-write copies (``append``'s ``[B, G]``); the
 grouped ``append`` has already reclaimed the blocks that left each window.
