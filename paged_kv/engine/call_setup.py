@@ -297,8 +297,8 @@ def kv_cache_groups(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any) ->
     (``ManagerConfig(groups=kv_cache_groups(model))``): those of
     ``paged_kv.models.kv_group_layout(model)``, vLLM 0.33's layer grouping. ``(Group("full"),)``
     for a model without windows. ``model``: anything ``kv_group_layout`` takes (a model, its
-    split, a ``LlamaConfig``, per-layer windows)."""
-    return layout_groups(kv_group_layout(model))
+    split, a ``LlamaConfig``, per-layer windows), or a ``KVGroupLayout``."""
+    return layout_groups(model if isinstance(model, KVGroupLayout) else kv_group_layout(model))
 
 
 def group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any, manager: ManagerConfig
