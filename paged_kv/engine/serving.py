@@ -161,7 +161,9 @@ class ServingEngine:
             per layer (``paged_kv.models.per_layer``; drop your own reference to ``model`` to free
             the stacked copy); otherwise the model runs as given
             (``paged_kv.models.paged.layout_for_impl`` has the table).
-          config: the ``ServingConfig``.
+          config: the ``ServingConfig``. Its manager may hold a windowed model's KV-cache groups
+            (``paged_kv.engine.kv_cache_groups(model)``): the engine then allocates pages of
+            ``layout.slots`` layers (``self.layout``) and reclaims out-of-window blocks.
           seed: the engine's sampling seed: a request without a seed gets
             ``sampling.default_seed(seed, request_id)`` (recorded in ``RequestOutput.seed``); a
             request with one samples the same tokens whatever the engine's seed.
