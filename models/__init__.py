@@ -45,12 +45,15 @@ from paged_kv.models.llama import (
     stacked,
 )
 from paged_kv.models.paged import (
+    KVGroupLayout,
     KVPageSpec,
     PagedBatch,
     allocate_pages,
     compute_slots,
     kv_bytes_per_block,
     kv_bytes_per_token,
+    kv_group_layout,
+    layer_windows,
     layout_for_impl,
     make_paged_batch,
     page_spec,
@@ -62,14 +65,14 @@ from paged_kv.models.paged import (
 from paged_kv.models.protocol import AttentionBackend, ModelFacts, PagedModel, model_facts
 
 __all__ = [
-    "AttentionBackend", "CheckpointError", "KVPageSpec", "LinearRopeScaling", "Llama", "Llama3RopeScaling",
-    "LlamaConfig", "ModelFacts", "PagedBatch", "PagedModel", "model_facts",
+    "AttentionBackend", "CheckpointError", "KVGroupLayout", "KVPageSpec", "LinearRopeScaling", "Llama",
+    "Llama3RopeScaling", "LlamaConfig", "ModelFacts", "PagedBatch", "PagedModel", "model_facts",
     "abstract_model", "allocate_pages", "compute_slots", "contiguous_forward", "contiguous_step",
     "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "in_vocab", "init_contiguous_cache",
-    "init_model", "is_per_layer", "kv_bytes_per_block", "layout_for_impl", "kv_bytes_per_token", "llama31_8b",
-    "llama32_1b",
-    "load_hf_checkpoint", "make_paged_batch", "page_spec", "page_spec_for_budget", "paged_decode_step",
-    "paged_forward", "paged_prefill_step", "per_layer", "plain_forward", "rope_inv_freq", "safe_tokens",
-    "save_hf_checkpoint", "score_tokens",
+    "init_model", "is_per_layer", "kv_bytes_per_block", "kv_group_layout", "layer_windows", "layout_for_impl",
+    "kv_bytes_per_token", "llama31_8b", "llama32_1b",
+    "load_hf_checkpoint", "make_paged_batch", "page_spec", "page_spec_for_budget",
+    "paged_decode_step", "paged_forward", "paged_prefill_step", "per_layer", "plain_forward", "rope_inv_freq",
+    "safe_tokens", "save_hf_checkpoint", "score_tokens",
     "sharding", "stacked", "tiny",
 ]

@@ -2,6 +2,9 @@
 
 Page layout (owned by `pallas_kernels`): one array per model,
 `pages[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]` (axis 1: 0=K, 1=V).
+With KV-cache groups (`KVGroupLayout`, a windowed model's grouped manager) axis 0 holds `slots`
+layer slots instead of num_layers: a block belongs to one group and holds that group's layers,
+layer l at `pages[layout.layer_slot[l]]`, read through `tables[layout.layer_group[l]]`.
 Block 0 is the reserved null block: padding tokens write into it and it is never read as data.
 The slot of the token at position p of a sequence is `table[p // bs] * bs + p % bs`.
 
@@ -43,6 +46,123 @@ if TYPE_CHECKING:
 NULL_BLOCK = pk.NULL_BLOCK
 
 
+# ---------------------------------------------------------------------------- KV-cache groups
+@dataclasses.dataclass(frozen=True)
+class KVGroupLayout:
+    """Which KV-cache group and which page slot each layer of a model uses (hashable, static).
+
+    vLLM 0.33's rule for layers of one page size (`_get_kv_cache_groups_uniform_page_size`):
+    layers with the same attention (full, or a window of W tokens) form a kind, kinds in the order
+    of their first layer; every group holds the same number of layers, `slots`: the smallest
+    kind's layer count, or the largest's when that is under 1.5 times the smallest. A kind of `n`
+    layers splits into `ceil(n / slots)` groups, group `i` taking the kind's layers `i`,
+    `i + ceil(n / slots)`, ... (strided); a group with fewer than `slots` layers leaves its last
+    slots unused (padding). One kind is one group of every layer: a model without windows gets
+    today's single full group, with slot `l` for layer `l`.
+
+    So one block id names one page slice of `slots` layers, the same bytes in every group: layer
+    `l` writes and reads `pages[layer_slot[l]]` at the slots of `tables[layer_group[l]]`.
+
+    Attributes:
+      group_windows: per group, its window in tokens (0: full attention); the manager's groups
+        are `paged_kv.engine.kv_cache_groups(model)` (`Group("window", w)` or `Group("full")`
+        each; the models layer does not import the block manager's types).
+      layer_group: per layer, the index of its group.
+      layer_slot: per layer, its slot (0 <= slot < `slots`) in its group's blocks.
+      slots: layers per group, the leading axis of the pages.
+    """
+
+    group_windows: tuple[int, ...]
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
+    slots: int
+
+    def __post_init__(self) -> None:
+        if len(self.layer_group) != len(self.layer_slot) or not self.layer_group:
+            raise ValueError(f"layer_group ({len(self.layer_group)} layers) and layer_slot "
+                             f"({len(self.layer_slot)}) must name the same layers, at least one")
+        if sorted(set(zip(self.layer_group, self.layer_slot))) != sorted(zip(self.layer_group, self.layer_slot)):
+            raise ValueError("two layers share a (group, slot)")
+        for name, vals, hi in (("layer_group", self.layer_group, len(self.group_windows)),
+                               ("layer_slot", self.layer_slot, self.slots)):
+            if any(v < 0 or v >= hi for v in vals):
+                raise ValueError(f"{name}={vals} must lie in [0, {hi})")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_group)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the manager runs its grouped forms (`ManagerConfig.grouped`): any layout but
+        one full group."""
+        return self.group_windows != (0,)
+
+    def group_layers(self, g: int) -> tuple[int, ...]:
+        """The layers of group `g`, in slot order (padding slots left out)."""
+        pairs = zip(self.layer_group, self.layer_slot)
+        return tuple(layer for _, layer in sorted((s, layer) for layer, (gg, s) in enumerate(pairs) if gg == g))
+
+    @classmethod
+    def single(cls, num_layers: int) -> KVGroupLayout:
+        """One full group of `num_layers` layers, layer `l` in slot `l` (the pages and tables of
+        a manager without groups)."""
+        return cls((0,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+
+
+def layer_windows(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig
+                  | tuple[int, ...]) -> tuple[int, ...]:
+    """Each layer's attention window (0: full) as the model attends: a `LlamaConfig`'s (or a
+    module's `config`'s) `attend_windows`; a tuple of ints as given; every layer full for a model
+    or `ModelFacts` that states no windows."""
+    if isinstance(model, (tuple, list)) and all(isinstance(w, (int, np.integer)) for w in model):
+        windows = tuple(int(w) for w in model)
+        if not windows or any(w < 0 for w in windows):
+            raise ValueError(f"windows={windows} must be one int >= 0 per layer (0: full attention)")
+        return windows
+    from paged_kv.models.config import LlamaConfig
+    if isinstance(model, ModelFacts):
+        return (0,) * model.num_layers
+    if isinstance(model, LlamaConfig):
+        return tuple(model.attend_windows)
+    module = nnx.merge(*model) if isinstance(model, tuple) else model
+    cfg = getattr(module, "config", None)
+    if cfg is not None and hasattr(cfg, "attend_windows"):
+        return tuple(int(w) for w in cfg.attend_windows)
+    return (0,) * model_facts(module).num_layers
+
+
+def kv_group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig
+                    | tuple[int, ...]) -> KVGroupLayout:
+    """The `KVGroupLayout` of `model` (anything `layer_windows` takes), by vLLM 0.33's rule (see
+    `KVGroupLayout`). Gemma 3-shaped, 5 local : 1 global, 6 layers: 6 groups of 1 layer (5 window
+    groups, then the full one), pages `[1, 2, kvh, nb, bs, hd]`; Gemma 2, 4 alternating layers: a
+    window group of layers (0, 2) and a full group of (1, 3); Mistral (a window on every layer):
+    one window group of every layer; no window: `KVGroupLayout.single(num_layers)`."""
+    windows = layer_windows(model)
+    kinds: dict[int, list[int]] = {}
+    for layer, w in enumerate(windows):
+        kinds.setdefault(w, []).append(layer)
+    counts = [len(v) for v in kinds.values()]
+    slots = min(counts)
+    if max(counts) < 1.5 * min(counts):  # few padding slots: one group per kind
+        slots = max(counts)
+    groups: list[int] = []
+    layer_group = [0] * len(windows)
+    layer_slot = [0] * len(windows)
+    for w, layers in kinds.items():
+        n = -(-len(layers) // slots)
+        for i in range(n):
+            for s, layer in enumerate(layers[i::n]):
+                layer_group[layer], layer_slot[layer] = len(groups), s
+            groups.append(w)
+    return KVGroupLayout(tuple(groups), tuple(layer_group), tuple(layer_slot), slots)
+
+
 # ---------------------------------------------------------------------------- batch metadata
 @struct.dataclass
 class PagedBatch:
@@ -56,6 +176,10 @@ class PagedBatch:
       slots: int32[B, T] flat KV slot of each token (block_id * block_size + offset); tokens with
         t >= q_lens[b] point into the null block.
       lengths: int32[B] tokens with K/V after this step (q_start + q_lens); 0 for padding rows.
+
+    With KV-cache groups (a grouped manager: `KVGroupLayout`), `block_tables` is int32[G, B, M]
+    and `slots` int32[G, B, T]: every group's table and slots (`grouped`); the forward then maps
+    each layer to its group's.
     """
 
     block_tables: jax.Array
@@ -65,9 +189,14 @@ class PagedBatch:
     lengths: jax.Array
 
     @property
+    def grouped(self) -> bool:
+        """Whether the batch holds one table per KV-cache group (`block_tables` [G, B, M])."""
+        return self.block_tables.ndim == 3
+
+    @property
     def positions(self) -> jax.Array:
         """int32[B, T] position of each token (meaningful where t < q_lens)."""
-        t = self.slots.shape[1]
+        t = self.slots.shape[-1]
         return self.q_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
@@ -87,22 +216,27 @@ def compute_slots(block_tables: jax.Array, positions: jax.Array, valid: jax.Arra
 
 def make_paged_batch(block_tables: ArrayLike, q_start: ArrayLike, q_lens: ArrayLike, num_tokens: int,
                      block_size: int) -> PagedBatch:
-    """Build the metadata for a step of `num_tokens` tokens per sequence (T; 1 for decode)."""
+    """Build the metadata for a step of `num_tokens` tokens per sequence (T; 1 for decode).
+    `block_tables` int32[B, M], or int32[G, B, M] with KV-cache groups (slots then [G, B, T])."""
     block_tables = jnp.asarray(block_tables, jnp.int32)
     q_start = jnp.asarray(q_start, jnp.int32)
     q_lens = jnp.asarray(q_lens, jnp.int32)
     t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
     positions = q_start[:, None] + t
     valid = t < q_lens[:, None]
+    if block_tables.ndim == 3:
+        slots = jax.vmap(lambda tables: compute_slots(tables, positions, valid, block_size))(block_tables)
+    else:
+        slots = compute_slots(block_tables, positions, valid, block_size)
     return PagedBatch(
-        block_tables=block_tables, q_start=q_start, q_lens=q_lens,
-        slots=compute_slots(block_tables, positions, valid, block_size),
+        block_tables=block_tables, q_start=q_start, q_lens=q_lens, slots=slots,
         lengths=jnp.where(q_lens > 0, q_start + q_lens, 0).astype(jnp.int32))
 
 
 # ---------------------------------------------------------------------------- forward
 def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
-                 head_dim: int | None = None, batch_invariant: bool = False) -> AttentionBackend:
+                 head_dim: int | None = None, batch_invariant: bool = False,
+                 layout: KVGroupLayout | None = None) -> AttentionBackend:
     """The `attend` of `paged_kv.models.protocol.PagedModel` over the paged cache, as an
     `AttentionBackend`: its callable writes k/v at `batch.slots`, then runs paged decode or prefill
     attention with the call's options (scale, soft_cap, alibi_slopes, window; anything else raises
@@ -113,7 +247,11 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
     `static_layer_impl(impl, head_dim, mesh)` (the Pallas kernels over a mesh); `layout_for_impl`
     names the layout each gives the Llama. The kernels take the layer as an int32 operand either
     way, so every layer calls one compiled kernel per kind. `batch_invariant`: the plan's
-    `batch_invariant`, and the attention's (`paged_kv.pallas_kernels.invariant`)."""
+    `batch_invariant`, and the attention's (`paged_kv.pallas_kernels.invariant`).
+
+    `layout` (a grouped `batch`): layer `l` writes and attends in page slot `layout.layer_slot[l]`
+    with group `layout.layer_group[l]`'s tables and slots; a traced layer (the scan's int32) looks
+    both up in small constant int32 arrays."""
     plan = dict(static_layer=static_layer_impl(impl, head_dim, mesh),
                 layer_matmul=layer_matmul_for(impl, head_dim, mesh, batch_invariant))
     if batch_invariant:
@@ -123,8 +261,16 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
         b, t, _, _ = q.shape
         kvh, e = k.shape[2], k.shape[3]
         q = q.astype(pages.dtype)
+        tables, slots = batch.block_tables, batch.slots
+        if layout is not None:
+            if isinstance(layer, (int, np.integer)):
+                group, layer = layout.layer_group[layer], layout.layer_slot[layer]
+            else:
+                group = jnp.asarray(layout.layer_group, jnp.int32)[layer]
+                layer = jnp.asarray(layout.layer_slot, jnp.int32)[layer]
+            tables, slots = tables[group], slots[group]
         pages = pk.write_kv(pages, layer, k.reshape(b * t, kvh, e).astype(pages.dtype),
-                            v.reshape(b * t, kvh, e).astype(pages.dtype), batch.slots.reshape(b * t), impl=impl)
+                            v.reshape(b * t, kvh, e).astype(pages.dtype), slots.reshape(b * t), impl=impl)
         # Knobs are passed only when set: without them the kernels compile exactly as before.
         knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
         if slopes is not None:
@@ -134,11 +280,11 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
         if window is not None:
             knobs["window"] = window
         if decode:
-            out = pk.paged_decode_attention(q[:, 0], pages, layer, batch.block_tables, batch.lengths,
+            out = pk.paged_decode_attention(q[:, 0], pages, layer, tables, batch.lengths,
                                             scale=scale, impl=impl, **knobs)
             out = jnp.where((batch.q_lens > 0)[:, None, None], out, 0)[:, None]
         else:
-            out = pk.paged_prefill_attention(q, pages, layer, batch.block_tables, batch.q_start, batch.q_lens,
+            out = pk.paged_prefill_attention(q, pages, layer, tables, batch.q_start, batch.q_lens,
                                              scale=scale, impl=impl, **knobs)
         return out, pages
 
@@ -255,6 +401,19 @@ def _check_mesh(model, mesh) -> None:
         check_on_mesh(model, mesh, model_facts(model).num_kv_heads)
 
 
+def _batch_layout(model: nnx.Module, pages: jax.Array, batch: PagedBatch) -> KVGroupLayout | None:
+    """The model's `KVGroupLayout` for a grouped `batch` (None otherwise), checked against the
+    batch's group count and the pages' slots (ValueError naming both)."""
+    if not batch.grouped:
+        return None
+    layout = kv_group_layout(model)
+    if batch.block_tables.shape[0] != layout.num_groups or pages.shape[0] != layout.slots:
+        raise ValueError(f"a batch of {batch.block_tables.shape[0]} KV-cache groups and pages of {pages.shape[0]} "
+                         f"layer slots; the model's layout has {layout.num_groups} groups of {layout.slots} slots "
+                         f"(group windows {layout.group_windows})")
+    return layout
+
+
 def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Array, batch: PagedBatch,
                   tokens: jax.Array, *, impl: str = "auto", last_only: bool = False,
                   mesh: Mesh | None = None, batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -263,6 +422,10 @@ def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax
 
     Returns (float32 logits, pages): logits [B, T, V] for a chunk ([B, V] at the last valid token
     when `last_only`), [B, V] for decode.
+
+    A grouped `batch` (tables [G, B, M], slots [G, B, T]: a grouped manager's) runs the model's
+    `kv_group_layout`: pages `[layout.slots, 2, ...]`, each layer in its slot with its group's
+    tables.
 
     `mesh`: a `jax.sharding.Mesh` with a "tp" axis when the model and pages were placed with
     `paged_kv.models.sharding.shard`; the KV write and paged attention then run per device under
@@ -282,7 +445,8 @@ def paged_forward(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax
     _check_mesh(model, mesh)
     decode = tokens.ndim == 1
     toks = tokens[:, None] if decode else tokens
-    attend = _make_attend(batch, impl, decode, mesh, model_facts(model).head_dim, batch_invariant)
+    layout = _batch_layout(model, pages, batch)
+    attend = _make_attend(batch, impl, decode, mesh, model_facts(model).head_dim, batch_invariant, layout)
     hidden, pages = model(toks, batch.positions, pages, attend)
     if decode:
         hidden = hidden[:, 0]
@@ -337,7 +501,9 @@ def paged_decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array
 # ---------------------------------------------------------------------------- page sizing
 @dataclasses.dataclass(frozen=True)
 class KVPageSpec:
-    """Shape and size of the KV pages of one model."""
+    """Shape and size of the KV pages of one model. `num_layers` is the pages' leading axis: the
+    model's layers, or a grouped `KVGroupLayout`'s `slots` (layers per group), so a block's bytes
+    are those of `num_layers` layers."""
 
     num_layers: int
     num_kv_heads: int
@@ -388,15 +554,30 @@ def kv_bytes_per_token(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Mode
 
 
 def kv_bytes_per_block(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig,
-                       block_size: int = 16, dtype: DTypeLike | None = None) -> int:
-    """Bytes of one block (Llama 3.1 8B bf16, 16 tokens: 2 MiB)."""
-    return kv_bytes_per_token(model, dtype) * block_size
+                       block_size: int = 16, dtype: DTypeLike | None = None,
+                       layout: KVGroupLayout | None = None) -> int:
+    """Bytes of one block (Llama 3.1 8B bf16, 16 tokens: 2 MiB). With a `layout` (a grouped
+    manager's, `kv_group_layout`), a block holds `layout.slots` layers: Gemma 3's 5 : 1 layout
+    makes a block 1/6 of the model's per-block bytes, the same in every group."""
+    if layout is None:
+        return kv_bytes_per_token(model, dtype) * block_size
+    f = model_facts(model)
+    _check_layout(f, layout)
+    return kv_bytes_per_token_raw(layout.slots, f.num_kv_heads, f.head_dim, f.dtype if dtype is None else dtype
+                                  ) * block_size
+
+
+def _check_layout(facts: ModelFacts, layout: KVGroupLayout | None) -> None:
+    if layout is not None and layout.num_layers != facts.num_layers:
+        raise ValueError(f"layout has {layout.num_layers} layers; the model has num_layers={facts.num_layers}")
 
 
 def page_spec_for_budget(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig, *,
                          block_size: int = 16, budget_bytes: int | None = None, memory_fraction: float | None = None,
-                         device: jax.Device | None = None, dtype: DTypeLike | None = None) -> KVPageSpec:
-    """Largest page pool for `model` (as in `kv_bytes_per_token`) fitting a budget: `budget_bytes`,
+                         device: jax.Device | None = None, dtype: DTypeLike | None = None,
+                         layout: KVGroupLayout | None = None) -> KVPageSpec:
+    """Largest page pool for `model` (as in `kv_bytes_per_token`; blocks of `layout.slots` layers
+    with a grouped `layout`, see `kv_bytes_per_block`) fitting a budget: `budget_bytes`,
     or `memory_fraction` of the device's memory limit (`device.memory_stats()["bytes_limit"]`; first
     device when `device` is None). The null block counts against the budget. Raises ValueError when
     fewer than 2 blocks fit."""
@@ -414,20 +595,25 @@ def page_spec_for_budget(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Mo
             raise ValueError(f"device {device} reports no memory limit; pass budget_bytes instead")
         budget_bytes = int(stats["bytes_limit"] * memory_fraction)
     dtype = f.dtype if dtype is None else str(jnp.dtype(dtype))
-    per_block = kv_bytes_per_block(f, block_size, dtype)
+    per_block = kv_bytes_per_block(f, block_size, dtype, layout)
     num_blocks = int(budget_bytes) // per_block
     if num_blocks < 2:
         raise ValueError(f"budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes; "
                          "need >= 2 (block 0 is the reserved null block)")
-    return KVPageSpec(f.num_layers, f.num_kv_heads, f.head_dim, num_blocks, block_size, dtype)
+    layers = f.num_layers if layout is None else layout.slots
+    return KVPageSpec(layers, f.num_kv_heads, f.head_dim, num_blocks, block_size, dtype)
 
 
 def page_spec(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig, num_blocks: int,
-              block_size: int = 16, dtype: DTypeLike | None = None) -> KVPageSpec:
+              block_size: int = 16, dtype: DTypeLike | None = None,
+              layout: KVGroupLayout | None = None) -> KVPageSpec:
     """Pages for `model` (a `paged_kv.models.protocol.PagedModel`, its split, its `ModelFacts` or a
-    `LlamaConfig`): its layers, KV heads, head_dim and dtype (or `dtype`)."""
+    `LlamaConfig`): its layers (`layout.slots` with a `layout`: a grouped manager's pages, from
+    `paged_kv.engine.call_setup.group_layout(model, manager)`), KV heads, head_dim and dtype (or `dtype`)."""
     f = model_facts(model)
-    return KVPageSpec(f.num_layers, f.num_kv_heads, f.head_dim, num_blocks, block_size,
+    _check_layout(f, layout)
+    layers = f.num_layers if layout is None else layout.slots
+    return KVPageSpec(layers, f.num_kv_heads, f.head_dim, num_blocks, block_size,
                       f.dtype if dtype is None else str(jnp.dtype(dtype)))
 
 

@@ -72,18 +72,20 @@ def free_select_append(
       seq_ids, token_ids: int32 ``[B2]``, as ``append`` takes them.
       table_rows: int32 ``[P]`` rows (< 0: padding) whose block tables to read between select
         and append (a prefill chunk's, which the serving step feeds after all three); default
-        none. With groups: group 0's tables (the engines do not take grouped managers yet).
+        none.
 
     Returns:
       The new state, the status of ``free`` and of ``select`` (int32 ``[B]`` each), the
       ``AppendResult``, and int32 ``[P, max_blocks_per_seq]`` those tables (``NULL_BLOCK`` rows
-      for padding).
+      for padding); with groups every group's, int32 ``[G, P, max_blocks_per_seq]``.
     """
     seq_ids, token_ids = allocate.check_inputs(config, seq_ids, token_ids)
     rows = jnp.zeros((0,), jnp.int32) if table_rows is None else jnp.asarray(table_rows, jnp.int32)
 
     def tables_of(state):
         r = config.max_seqs
+        if config.grouped:
+            return jnp.where((rows >= 0)[None, :, None], state.tables[:, jnp.clip(rows, 0, r - 1)], NULL_BLOCK)
         return jnp.where((rows >= 0)[:, None], state.block_tables[jnp.clip(rows, 0, r - 1)], NULL_BLOCK)
 
     def cpu(state):

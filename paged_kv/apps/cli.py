@@ -743,9 +743,17 @@ def _run(args, ckpt: Path) -> int:
         notes = _check_prompts(args, prompts, args.block_size, max_pos,
                                f"the model's context (max_position_embeddings={max_pos})")
     context = min(args.max_seq_len, max_pos)
-    mgr = pk.ManagerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
+    # A windowed model serves with its KV-cache groups (vLLM's layout: reclaim on). --num-blocks
+    # counts blocks of every layer, as without groups: each group gets as many, in blocks of
+    # `slots` layers (the same KV bytes when the groups need no padding slots).
+    from paged_kv.engine.call_setup import layout_groups
+    from paged_kv.models import kv_group_layout
+
+    layout = kv_group_layout(model)
+    num_blocks = args.num_blocks if not layout.grouped else 1 + (args.num_blocks - 1) * layout.num_groups
+    mgr = pk.ManagerConfig(num_blocks=num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                            max_blocks_per_seq=-(-context // args.block_size),
-                           prefix_caching=not args.no_prefix_caching)
+                           prefix_caching=not args.no_prefix_caching, groups=layout_groups(layout))
     rows = args.max_prefill_rows
     if prompts is not None:  # a family of n samples or k beams is (re-)admitted in one admission
         rows = max(rows, args.n, args.beam_width)
@@ -771,6 +779,10 @@ def _run(args, ckpt: Path) -> int:
           f"JAX {jax.__version__} on {jax.default_backend()}); pool of {mgr.num_blocks} blocks x "
           f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}"
           + (f", tensor-parallel over {args.tp} devices" if mesh is not None else ""), flush=True)
+    if layout.grouped:
+        kinds = ", ".join(f"window {w}" if w else "full" for w in layout.group_windows)
+        print(f"KV-cache groups: {layout.num_groups} of {layout.slots} layer(s) each ({kinds}); out-of-window "
+              f"blocks reclaimed; a block holds {layout.slots} of {model.config.num_layers} layers", flush=True)
     print(f"tokenizer: {tok_desc}; EOS ids {', '.join(map(str, eos_ids)) or 'none'}"
           + ("; prompts rendered through the chat template" if args.chat else ""), flush=True)
     for line in ([note] if note else []) + notes + _workload_notes(reqs, prompts, min(per_seq, max_pos), args):

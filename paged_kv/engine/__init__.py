@@ -38,7 +38,7 @@ testable without a model), ``serving_step`` (the jitted step and its inputs and 
 """
 
 from paged_kv.engine.beam_search import BeamOutput, beam_search, beam_search_jit, beam_search_loop
-from paged_kv.engine.call_setup import pad_prompts
+from paged_kv.engine.call_setup import kv_cache_groups, pad_prompts
 from paged_kv.engine.generate import BlockStats, FinishReason, GenerateOutput, generate, generate_jit, generate_loop
 from paged_kv.engine.sampling import BeamParams, SamplingParams, filter_logits, sample_tokens
 from paged_kv.engine.serving import Request, RequestOutput, ServingConfig, ServingEngine, TokenDelta
@@ -46,6 +46,6 @@ from paged_kv.engine.serving import Request, RequestOutput, ServingConfig, Servi
 __all__ = [
     "BeamOutput", "BeamParams", "BlockStats", "FinishReason", "GenerateOutput", "SamplingParams", "beam_search",
     "beam_search_jit", "beam_search_loop", "filter_logits", "generate", "generate_jit", "generate_loop",
-    "pad_prompts", "sample_tokens",
+    "kv_cache_groups", "pad_prompts", "sample_tokens",
     "Request", "RequestOutput", "ServingConfig", "ServingEngine", "TokenDelta",
 ]

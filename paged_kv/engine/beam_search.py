@@ -258,10 +258,11 @@ def beam_search(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.A
     if not isinstance(params, BeamParams):
         raise ValueError(f"params must be a BeamParams, got {type(params).__name__}")
     graphdef, weights, facts, pages, mesh = call_setup.place(model, pages, mesh)
+    layout = call_setup.group_layout((graphdef, weights), manager)
     k = params.beam_width
     req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=k, what="beam_width", budgets=max_new_tokens,
-                                 chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
+                                 chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids, layout=layout,
                                  vocab_needed=k * (1 + max(len(params.eos_token_ids), 1)))
     # Pallas kernels over a mesh: one weight array per layer (as in `generate`).
     graphdef, weights = call_setup.layer_layout(graphdef, weights, impl, mesh)

@@ -19,9 +19,9 @@ import numpy as np
 from flax import nnx
 from numpy.typing import ArrayLike
 
-from paged_kv.config import ManagerConfig
+from paged_kv.config import DEFAULT_GROUPS, Group, ManagerConfig
 from paged_kv.inputs import is_int
-from paged_kv.models.paged import page_spec
+from paged_kv.models.paged import KVGroupLayout, kv_group_layout, layer_windows, page_spec
 from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv.pallas_kernels import IMPLS
 from paged_kv.state import BlockManagerState, init_state
@@ -286,20 +286,48 @@ class CallShape:
         return self.num_prompts * self.rows_per_prompt
 
 
-def refuse_groups(manager: ManagerConfig) -> None:
-    """``ValueError`` for a manager with KV-cache groups other than one full group: the engines
-    read one block table per sequence and the attention kernels have no window yet."""
-    if manager.grouped:
-        raise ValueError(
-            f"the engines take a manager with one full-attention group only, got groups={manager.groups!r} "
-            "(KV-cache groups and windows are block-manager only for now)")
+def layout_groups(layout: KVGroupLayout) -> tuple[Group, ...]:
+    """The ``ManagerConfig.groups`` of a ``KVGroupLayout``: ``Group("window", w)`` for a group
+    window ``w >= 1``, ``Group("full")`` for 0."""
+    return tuple(Group("window", w) if w else Group("full") for w in layout.group_windows)
+
+
+def kv_cache_groups(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any) -> tuple[Group, ...]:
+    """The KV-cache groups to build a windowed ``model``'s manager with
+    (``ManagerConfig(groups=kv_cache_groups(model))``): those of
+    ``paged_kv.models.kv_group_layout(model)``, vLLM 0.33's layer grouping. ``(Group("full"),)``
+    for a model without windows. ``model``: anything ``kv_group_layout`` takes (a model, its
+    split, a ``LlamaConfig``, per-layer windows), or a ``KVGroupLayout``."""
+    return layout_groups(model if isinstance(model, KVGroupLayout) else kv_group_layout(model))
+
+
+def group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any, manager: ManagerConfig
+                 ) -> KVGroupLayout | None:
+    """The pages' ``KVGroupLayout`` for a grouped ``manager``: ``kv_group_layout(model)``, whose
+    groups must equal ``manager.groups`` (else ``ValueError`` naming both); None for the default
+    single full group (pages of every layer, as without groups: a windowed model then keeps one
+    full table per sequence and never reclaims)."""
+    if not isinstance(manager, ManagerConfig):
+        raise ValueError(f"manager must be a ManagerConfig, got {type(manager).__name__}")
+    if manager.groups == DEFAULT_GROUPS:
+        return None
+    windows = layer_windows(model)
+    layout = kv_group_layout(windows)
+    if layout_groups(layout) != manager.groups:
+        raise ValueError(f"manager groups={manager.groups!r} differ from the model's KV-cache groups "
+                         f"{layout_groups(layout)!r} (paged_kv.engine.kv_cache_groups(model); layer windows "
+                         f"{windows})")
+    return layout
 
 
 def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, state: BlockManagerState | None,
                prompt_tokens: ArrayLike, prompt_lens: ArrayLike, *, rows_per_prompt: int, what: str,
                budgets: ArrayLike | None = None, chunk_size: int | None = None, impl: str = "auto",
-               eos_token_ids: tuple[int, ...] = (), top_k: int = 0, vocab_needed: int = 1) -> CallShape:
+               eos_token_ids: tuple[int, ...] = (), top_k: int = 0, vocab_needed: int = 1,
+               layout: KVGroupLayout | None = None) -> CallShape:
     """Validates a generate/beam-search call. ``rows_per_prompt`` is n or the beam width.
+    ``layout``: ``group_layout(model, manager)`` (required for a grouped manager: the pages then
+    hold ``layout.slots`` layer slots).
 
     Shapes and dtypes are always checked (``prompt_tokens`` int ``[B, L]``, ``prompt_lens`` int
     ``[B]``, ``budgets`` int ``[B]``); values (lengths, token ids ``< vocab_size`` at positions
@@ -308,10 +336,13 @@ def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, stat
     facts = model_facts(facts)  # ModelFacts from ``place`` (a model or a LlamaConfig also works)
     if not isinstance(manager, ManagerConfig):
         raise ValueError(f"manager must be a ManagerConfig, got {type(manager).__name__}")
-    refuse_groups(manager)
+    if manager.grouped and (layout is None or layout_groups(layout) != manager.groups):
+        raise ValueError(f"manager groups={manager.groups!r} need the model's KVGroupLayout with those groups, "
+                         f"got {layout!r} (call_setup.group_layout)")
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-    spec = page_spec(facts, manager.num_blocks, manager.block_size, dtype=getattr(pages, "dtype", None))
+    spec = page_spec(facts, manager.num_blocks, manager.block_size, dtype=getattr(pages, "dtype", None),
+                     layout=layout)
     if tuple(np.shape(pages)) != spec.shape:
         raise ValueError(f"pages have shape {tuple(np.shape(pages))}; this model and manager need {spec.shape} "
                          f"(num_blocks={manager.num_blocks}, block_size={manager.block_size})")

@@ -260,7 +260,8 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
         ``paged_kv.models.per_layer(model)`` to pay that once); otherwise it runs as given
         (``paged_kv.models.paged.layout_for_impl`` has the table).
       pages: the KV pages ``[layers, 2, kv_heads, manager.num_blocks, manager.block_size, head_dim]``
-        (donated).
+        (donated); ``[layout.slots, ...]`` for a grouped manager (``page_spec(model, ...,
+        layout=call_setup.group_layout(model, manager))``).
       prompt_tokens: int32 ``[B, L]`` zero-padded prompts (see ``pad_prompts``); ids at positions
         ``< prompt_lens`` must be in ``[0, vocab_size)`` (checked when concrete; under the caller's
         ``jit`` such a prompt is skipped with ``FinishReason.BAD_TOKEN``).
@@ -270,7 +271,10 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
         gets ``sampling.derive_seeds(key, B)[b]``); the same key gives the same tokens (unused
         when greedy or when ``seeds`` is given).
       params: ``SamplingParams`` (static: each distinct value compiles once).
-      manager: the block manager's ``ManagerConfig``.
+      manager: the block manager's ``ManagerConfig``: the default single full group, or a
+        windowed model's KV-cache groups (``paged_kv.engine.kv_cache_groups(model)``; any other
+        groups raise ``ValueError``), whose window groups then reclaim out-of-window blocks as
+        the samples grow.
       state: the block manager's state (donated), or None for a fresh one. Rows ``[0, B * n)``
         must be free; they are free again on return.
       max_new_tokens: optional int32 ``[B]`` per-prompt budgets (clipped to ``params.max_new_tokens``).
@@ -311,9 +315,10 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     key = call_setup.check_key(key)
     graphdef, weights, facts, pages, mesh = call_setup.place(model, pages, mesh)
+    layout = call_setup.group_layout((graphdef, weights), manager)
     req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
-                                 chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids,
+                                 chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids, layout=layout,
                                  top_k=params.top_k)
     # Pallas kernels over a tensor-parallel mesh: one weight array per layer, converted here once
     # per call (a copy of the layer weights; pass a `paged_kv.models.per_layer` model to convert once for

@@ -161,7 +161,9 @@ class ServingEngine:
             per layer (``paged_kv.models.per_layer``; drop your own reference to ``model`` to free
             the stacked copy); otherwise the model runs as given
             (``paged_kv.models.paged.layout_for_impl`` has the table).
-          config: the ``ServingConfig``.
+          config: the ``ServingConfig``. Its manager may hold a windowed model's KV-cache groups
+            (``paged_kv.engine.kv_cache_groups(model)``): the engine then allocates pages of
+            ``layout.slots`` layers (``self.layout``) and reclaims out-of-window blocks.
           seed: the engine's sampling seed: a request without a seed gets
             ``sampling.default_seed(seed, request_id)`` (recorded in ``RequestOutput.seed``); a
             request with one samples the same tokens whatever the engine's seed.
@@ -177,7 +179,9 @@ class ServingEngine:
         graphdef, weights = call_setup.split_model(model)
         # The model's facts (paged_kv.models.protocol): checked here, before anything is compiled.
         base_config = model_facts((graphdef, weights))
-        pages = allocate_pages(page_spec(base_config, mgr.num_blocks, mgr.block_size))
+        # A grouped manager (`call_setup.group_layout`): pages of `layout.slots` layers.
+        self.layout = call_setup.group_layout((graphdef, weights), mgr)
+        pages = allocate_pages(page_spec(base_config, mgr.num_blocks, mgr.block_size, layout=self.layout))
         if mesh is None:
             model_config = base_config
         else:
@@ -189,7 +193,7 @@ class ServingEngine:
         graphdef, weights = call_setup.layer_layout(graphdef, weights, config.impl, mesh)
         self.graphdef, self.weights, self.model_config, self.mesh = graphdef, weights, model_config, mesh
         state, self.key = call_setup.replicate_inputs(mesh, init_state(mgr), root_key())
-        self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size)
+        self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size, layout=self.layout)
         self.device = DeviceStep(config, graphdef, weights, pages, state, self.key, mesh)
         self.scheduler = Scheduler(config, self.device, vocab_size=model_config.vocab_size,
                                    max_positions=model_config.max_positions, seed=seed)

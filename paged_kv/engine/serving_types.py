@@ -68,9 +68,6 @@ class ServingConfig:
     def __post_init__(self):
         if not isinstance(self.manager, ManagerConfig):
             raise ValueError(f"manager must be a ManagerConfig, got {type(self.manager).__name__}")
-        from paged_kv.engine.call_setup import refuse_groups
-
-        refuse_groups(self.manager)
         for name, lo in (("chunk_size", 1), ("max_prefill_rows", 1), ("top_candidates", 2), ("decode_steps", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:

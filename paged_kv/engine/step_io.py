@@ -90,8 +90,9 @@ class StepOutputs:
     bad_tokens: int32 tokens fed this step (prefill or decode) outside the vocabulary: 0 unless
       the host checks were bypassed; the model looked them up as a safe id (no NaN K/V), and
       ``EngineStats.bad_tokens`` counts them.
-    tables: int32 [R, M] block tables, num_tokens int32 [R], refs int32 [R, M] reference count of
-      each table entry (only with ``record_tables``; else [0]-sized).
+    tables: int32 [R, M] block tables (group 0's with KV-cache groups), num_tokens int32 [R],
+      refs int32 [R, M] reference count of each table entry (only with ``record_tables``; else
+      [0]-sized).
     """
 
     tokens: jax.Array

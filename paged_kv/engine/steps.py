@@ -12,6 +12,11 @@
 
 Both are traceable functions (no jit of their own); the loops in ``generate``/``beam_search``
 call them under one ``jax.jit``.
+
+With KV-cache groups (``ManagerConfig.grouped``, a windowed model's ``call_setup.group_layout``) both pass
+every group's tables (``[G, B, M]``) and slots to the forward, which maps each layer to its
+group, and ``decode`` applies every group's copy-on-write copies (``append``'s ``[B, G]``); the
+grouped ``append`` has already reclaimed the blocks that left each window.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from jax import lax
 from paged_kv.admission import admit
 from paged_kv.allocate import AppendResult, append
 from paged_kv.batch import blocks_held
-from paged_kv.config import ManagerConfig
+from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.models.paged import PagedBatch, copy_blocks, make_paged_batch, paged_forward
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
@@ -45,7 +50,7 @@ def prefill(model: nnx.Module, pages: jax.Array, config: ManagerConfig, state: B
     ok = res.status == Status.OK
     start = jnp.where(ok, res.cached_tokens + res.shared_tokens, lens)  # < lens for admitted rows
     lens = jnp.where(ok, lens, 0)
-    tables = state.block_tables[jnp.clip(seq_ids, 0, config.max_seqs - 1)]
+    tables = row_tables(config, state, seq_ids)
     num_chunks = -(-length // chunk_size)
     padded = jnp.pad(prompt_tokens, ((0, 0), (0, num_chunks * chunk_size - length + chunk_size)))
     offsets = jnp.arange(chunk_size, dtype=jnp.int32)[None, :]
@@ -97,15 +102,19 @@ def decode_appended(model: nnx.Module, pages: jax.Array, config: ManagerConfig, 
     ``append`` of ``seq_ids`` (``-1`` where not live) returned and ``state`` the state after it.
     The same returns as ``decode``."""
     with jax.named_scope("block_copy"):
-        pages = copy_blocks(pages, res.copy_src, res.copy_dst, impl=impl, mesh=mesh)
+        # Grouped: [R, G] copies, one list (a block belongs to one group; its page slice holds
+        # that group's layers, so copying the block copies all of them).
+        src, dst = (res.copy_src.reshape(-1), res.copy_dst.reshape(-1)) if config.grouped else \
+            (res.copy_src, res.copy_dst)
+        pages = copy_blocks(pages, src, dst, impl=impl, mesh=mesh)
     ok = res.status == Status.OK
     sid = jnp.clip(seq_ids, 0, config.max_seqs - 1)
     n = jnp.where(ok, state.num_tokens[sid], 0)
     batch = PagedBatch(
-        block_tables=state.block_tables[sid],
+        block_tables=row_tables(config, state, seq_ids),
         q_start=jnp.maximum(n - 1, 0),
         q_lens=ok.astype(jnp.int32),
-        slots=res.slots[:, None],
+        slots=res.slots.T[:, :, None] if config.grouped else res.slots[:, None],
         lengths=n,
     )
     logits, pages = paged_forward(model, pages, batch, tokens.astype(jnp.int32), impl=impl, mesh=mesh,
@@ -113,18 +122,32 @@ def decode_appended(model: nnx.Module, pages: jax.Array, config: ManagerConfig, 
     return state, pages, logits, res.status, res.num_copies
 
 
+def row_tables(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array) -> jax.Array:
+    """The tables of rows ``seq_ids`` (int32 ``[B]``, clipped into range): int32 ``[B, M]``, or
+    every group's, int32 ``[G, B, M]``, with groups (``ManagerConfig.grouped``)."""
+    sid = jnp.clip(seq_ids, 0, config.max_seqs - 1)
+    return state.tables[:, sid] if config.grouped else state.block_tables[sid]
+
+
 def block_counts(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(blocks in use in the whole pool, blocks shared among ``seq_ids``' tables), int32 scalars.
 
     In use is O(1): every allocatable block not in the free queue. Shared is O(R * M), batch
     scale: a block held by ``r > 1`` of these tables appears ``r`` times and adds ``1 / r`` each
-    time (exact when no other sequence holds the same block).
+    time (exact when no other sequence holds the same block). With groups, every group's table
+    counts (a block belongs to one group); a window table's null prefix holds nothing.
     """
     used = config.num_blocks - 1 - state.queue.num_free
     sid = jnp.clip(seq_ids, 0, config.max_seqs - 1)
     held = jnp.where(state.active[sid] & (seq_ids >= 0), blocks_held(config, state.num_tokens[sid]), 0)
-    tables = state.block_tables[sid]
     j = jnp.arange(config.max_blocks_per_seq, dtype=jnp.int32)[None, :]
+    if config.grouped:
+        tables = state.tables[:, sid]
+        r = state.ref_count[tables].astype(jnp.float32)
+        mine = (j < held[:, None])[None] & (tables != NULL_BLOCK) & (r > 1)
+        share = jnp.where(mine, 1.0 / jnp.maximum(r, 1.0), 0.0)
+        return used.astype(jnp.int32), jnp.round(jnp.sum(share)).astype(jnp.int32)
+    tables = state.block_tables[sid]
     r = state.ref_count[tables].astype(jnp.float32)
     share = jnp.where((j < held[:, None]) & (r > 1), 1.0 / jnp.maximum(r, 1.0), 0.0)
     return used.astype(jnp.int32), jnp.round(jnp.sum(share)).astype(jnp.int32)
