@@ -241,11 +241,15 @@ def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
 # test sends SIGINT then. Every phase must end with exit status 130, "paged-kv: interrupted" as the
 # only line after the announcement (no traceback, no segmentation fault), within seconds.
 
-def _interrupt_at(phase, *args, delay=0.0):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "PAGED_KV_TEST_PHASE": phase}
-    # No cache: the signal must come while XLA really compiles.
-    p = subprocess.Popen([sys.executable, "-m", "paged_kv", "--no-compile-cache", *args], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _interrupt_at(phase, *args, delay=0.0, cache=False):
+    """Runs the CLI until it announces ``phase``, then sends SIGINT. ``cache=False`` (phases up to
+    the compile): ``--no-compile-cache``, so a signal sent while compiling comes while XLA really
+    compiles. ``cache=True`` (later phases): the session's cache, so programs another test compiled
+    (the same options) load instead of compiling again."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "PAGED_KV_TEST_PHASE": phase,
+           "XDG_CACHE_HOME": _CACHE_HOME}
+    p = subprocess.Popen([sys.executable, "-m", "paged_kv", *([] if cache else ["--no-compile-cache"]), *args],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     guard = threading.Timer(300, p.kill)
     guard.start()
     try:
@@ -289,15 +293,20 @@ def test_ctrl_c_while_compiling(tmp_path):
 
 
 def test_ctrl_c_while_the_report_renders(tmp_path):
-    rc, _, out, err, took = _interrupt_at("report:wait", "--num-blocks", "2", "--requests", "2", "--no-progress",
-                                          "--out-dir", str(tmp_path))
+    # The options of test_every_request_rejected_exits_1_and_prints_dashes (2 blocks): its compiled
+    # programs are in the session's cache.
+    rc, _, out, err, took = _interrupt_at("report:wait", "--num-blocks", "2", "--requests", "3", "--no-progress",
+                                          "--out-dir", str(tmp_path), cache=True)
     _assert_interrupted(rc, err, took)
     assert "serving report" not in out
 
 
 def test_compilation_cache_is_filled_once_and_reused(tmp_path):
     """The first run writes the compiled programs to --compile-cache; a second identical run loads
-    every one of them (it writes nothing new). --no-compile-cache writes nothing."""
+    every one of them (it writes nothing new). --no-compile-cache writes nothing, and creates no
+    folder: the run below stops at loading its (empty) checkpoint, after the cache would have been
+    set up. (Running without a persistent cache is JAX's default: every engine test in-process
+    runs so.)"""
     cache = tmp_path / "cache"
     args = ("--requests", "2", "--max-new-tokens", "3", "--arrival-gap", "0", "--no-progress",
             "--compile-cache", str(cache))
@@ -310,9 +319,11 @@ def test_compilation_cache_is_filled_once_and_reused(tmp_path):
     assert "done at step" not in first.stdout + first.stderr  # one line per request only with --verbose
     assert (second.stdout + second.stderr).count("done at step") == 2
     assert sorted(p.name for p in cache.iterdir()) == entries
+    (tmp_path / "empty").mkdir()
     off = _run("--requests", "2", "--max-new-tokens", "3", "--no-progress", "--no-compile-cache",
-               "--compile-cache", str(tmp_path / "unused"), "--out-dir", str(tmp_path / "c"))
-    assert off.returncode == 0, off.stderr
+               "--compile-cache", str(tmp_path / "unused"), "--checkpoint", str(tmp_path / "empty"),
+               "--out-dir", str(tmp_path / "c"))
+    assert off.returncode == 1 and "cannot load checkpoint" in off.stderr, off.stderr
     assert not (tmp_path / "unused").exists()
 
 
