@@ -103,8 +103,11 @@ def resolve_plan(num_copies: int, rows: int, block_size: int, head_dim: int, ite
   return slab_rows, head_rows
 
 
-def _copy_kernel(src_ref, dst_ref, pages_ref, out_ref, *, head_rows: int, slab_rows: int):
-  del pages_ref  # Same buffer as out_ref (aliased); read and write through out_ref.
+def _copy_kernel(src_ref, dst_ref, *refs, head_rows: int, slab_rows: int):
+  """``refs``: the input arrays, then their outputs, aliased one to one: ``(pages, out)``, or for
+  quantized pages ``(values, scales, out_values, out_scales)``. Reads and writes go through the
+  outputs."""
+  outs = refs[len(refs) // 2:]
   src = src_ref[0]
   dst = dst_ref[0]
 
@@ -115,23 +118,9 @@ def _copy_kernel(src_ref, dst_ref, pages_ref, out_ref, *, head_rows: int, slab_r
       # One slab load (all its tiles in flight together), then its store. The next step's load
       # waits for this store to issue (one aliased buffer: the compiler cannot tell the rows
       # apart), so steps are serial round trips: copy_plan keeps them few when copies are few.
-      out_ref[rows, dst] = out_ref[rows, src]
-      return carry
-    lax.fori_loop(0, head_rows // slab_rows, step, 0)
-
-
-def _copy_quant_kernel(src_ref, dst_ref, pages_ref, scales_ref, out_ref, out_scales_ref, *, head_rows: int,
-                       slab_rows: int):
-  del pages_ref, scales_ref  # Same buffers as out_ref, out_scales_ref (aliased).
-  src = src_ref[0]
-  dst = dst_ref[0]
-
-  @pl.when(src != dst)  # Padding (0, 0) and self-copies move nothing.
-  def _copy():
-    def step(j, carry):
-      rows = pl.ds(pl.multiple_of(j * slab_rows, slab_rows), slab_rows)
-      out_ref[rows, dst] = out_ref[rows, src]
-      out_scales_ref[rows, dst] = out_scales_ref[rows, src]  # the slab's [slab_rows, bs] scales
+      # Quantized pages move the slab's [slab_rows, bs] scales beside its values.
+      for out in outs:
+        out[rows, dst] = out[rows, src]
       return carry
     lax.fori_loop(0, head_rows // slab_rows, step, 0)
 
@@ -159,7 +148,7 @@ def copy_blocks_pallas(pages: PagesLike, src: jax.Array, dst: jax.Array, *, inte
     scale_spec = pl.BlockSpec((head_rows, num_blocks, block_size), lambda i, g: (g, 0, 0))
     id_spec = pl.BlockSpec((None, 1), lambda i, g: (i, 0))
     values, scales = pl.pallas_call(
-        functools.partial(_copy_quant_kernel, head_rows=head_rows, slab_rows=slab_rows),
+        functools.partial(_copy_kernel, head_rows=head_rows, slab_rows=slab_rows),
         grid=(num_copies, rows // head_rows),
         in_specs=[id_spec, id_spec, spec, scale_spec],
         out_specs=[spec, scale_spec],

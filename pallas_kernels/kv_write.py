@@ -31,8 +31,11 @@ from paged_kv.pallas_kernels.decode_attention import layer_operand
 from paged_kv.pallas_kernels.reference import PagesLike, sanitize_slots
 
 
-def _write_kernel(layer_ref, slot_ref, k_ref, v_ref, pages_ref, out_ref):
-  del pages_ref  # Same buffer as out_ref (aliased).
+def _write_kernel(layer_ref, slot_ref, k_ref, v_ref, *refs):
+  """``refs``: ``(pages, out)``, or for quantized pages ``(k_scales, v_scales, values, scales,
+  out_values, out_scales)``; each output aliases its input, and writes go through the outputs."""
+  quantized = len(refs) == 6
+  out_ref = refs[-2] if quantized else refs[-1]
   layer = layer_ref[0]
   slot = slot_ref[0]
   num_kv_heads = k_ref.shape[0]
@@ -40,24 +43,11 @@ def _write_kernel(layer_ref, slot_ref, k_ref, v_ref, pages_ref, out_ref):
   def body(h, carry):
     out_ref[layer, 0, h, slot] = k_ref[h]
     out_ref[layer, 1, h, slot] = v_ref[h]
-    return carry
-
-  lax.fori_loop(0, num_kv_heads, body, 0)
-
-
-def _write_quant_kernel(layer_ref, slot_ref, k_ref, v_ref, ks_ref, vs_ref, pages_ref, scales_ref, out_ref,
-                        out_scales_ref):
-  del pages_ref, scales_ref  # Same buffers as out_ref, out_scales_ref (aliased).
-  layer = layer_ref[0]
-  slot = slot_ref[0]
-  num_kv_heads = k_ref.shape[0]
-
-  def body(h, carry):
-    out_ref[layer, 0, h, slot] = k_ref[h]
-    out_ref[layer, 1, h, slot] = v_ref[h]
-    # A scale is one float32; stored as a one-element run (Triton block shapes are vectors).
-    out_scales_ref[layer, 0, h, pl.ds(slot, 1)] = ks_ref[pl.ds(h, 1)]
-    out_scales_ref[layer, 1, h, pl.ds(slot, 1)] = vs_ref[pl.ds(h, 1)]
+    if quantized:
+      ks_ref, vs_ref, out_scales_ref = refs[0], refs[1], refs[-1]
+      # A scale is one float32; stored as a one-element run (Triton block shapes are vectors).
+      out_scales_ref[layer, 0, h, pl.ds(slot, 1)] = ks_ref[pl.ds(h, 1)]
+      out_scales_ref[layer, 1, h, pl.ds(slot, 1)] = vs_ref[pl.ds(h, 1)]
     return carry
 
   lax.fori_loop(0, num_kv_heads, body, 0)
@@ -80,7 +70,7 @@ def _write_quant(pages: quant.QuantPages, layer: int | jax.Array, k: jax.Array, 
   row_spec = pl.BlockSpec((None, num_kv_heads, head_dim), lambda i: (i, 0, 0))
   head_spec = pl.BlockSpec((None, num_kv_heads), lambda i: (i, 0))
   values, scales = pl.pallas_call(
-      _write_quant_kernel,
+      _write_kernel,
       grid=(n,),
       in_specs=[pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((None, 1), lambda i: (i, 0)),
                 row_spec, row_spec, head_spec, head_spec, page_spec, scale_spec],
