@@ -80,10 +80,11 @@ def _chunk(graphdef: nnx.GraphDef, state: nnx.State, pages, batch, tokens: jax.A
 
 
 def teacher_forced_logprobs(model, windows: np.ndarray, kv_dtype: str, chunk: int, block_size: int = 16,
-                            score_from: int = 0) -> np.ndarray:
+                            score_from: int = 0, argmax: bool = False) -> np.ndarray:
     """float32 [B, N - 1 - score_from] log-probs of ``windows[:, 1:]`` (int [B, N]) given the
     prefix, through pages of ``kv_dtype``, prefilled ``chunk`` tokens at a time; positions before
-    ``score_from`` are prefilled without computing logits."""
+    ``score_from`` are prefilled without computing logits. ``argmax``: int32 greedy next tokens of
+    the same positions instead of log-probs."""
     b, n = windows.shape
     inputs = windows[:, :-1]
     length = inputs.shape[1]
@@ -99,7 +100,8 @@ def teacher_forced_logprobs(model, windows: np.ndarray, kv_dtype: str, chunk: in
         lp, pages = _chunk(graphdef, state, pages, batch, jnp.asarray(inputs[:, start:start + t]), logits=want)
         if want:
             tgt = windows[:, start + 1:start + t + 1]
-            got = np.take_along_axis(np.asarray(lp), tgt[..., None], axis=-1)[..., 0]
+            got = np.argmax(np.asarray(lp), -1) if argmax else \
+                np.take_along_axis(np.asarray(lp), tgt[..., None], axis=-1)[..., 0]
             lo = max(score_from - start, 0)
             out.append(got[:, lo:])
     return np.concatenate(out, axis=1)
@@ -135,6 +137,7 @@ def tiny_accuracy(windows: int, chunk: int, prompts: int, new_tokens: int) -> di
     tok = ByteTokenizer()
     heads = [tok.encode(d, add_bos=True)[:16] for d in docs[:prompts]]
     toks, lens = pad_prompts(heads)
+    assert (lens == toks.shape[1]).all(), "every held-out prompt has 16 tokens (no padding inside a row)"
     bs = 16
     per_seq = -(-(toks.shape[1] + new_tokens) // bs)
     mgr = pk.ManagerConfig(num_blocks=1 + prompts * per_seq, block_size=bs, max_seqs=prompts,
@@ -146,11 +149,18 @@ def tiny_accuracy(windows: int, chunk: int, prompts: int, new_tokens: int) -> di
                              impl="reference")
         outs[kd] = np.asarray(out.tokens)[:, 0, :new_tokens]
     greedy = {}
+    # Stepwise: plain pages' greedy sequences teacher-forced through each dtype's pages; the
+    # fraction of the generated positions whose argmax equals the token plain pages chose (one
+    # near-tie no longer shifts the rest of a row).
+    forced = np.concatenate([toks, outs["auto"]], axis=1)
+    w = toks.shape[1]
     for kd in KV_DTYPES:
         same = outs[kd] == outs["auto"]
         first = np.where(same.all(1), new_tokens, np.argmin(same, axis=1))
+        step = teacher_forced_logprobs(model, forced, kd, chunk, score_from=w - 1, argmax=True)
         greedy[kd] = {"agreement": float(same.mean()), "mean_first_disagreement": float(first.mean()),
-                      "rows_all_equal": int(same.all(1).sum())}
+                      "rows_all_equal": int(same.all(1).sum()),
+                      "stepwise_agreement": float((step[:, :new_tokens] == outs["auto"]).mean())}
     res["greedy"] = {"prompts": prompts, "new_tokens": new_tokens, **greedy}
     return res
 
@@ -262,8 +272,6 @@ def main(argv=None) -> int:
     res = {"backend": jax.default_backend(), "jax": jax.__version__,
            "machine": platform.processor() or platform.machine(), "quick": q, "accuracy": {}}
     out = Path(args.out or ("/tmp/bench_kv_quant_quick.json" if q else "results/bench_kv_quant.json"))
-    if out.exists() and not q:  # parts run separately add up in one file
-        res = {**json.loads(out.read_text()), "backend": res["backend"], "jax": res["jax"]}
     if "tiny" in args.parts:
         res["accuracy"]["tiny"] = tiny_accuracy(4 if q else 64, 32, 4 if q else 64, 16 if q else 256)
         print(json.dumps(res["accuracy"]["tiny"], indent=1), flush=True)
@@ -279,6 +287,9 @@ def main(argv=None) -> int:
         res["timing"] = decode_timing(32 if not q else 8, 128, 5 if q else 30)
         print(json.dumps(res["timing"], indent=1), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not q:  # parts run separately add up in one file (read at write time)
+        old = json.loads(out.read_text())
+        res = {**old, **res, "accuracy": {**old.get("accuracy", {}), **res["accuracy"]}}
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

@@ -7,8 +7,9 @@ grouped (Gemma 3-shaped) manager, and the refusals before tracing (fp8 on sm_80,
 Log-prob bound: ``LOGPROB_ATOL`` is measured, not picked: ``scripts/bench_kv_quant.py`` teacher-
 forces the model's held-out text (``scripts/train_tiny_llama.py``'s validation corpus) through
 int8 pages and reports the max |log-prob error| over every token (``results/bench_kv_quant.json``,
-``accuracy.tiny.int8.max_abs_logprob_err``: 0.027 over 64 x 128 tokens); the bound is that
-figure rounded up to 0.03.
+``accuracy.tiny.teacher_forced.int8.max_abs_logprob_err``: 0.048 over 64 x 128 tokens); the bound
+is that figure rounded up to 0.05. fp8's measured max is 0.63 (mean 0.003): beam scores on fp8
+pages get ten times the int8 bound.
 """
 
 import numpy as np
@@ -33,7 +34,7 @@ from paged_kv.pallas_kernels import QuantPages
 
 TOK = ByteTokenizer()
 PROMPTS = ["The cow says", "Once upon a time", "Q: What do bees make? A:", "Let us count: 1, 2,"]
-LOGPROB_ATOL = 0.03  # module docstring: the measured teacher-forced max error, rounded up
+LOGPROB_ATOL = 0.05  # module docstring: the measured teacher-forced max error, rounded up
 MGR = pk.ManagerConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=8, prefix_caching=False)
 
 

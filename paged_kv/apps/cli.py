@@ -777,6 +777,9 @@ def _run(args, ckpt: Path) -> int:
         sharding.check_degree(model.config, args.tp)
         mesh = sharding.make_mesh(args.tp)
     engine = ServingEngine(model, cfg, seed=args.seed, mesh=mesh)
+    # What the engine allocated (its page spec), so the report states the pages that serve.
+    kv.update(kv_dtype=engine.page_spec.kv_dtype, bytes_per_block=engine.bytes_per_block,
+              blocks=engine.page_spec.num_blocks, quantized=engine.page_spec.quantized)
     if prompts is not None:
         reqs = _prompt_requests(args, prompts, eos_ids)
     else:
