@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = ["--checkpoint", "--requests", "--max-new-tokens", "--arrival-gap", "--seed", "--num-blocks",
            "--block-size", "--max-seqs", "--max-seq-len", "--chunk-size", "--max-prefill-rows",
-           "--no-prefix-caching", "--tp", "--impl", "--batch-invariant", "--kv-dtype", "--show", "--out-dir", "--png", "--json",
-           "--color",
+           "--no-prefix-caching", "--tp", "--impl", "--batch-invariant", "--kv-dtype", "--show", "--out-dir", "--png",
+           "--json", "--color",
            "--no-progress", "--compile-cache", "--no-compile-cache", "--walkthrough", "--prompt", "--prompts-file",
            "--chat", "--n", "--beam-width", "--temperature", "--top-p", "--top-k", "--verbose"]
 # The CLI's persistent compilation cache goes to a folder of this test session, not the user's.

@@ -35,6 +35,7 @@ from paged_kv.pallas_kernels import QuantPages
 TOK = ByteTokenizer()
 PROMPTS = ["The cow says", "Once upon a time", "Q: What do bees make? A:", "Let us count: 1, 2,"]
 LOGPROB_ATOL = 0.05  # module docstring: the measured teacher-forced max error, rounded up
+GREEDY = SamplingParams(max_new_tokens=24)
 MGR = pk.ManagerConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=8, prefix_caching=False)
 
 
@@ -47,7 +48,7 @@ def _pages(model, kv_dtype, mgr=MGR, layout=None):
     return allocate_pages(page_spec(model, mgr.num_blocks, mgr.block_size, layout=layout, kv_dtype=kv_dtype))
 
 
-def _generate(model, kv_dtype, prompts=PROMPTS, params=SamplingParams(max_new_tokens=24), mgr=MGR):
+def _generate(model, kv_dtype, prompts=PROMPTS, params=GREEDY, mgr=MGR):
     toks, lens = pad_prompts([TOK.encode(p) for p in prompts], width=32)
     out, pages, state = generate(model, _pages(model, kv_dtype, mgr), toks, lens, 0, params, manager=mgr,
                                  impl="reference")
