@@ -183,3 +183,37 @@ def test_fp8_on_sm80_and_batch_invariant_are_refused_before_tracing(model):
             generate(model, _pages(model, "fp8"), toks, lens, 0, SamplingParams(), manager=MGR, impl="pallas")
         with pytest.raises(ValueError, match=r"float8_e4m3fn .*sm_80"):
             ServingEngine(model, ServingConfig(MGR, kv_dtype="fp8", impl="pallas"))
+
+
+def test_own_model_runs_unchanged_on_quantized_pages():
+    """docs/own_model.md's GPT-2 (examples/gpt2.py) threads `cache` through `attend` only: int8
+    pages reach its `attend` as a `QuantPages` pytree and come back filled."""
+    from flax import nnx
+
+    from examples.gpt2 import GPT2, GPT2Config
+
+    m = GPT2(GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4), rngs=nnx.Rngs(0))
+    mgr = pk.ManagerConfig(num_blocks=16, block_size=8, max_seqs=2, max_blocks_per_seq=4)
+    toks, lens = pad_prompts([[5, 6, 7, 8, 9], [10, 11, 12]])
+    out, pages, _ = generate(m, _pages(m, "int8", mgr), toks, lens, 0, SamplingParams(max_new_tokens=6),
+                             manager=mgr, impl="reference")
+    assert isinstance(pages, QuantPages) and np.asarray(pages.scales).any()
+    assert np.isfinite(np.asarray(out.logprobs)).all() and np.asarray(out.tokens).shape[-1] >= 6
+
+
+def test_attend_on_quantized_pages_computes_in_the_model_dtype():
+    """The paged `attend` on `QuantPages`: out in q's dtype (the model's, float32 here), and the
+    pages come back quantized, the written rows' scales set."""
+    import jax.numpy as jnp
+
+    from paged_kv.models import make_paged_batch
+    from paged_kv.models.paged import _make_attend
+
+    pages = allocate_pages(page_spec(tiny(num_layers=1, head_dim=16), 4, 4, kv_dtype="int8"))
+    batch = make_paged_batch([[1, 2]], [0], [3], 3, 4)
+    attend = _make_attend(batch, "reference", False, head_dim=16)
+    rs = np.random.RandomState(0)
+    q, k, v = (jnp.asarray(rs.randn(1, 3, h, 16), jnp.float32) for h in (4, 2, 2))
+    out, pages = attend(0, q, k, v, pages)
+    assert out.dtype == jnp.float32 and isinstance(pages, QuantPages) and pages.values.dtype == jnp.int8
+    assert np.asarray(pages.scales)[0, :, :, 1, :3].all() and not np.asarray(pages.scales)[0, :, :, 1, 3].any()
