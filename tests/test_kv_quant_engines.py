@@ -149,21 +149,20 @@ def test_beam_search_and_serving_engine_run_on_quantized_pages(model, kv_dtype):
 
 def test_grouped_manager_with_int8_pages():
     """A Gemma 3-shaped tiny model (5 window layers : 1 full) with its KV-cache groups: int8
-    pages of one layer slot, greedy tokens as on plain grouped pages for most positions."""
+    pages of one layer slot; generate runs (window reclaim on), every group's blocks get scales.
+    (Accuracy is the trained model's tests above; one compile here keeps the test small.)"""
     m = init_model(tiny(num_layers=6, layer_windows=(8,) * 5 + (0,), head_dim=16), seed=1)
     groups = kv_cache_groups(m)
     mgr = pk.ManagerConfig(num_blocks=1 + 40 * len(groups), block_size=4, max_seqs=4, max_blocks_per_seq=16,
                            groups=groups)
     layout = group_layout(m, mgr)
     toks, lens = pad_prompts([list(range(5, 18)), list(range(30, 36))])
-    outs = {}
-    for kd in (None, "int8"):
-        pages = _pages(m, kd, mgr, layout)
-        outs[kd], pages, _ = generate(m, pages, toks, lens, 0, SamplingParams(max_new_tokens=20), manager=mgr,
-                                      impl="reference")
+    out, pages, state = generate(m, _pages(m, "int8", mgr, layout), toks, lens, 0,
+                                 SamplingParams(max_new_tokens=20), manager=mgr, impl="reference")
     assert isinstance(pages, QuantPages) and pages.shape[0] == layout.slots == 1
-    agree = (np.asarray(outs["int8"].tokens) == np.asarray(outs[None].tokens)).mean()
-    assert agree >= 0.9, agree
+    written = np.asarray(pages.scales)[0].any(axis=(0, 1, 3))  # [blocks]: a scale set in the block
+    assert written[1:].sum() >= 6  # blocks of every group (6 groups, two prompts)
+    assert np.isfinite(np.asarray(out.logprobs)).all() and (np.asarray(out.tokens) < m.config.vocab_size).all()
 
 
 # -- refusals before tracing ---------------------------------------------------------------------
