@@ -13,4 +13,4 @@ if [[ ! -f "$CONSTRAINTS" ]]; then
 fi
 python -m pip install -q --upgrade pip
 python -m pip install -q -c "$CONSTRAINTS" -e '.[test]'
-python -m pytest -q -n 2 --dist loadfile "$@"
+python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -124,14 +124,23 @@ SAMPLED = SamplingParams(max_new_tokens=N_NEW, temperature=0.8, n=2)
 @pytest.fixture(scope="module")
 def alone_sampled(model):
     """A sampled probe (n=2, its own seed) alone in the ServingEngine: its samples and log-probs."""
-    mgr = pk.ManagerConfig(num_blocks=64, block_size=BS, max_seqs=4, max_blocks_per_seq=16)
-    cfg = ServingConfig(mgr, chunk_size=16, max_prefill_rows=4, impl="reference", batch_invariant=BI)
-    (out,) = ServingEngine(model, cfg).run([Request(PROBE[::-1], SAMPLED, request_id="sampled", seed=123)])
+    (out,) = ServingEngine(model, _serving_config(*CONFIGS[1])).run(
+        [Request(PROBE[::-1], SAMPLED, request_id="sampled", seed=123)])
     return out.tokens, out.logprobs
 
 
-CONFIGS = [  # (max_seqs, chunk_size, num_blocks): the last two pressure the pool into preemptions
-    (8, 32, 96), (4, 8, 64), (8, 16, 14), (4, 32, 11)]
+# (max_seqs, chunk_size, num_blocks): the last two pressure the pool into preemptions. The engine's
+# programs depend only on these, so alone_sampled (CONFIGS[1]) shares them with
+# test_serving_invariant's draws instead of compiling its own.
+CONFIGS = [(8, 32, 96), (4, 8, 64), (8, 16, 14), (4, 32, 11)]
+
+
+def _serving_config(max_seqs: int, chunk: int, blocks: int) -> ServingConfig:
+    """The module's ServingConfig for (max_seqs, chunk size, blocks): 16-token blocks, 16 blocks a
+    row, up to 4 prefill rows, the reference attention, the mode under test."""
+    mgr = pk.ManagerConfig(num_blocks=blocks, block_size=BS, max_seqs=max_seqs, max_blocks_per_seq=16)
+    return ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(4, max_seqs), impl="reference",
+                         batch_invariant=BI)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -145,10 +154,7 @@ def test_serving_invariant(model, alone, alone_sampled, config, mates, probe_arr
     prefix cache), in drawn pools (max_seqs, chunk size, few blocks: preemption and recompute)
     gives the same tokens and log-probs as the probe alone in ``generate``; a sampled probe with
     its own seed (two samples) the same samples and log-probs as alone in the engine."""
-    max_seqs, chunk, blocks = config
-    mgr = pk.ManagerConfig(num_blocks=blocks, block_size=BS, max_seqs=max_seqs, max_blocks_per_seq=16)
-    cfg = ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(4, max_seqs), impl="reference",
-                        batch_invariant=BI)
+    cfg = _serving_config(*config)
     rs = np.random.RandomState(len(mates) * 131 + shared_prefix)
     reqs = [Request(PROBE, SamplingParams(max_new_tokens=N_NEW), arrival=probe_arrival, request_id="probe"),
             Request(PROBE[::-1], SAMPLED, arrival=probe_arrival + 1, request_id="sampled", seed=123)]
@@ -168,8 +174,7 @@ def test_serving_invariant(model, alone, alone_sampled, config, mates, probe_arr
 def test_serving_preempted_and_cached(model, alone):
     """A pinned workload in which the probe hits the prefix cache (a batchmate holds its first
     two blocks) and is preempted and recomputed (10 blocks): still the bits of the probe alone."""
-    mgr = pk.ManagerConfig(num_blocks=10, block_size=BS, max_seqs=4, max_blocks_per_seq=16)
-    cfg = ServingConfig(mgr, chunk_size=16, max_prefill_rows=4, impl="reference", batch_invariant=BI)
+    cfg = _serving_config(4, 16, 10)
     rs = np.random.RandomState(11)
     reqs = [Request(list(PROBE[:32]) + rs.randint(0, 256, 20).tolist(), SamplingParams(max_new_tokens=30),
                     request_id="m0"),

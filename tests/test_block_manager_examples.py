@@ -161,8 +161,11 @@ def test_free_is_tail_first_to_the_back_and_allocation_takes_the_front():
     assert pk.invariants.free_queue_order(state) == [14, 31, 22]
 
 
+SMALL = pk.ManagerConfig(num_blocks=5, block_size=4, max_seqs=4, max_blocks_per_seq=8)  # 4 usable blocks
+
+
 def test_out_of_blocks_leaves_the_sequence_untouched_and_says_so():
-    cfg = pk.ManagerConfig(num_blocks=5, block_size=4, max_seqs=4, max_blocks_per_seq=8)
+    cfg = SMALL
     bm = pk.BlockManager(cfg)
     assert bm.admit([0, 1], [[1] * 8, [2] * 8]).status.tolist() == [0, 0]  # 4 blocks: pool is empty
     before = pk.invariants.free_queue_order(bm.state), bm.table(0), bm.table(1)
@@ -180,9 +183,10 @@ def test_out_of_blocks_leaves_the_sequence_untouched_and_says_so():
 def test_copy_whose_co_writer_starves_does_not_write_in_place():
     """w == r == 2 writers, one free block: the first writer gets the copy, so the keeper
     writes in place. With no free block, both fail: neither writes into the shared block."""
-    cfg = pk.ManagerConfig(num_blocks=3, block_size=4, max_seqs=4, max_blocks_per_seq=4)
+    cfg = SMALL  # the pool of the test above: its programs are compiled already
     bm = pk.BlockManager(cfg)
-    bm.admit([0], [[1, 2, 3, 4, 5]])  # 2 blocks: pool now empty
+    assert bm.admit([0, 2], [[1, 2, 3, 4, 5], [6] * 8]).status.tolist() == [0, 0]  # 2 + 2 blocks
+    assert pk.invariants.free_queue_order(bm.state) == []  # pool now empty
     bm.fork(0, [1])
     result = bm.append([0, 1], tok([0, 1]))
     assert result.status.tolist() == [pk.Status.NO_FREE_BLOCKS] * 2

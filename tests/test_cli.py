@@ -128,15 +128,27 @@ def test_tensor_parallel_run(tmp_path):
     assert "tensor-parallel over 2 devices" in r.stdout and "generated tokens/s" in r.stdout
 
 
+SMALL_RUN = ("--requests", "6", "--max-new-tokens", "12", "--num-blocks", "24", "--max-seqs", "12",
+             "--max-seq-len", "192", "--chunk-size", "32", "--max-prefill-rows", "4", "--no-progress",
+             "--kv-dtype", "int8")
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """The small end-to-end run, once for the module, with a compilation cache of its own (empty
+    before it): (the completed process, its output folder, its cache folder). The run compiles
+    every program; test_compilation_cache_is_filled_once_and_reused runs it again on that cache."""
+    tmp = tmp_path_factory.mktemp("small_run")
+    out_dir, cache = tmp / "out" / "run1", tmp / "cache"
+    return _run(*SMALL_RUN, "--compile-cache", str(cache), "--out-dir", str(out_dir)), out_dir, cache
+
+
 @pytest.mark.smoke
-def test_small_end_to_end_run(tmp_path):
+def test_small_end_to_end_run(small_run):
     """Six requests (greedy, shared preamble, n=4 samples, a beam search) on int8 KV pages, in the
     KV memory of a 24-block float32 pool; the files go to the output folder, which the run creates."""
-    out_dir = tmp_path / "out" / "run1"
+    r, out_dir, _ = small_run
     png, js = out_dir / "block_tables.png", out_dir / "report.json"
-    r = _run("--requests", "6", "--max-new-tokens", "12", "--num-blocks", "24", "--max-seqs", "12",
-             "--max-seq-len", "192", "--chunk-size", "32", "--max-prefill-rows", "4", "--no-progress",
-             "--kv-dtype", "int8", "--out-dir", str(out_dir))
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(p.name for p in out_dir.iterdir()) == ["block_tables.png", "report.json"]
     assert "done at step" not in r.stderr + r.stdout  # one line per request only with --verbose
@@ -247,11 +259,15 @@ def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
 # test sends SIGINT then. Every phase must end with exit status 130, "paged-kv: interrupted" as the
 # only line after the announcement (no traceback, no segmentation fault), within seconds.
 
-def _interrupt_at(phase, *args, delay=0.0):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "PAGED_KV_TEST_PHASE": phase}
-    # No cache: the signal must come while XLA really compiles.
-    p = subprocess.Popen([sys.executable, "-m", "paged_kv", "--no-compile-cache", *args], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _interrupt_at(phase, *args, delay=0.0, cache=False):
+    """Runs the CLI until it announces ``phase``, then sends SIGINT. ``cache=False`` (phases up to
+    the compile): ``--no-compile-cache``, so a signal sent while compiling comes while XLA really
+    compiles. ``cache=True`` (later phases): the session's cache, so programs another test compiled
+    (the same options) load instead of compiling again."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "PAGED_KV_TEST_PHASE": phase,
+           "XDG_CACHE_HOME": _CACHE_HOME}
+    p = subprocess.Popen([sys.executable, "-m", "paged_kv", *([] if cache else ["--no-compile-cache"]), *args],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     guard = threading.Timer(300, p.kill)
     guard.start()
     try:
@@ -295,30 +311,34 @@ def test_ctrl_c_while_compiling(tmp_path):
 
 
 def test_ctrl_c_while_the_report_renders(tmp_path):
-    rc, _, out, err, took = _interrupt_at("report:wait", "--num-blocks", "2", "--requests", "2", "--no-progress",
-                                          "--out-dir", str(tmp_path))
+    # The options of test_every_request_rejected_exits_1_and_prints_dashes (2 blocks): its compiled
+    # programs are in the session's cache.
+    rc, _, out, err, took = _interrupt_at("report:wait", "--num-blocks", "2", "--requests", "3", "--no-progress",
+                                          "--out-dir", str(tmp_path), cache=True)
     _assert_interrupted(rc, err, took)
     assert "serving report" not in out
 
 
-def test_compilation_cache_is_filled_once_and_reused(tmp_path):
-    """The first run writes the compiled programs to --compile-cache; a second identical run loads
-    every one of them (it writes nothing new). --no-compile-cache writes nothing."""
-    cache = tmp_path / "cache"
-    args = ("--requests", "2", "--max-new-tokens", "3", "--arrival-gap", "0", "--no-progress",
-            "--compile-cache", str(cache))
-    first = _run(*args, "--out-dir", str(tmp_path / "a"))
-    assert first.returncode == 0, first.stderr
+def test_compilation_cache_is_filled_once_and_reused(small_run, tmp_path):
+    """The first run (the module's small run) writes the compiled programs to --compile-cache; a
+    second identical run loads every one of them (it writes nothing new). --no-compile-cache
+    writes nothing, and creates no folder: the run below stops at loading its (empty) checkpoint,
+    after the cache would have been set up. (Running without a persistent cache is JAX's default:
+    every engine test in-process runs so.)"""
+    first, _, cache = small_run
+    assert first.returncode == 0, first.stderr[-3000:]
     entries = sorted(p.name for p in cache.iterdir())
     assert len(entries) >= 2  # the step, the admission, ...
-    second = _run(*args, "--verbose", "--out-dir", str(tmp_path / "b"))
-    assert second.returncode == 0, second.stderr
+    second = _run(*SMALL_RUN, "--compile-cache", str(cache), "--verbose", "--out-dir", str(tmp_path / "b"))
+    assert second.returncode == 0, second.stderr[-3000:]
     assert "done at step" not in first.stdout + first.stderr  # one line per request only with --verbose
-    assert (second.stdout + second.stderr).count("done at step") == 2
+    assert (second.stdout + second.stderr).count("done at step") == 6
     assert sorted(p.name for p in cache.iterdir()) == entries
+    (tmp_path / "empty").mkdir()
     off = _run("--requests", "2", "--max-new-tokens", "3", "--no-progress", "--no-compile-cache",
-               "--compile-cache", str(tmp_path / "unused"), "--out-dir", str(tmp_path / "c"))
-    assert off.returncode == 0, off.stderr
+               "--compile-cache", str(tmp_path / "unused"), "--checkpoint", str(tmp_path / "empty"),
+               "--out-dir", str(tmp_path / "c"))
+    assert off.returncode == 1 and "cannot load checkpoint" in off.stderr, off.stderr
     assert not (tmp_path / "unused").exists()
 
 

@@ -108,14 +108,16 @@ def test_requests_of_one_call_share_common_prefix_blocks(bm):
 
 
 def test_blocks_filled_while_decoding_are_cached(bm):
-    p = prompt(BS - 2)
+    # Prompts of 33 to 64 tokens, as in the tests above: the admission compiled for them is reused.
+    p = prompt(3 * BS - 2)
     bm.admit([0], [p])
+    assert bm.cache_stats()["cached_blocks"] == 2  # the prompt's two full blocks
     generated = [7, 8, 9]
     for t in generated:
         bm.append([0], [t])
-    assert bm.cache_stats()["cached_blocks"] == 1  # the first block filled at token 16
+    assert bm.cache_stats()["cached_blocks"] == 3  # the third block filled at token 48
     later = bm.admit([1], [p + generated])
-    assert later.cached_tokens[0] == BS and bm.table(1)[0] == bm.table(0)[0]
+    assert later.cached_tokens[0] == 3 * BS and bm.table(1)[:3] == bm.table(0)[:3]
     check_invariants(CFG, bm.state)
 
 
