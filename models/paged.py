@@ -38,6 +38,7 @@ from paged_kv.models.protocol import (
     model_facts,
 )
 from paged_kv.pallas_kernels import IMPLS
+from paged_kv.pallas_kernels.quant import KV_DTYPES, QuantPages, is_quant
 from paged_kv.pallas_kernels.reference import Projections, StackedBiases, StackedWeights
 
 if TYPE_CHECKING:
@@ -260,7 +261,13 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
     def attend_local(layer, q, k, v, pages, batch, slopes, *, scale=None, soft_cap=None, window=None):
         b, t, _, _ = q.shape
         kvh, e = k.shape[2], k.shape[3]
-        q = q.astype(pages.dtype)
+        if is_quant(pages):
+            # Quantized pages: attention computes in the model's dtype (q's); write_kv quantizes
+            # the float k/v rows as it writes them (one scale per token and KV head).
+            cdt = q.dtype
+        else:
+            cdt = pages.dtype
+            q = q.astype(cdt)
         tables, slots = batch.block_tables, batch.slots
         if layout is not None:
             if isinstance(layer, (int, np.integer)):
@@ -269,8 +276,8 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
                 group = jnp.asarray(layout.layer_group, jnp.int32)[layer]
                 layer = jnp.asarray(layout.layer_slot, jnp.int32)[layer]
             tables, slots = tables[group], slots[group]
-        pages = pk.write_kv(pages, layer, k.reshape(b * t, kvh, e).astype(pages.dtype),
-                            v.reshape(b * t, kvh, e).astype(pages.dtype), slots.reshape(b * t), impl=impl)
+        pages = pk.write_kv(pages, layer, k.reshape(b * t, kvh, e).astype(cdt),
+                            v.reshape(b * t, kvh, e).astype(cdt), slots.reshape(b * t), impl=impl)
         # Knobs are passed only when set: without them the kernels compile exactly as before.
         knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
         if slopes is not None:
@@ -296,7 +303,7 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
 
         return AttentionBackend(attend, **plan)
 
-    from paged_kv.models.sharding import AXIS, PAGE_SPEC
+    from paged_kv.models.sharding import AXIS, pages_spec
 
     # Each device writes and attends over its own KV heads (and the query heads that read them):
     # block ids are global and the metadata is replicated, so nothing crosses devices here. ALiBi
@@ -307,8 +314,8 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
         options = attend_options(options)
         slopes = options.pop("alibi_slopes", None)
         fn = jax.shard_map(functools.partial(attend_local, layer, **options), mesh=mesh,
-                           in_specs=(heads, heads, heads, PAGE_SPEC, P(), None if slopes is None else P(AXIS)),
-                           out_specs=(heads, PAGE_SPEC), check_vma=False)
+                           in_specs=(heads, heads, heads, pages_spec(pages), P(), None if slopes is None else P(AXIS)),
+                           out_specs=(heads, pages_spec(pages)), check_vma=False)
         return fn(q, k, v, pages, batch, slopes)
 
     return AttentionBackend(attend, **plan)
@@ -383,15 +390,17 @@ def layout_for_impl(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], impl: st
     return per_layer(model)
 
 
-def copy_blocks(pages: jax.Array, src: jax.Array, dst: jax.Array, *, impl: str = "auto",
-                mesh: Mesh | None = None) -> jax.Array:
+def copy_blocks(pages: jax.Array | QuantPages, src: jax.Array, dst: jax.Array, *, impl: str = "auto",
+                mesh: Mesh | None = None) -> jax.Array | QuantPages:
     """`paged_kv.pallas_kernels.copy_blocks`, run per device under `shard_map` when `mesh` is given (pages
-    sharded on KV heads hold every block, so a block copy is device-local)."""
+    sharded on KV heads hold every block, so a block copy is device-local). `QuantPages` move their
+    scales with the blocks (sharded on KV heads like their values: `sharding.pages_spec`)."""
     if mesh is None:
         return pk.copy_blocks(pages, src, dst, impl=impl)
-    from paged_kv.models.sharding import PAGE_SPEC
-    fn = jax.shard_map(functools.partial(pk.copy_blocks, impl=impl), mesh=mesh, in_specs=(PAGE_SPEC, P(), P()),
-                       out_specs=PAGE_SPEC, check_vma=False)
+    from paged_kv.models.sharding import pages_spec
+    spec = pages_spec(pages)
+    fn = jax.shard_map(functools.partial(pk.copy_blocks, impl=impl), mesh=mesh, in_specs=(spec, P(), P()),
+                       out_specs=spec, check_vma=False)
     return fn(pages, src, dst)
 
 
@@ -499,11 +508,46 @@ def paged_decode_step(graphdef: nnx.GraphDef, state: nnx.State, pages: jax.Array
 
 
 # ---------------------------------------------------------------------------- page sizing
+# Bytes of one quantized page scale (float32), stored per token per KV head for K and for V.
+SCALE_BYTES = 4
+
+
+def resolve_kv_dtype(kv_dtype: DTypeLike | None, model_dtype: DTypeLike) -> str:
+    """The pages' storage dtype as a string: `model_dtype` for None or "auto" (plain pages), "int8"
+    for "int8", "float8_e4m3fn" for "fp8" / "float8_e4m3fn", or a float dtype (plain pages in it).
+
+    Raises:
+      ValueError: naming `kv_dtype` and the accepted ones.
+    """
+    if kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype == "auto"):
+        return str(jnp.dtype(model_dtype))
+    if isinstance(kv_dtype, str) and kv_dtype == "fp8":
+        kv_dtype = jnp.float8_e4m3fn
+    try:
+        dt = jnp.dtype(kv_dtype)
+    except TypeError:
+        dt = None
+    if dt is None or (dt not in KV_DTYPES and dt not in (jnp.float32, jnp.bfloat16, jnp.float16)):
+        raise ValueError(f"kv_dtype={kv_dtype!r} must be 'auto' (the model's dtype), 'int8', 'fp8' "
+                         "('float8_e4m3fn') or one of float32/bfloat16/float16")
+    return str(dt)
+
+
+def is_quant_dtype(dtype: DTypeLike) -> bool:
+    """Whether pages stored in `dtype` are `QuantPages` (int8 or float8_e4m3fn)."""
+    return jnp.dtype(dtype) in KV_DTYPES
+
+
 @dataclasses.dataclass(frozen=True)
 class KVPageSpec:
     """Shape and size of the KV pages of one model. `num_layers` is the pages' leading axis: the
     model's layers, or a grouped `KVGroupLayout`'s `slots` (layers per group), so a block's bytes
-    are those of `num_layers` layers."""
+    are those of `num_layers` layers.
+
+    `dtype` is the model's (compute) dtype; `kv_dtype` the pages' storage dtype (None: `dtype`).
+    With `kv_dtype` int8 or float8_e4m3fn (`quantized`) the pages are a
+    `paged_kv.pallas_kernels.QuantPages`: values of `shape` in `kv_dtype` plus float32 scales
+    `shape[:-1]` (one per token per KV head, for K and for V), both counted in the bytes."""
 
     num_layers: int
     num_kv_heads: int
@@ -511,6 +555,7 @@ class KVPageSpec:
     num_blocks: int
     block_size: int
     dtype: str
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -518,14 +563,21 @@ class KVPageSpec:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is the reserved null block)")
+        object.__setattr__(self, "kv_dtype", resolve_kv_dtype(self.kv_dtype, self.dtype))
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages are `QuantPages` (`kv_dtype` int8 or float8_e4m3fn)."""
+        return is_quant_dtype(self.kv_dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The (values') shape `[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]`."""
         return (self.num_layers, 2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
 
     @property
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token_raw(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return kv_bytes_per_token_raw(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -542,28 +594,44 @@ class KVPageSpec:
 
 
 def kv_bytes_per_token_raw(num_layers: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike) -> int:
-    return num_layers * 2 * num_kv_heads * head_dim * np.dtype(jnp.dtype(dtype)).itemsize
+    """K and V bytes of one token in pages of `dtype`: `head_dim` elements per layer, K|V and KV
+    head, plus (int8 / float8_e4m3fn) one float32 scale per layer, K|V and KV head."""
+    per_head = head_dim * np.dtype(jnp.dtype(dtype)).itemsize
+    if is_quant_dtype(dtype):
+        per_head += SCALE_BYTES
+    return num_layers * 2 * num_kv_heads * per_head
+
+
+def _storage_dtype(f: ModelFacts, dtype: DTypeLike | None, kv_dtype: DTypeLike | None) -> str:
+    """The pages' storage dtype: `kv_dtype` when given (resolved against the model's dtype), else
+    `dtype`, else the model's."""
+    if kv_dtype is not None:
+        return resolve_kv_dtype(kv_dtype, f.dtype)
+    return str(jnp.dtype(f.dtype if dtype is None else dtype))
 
 
 def kv_bytes_per_token(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig,
-                       dtype: DTypeLike | None = None) -> int:
-    """K and V bytes of one token over all layers (Llama 3.1 8B bf16: 128 KiB). `model`: a
-    `paged_kv.models.protocol.PagedModel` (or its split, its `ModelFacts`, a `LlamaConfig`)."""
+                       dtype: DTypeLike | None = None, *, kv_dtype: DTypeLike | None = None) -> int:
+    """K and V bytes of one token over all layers (Llama 3.1 8B bf16: 128 KiB; int8 with its
+    scales: 64 KiB + 1 KiB). `model`: a `paged_kv.models.protocol.PagedModel` (or its split, its
+    `ModelFacts`, a `LlamaConfig`). `kv_dtype` (as `resolve_kv_dtype` reads it) wins over `dtype`;
+    both default to the model's dtype."""
     f = model_facts(model)
-    return kv_bytes_per_token_raw(f.num_layers, f.num_kv_heads, f.head_dim, f.dtype if dtype is None else dtype)
+    return kv_bytes_per_token_raw(f.num_layers, f.num_kv_heads, f.head_dim, _storage_dtype(f, dtype, kv_dtype))
 
 
 def kv_bytes_per_block(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig,
                        block_size: int = 16, dtype: DTypeLike | None = None,
-                       layout: KVGroupLayout | None = None) -> int:
+                       layout: KVGroupLayout | None = None, *, kv_dtype: DTypeLike | None = None) -> int:
     """Bytes of one block (Llama 3.1 8B bf16, 16 tokens: 2 MiB). With a `layout` (a grouped
     manager's, `kv_group_layout`), a block holds `layout.slots` layers: Gemma 3's 5 : 1 layout
-    makes a block 1/6 of the model's per-block bytes, the same in every group."""
+    makes a block 1/6 of the model's per-block bytes, the same in every group. `kv_dtype` as in
+    `kv_bytes_per_token` (quantized pages count their float32 scales)."""
     if layout is None:
-        return kv_bytes_per_token(model, dtype) * block_size
+        return kv_bytes_per_token(model, dtype, kv_dtype=kv_dtype) * block_size
     f = model_facts(model)
     _check_layout(f, layout)
-    return kv_bytes_per_token_raw(layout.slots, f.num_kv_heads, f.head_dim, f.dtype if dtype is None else dtype
+    return kv_bytes_per_token_raw(layout.slots, f.num_kv_heads, f.head_dim, _storage_dtype(f, dtype, kv_dtype)
                                   ) * block_size
 
 
@@ -572,15 +640,28 @@ def _check_layout(facts: ModelFacts, layout: KVGroupLayout | None) -> None:
         raise ValueError(f"layout has {layout.num_layers} layers; the model has num_layers={facts.num_layers}")
 
 
+def _spec_dtypes(f: ModelFacts, dtype: DTypeLike | None, kv_dtype: DTypeLike | None) -> tuple[str, str]:
+    """`(dtype, kv_dtype)` of a `KVPageSpec`: a quantized `dtype` (the old way to name the pages'
+    dtype) counts as `kv_dtype` with the model's compute dtype."""
+    storage = _storage_dtype(f, dtype, kv_dtype)
+    compute = str(jnp.dtype(f.dtype if dtype is None or is_quant_dtype(dtype) else dtype))
+    if kv_dtype is not None and is_quant_dtype(storage):
+        compute = str(jnp.dtype(f.dtype))
+    return compute, storage
+
+
 def page_spec_for_budget(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig, *,
                          block_size: int = 16, budget_bytes: int | None = None, memory_fraction: float | None = None,
                          device: jax.Device | None = None, dtype: DTypeLike | None = None,
-                         layout: KVGroupLayout | None = None) -> KVPageSpec:
+                         layout: KVGroupLayout | None = None, kv_dtype: DTypeLike | None = None) -> KVPageSpec:
     """Largest page pool for `model` (as in `kv_bytes_per_token`; blocks of `layout.slots` layers
     with a grouped `layout`, see `kv_bytes_per_block`) fitting a budget: `budget_bytes`,
     or `memory_fraction` of the device's memory limit (`device.memory_stats()["bytes_limit"]`; first
-    device when `device` is None). The null block counts against the budget. Raises ValueError when
-    fewer than 2 blocks fit."""
+    device when `device` is None). The null block counts against the budget. `kv_dtype`: the
+    pages' storage dtype (`resolve_kv_dtype`: "auto", "int8", "fp8", ...); int8 / fp8 pages with
+    their scales hold about 2x the blocks of bfloat16 and 4x of float32 (`head_dim` bytes plus a
+    4-byte scale per row instead of 2 or 4 bytes per element). Raises ValueError when fewer
+    than 2 blocks fit."""
     f = model_facts(model)
     if (budget_bytes is None) == (memory_fraction is None):
         raise ValueError("give exactly one of budget_bytes and memory_fraction")
@@ -594,30 +675,37 @@ def page_spec_for_budget(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Mo
         if "bytes_limit" not in stats:
             raise ValueError(f"device {device} reports no memory limit; pass budget_bytes instead")
         budget_bytes = int(stats["bytes_limit"] * memory_fraction)
-    dtype = f.dtype if dtype is None else str(jnp.dtype(dtype))
-    per_block = kv_bytes_per_block(f, block_size, dtype, layout)
+    compute, storage = _spec_dtypes(f, dtype, kv_dtype)
+    per_block = kv_bytes_per_block(f, block_size, storage, layout)
     num_blocks = int(budget_bytes) // per_block
     if num_blocks < 2:
         raise ValueError(f"budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes; "
                          "need >= 2 (block 0 is the reserved null block)")
     layers = f.num_layers if layout is None else layout.slots
-    return KVPageSpec(layers, f.num_kv_heads, f.head_dim, num_blocks, block_size, dtype)
+    return KVPageSpec(layers, f.num_kv_heads, f.head_dim, num_blocks, block_size, compute, storage)
 
 
 def page_spec(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig, num_blocks: int,
               block_size: int = 16, dtype: DTypeLike | None = None,
-              layout: KVGroupLayout | None = None) -> KVPageSpec:
+              layout: KVGroupLayout | None = None, *, kv_dtype: DTypeLike | None = None) -> KVPageSpec:
     """Pages for `model` (a `paged_kv.models.protocol.PagedModel`, its split, its `ModelFacts` or a
     `LlamaConfig`): its layers (`layout.slots` with a `layout`: a grouped manager's pages, from
-    `paged_kv.engine.call_setup.group_layout(model, manager)`), KV heads, head_dim and dtype (or `dtype`)."""
+    `paged_kv.engine.call_setup.group_layout(model, manager)`), KV heads, head_dim and dtype (or `dtype`).
+    `kv_dtype` ("auto", "int8", "fp8", "float8_e4m3fn", or a float dtype; `resolve_kv_dtype`):
+    the pages' storage dtype; int8 / float8_e4m3fn makes `allocate_pages` return `QuantPages`."""
     f = model_facts(model)
     _check_layout(f, layout)
     layers = f.num_layers if layout is None else layout.slots
-    return KVPageSpec(layers, f.num_kv_heads, f.head_dim, num_blocks, block_size,
-                      f.dtype if dtype is None else str(jnp.dtype(dtype)))
+    compute, storage = _spec_dtypes(f, dtype, kv_dtype)
+    return KVPageSpec(layers, f.num_kv_heads, f.head_dim, num_blocks, block_size, compute, storage)
 
 
-def allocate_pages(spec: KVPageSpec, device: jax.Device | None = None) -> jax.Array:
-    """Zeroed pages of `spec.shape` and dtype (optionally placed on `device`)."""
-    pages = jnp.zeros(spec.shape, jnp.dtype(spec.dtype))
+def allocate_pages(spec: KVPageSpec, device: jax.Device | None = None) -> jax.Array | QuantPages:
+    """Zeroed pages of `spec.shape` in `spec.kv_dtype` (optionally placed on `device`): a plain
+    array, or for a quantized spec a `QuantPages` (int8 / float8_e4m3fn values, float32 scales
+    `shape[:-1]`, all zero: every row dequantizes to exactly 0)."""
+    if spec.quantized:
+        pages = QuantPages.zeros(spec.shape, spec.kv_dtype)
+    else:
+        pages = jnp.zeros(spec.shape, jnp.dtype(spec.kv_dtype))
     return pages if device is None else jax.device_put(pages, device)

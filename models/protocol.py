@@ -115,7 +115,10 @@ class PagedModel(Protocol):
       vocab_size: int >= 1, V (token ids and logits).
       max_positions: int >= 1, the longest sequence the model supports (prompt plus generated).
       dtype: the K/V dtype the pages are allocated in (a name or a ``jnp`` dtype: float32,
-        bfloat16 or float16).
+        bfloat16 or float16), and the dtype attention computes in. Pages may instead be stored
+        quantized (``page_spec(..., kv_dtype="int8" | "fp8")``): ``cache`` is then a
+        ``paged_kv.pallas_kernels.QuantPages`` pytree (int8 / float8_e4m3fn values, float32
+        scales), which the model passes through to ``attend`` as it is.
 
     ``__call__(tokens int32[B, T], positions int32[B, T], cache, attend) -> (hidden[B, T, ...], cache)``:
       for each layer ``i`` in order, computes q, k, v (positional encoding already applied) and calls
@@ -125,7 +128,8 @@ class PagedModel(Protocol):
       called it says how the backend would run the layers (``static_layer``, ``layer_matmul``), and
       a model may ignore that.
       ``attend`` stores k/v in ``cache`` and returns the causal attention output ``out[B, T, QH, D]``
-      (dtype of the pages). ``cache`` is opaque: thread it through and return it. Rows past a
+      (dtype of the pages; q's dtype, the model's, with quantized pages). ``cache`` is opaque (an
+      array, or a ``QuantPages`` pytree): thread it through and return it, never index it. Rows past a
       sequence's valid tokens (padding) may carry any ids and positions, including ids
       ``>= vocab_size`` and positions ``>= max_positions``: they must not produce NaN (clamp the
       lookups), their outputs are discarded. ``options`` (all optional, see ``ATTEND_OPTIONS``):

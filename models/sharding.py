@@ -59,6 +59,7 @@ from paged_kv.models import hf_format
 from paged_kv.models.config import LlamaConfig
 from paged_kv.models.llama import Llama, abstract_model, is_per_layer, per_layer
 from paged_kv.models.protocol import check_model, check_partition_specs, model_facts, partition_specs
+from paged_kv.pallas_kernels.quant import QuantPages, is_quant
 from paged_kv.pallas_kernels.validate import is_int
 
 if TYPE_CHECKING:  # paged.py imports this module (lazily): no import back at run time
@@ -135,9 +136,11 @@ def make_mesh(tp: int | None = None, devices: Sequence[jax.Device] | None = None
     return Mesh(np.array(devices[:tp]), (AXIS,))
 
 
-def mesh_of(pages: jax.Array) -> Mesh | None:
+def mesh_of(pages: jax.Array | QuantPages) -> Mesh | None:
     """The mesh `pages` are sharded over by `shard` (NamedSharding on a mesh with a "tp" axis),
-    else None (a single-device or uncommitted array)."""
+    else None (a single-device or uncommitted array). `QuantPages`: their values' mesh."""
+    if is_quant(pages):
+        pages = pages.values
     sh = getattr(pages, "sharding", None)
     if isinstance(sh, NamedSharding) and isinstance(sh.mesh, Mesh) and AXIS in sh.mesh.axis_names \
             and sh.mesh.size > 1:
@@ -148,6 +151,24 @@ def mesh_of(pages: jax.Array) -> Mesh | None:
 # ---------------------------------------------------------------------------- partition specs
 PAGE_SPEC = P(None, None, AXIS, None, None, None)
 """Pages `[layers, 2, kv_heads, blocks, block_size, head_dim]`: sharded on KV heads."""
+SCALE_SPEC = P(None, None, AXIS, None, None)
+"""Quantized pages' scales `[layers, 2, kv_heads, blocks, block_size]`: sharded on KV heads, with
+their values."""
+
+
+def pages_spec(pages: jax.Array | QuantPages | KVPageSpec) -> P | QuantPages:
+    """The partition spec(s) of `pages` (or of the pages a `KVPageSpec` describes): `PAGE_SPEC`
+    for plain pages; for `QuantPages` the same pytree of specs (`PAGE_SPEC` values, `SCALE_SPEC`
+    scales), so `shard_map` / `jit` shardings split the scales on the KV-head axis with their values."""
+    from paged_kv.models.paged import KVPageSpec
+    quantized = pages.quantized if isinstance(pages, KVPageSpec) else is_quant(pages)
+    return QuantPages(values=PAGE_SPEC, scales=SCALE_SPEC) if quantized else PAGE_SPEC
+
+
+def pages_sharding(pages: jax.Array | QuantPages | KVPageSpec, mesh: Mesh) -> NamedSharding | QuantPages:
+    """`pages_spec(pages)` as `NamedSharding`s on `mesh` (a pytree for `QuantPages`)."""
+    spec = pages_spec(pages)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec, is_leaf=lambda x: isinstance(x, P))
 
 
 def weight_spec(name: str, shape: tuple[int, ...], tp: int, tied: bool) -> P:
@@ -294,19 +315,20 @@ def shard_model(model: nnx.Module | tuple[nnx.GraphDef, nnx.State],
     return (graphdef, weights) if is_pair else nnx.merge(graphdef, weights)
 
 
-def shard_pages(pages: jax.Array, mesh: Mesh,
-                model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | LlamaConfig) -> jax.Array:
+def shard_pages(pages: jax.Array | QuantPages, mesh: Mesh,
+                model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | LlamaConfig) -> jax.Array | QuantPages:
     """Place pages on `mesh`, sharded on KV heads. `model` is the placed model (or the original, or
     a Llama's config): pages with the original KV-head count are repeated to the placed count first
-    (fresh pages are zeros; pages holding K/V stay exact since replicas hold the same K/V)."""
+    (fresh pages are zeros; pages holding K/V stay exact since replicas hold the same K/V).
+    `QuantPages`: values and scales alike (axis 2 of both is the KV head)."""
     tp = tp_degree(mesh)
     kvh = placed_kv_heads(model, tp)
     have = pages.shape[2]
     if have != kvh:
         if kvh % have:
             raise ValueError(f"pages have {have} KV heads; at tp={tp} this model needs {kvh}")
-        pages = jnp.repeat(pages, kvh // have, axis=2)
-    return put(pages, NamedSharding(mesh, PAGE_SPEC))
+        pages = jax.tree.map(lambda x: jnp.repeat(x, kvh // have, axis=2), pages)
+    return jax.tree.map(put, pages, pages_sharding(pages, mesh))
 
 
 def shard(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Array | None,
@@ -323,8 +345,8 @@ def allocate_pages_on_mesh(spec: KVPageSpec, mesh: Mesh) -> jax.Array:
     if spec.num_kv_heads % tp:
         raise ValueError(f"pages with num_kv_heads={spec.num_kv_heads} cannot be split over tp={tp}; size "
                          "them from the placed model's config (paged_kv.models.sharding.shard replicates KV heads)")
-    return jax.jit(lambda: jnp.zeros(spec.shape, jnp.dtype(spec.dtype)),
-                   out_shardings=NamedSharding(mesh, PAGE_SPEC))()
+    from paged_kv.models.paged import allocate_pages
+    return jax.jit(lambda: allocate_pages(spec), out_shardings=pages_sharding(spec, mesh))()
 
 
 def check_on_mesh(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | LlamaConfig, mesh: Mesh,
@@ -535,7 +557,8 @@ def kv_capacity(config: LlamaConfig, device_bytes: int, tp: int = 1, *, block_si
 
 
 __all__ = [
-    "AXIS", "KVCapacity", "PAGE_SPEC", "allocate_pages_on_mesh", "check_degree", "check_on_mesh", "kv_capacity",
-    "kv_heads_for", "load_sharded", "make_mesh", "mesh_of", "put", "replicate", "shard", "shard_model",
-    "shard_pages", "tp_degree", "valid_degrees", "weight_bytes_per_device", "weight_spec", "weight_specs",
+    "AXIS", "KVCapacity", "PAGE_SPEC", "SCALE_SPEC", "allocate_pages_on_mesh", "check_degree", "check_on_mesh",
+    "kv_capacity", "kv_heads_for", "load_sharded", "make_mesh", "mesh_of", "pages_sharding", "pages_spec", "put",
+    "replicate", "shard", "shard_model", "shard_pages", "tp_degree", "valid_degrees", "weight_bytes_per_device",
+    "weight_spec", "weight_specs",
 ]

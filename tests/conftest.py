@@ -31,7 +31,7 @@ SLOW_FILES_FIRST = (
     "test_cli.py", "test_straight_line.py", "test_batch_invariant.py", "test_block_manager_properties.py",
     "test_prefix_cache.py", "test_readme.py", "test_model_gpt2.py", "test_serving_lifecycle.py",
     "test_engine_generate.py", "test_engine_groups.py", "test_block_manager_examples.py", "test_sharding.py",
-    "test_model_families.py", "test_kernels_quant.py",
+    "test_model_families.py", "test_kernels_quant.py", "test_kv_quant_engines.py",
 )
 
 

@@ -4,6 +4,7 @@ configured before JAX starts (so never in the pytest process, whose other tests 
   python tests/sharding_worker.py four CKPT            4 devices in one process
   python tests/sharding_worker.py multi CKPT ID PORT   process ID of 2 (2 devices each) on 127.0.0.1:PORT
   python tests/sharding_worker.py invariant CKPT       2 devices: batch-invariant mode, tp=1 vs tp=2
+  python tests/sharding_worker.py quant CKPT           2 devices: int8 KV pages, tp=1 vs tp=2
 
 CKPT: a Hugging Face checkpoint directory of a small model with 4 heads and 2 KV heads (the test
 writes one), so tp=4 replicates KV heads.
@@ -18,7 +19,7 @@ import os
 import sys
 
 MODE = sys.argv[1]
-DEVICES = {"four": 4, "multi": 2, "invariant": 2}[MODE]
+DEVICES = {"four": 4, "multi": 2, "invariant": 2, "quant": 2}[MODE]
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={DEVICES}").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -188,9 +189,27 @@ def invariant(ckpt: str) -> dict:
     return res
 
 
+def quant(ckpt: str) -> dict:
+    """int8 KV pages (`QuantPages`) on one device and over a tp=2 mesh: greedy with n=2 (forked
+    prompt blocks, copy-on-write of values and scales) and beam search (`run_engine`), plus the
+    shardings of the returned pages' values and scales."""
+    from paged_kv.models import allocate_pages, load_hf_checkpoint, page_spec, sharding
+    assert jax.device_count() == 2
+    model = load_hf_checkpoint(ckpt)
+    res = {}
+    for name, mesh in (("tp1", None), ("tp2", sharding.make_mesh(2))):
+        pages = allocate_pages(page_spec(model.config, NUM_BLOCKS, BLOCK_SIZE, kv_dtype="int8"))
+        res[name], pages = run_engine(model, mesh, pages)
+        res[name]["specs"] = [str(tuple(getattr(leaf.sharding, "spec", ()))) for leaf in (pages.values, pages.scales)]
+        res[name]["scale_shards"] = [list(s.data.shape) for s in pages.scales.addressable_shards]
+    return res
+
+
 if __name__ == "__main__":
     if MODE == "invariant":
         result = invariant(sys.argv[2])
+    elif MODE == "quant":
+        result = quant(sys.argv[2])
     elif MODE == "four":
         result = four(sys.argv[2])
     else:

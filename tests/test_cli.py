@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = ["--checkpoint", "--requests", "--max-new-tokens", "--arrival-gap", "--seed", "--num-blocks",
            "--block-size", "--max-seqs", "--max-seq-len", "--chunk-size", "--max-prefill-rows",
-           "--no-prefix-caching", "--tp", "--impl", "--batch-invariant", "--show", "--out-dir", "--png", "--json",
-           "--color",
+           "--no-prefix-caching", "--tp", "--impl", "--batch-invariant", "--kv-dtype", "--show", "--out-dir", "--png",
+           "--json", "--color",
            "--no-progress", "--compile-cache", "--no-compile-cache", "--walkthrough", "--prompt", "--prompts-file",
            "--chat", "--n", "--beam-width", "--temperature", "--top-p", "--top-k", "--verbose"]
 # The CLI's persistent compilation cache goes to a folder of this test session, not the user's.
@@ -129,7 +129,8 @@ def test_tensor_parallel_run(tmp_path):
 
 
 SMALL_RUN = ("--requests", "6", "--max-new-tokens", "12", "--num-blocks", "24", "--max-seqs", "12",
-             "--max-seq-len", "192", "--chunk-size", "32", "--max-prefill-rows", "4", "--no-progress")
+             "--max-seq-len", "192", "--chunk-size", "32", "--max-prefill-rows", "4", "--no-progress",
+             "--kv-dtype", "int8")
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +145,8 @@ def small_run(tmp_path_factory):
 
 @pytest.mark.smoke
 def test_small_end_to_end_run(small_run):
-    """Six requests (greedy, shared preamble, n=4 samples, a beam search) in a 24-block pool; the
-    files go to the output folder, which the run creates."""
+    """Six requests (greedy, shared preamble, n=4 samples, a beam search) on int8 KV pages, in the
+    KV memory of a 24-block float32 pool; the files go to the output folder, which the run creates."""
     r, out_dir, _ = small_run
     png, js = out_dir / "block_tables.png", out_dir / "report.json"
     assert r.returncode == 0, r.stderr[-3000:]
@@ -159,6 +160,12 @@ def test_small_end_to_end_run(small_run):
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     rep = json.loads(js.read_text())
     assert rep["requests"] == {"total": 6, "finished": 6, "rejected": 0, "sampling_n_gt_1": 1, "beam": 1}
+    # The tiny model (float32, 4 layers, 2 KV heads, head_dim 32), 16-token blocks: 32,768 bytes a
+    # block in float32, 4 * 2 * 2 * (32 + 4) * 16 = 9,216 in int8 with its scales; 24 float32
+    # blocks' bytes buy 786,432 // 9,216 = 85 int8 blocks (84 usable, 1,344 tokens).
+    assert rep["kv_pages"] == {"kv_dtype": "int8", "model_dtype": "float32", "quantized": True,
+                               "bytes_per_block": 9216, "budget_bytes": 786432, "blocks": 85, "tokens": 1344}
+    assert "KV pages: int8 + float32 scales, 9,216 bytes per block" in out and "bought 85 blocks = 1344 tokens" in out
     assert rep["throughput"]["tokens_per_s"] > 0
     assert rep["sharing"]["beam_search"]["saved_fraction"] > 0
     assert rep["sharing"]["parallel_sampling"]["saved_fraction"] > 0

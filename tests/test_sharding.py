@@ -95,11 +95,12 @@ def workers(ckpt):
     four = [_start(["four", ckpt])]
     multi = [_start(["multi", ckpt, "0", port]), _start(["multi", ckpt, "1", port])]
     inv = [_start(["invariant", ckpt])]
+    quant = [_start(["quant", ckpt])]
     try:
         return {"four": _collect(four, deadline), "multi": _collect(multi, deadline),
-                "invariant": _collect(inv, deadline)}
+                "invariant": _collect(inv, deadline), "quant": _collect(quant, deadline)}
     finally:
-        for p in four + multi + inv:
+        for p in four + multi + inv + quant:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
@@ -255,3 +256,15 @@ def test_batch_invariant_tp1_equals_tp2(workers: dict) -> None:
         one, two = res["tp1"][kind], res["tp2"][kind]
         assert two["tokens"] == one["tokens"], kind
         assert two["logprobs"] == one["logprobs"], kind  # exact: float32 values carried as floats
+
+
+def test_int8_pages_tp1_equals_tp2(workers: dict) -> None:
+    """int8 KV pages over a tp=2 mesh: the scales are sharded on the KV-head axis with their values
+    (one KV head per device: scale shards [layers, 2, 1, blocks, block_size]), and greedy n=2
+    (copy-on-write through `copy_blocks` under `shard_map`) and beam search give tp=1's tokens."""
+    res = _ok(workers["quant"])[0]
+    one, two = res["tp1"], res["tp2"]
+    assert all(spec.startswith("(None, None, 'tp'") for spec in two["specs"]), two["specs"]  # values, scales
+    assert all(shape[2] == 1 for shape in two["scale_shards"]) and len(two["scale_shards"]) == 2
+    assert sum(one["copies"]) > 0 and sum(two["copies"]) > 0  # copy-on-write happened
+    assert two["greedy"] == one["greedy"] and two["beam"] == one["beam"]

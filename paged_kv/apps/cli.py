@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from paged_kv.checkpoints import BUILTIN as BUILTIN_CHECKPOINT
 
@@ -275,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant decoding (ServingConfig.batch_invariant): each request's tokens and "
                         "log-probs the same bits whatever else runs; the reference kernels only")
+    g.add_argument("--kv-dtype", choices=("auto", "int8", "fp8"), default="auto",
+                   help="KV page dtype (ServingConfig.kv_dtype): auto = the model's; int8 / fp8 store one byte "
+                        "per element plus a float32 scale per token and KV head, and the KV memory of "
+                        "--num-blocks blocks in the model's dtype buys about 2x (bf16) to 4x (float32) the "
+                        "blocks; fp8 needs compute capability >= 8.9 on a GPU")
     g = p.add_argument_group("output")
     g.add_argument("--show", type=_non_negative, default=4, metavar="N",
                    help="decoded outputs to print (a greedy answer, parallel samples, a beam search)")
@@ -751,6 +756,8 @@ def _run(args, ckpt: Path) -> int:
 
     layout = kv_group_layout(model)
     num_blocks = args.num_blocks if not layout.grouped else 1 + (args.num_blocks - 1) * layout.num_groups
+    kv = _kv_pool(model.config, num_blocks, args.block_size, args.kv_dtype, layout if layout.grouped else None)
+    num_blocks = kv["blocks"]
     mgr = pk.ManagerConfig(num_blocks=num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                            max_blocks_per_seq=-(-context // args.block_size),
                            prefix_caching=not args.no_prefix_caching, groups=layout_groups(layout))
@@ -762,7 +769,7 @@ def _run(args, ckpt: Path) -> int:
     candidates = max(8, (args.beam_width if prompts is not None else 4) * (1 + max(len(eos_ids), 1)))
     cfg = ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(rows, args.max_seqs),
                         top_candidates=candidates, impl=args.impl, decode_steps=args.decode_steps,
-                        batch_invariant=args.batch_invariant)
+                        batch_invariant=args.batch_invariant, kv_dtype=args.kv_dtype)
     mesh = None
     if args.tp > 1:
         from paged_kv.models import sharding
@@ -770,6 +777,9 @@ def _run(args, ckpt: Path) -> int:
         sharding.check_degree(model.config, args.tp)
         mesh = sharding.make_mesh(args.tp)
     engine = ServingEngine(model, cfg, seed=args.seed, mesh=mesh)
+    # What the engine allocated (its page spec), so the report states the pages that serve.
+    kv.update(kv_dtype=engine.page_spec.kv_dtype, bytes_per_block=engine.bytes_per_block,
+              blocks=engine.page_spec.num_blocks, quantized=engine.page_spec.quantized)
     if prompts is not None:
         reqs = _prompt_requests(args, prompts, eos_ids)
     else:
@@ -779,6 +789,10 @@ def _run(args, ckpt: Path) -> int:
           f"JAX {jax.__version__} on {jax.default_backend()}); pool of {mgr.num_blocks} blocks x "
           f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}"
           + (f", tensor-parallel over {args.tp} devices" if mesh is not None else ""), flush=True)
+    print(f"KV pages: {kv['kv_dtype']}{' + float32 scales' if kv['quantized'] else ''}, "
+          f"{kv['bytes_per_block']:,} bytes per block; a budget of {kv['budget_bytes']:,} bytes "
+          f"(--num-blocks {args.num_blocks} in {kv['model_dtype']}) bought {kv['blocks']} blocks = "
+          f"{kv['tokens']} tokens", flush=True)
     if layout.grouped:
         kinds = ", ".join(f"window {w}" if w else "full" for w in layout.group_windows)
         print(f"KV-cache groups: {layout.num_groups} of {layout.slots} layer(s) each ({kinds}); out-of-window "
@@ -797,7 +811,7 @@ def _run(args, ckpt: Path) -> int:
     engine.compile(CompileProgress(live=None if not args.no_progress else False))
     if prompts is not None:
         outputs, timing = _stream_prompts(engine, reqs, tok, prompts, prep)
-        extra = {"prompts": len(reqs), "tokenizer": {"description": tok_desc, **timing},
+        extra = {"prompts": len(reqs), "tokenizer": {"description": tok_desc, **timing}, "kv_pages": kv,
                  "answers": _answers(outputs, prompts, tok, as_text)}
         return _report(args, engine, outputs, ckpt, tok, as_text, extra, show=_print_beams)
     from tqdm import tqdm
@@ -835,7 +849,7 @@ def _run(args, ckpt: Path) -> int:
     bar.close()
 
     extra = {"workload": {"requests": args.requests, "max_new_tokens": args.max_new_tokens,
-                          "arrival_gap": args.arrival_gap}}
+                          "arrival_gap": args.arrival_gap}, "kv_pages": kv}
     return _report(args, engine, outputs, ckpt, tok, as_text, extra, show=_print_outputs)
 
 
@@ -927,6 +941,20 @@ def _check_widths(args) -> None:
         if w > args.max_seqs:
             raise ValueError(f"{opt} {w} needs {w} sequences running at once; --max-seqs is {args.max_seqs} "
                              f"(raise --max-seqs to {w} or more, or lower {opt})")
+
+
+def _kv_pool(config: Any, num_blocks: int, block_size: int, kv_dtype: str, layout: Any) -> dict:
+    """The pool ``--kv-dtype`` buys: the KV budget is ``num_blocks`` blocks in the model's dtype;
+    pages in ``kv_dtype`` (``"auto"``: the same pages) get as many blocks as fit in it
+    (``paged_kv.models.page_spec_for_budget``). Returns the report's ``kv_pages`` entry: dtypes,
+    bytes per block, budget, blocks and usable tokens (the null block excluded)."""
+    from paged_kv.models import kv_bytes_per_block, page_spec_for_budget
+
+    budget = num_blocks * kv_bytes_per_block(config, block_size, layout=layout)
+    spec = page_spec_for_budget(config, block_size=block_size, budget_bytes=budget, layout=layout, kv_dtype=kv_dtype)
+    return {"kv_dtype": spec.kv_dtype, "model_dtype": spec.dtype, "quantized": spec.quantized,
+            "bytes_per_block": spec.bytes_per_block, "budget_bytes": budget, "blocks": spec.num_blocks,
+            "tokens": spec.usable_tokens}
 
 
 def _check_prompts(args, prompts, block_size: int, context: int, limit: str) -> list[str]:

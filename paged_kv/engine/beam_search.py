@@ -263,7 +263,8 @@ def beam_search(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.A
     req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=k, what="beam_width", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids, layout=layout,
-                                 vocab_needed=k * (1 + max(len(params.eos_token_ids), 1)))
+                                 vocab_needed=k * (1 + max(len(params.eos_token_ids), 1)),
+                                 batch_invariant=bool(batch_invariant))
     # Pallas kernels over a mesh: one weight array per layer (as in `generate`).
     graphdef, weights = call_setup.layer_layout(graphdef, weights, impl, mesh)
     state = call_setup.initial_state(manager, state)

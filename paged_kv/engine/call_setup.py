@@ -24,6 +24,7 @@ from paged_kv.inputs import is_int
 from paged_kv.models.paged import KVGroupLayout, kv_group_layout, layer_windows, page_spec
 from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv.pallas_kernels import IMPLS
+from paged_kv.pallas_kernels.quant import QuantPages, is_quant
 from paged_kv.state import BlockManagerState, init_state
 
 TOKEN_LIMIT = 2**31
@@ -320,12 +321,33 @@ def group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any, manag
     return layout
 
 
+def check_kv_pages(pages: jax.Array | QuantPages, impl: str, batch_invariant: bool = False) -> None:
+    """Checks of quantized pages (``paged_kv.pallas_kernels.QuantPages``), before tracing:
+    ``batch_invariant=True`` is refused (the fixed-tile kernels read plain pages only), and so is
+    a KV dtype the target cannot compute on a Pallas ``impl`` (float8_e4m3fn below compute
+    capability 8.9, ``paged_kv.pallas_kernels.check_kv_dtype``: one line naming the dtype and the
+    target). Plain pages pass unchanged.
+
+    Raises:
+      ValueError: naming the pages' dtype and ``batch_invariant``, or the dtype and the target.
+    """
+    if not is_quant(pages):
+        return
+    if batch_invariant:
+        raise ValueError(f"batch_invariant=True does not support quantized KV pages (kv dtype {pages.dtype}); "
+                         "use plain pages (kv_dtype 'auto') or batch_invariant=False")
+    from paged_kv.pallas_kernels.validate import check_target_dtype
+    check_target_dtype(pages, impl)
+
+
 def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, state: BlockManagerState | None,
                prompt_tokens: ArrayLike, prompt_lens: ArrayLike, *, rows_per_prompt: int, what: str,
                budgets: ArrayLike | None = None, chunk_size: int | None = None, impl: str = "auto",
                eos_token_ids: tuple[int, ...] = (), top_k: int = 0, vocab_needed: int = 1,
-               layout: KVGroupLayout | None = None) -> CallShape:
+               layout: KVGroupLayout | None = None, batch_invariant: bool = False) -> CallShape:
     """Validates a generate/beam-search call. ``rows_per_prompt`` is n or the beam width.
+    ``pages``: plain pages or ``QuantPages`` (``check_kv_pages`` with ``impl`` and
+    ``batch_invariant``).
     ``layout``: ``group_layout(model, manager)`` (required for a grouped manager: the pages then
     hold ``layout.slots`` layer slots).
 
@@ -343,9 +365,14 @@ def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, stat
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
     spec = page_spec(facts, manager.num_blocks, manager.block_size, dtype=getattr(pages, "dtype", None),
                      layout=layout)
-    if tuple(np.shape(pages)) != spec.shape:
-        raise ValueError(f"pages have shape {tuple(np.shape(pages))}; this model and manager need {spec.shape} "
+    shape = tuple(pages.shape) if is_quant(pages) else tuple(np.shape(pages))
+    if shape != spec.shape:
+        raise ValueError(f"pages have shape {shape}; this model and manager need {spec.shape} "
                          f"(num_blocks={manager.num_blocks}, block_size={manager.block_size})")
+    if is_quant(pages) and tuple(np.shape(pages.scales)) != spec.shape[:-1]:
+        raise ValueError(f"quantized pages' scales have shape {tuple(np.shape(pages.scales))}; their values "
+                         f"{spec.shape} need {spec.shape[:-1]}")
+    check_kv_pages(pages, impl, batch_invariant)
     if state is not None and not isinstance(state, BlockManagerState):
         raise ValueError(f"state must be a BlockManagerState or None, got {type(state).__name__}")
     vocab = facts.vocab_size

@@ -319,7 +319,7 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
     req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,
                                  chunk_size=chunk_size, impl=impl, eos_token_ids=params.eos_token_ids, layout=layout,
-                                 top_k=params.top_k)
+                                 top_k=params.top_k, batch_invariant=bool(batch_invariant))
     # Pallas kernels over a tensor-parallel mesh: one weight array per layer, converted here once
     # per call (a copy of the layer weights; pass a `paged_kv.models.per_layer` model to convert once for
     # many calls). On one device the layers stay stacked.

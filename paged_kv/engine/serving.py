@@ -133,6 +133,7 @@ from paged_kv.engine.serving_types import (
 from paged_kv.inputs import is_int
 from paged_kv.models.paged import allocate_pages, kv_bytes_per_block, page_spec
 from paged_kv.models.protocol import model_facts
+from paged_kv.pallas_kernels.quant import QuantPages
 from paged_kv.state import BlockManagerState, init_state
 
 
@@ -181,7 +182,12 @@ class ServingEngine:
         base_config = model_facts((graphdef, weights))
         # A grouped manager (`call_setup.group_layout`): pages of `layout.slots` layers.
         self.layout = call_setup.group_layout((graphdef, weights), mgr)
-        pages = allocate_pages(page_spec(base_config, mgr.num_blocks, mgr.block_size, layout=self.layout))
+        # `config.kv_dtype`: int8 / fp8 pages are `QuantPages` (values and float32 scales).
+        self.page_spec = page_spec(base_config, mgr.num_blocks, mgr.block_size, layout=self.layout,
+                                   kv_dtype=config.kv_dtype)
+        pages = allocate_pages(self.page_spec)
+        # Refused before anything is traced: fp8 on a target that cannot compute it.
+        call_setup.check_kv_pages(pages, config.impl, config.batch_invariant)
         if mesh is None:
             model_config = base_config
         else:
@@ -193,7 +199,8 @@ class ServingEngine:
         graphdef, weights = call_setup.layer_layout(graphdef, weights, config.impl, mesh)
         self.graphdef, self.weights, self.model_config, self.mesh = graphdef, weights, model_config, mesh
         state, self.key = call_setup.replicate_inputs(mesh, init_state(mgr), root_key())
-        self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size, layout=self.layout)
+        self.bytes_per_block = kv_bytes_per_block(base_config, mgr.block_size, layout=self.layout,
+                                                  kv_dtype=config.kv_dtype)
         self.device = DeviceStep(config, graphdef, weights, pages, state, self.key, mesh)
         self.scheduler = Scheduler(config, self.device, vocab_size=model_config.vocab_size,
                                    max_positions=model_config.max_positions, seed=seed)
@@ -293,8 +300,9 @@ class ServingEngine:
         return self.scheduler.stats()
 
     @property
-    def pages(self) -> jax.Array:
-        """The KV pages (a ``jax.Array``; replaced by every step, which donates it)."""
+    def pages(self) -> jax.Array | QuantPages:
+        """The KV pages (a ``jax.Array``, or ``QuantPages`` with ``kv_dtype`` int8 / fp8; replaced by
+        every step, which donates it)."""
         return self.device.pages
 
     @property

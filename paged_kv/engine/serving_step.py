@@ -49,6 +49,7 @@ from paged_kv.fused import free_select_append
 from paged_kv.models.llama import in_vocab
 from paged_kv.models.paged import make_paged_batch, paged_forward
 from paged_kv.pallas_kernels.invariant import log_softmax as invariant_log_softmax
+from paged_kv.pallas_kernels.quant import QuantPages
 from paged_kv.reclaim import free
 from paged_kv.scan import per_platform, target_of
 from paged_kv.share import fork
@@ -384,14 +385,14 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs: Sequ
     return inp, pf
 
 
-def single_step_variant(pages: jax.Array) -> bool:
-    """Whether one step program serves every step (pages on CPU devices).
+def single_step_variant(pages: jax.Array | QuantPages) -> bool:
+    """Whether one step program serves every step (pages, or ``QuantPages``' arrays, on CPU devices).
 
     XLA:CPU runs only the taken branch of a ``cond``, so skipping the prefill forward of a step
     without a chunk costs nothing, and the second variant would only add its compile (about half
     the main job's cold start). XLA:GPU reads a ``cond``'s predicate on the host (a sync per
     step), so there the decode-only steps keep a program without the prefill."""
-    return all(d.platform == "cpu" for d in pages.devices())
+    return all(d.platform == "cpu" for leaf in jax.tree.leaves(pages) for d in leaf.devices())
 
 
 class DeviceStep:
@@ -409,7 +410,8 @@ class DeviceStep:
             # The platform the programs run on, when this process can only lower them there: then
             # only that form of each operation is traced (``scan.target_of``), and the target,
             # part of every jit key through the config, keeps a trace from serving another.
-            config = dataclasses.replace(config, manager=dataclasses.replace(config.manager, target=target_of(pages)))
+            target = target_of(*jax.tree.leaves(pages))
+            config = dataclasses.replace(config, manager=dataclasses.replace(config.manager, target=target))
         self.config, self.graphdef, self.weights, self.pages, self.state, self.key, self.mesh = (
             config, graphdef, weights, pages, state, key, mesh)
         p = config.max_prefill_rows

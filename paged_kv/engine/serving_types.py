@@ -54,6 +54,11 @@ class ServingConfig:
         ``generate``'s in the same mode and to ``paged_kv.models.contiguous.score_tokens``
         (docs/batch_invariance.md). The reference kernels only (``impl`` "reference", or "auto"
         off a GPU); costs decode throughput (``scripts/bench_batch_invariant.py``).
+      kv_dtype: the KV pages' storage dtype: ``"auto"`` (the model's dtype), ``"int8"`` or
+        ``"fp8"`` (``"float8_e4m3fn"``): quantized pages (``paged_kv.pallas_kernels.QuantPages``,
+        one float32 scale per token and KV head) hold about twice the blocks of bfloat16 pages in
+        the same bytes; attention still computes in the model's dtype. Not with
+        ``batch_invariant``; fp8 needs compute capability >= 8.9 on the Pallas kernels.
     """
 
     manager: ManagerConfig
@@ -64,6 +69,7 @@ class ServingConfig:
     record_tables: bool = True
     decode_steps: int = 1
     batch_invariant: bool = False
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.manager, ManagerConfig):
@@ -82,6 +88,13 @@ class ServingConfig:
         for name in ("record_tables", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if not isinstance(self.kv_dtype, str):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} must be a string: 'auto', 'int8' or 'fp8'")
+        from paged_kv.models.paged import is_quant_dtype, resolve_kv_dtype
+        quantized = self.kv_dtype != "auto" and is_quant_dtype(resolve_kv_dtype(self.kv_dtype, "float32"))
+        if quantized and self.batch_invariant:
+            raise ValueError(f"batch_invariant=True does not support quantized KV pages (kv_dtype={self.kv_dtype!r}); "
+                             "use kv_dtype='auto' or batch_invariant=False")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,299 @@
+"""Quantized KV pages (int8, float8_e4m3fn) against plain pages: accuracy, capacity and CPU
+decode-step time, measured (issue 32). Reference kernels on the CPU.
+
+    python scripts/bench_kv_quant.py            # accuracy + capacity (+ timing), results/bench_kv_quant.json
+    python scripts/bench_kv_quant.py --quick    # a smoke run of every part, small sizes (not for the results)
+
+Parts (each under its key in the JSON):
+
+* ``accuracy.tiny``: the built-in trained model (``checkpoints/tiny-llama``) on held-out text
+  (``scripts/train_tiny_llama.py``'s validation corpus: ``generate_corpus(VAL_SEED_OFFSET, 400)``
+  packed into 128-token windows, never trained on). Teacher-forced: every window is prefilled
+  through the paged cache (K/V written, quantized for int8/fp8, then attended over) in chunks of
+  ``--chunk`` tokens; per token the log-prob of the true next token. Reported: max / mean
+  ``|log-prob - log-prob on plain pages|`` and perplexity (exp of the mean negative log-prob).
+  Greedy: ``generate`` 256 new tokens for 64 prompts (the first 16 tokens of held-out documents);
+  agreement = the fraction of the 64 x 256 positions whose token equals plain pages', and the
+  mean position of the first disagreement.
+* ``accuracy.llama8b_layer``: one random Llama 3.1 8B-shaped layer (hidden 4096, 32 heads, 8 KV
+  heads, head_dim 128, MLP 14336, vocabulary ``--vocab``, float32), random tokens; ``--context``
+  tokens are prefilled in chunks and the log-probs of the last chunk's tokens (which attend over
+  the longest contexts) are compared: max / mean |log-prob error|.
+* ``capacity``: blocks a fixed KV budget holds per page dtype (Llama 3.1 8B bf16 and the tiny
+  float32 model), and the serving engine on the command line's workload (``paged_kv.apps.cli.
+  build_workload``) at a KV budget where plain pages preempt: preemptions, the most requests
+  running at once, steps.
+* ``timing`` (only with ``--timing``; the machine must be quiet): one decode step of the tiny
+  model at batch 32, plain vs int8 vs fp8 pages, alternating per repeat in one process, medians,
+  ratio plain / quantized (goal >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import paged_kv as pk
+from paged_kv.checkpoints import BUILTIN
+from paged_kv.engine import SamplingParams, generate
+from paged_kv.engine.call_setup import pad_prompts
+from paged_kv.models import (
+    allocate_pages,
+    init_model,
+    load_hf_checkpoint,
+    make_paged_batch,
+    page_spec,
+    page_spec_for_budget,
+    paged_decode_step,
+)
+from paged_kv.models.paged import _make_attend
+from paged_kv.models.protocol import model_facts
+from paged_kv.models.tokenizer import ByteTokenizer
+
+KV_DTYPES = ("auto", "int8", "fp8")
+
+
+# ---------------------------------------------------------------------------- teacher forcing
+@functools.partial(jax.jit, static_argnames=("graphdef", "logits"), donate_argnames=("pages",))
+def _chunk(graphdef: nnx.GraphDef, state: nnx.State, pages, batch, tokens: jax.Array, *, logits: bool):
+    """One prefill chunk ``tokens`` int32 [B, T] through the paged cache (reference kernels):
+    ``(float32 log-probs [B, T, V] or None, pages)``; without ``logits`` only the K/V are written."""
+    model = nnx.merge(graphdef, state)
+    attend = _make_attend(batch, "reference", False, None, model_facts(model).head_dim)
+    hidden, pages = model(tokens, batch.positions, pages, attend)
+    if not logits:
+        return None, pages
+    return jax.nn.log_softmax(model.logits(hidden).astype(jnp.float32), axis=-1), pages
+
+
+def teacher_forced_logprobs(model, windows: np.ndarray, kv_dtype: str, chunk: int, block_size: int = 16,
+                            score_from: int = 0, argmax: bool = False) -> np.ndarray:
+    """float32 [B, N - 1 - score_from] log-probs of ``windows[:, 1:]`` (int [B, N]) given the
+    prefix, through pages of ``kv_dtype``, prefilled ``chunk`` tokens at a time; positions before
+    ``score_from`` are prefilled without computing logits. ``argmax``: int32 greedy next tokens of
+    the same positions instead of log-probs."""
+    b, n = windows.shape
+    inputs = windows[:, :-1]
+    length = inputs.shape[1]
+    per_seq = -(-length // block_size)
+    graphdef, state = nnx.split(model)
+    pages = allocate_pages(page_spec(model, 1 + b * per_seq, block_size, kv_dtype=kv_dtype))
+    tables = (1 + np.arange(b * per_seq, dtype=np.int32)).reshape(b, per_seq)
+    out = []
+    for start in range(0, length, chunk):
+        t = min(chunk, length - start)
+        batch = make_paged_batch(tables, [start] * b, [t] * b, t, block_size)
+        want = start + t > score_from
+        lp, pages = _chunk(graphdef, state, pages, batch, jnp.asarray(inputs[:, start:start + t]), logits=want)
+        if want:
+            tgt = windows[:, start + 1:start + t + 1]
+            got = np.argmax(np.asarray(lp), -1) if argmax else \
+                np.take_along_axis(np.asarray(lp), tgt[..., None], axis=-1)[..., 0]
+            lo = max(score_from - start, 0)
+            out.append(got[:, lo:])
+    return np.concatenate(out, axis=1)
+
+
+def logprob_errors(lps: dict[str, np.ndarray]) -> dict:
+    """Per KV dtype: max / mean |log-prob - plain's| and perplexity."""
+    ref = lps["auto"]
+    res = {}
+    for kd, lp in lps.items():
+        err = np.abs(lp - ref)
+        res[kd] = {"max_abs_logprob_err": float(err.max()), "mean_abs_logprob_err": float(err.mean()),
+                   "perplexity": float(np.exp(-lp.mean())), "tokens": int(lp.size)}
+    for kd in res:
+        res[kd]["perplexity_rel_change_pct"] = 100 * (res[kd]["perplexity"] / res["auto"]["perplexity"] - 1)
+    return res
+
+
+# ---------------------------------------------------------------------------- the tiny model
+def heldout(num_docs: int, seq_len: int = 128):
+    from scripts.train_tiny_llama import VAL_SEED_OFFSET, generate_corpus, pack_documents
+    docs = generate_corpus(VAL_SEED_OFFSET, num_docs)  # train_tiny_llama's seed 0 + VAL_SEED_OFFSET
+    return docs, pack_documents(docs, ByteTokenizer(), seq_len)
+
+
+def tiny_accuracy(windows: int, chunk: int, prompts: int, new_tokens: int) -> dict:
+    model = load_hf_checkpoint(BUILTIN)
+    docs, packed = heldout(400)
+    wins = packed[:windows]
+    lps = {kd: teacher_forced_logprobs(model, wins, kd, chunk) for kd in KV_DTYPES}
+    res = {"teacher_forced": {"windows": len(wins), "window_tokens": int(wins.shape[1]), "chunk": chunk,
+                              **logprob_errors(lps)}}
+    tok = ByteTokenizer()
+    heads = [tok.encode(d, add_bos=True)[:16] for d in docs[:prompts]]
+    toks, lens = pad_prompts(heads)
+    assert (lens == toks.shape[1]).all(), "every held-out prompt has 16 tokens (no padding inside a row)"
+    bs = 16
+    per_seq = -(-(toks.shape[1] + new_tokens) // bs)
+    mgr = pk.ManagerConfig(num_blocks=1 + prompts * per_seq, block_size=bs, max_seqs=prompts,
+                           max_blocks_per_seq=per_seq, prefix_caching=False)
+    outs = {}
+    for kd in KV_DTYPES:
+        pages = allocate_pages(page_spec(model, mgr.num_blocks, bs, kv_dtype=kd))
+        out, _, _ = generate(model, pages, toks, lens, 0, SamplingParams(max_new_tokens=new_tokens), manager=mgr,
+                             impl="reference")
+        outs[kd] = np.asarray(out.tokens)[:, 0, :new_tokens]
+    greedy = {}
+    # Stepwise: plain pages' greedy sequences teacher-forced through each dtype's pages; the
+    # fraction of the generated positions whose argmax equals the token plain pages chose (one
+    # near-tie no longer shifts the rest of a row).
+    forced = np.concatenate([toks, outs["auto"]], axis=1)
+    w = toks.shape[1]
+    for kd in KV_DTYPES:
+        same = outs[kd] == outs["auto"]
+        first = np.where(same.all(1), new_tokens, np.argmin(same, axis=1))
+        step = teacher_forced_logprobs(model, forced, kd, chunk, score_from=w - 1, argmax=True)
+        greedy[kd] = {"agreement": float(same.mean()), "mean_first_disagreement": float(first.mean()),
+                      "rows_all_equal": int(same.all(1).sum()),
+                      "stepwise_agreement": float((step[:, :new_tokens] == outs["auto"]).mean())}
+    res["greedy"] = {"prompts": prompts, "new_tokens": new_tokens, **greedy}
+    return res
+
+
+# ---------------------------------------------------------------------------- Llama 8B layer
+def llama8b_config(vocab: int, context: int, dtype: str = "float32"):
+    from paged_kv.models.config import tiny
+    return tiny(num_layers=1, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                intermediate_size=14336, vocab_size=vocab, max_position_embeddings=max(context, 8192),
+                rope_theta=500_000.0, dtype=dtype)
+
+
+def llama8b_accuracy(context: int, vocab: int, chunk: int, scored: int) -> dict:
+    cfg = llama8b_config(vocab, context)
+    model = init_model(cfg, seed=0)
+    toks = np.random.RandomState(0).randint(0, vocab, (1, context + 1)).astype(np.int32)
+    lps = {kd: teacher_forced_logprobs(model, toks, kd, chunk, score_from=context - scored) for kd in KV_DTYPES}
+    errs = logprob_errors(lps)
+    for kd in errs:
+        errs[kd].pop("perplexity_rel_change_pct")
+        errs[kd].pop("perplexity")  # random weights: no meaningful perplexity
+    return {"config": {"layers": 1, "hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128,
+                       "intermediate": 14336, "vocab": vocab, "dtype": cfg.dtype, "weights": "random (seed 0)"},
+            "context": context, "scored_tokens": scored, **errs}
+
+
+# ---------------------------------------------------------------------------- capacity
+def capacity_table() -> dict:
+    cfg = llama8b_config(128256, 8192, "bfloat16")
+    cfg = cfg.__class__(**{**cfg.__dict__, "num_layers": 32})
+    out = {}
+    for name, c, budget in (("llama3.1_8b_bf16", cfg, 16 * 2**30),
+                            ("tiny_float32", load_hf_checkpoint(BUILTIN).config, 24 * 32768)):
+        row = {}
+        for kd in ("auto", "float32", "bfloat16", "int8", "fp8"):
+            spec = page_spec_for_budget(c, budget_bytes=budget, kv_dtype=kd)
+            row[spec.kv_dtype] = {"bytes_per_block": spec.bytes_per_block, "blocks": spec.num_blocks,
+                                  "tokens": spec.usable_tokens}
+        q = row["int8"]["blocks"]
+        out[name] = {"budget_bytes": budget, "model_dtype": str(c.dtype), "by_kv_dtype": row,
+                     "int8_vs_bfloat16": q / row["bfloat16"]["blocks"], "int8_vs_float32": q / row["float32"]["blocks"]}
+    return out
+
+
+def serving_capacity(num_blocks_plain: int, requests: int, max_new_tokens: int) -> dict:
+    """The CLI's workload (``build_workload``) on a pool of ``num_blocks_plain`` float32 blocks'
+    bytes, plain vs int8 / fp8 pages in the same bytes (as ``--kv-dtype`` sizes them)."""
+    from paged_kv.apps.cli import _kv_pool, build_workload
+    from paged_kv.engine.serving import ServingConfig, ServingEngine
+    model = load_hf_checkpoint(BUILTIN)
+    tok = ByteTokenizer()
+    res = {"workload": {"requests": requests, "max_new_tokens": max_new_tokens, "arrival_gap": 2},
+           "budget": f"{num_blocks_plain} float32 blocks of 16 tokens"}
+    for kd in KV_DTYPES:
+        pool = _kv_pool(model.config, num_blocks_plain, 16, kd, None)
+        mgr = pk.ManagerConfig(num_blocks=pool["blocks"], block_size=16, max_seqs=32, max_blocks_per_seq=16)
+        eng = ServingEngine(model, ServingConfig(mgr, chunk_size=64, max_prefill_rows=8, top_candidates=8,
+                                                 impl="reference", decode_steps=1, kv_dtype=kd))
+        peak = [0]
+
+        def on_step(e, peak=peak):
+            peak[0] = max(peak[0], e.num_running)
+
+        outs = list(eng.run(build_workload(tok, requests, max_new_tokens, 2, tok.eos_ids), on_step=on_step))
+        res[kd] = {"blocks": pool["blocks"], "bytes_per_block": pool["bytes_per_block"],
+                   "preemptions": eng.preemptions, "max_running_requests": peak[0], "steps": eng.step_count,
+                   "finished": sum(o.error is None for o in outs)}
+    return res
+
+
+# ---------------------------------------------------------------------------- timing
+def decode_timing(batch: int, context: int, repeats: int) -> dict:
+    from scripts.bench_model import decode_inputs
+    model = load_hf_checkpoint(BUILTIN)
+    graphdef, state = nnx.split(model)
+    tokens, _, meta, num_blocks = decode_inputs(model.config, batch, context, 16)
+    pages = {kd: allocate_pages(page_spec(model, num_blocks, 16, kv_dtype=kd)) for kd in KV_DTYPES}
+
+    def step(kd):
+        logits, pages[kd] = paged_decode_step(graphdef, state, pages[kd], meta, tokens, impl="reference")
+        logits.block_until_ready()
+
+    for kd in KV_DTYPES:
+        for _ in range(3):
+            step(kd)
+    times = {kd: [] for kd in KV_DTYPES}
+    for _ in range(repeats):
+        for kd in KV_DTYPES:
+            t0 = time.perf_counter()
+            step(kd)
+            times[kd].append(time.perf_counter() - t0)
+    med = {kd: statistics.median(v) for kd, v in times.items()}
+    return {"batch": batch, "context": context, "repeats": repeats,
+            **{f"{kd}_step_ms": med[kd] * 1e3 for kd in KV_DTYPES},
+            **{f"speed_ratio_{kd}": med["auto"] / med[kd] for kd in ("int8", "fp8")}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every part")
+    ap.add_argument("--timing", action="store_true", help="also time the decode step (a quiet machine only)")
+    ap.add_argument("--parts", nargs="+", default=["tiny", "llama8b", "capacity"],
+                    choices=["tiny", "llama8b", "capacity"])
+    ap.add_argument("--context", type=int, default=4096, help="the 8B-shaped layer's context")
+    ap.add_argument("--vocab", type=int, default=128256, help="the 8B-shaped layer's vocabulary")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    q = args.quick
+    res = {"backend": jax.default_backend(), "jax": jax.__version__,
+           "machine": platform.processor() or platform.machine(), "quick": q, "accuracy": {}}
+    out = Path(args.out or ("/tmp/bench_kv_quant_quick.json" if q else "results/bench_kv_quant.json"))
+    if "tiny" in args.parts:
+        res["accuracy"]["tiny"] = tiny_accuracy(4 if q else 64, 32, 4 if q else 64, 16 if q else 256)
+        print(json.dumps(res["accuracy"]["tiny"], indent=1), flush=True)
+    if "llama8b" in args.parts:
+        ctx, vocab = (256, 4096) if q else (args.context, args.vocab)
+        res["accuracy"]["llama8b_layer"] = llama8b_accuracy(ctx, vocab, min(512, ctx), min(256, ctx))
+        print(json.dumps(res["accuracy"]["llama8b_layer"], indent=1), flush=True)
+    if "capacity" in args.parts:
+        res["capacity"] = {"blocks_for_budget": capacity_table(),
+                           "serving": serving_capacity(24, 6 if q else 24, 12 if q else 48)}
+        print(json.dumps(res["capacity"], indent=1), flush=True)
+    if args.timing or q:
+        res["timing"] = decode_timing(32 if not q else 8, 128, 5 if q else 30)
+        print(json.dumps(res["timing"], indent=1), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not q:  # parts run separately add up in one file (read at write time)
+        old = json.loads(out.read_text())
+        res = {**old, **res, "accuracy": {**old.get("accuracy", {}), **res["accuracy"]}}
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
