@@ -133,6 +133,22 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: DTypeLike = jnp.float32) -
   return (q.astype(jnp.float32) * scale[..., None].astype(jnp.float32)).astype(dtype)
 
 
+def as_bits(x: jax.Array) -> jax.Array:
+  """float8_e4m3fn values as their uint8 bit patterns (a free bitcast); any other dtype unchanged.
+  The XLA references move fp8 pages only as bits: XLA:CPU has no native fp8, and a gather or
+  scatter on an fp8 array converts the whole array to float32 and back (every page, every step)."""
+  if jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn):
+    return jax.lax.bitcast_convert_type(x, jnp.uint8)
+  return x
+
+
+def from_bits(x: jax.Array, dtype: DTypeLike) -> jax.Array:
+  """:func:`as_bits` undone: ``x`` back in ``dtype`` (a bitcast for float8_e4m3fn)."""
+  if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn) and x.dtype == jnp.uint8:
+    return jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+  return x
+
+
 def quantize_pages(pages: jax.Array, dtype: DTypeLike) -> QuantPages:
   """Plain pages ``[L, 2, Hkv, NB, bs, D]`` quantized row by row into :class:`QuantPages`."""
   values, scales = quantize(pages, dtype)

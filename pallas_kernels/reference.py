@@ -101,10 +101,11 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   before ``P V`` (the softmax denominator sums the unscaled probabilities). No tile is dequantized.
   """
   scales = None
+  stored = pages.dtype
   if quant.is_quant(pages):
     if invariant:
       raise ValueError("batch_invariant=True is not supported with quantized (QuantPages) pages")
-    pages, scales = pages.values, pages.scales
+    pages, scales = quant.as_bits(pages.values), pages.scales  # fp8 gathered as bits
   b, t, hq, d = q.shape
   _, _, hkv, num_blocks, block_size, _ = pages.shape
   g = hq // hkv
@@ -160,6 +161,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
     o, m, l = carry
     ids = jax.lax.dynamic_slice_in_dim(bt, c * chunk, chunk, axis=1).reshape(1, -1)  # [1, B * chunk]
     k = rows.at[k_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)  # in range
+    k = quant.from_bits(k, stored)
     if scale_rows is not None and not decode:  # int8/e4m3 -> q's dtype is exact
       k = k.astype(q.dtype)
     if decode:  # [Hkv, B, G, keys]: one multiply-reduce over head_dim, the gather fused in
@@ -174,7 +176,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
     pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
     s = score_knobs(s, soft_cap, slopes, pos, last_pos[None, :, :, None, None])
     m_new, alpha, p = invariant_ops.softmax_update(s, m, pos, last_pos, valid, first_pos)
-    v = rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
+    v = quant.from_bits(rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d), stored)
     rows_p = p.reshape(hkv, b, t * g, keys)
     if scale_rows is not None:  # V's per-token scale multiplies its probability (l keeps p unscaled)
       rows_p = rows_p * scale_rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, 1, keys)
@@ -237,7 +239,9 @@ def write_kv_reference(pages: PagesLike, layer: int | jax.Array, k: jax.Array, v
   if quant.is_quant(pages):
     kq, ks = quant.quantize(k, pages.dtype)
     vq, vs = quant.quantize(v, pages.dtype)
-    values = write_kv_reference(pages.values, layer, kq, vq, slots)
+    # fp8 written as bits (quant.as_bits): no whole-page conversion around the scatter.
+    values = quant.from_bits(write_kv_reference(quant.as_bits(pages.values), layer, quant.as_bits(kq),
+                                                quant.as_bits(vq), slots), pages.dtype)
     # The scales as one-element rows: the same scatter on [L, 2, Hkv, NB, bs, 1].
     scales = write_kv_reference(pages.scales[..., None], layer, ks[..., None], vs[..., None], slots)
     return quant.QuantPages(values=values, scales=scales[..., 0])
@@ -256,7 +260,11 @@ def copy_blocks_reference(pages: PagesLike, src: jax.Array, dst: jax.Array) -> P
   num_blocks = pages.shape[3]
   src = sanitize_block_tables(src, num_blocks)
   dst = sanitize_block_tables(dst, num_blocks)
-  return jax.tree.map(lambda a: a.at[:, :, :, dst].set(a[:, :, :, src]), pages)
+  def copy(a):
+    bits = quant.as_bits(a)  # fp8 moved as bits (no whole-page conversion)
+    return quant.from_bits(bits.at[:, :, :, dst].set(bits[:, :, :, src]), a.dtype)
+
+  return jax.tree.map(copy, pages)
 
 
 def layer_matmul_reference(x: jax.Array, w: StackedWeights, layer: int | jax.Array, scale: jax.Array | None = None,
