@@ -535,8 +535,11 @@ def kv_capacity(config: LlamaConfig, device_bytes: int, tp: int = 1, *, block_si
 
     `device_bytes`: one device's memory; `memory_fraction` of it is the budget (the rest is left
     for activations, the sampler and the runtime, as vLLM's `gpu_memory_utilization`). `dtype` of
-    the pages defaults to the model's.
+    the pages defaults to the model's; int8 / float8_e4m3fn pages count their float32 scales too
+    (`paged_kv.models.paged.kv_bytes_per_token_raw`).
     """
+    from paged_kv.models.paged import kv_bytes_per_token_raw
+
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
     if device_bytes <= 0:
@@ -545,8 +548,8 @@ def kv_capacity(config: LlamaConfig, device_bytes: int, tp: int = 1, *, block_si
         raise ValueError(f"block_size={block_size} must be >= 1")
     kvh = kv_heads_for(config, tp)
     per_dev_heads = kvh // tp
-    itemsize = jnp.dtype(config.dtype if dtype is None else dtype).itemsize
-    per_token = config.num_layers * 2 * per_dev_heads * config.head_dim * itemsize
+    per_token = kv_bytes_per_token_raw(config.num_layers, per_dev_heads, config.head_dim,
+                                       config.dtype if dtype is None else dtype)
     weights = weight_bytes_per_device(config, tp)
     budget = int(device_bytes * memory_fraction)
     kv_budget = max(budget - weights, 0)

@@ -175,6 +175,10 @@ def test_kv_capacity_llama31_8b():
     # Beyond the KV-head count the KV heads are replicated: still one head per device.
     sixteen = sharding.kv_capacity(cfg, 80 * 10**9, 16)
     assert sixteen.kv_heads_per_device == 1 and sixteen.kv_bytes_per_token == 16 * 1024
+    # int8 pages: 128 bytes of values and a 4-byte float32 scale per (layer, K|V, KV head) row.
+    int8 = sharding.kv_capacity(cfg, 80 * 10**9, 1, dtype="int8")
+    assert int8.kv_bytes_per_token == 32 * 2 * 8 * (128 + 4)
+    assert int8.num_blocks == one.kv_budget_bytes // (int8.kv_bytes_per_token * 16)
     tiny_gpu = sharding.kv_capacity(cfg, 8 * 10**9, 1)
     assert tiny_gpu.num_blocks == 0 and tiny_gpu.tokens == 0  # the weights alone do not fit
     with pytest.raises(ValueError, match="memory_fraction=0"):
