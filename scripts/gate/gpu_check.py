@@ -293,13 +293,19 @@ _ESTIMATE_FIELDS = ("low_us", "high_us", "roofline_us", "fraction", "bound", "by
 
 def perf_run_specs(only: list[str] | None = None) -> list[dict]:
   """The specs ``perf`` measures: every spec of ``perf_plan.perf_specs()`` but the rule checks
-  (deliberately bad variants), in ``_PERF_ORDER``; with ``only``, those whose name contains one of
-  the substrings (case-insensitive)."""
+  (deliberately bad variants), in ``_PERF_ORDER``; with ``only``, those each entry names
+  (case-insensitive): the spec of exactly that name when there is one ("decode 64x4096", not also
+  "decode 64x4096 kv=int8"), else every spec whose name contains it."""
   from scripts.gate import perf_plan
   specs = [s for s in perf_plan.perf_specs() if s["purpose"] != "perf_rule_check"]
   if only:
+    names = {perf_plan.spec_name(s).lower() for s in specs}
+
+    def picks(name: str, entry: str) -> bool:
+      return name == entry if entry in names else entry in name
+
     subs = [o.lower() for o in only]
-    specs = [s for s in specs if any(o in perf_plan.spec_name(s).lower() for o in subs)]
+    specs = [s for s in specs if any(picks(perf_plan.spec_name(s).lower(), o) for o in subs)]
 
   def rank(s: dict) -> int:
     kind = "xla_copy_sanity" if s["kernel"] == "xla_copy" and s["purpose"] == "perf_sanity" else s["kernel"]
