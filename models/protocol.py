@@ -117,7 +117,8 @@ class PagedModel(Protocol):
       dtype: the K/V dtype the pages are allocated in (a name or a ``jnp`` dtype: float32,
         bfloat16 or float16), and the dtype attention computes in. Pages may instead be stored
         quantized (``page_spec(..., kv_dtype="int8" | "fp8")``): ``cache`` is then a
-        ``paged_kv.pallas_kernels.QuantPages`` pytree (int8 / float8_e4m3fn values, float32
+        ``paged_kv.pallas_kernels.QuantPages`` pytree (int8 / float8_e4m3fn values, e4m3 kept as
+        uint8 bits, float32
         scales), which the model passes through to ``attend`` as it is.
 
     ``__call__(tokens int32[B, T], positions int32[B, T], cache, attend) -> (hidden[B, T, ...], cache)``:

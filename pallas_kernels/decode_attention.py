@@ -144,7 +144,7 @@ def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale
     if has_scales:
       # Quantized pages: the int8/e4m3 tiles convert to q's dtype exactly (in registers, for the
       # dot); the scales ride along as one [keys] gather per tile.
-      k, v = k.astype(q.dtype), v.astype(q.dtype)
+      k, v = quant.stored_as(k, q.dtype), quant.stored_as(v, q.dtype)
       v_scale = vs_ref[layer, slot]
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     if has_scales:  # K's per-token scale multiplies its logits column

@@ -62,6 +62,7 @@ def _write_quant(pages: quant.QuantPages, layer: int | jax.Array, k: jax.Array, 
   n = slots.shape[0]
   kq, ks = quant.quantize(k, pages.dtype)
   vq, vs = quant.quantize(v, pages.dtype)
+  kq, vq = quant.as_bits(kq), quant.as_bits(vq)  # e4m3 stored as bits
   slots = sanitize_slots(slots, num_slots).reshape(n, 1)
   flat = pages.values.reshape(num_layers, 2, num_kv_heads, num_slots, head_dim)
   flat_scales = pages.scales.reshape(num_layers, 2, num_kv_heads, num_slots)

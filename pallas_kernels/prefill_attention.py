@@ -82,7 +82,7 @@ def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref,
     if has_scales:
       # Quantized pages: int8/e4m3 -> q's dtype is exact (registers only, for the dots); each
       # tile's scales are one [keys] gather per plane.
-      k, v = k.astype(q.dtype), v.astype(q.dtype)
+      k, v = quant.stored_as(k, q.dtype), quant.stored_as(v, q.dtype)
       v_scale = vs_ref[layer, ids].reshape(tile_keys)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     if has_scales:  # K's per-token scale multiplies its logits column

@@ -2,8 +2,15 @@
 
 Layout (:class:`QuantPages`, a pytree)::
 
-    values: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]  int8 | float8_e4m3fn
+    values: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]  int8 | uint8 (e4m3 bits)
     scales: [num_layers, 2, num_kv_heads, num_blocks, block_size]            float32
+
+float8_e4m3fn values are stored as their bit patterns (uint8; :func:`as_bits`), and
+:attr:`QuantPages.dtype` still reads float8_e4m3fn. Every XLA op on the pages (the write's
+scatter, the block copy, the reference's gathers) then moves bytes natively: XLA:CPU has no fp8,
+and an op on an fp8 array, or a bitcast of the array a scatter just updated, made it convert or
+copy the whole pool (every layer, every step). The Pallas kernels reinterpret each loaded tile
+(:func:`stored_as`, a register bitcast) before converting it for the dot.
 
 ``values`` has exactly the layout of plain pages (``pallas_kernels`` module docstring), so every
 kernel walks it the same way; ``scales`` is that layout without the head_dim axis, so block ``b``
@@ -38,6 +45,8 @@ KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 # Largest magnitude each quantized dtype stores: int8 symmetric (-128 is never used, so the grid
 # is symmetric about 0), e4m3fn's largest finite value.
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+# float8_e4m3fn pages keep their values as these bit patterns (module docstring).
+BITS_DTYPE = jnp.dtype(jnp.uint8)
 # The lowest compute capability whose Triton converts float8_e4m3fn (sm_89, Ada; Hopper is 9.0).
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -59,9 +68,10 @@ def check_quant_dtype(dtype: DTypeLike) -> jnp.dtype:
 
 @flax.struct.dataclass
 class QuantPages:
-  """Quantized KV pages (module docstring): ``values`` int8 | float8_e4m3fn
-  ``[L, 2, Hkv, NB, bs, D]`` and ``scales`` float32 ``[L, 2, Hkv, NB, bs]``. A pytree: it goes
-  through ``jit`` (donate it like plain pages), ``scan`` and ``tree_map`` as its two arrays."""
+  """Quantized KV pages (module docstring): ``values`` int8, or uint8 holding float8_e4m3fn bit
+  patterns, ``[L, 2, Hkv, NB, bs, D]``, and ``scales`` float32 ``[L, 2, Hkv, NB, bs]``. A pytree:
+  it goes through ``jit`` (donate it like plain pages), ``scan`` and ``tree_map`` as its two arrays.
+  Build one with :meth:`zeros` or :func:`quantize_pages` (they store e4m3 as bits)."""
 
   values: jax.Array
   scales: jax.Array
@@ -73,8 +83,8 @@ class QuantPages:
 
   @property
   def dtype(self) -> jnp.dtype:
-    """The storage dtype (int8 or float8_e4m3fn)."""
-    return jnp.dtype(self.values.dtype)
+    """The quantized dtype, int8 or float8_e4m3fn (whose values are stored as uint8 bits)."""
+    return kv_dtype_of(self.values.dtype)
 
   @property
   def num_blocks(self) -> int:
@@ -92,12 +102,34 @@ class QuantPages:
     shape = tuple(int(s) for s in shape)
     if len(shape) != 6:
       raise ValueError(f"QuantPages shape must have 6 axes [L, 2, Hkv, NB, bs, D], got {shape}")
-    return cls(values=jnp.zeros(shape, dt), scales=jnp.zeros(shape[:-1], jnp.float32))
+    return cls(values=jnp.zeros(shape, storage_dtype(dt)), scales=jnp.zeros(shape[:-1], jnp.float32))
 
 
 def is_quant(pages: Any) -> bool:
   """Whether ``pages`` is a :class:`QuantPages` (else plain pages)."""
   return isinstance(pages, QuantPages)
+
+
+def storage_dtype(dtype: DTypeLike) -> jnp.dtype:
+  """The dtype :class:`QuantPages` stores ``dtype`` values in: uint8 bits for float8_e4m3fn, else
+  ``dtype`` itself."""
+  dt = jnp.dtype(dtype)
+  return BITS_DTYPE if dt == jnp.dtype(jnp.float8_e4m3fn) else dt
+
+
+def kv_dtype_of(stored: DTypeLike) -> jnp.dtype:
+  """:func:`storage_dtype` undone: float8_e4m3fn for uint8 bits, else ``stored`` itself."""
+  dt = jnp.dtype(stored)
+  return jnp.dtype(jnp.float8_e4m3fn) if dt == BITS_DTYPE else dt
+
+
+def stored_as(x: jax.Array, dtype: DTypeLike) -> jax.Array:
+  """A tile of stored values (int8, or e4m3 bit patterns in uint8) converted to ``dtype``, exactly
+  when ``dtype`` holds every quantized value (float32, bfloat16, float16 do). In a Pallas kernel the
+  bits are reinterpreted in registers (a bitcast) and converted there."""
+  if x.dtype == BITS_DTYPE:
+    x = jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+  return x.astype(dtype)
 
 
 def quantize(x: jax.Array, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
@@ -134,31 +166,44 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: DTypeLike = jnp.float32) -
 
 
 def as_bits(x: jax.Array) -> jax.Array:
-  """float8_e4m3fn values as their uint8 bit patterns (a free bitcast); any other dtype unchanged.
-  The XLA references move fp8 pages only as bits: XLA:CPU has no native fp8, and a gather or
-  scatter on an fp8 array converts the whole array to float32 and back (every page, every step)."""
+  """float8_e4m3fn values as their uint8 bit patterns (how :class:`QuantPages` stores them); any
+  other dtype unchanged."""
   if jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn):
-    return jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, BITS_DTYPE)
   return x
 
 
-def from_bits(x: jax.Array, dtype: DTypeLike) -> jax.Array:
-  """:func:`as_bits` undone: ``x`` back in ``dtype`` (a bitcast for float8_e4m3fn)."""
-  if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn) and x.dtype == jnp.uint8:
-    return jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
-  return x
+def bits_to_float32(x: jax.Array) -> jax.Array:
+  """Stored page values (int8, or e4m3 bit patterns in uint8) as float32, exactly, with XLA ops.
+
+  For e4m3 the conversion is integer arithmetic on the bit pattern: XLA:CPU emulates the fp8
+  conversion, at about twice the cost of the whole multiply-reduce it feeds. A normal e4m3 value
+  ``(-1)^s 2^(e-7) (1 + m/8)`` keeps its exponent and mantissa bits when they are shifted into a
+  float32 and 120 (float32's bias 127 less e4m3's 7) is added to the exponent field; a subnormal
+  one (``e = 0``) is ``m 2^-9``. The result equals the fp8 conversion bit for bit on every finite
+  pattern (tests/test_kernels_quant.py checks all 254); the two NaN patterns (0x7F, 0xFF), which
+  :func:`quantize` never writes, read as +-480.
+  """
+  if x.dtype != BITS_DTYPE:
+    return x.astype(jnp.float32)
+  b = x.astype(jnp.uint32)
+  mag = b & 0x7F
+  sign = (b & 0x80) << 24
+  normal = jax.lax.bitcast_convert_type(((mag << 20) + (120 << 23)) | sign, jnp.float32)
+  sub = mag.astype(jnp.float32) * 2.0**-9
+  return jnp.where(mag < 8, jnp.where(sign != 0, -sub, sub), normal)
 
 
 def quantize_pages(pages: jax.Array, dtype: DTypeLike) -> QuantPages:
   """Plain pages ``[L, 2, Hkv, NB, bs, D]`` quantized row by row into :class:`QuantPages`."""
   values, scales = quantize(pages, dtype)
-  return QuantPages(values=values, scales=scales)
+  return QuantPages(values=as_bits(values), scales=scales)
 
 
 def dequantize_pages(pages: QuantPages, dtype: DTypeLike = jnp.float32) -> jax.Array:
   """:class:`QuantPages` back to plain pages ``[L, 2, Hkv, NB, bs, D]`` in ``dtype`` (tests and
   the explicit-dequantize comparison path)."""
-  return dequantize(pages.values, pages.scales, dtype)
+  return (bits_to_float32(pages.values) * pages.scales[..., None]).astype(dtype)
 
 
 def parse_target(target: Any) -> tuple[int, int] | None:

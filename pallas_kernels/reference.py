@@ -105,7 +105,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   if quant.is_quant(pages):
     if invariant:
       raise ValueError("batch_invariant=True is not supported with quantized (QuantPages) pages")
-    pages, scales = quant.as_bits(pages.values), pages.scales  # fp8 gathered as bits
+    pages, scales = pages.values, pages.scales  # e4m3 stored (and gathered) as bits
   b, t, hq, d = q.shape
   _, _, hkv, num_blocks, block_size, _ = pages.shape
   g = hq // hkv
@@ -161,9 +161,9 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
     o, m, l = carry
     ids = jax.lax.dynamic_slice_in_dim(bt, c * chunk, chunk, axis=1).reshape(1, -1)  # [1, B * chunk]
     k = rows.at[k_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)  # in range
-    k = quant.from_bits(k, stored)
-    if scale_rows is not None and not decode:  # int8/e4m3 -> q's dtype is exact
-      k = k.astype(q.dtype)
+    if scale_rows is not None:  # int8/e4m3 -> float32 is exact (e4m3 from its bits: quant.bits_to_float32)
+      k = quant.bits_to_float32(k)
+      k = k if decode else k.astype(q.dtype)  # exact as well: int8 and e4m3 values fit bf16 and fp16
     if decode:  # [Hkv, B, G, keys]: one multiply-reduce over head_dim, the gather fused in
       s = jnp.sum(qk.astype(jnp.float32)[:, :, :, None, :] * k.astype(jnp.float32)[:, :, None], axis=-1)
     else:
@@ -176,7 +176,9 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
     pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
     s = score_knobs(s, soft_cap, slopes, pos, last_pos[None, :, :, None, None])
     m_new, alpha, p = invariant_ops.softmax_update(s, m, pos, last_pos, valid, first_pos)
-    v = quant.from_bits(rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d), stored)
+    v = rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, keys, d)
+    if scale_rows is not None:
+      v = quant.bits_to_float32(v)
     rows_p = p.reshape(hkv, b, t * g, keys)
     if scale_rows is not None:  # V's per-token scale multiplies its probability (l keeps p unscaled)
       rows_p = rows_p * scale_rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, 1, keys)
@@ -239,9 +241,7 @@ def write_kv_reference(pages: PagesLike, layer: int | jax.Array, k: jax.Array, v
   if quant.is_quant(pages):
     kq, ks = quant.quantize(k, pages.dtype)
     vq, vs = quant.quantize(v, pages.dtype)
-    # fp8 written as bits (quant.as_bits): no whole-page conversion around the scatter.
-    values = quant.from_bits(write_kv_reference(quant.as_bits(pages.values), layer, quant.as_bits(kq),
-                                                quant.as_bits(vq), slots), pages.dtype)
+    values = write_kv_reference(pages.values, layer, quant.as_bits(kq), quant.as_bits(vq), slots)  # e4m3 as bits
     # The scales as one-element rows: the same scatter on [L, 2, Hkv, NB, bs, 1].
     scales = write_kv_reference(pages.scales[..., None], layer, ks[..., None], vs[..., None], slots)
     return quant.QuantPages(values=values, scales=scales[..., 0])
@@ -261,8 +261,7 @@ def copy_blocks_reference(pages: PagesLike, src: jax.Array, dst: jax.Array) -> P
   src = sanitize_block_tables(src, num_blocks)
   dst = sanitize_block_tables(dst, num_blocks)
   def copy(a):
-    bits = quant.as_bits(a)  # fp8 moved as bits (no whole-page conversion)
-    return quant.from_bits(bits.at[:, :, :, dst].set(bits[:, :, :, src]), a.dtype)
+    return a.at[:, :, :, dst].set(a[:, :, :, src])
 
   return jax.tree.map(copy, pages)
 

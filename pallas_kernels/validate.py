@@ -49,7 +49,7 @@ def check_pages(pages: Any) -> tuple[int, int, int, int, int]:
   """Returns (num_layers, num_kv_heads, num_blocks, block_size, head_dim).
 
   ``pages``: a plain float page array, or :class:`paged_kv.pallas_kernels.quant.QuantPages` whose
-  ``values`` (int8 | float8_e4m3fn) have the same layout and whose ``scales`` are float32 of the
+  ``values`` (int8, or uint8 holding float8_e4m3fn bits) have the same layout and whose ``scales`` are float32 of the
   values' shape without head_dim."""
   if quant.is_quant(pages):
     return _check_quant_pages(pages)
@@ -71,9 +71,11 @@ def check_pages(pages: Any) -> tuple[int, int, int, int, int]:
 def _check_quant_pages(pages: quant.QuantPages) -> tuple[int, int, int, int, int]:
   """:func:`check_pages` for :class:`paged_kv.pallas_kernels.quant.QuantPages`."""
   values, scales = pages.values, pages.scales
-  if jnp.dtype(values.dtype) not in quant.KV_DTYPES:
-    raise ValueError(f"QuantPages values dtype must be one of {[str(d) for d in quant.KV_DTYPES]}, "
-                     f"got {values.dtype}")
+  stored = [str(quant.storage_dtype(d)) for d in quant.KV_DTYPES]
+  if jnp.dtype(values.dtype) not in (quant.storage_dtype(d) for d in quant.KV_DTYPES):
+    hint = " (float8_e4m3fn values are stored as their uint8 bits: quant.as_bits)" \
+        if jnp.dtype(values.dtype) == jnp.dtype(jnp.float8_e4m3fn) else ""
+    raise ValueError(f"QuantPages values dtype must be one of {stored}, got {values.dtype}{hint}")
   if not hasattr(scales, "shape") or jnp.dtype(scales.dtype) != jnp.dtype(jnp.float32):
     raise ValueError(f"QuantPages scales must be float32, got {getattr(scales, 'dtype', type(scales).__name__)}")
   dims = check_pages(jax.ShapeDtypeStruct(tuple(np.shape(values)), jnp.float32))

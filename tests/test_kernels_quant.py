@@ -35,8 +35,10 @@ def _assert_within(got, want, bound, what: str) -> None:
 
 
 def _dequant64(pages: quant.QuantPages) -> np.ndarray:
-  """Explicit dequantization in float64 NumPy: values * scales."""
-  return np.asarray(pages.values.astype(jnp.float32), np.float64) * np.asarray(pages.scales, np.float64)[..., None]
+  """Explicit dequantization in float64 NumPy: values * scales (e4m3 bits through XLA's own fp8
+  conversion, not the kernels' bit arithmetic)."""
+  values = np.asarray(quant.stored_as(pages.values, jnp.float32), np.float64)
+  return values * np.asarray(pages.scales, np.float64)[..., None]
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES, ids=["int8", "e4m3"])
@@ -55,6 +57,23 @@ def test_quantize_bound_and_zero_rows(dtype):
   for idx in ((0, 1), (4, 2)):  # zero rows: scale 0, values 0, exactly 0 back
     assert float(s[idx]) == 0.0 and not np.any(np.asarray(q[idx].astype(jnp.float32)))
     assert np.all(back[idx] == 0.0)
+
+
+def test_e4m3_bits_read_exactly():
+  """Pages keep e4m3 as uint8 bits; the XLA paths read them with integer arithmetic
+  (``bits_to_float32``), which must equal the fp8 conversion on every finite pattern, -0 and the
+  subnormals included."""
+  bits = jnp.arange(256, dtype=jnp.uint8)
+  want = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32))
+  got = np.asarray(quant.bits_to_float32(bits))
+  finite = np.isfinite(want)
+  assert finite.sum() == 254
+  np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+  np.testing.assert_array_equal(np.asarray(quant.stored_as(bits, jnp.float32))[finite], want[finite])
+  pages = quant.QuantPages.zeros((1, 2, 1, 2, 4, 8), jnp.float8_e4m3fn)
+  assert pages.values.dtype == jnp.uint8 and pages.dtype == jnp.dtype(jnp.float8_e4m3fn)
+  ints = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+  np.testing.assert_array_equal(np.asarray(quant.bits_to_float32(ints)), np.arange(-128, 128, dtype=np.float32))
 
 
 def _quant_case(rng, dtype, lengths, block_size, head_dim, num_kv_heads=2):
@@ -160,7 +179,7 @@ def test_write_then_read_round_trip(impl, dtype):
   assert not deq[0].any() and not deq[1][:, :, ~mask].any()
   ref = pk.write_kv(pages, 1, jnp.asarray(k), jnp.asarray(v), slots, impl="reference")
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):  # the kernel writes what the reference writes
-    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
@@ -187,6 +206,7 @@ def test_checks_name_the_bad_value():
       (quant.QuantPages(qp.values, qp.scales[..., :2]), q, "scales must have shape"),
       (quant.QuantPages(qp.values, qp.scales.astype(jnp.bfloat16)), q, "scales must be float32"),
       (quant.QuantPages(qp.values.astype(jnp.int16), qp.scales), q, "int16"),
+      (quant.QuantPages(qp.values.astype(jnp.float8_e4m3fn), qp.scales), q, "stored as their uint8 bits"),
       (qp, q.astype(jnp.int8), "q dtype must be one of float32/bfloat16/float16 with int8 pages"),
   ]
   for pages, qq, msg in bad:
@@ -230,7 +250,8 @@ def test_quantized_kernels_lower_for_cuda():
   from paged_kv.pallas_kernels.jax_compat import export_cuda
   S, i32 = jax.ShapeDtypeStruct, jnp.int32
   for dtype in KV_DTYPES:
-    pages = quant.QuantPages(values=S((2, 2, 2, 9, 16, 64), dtype), scales=S((2, 2, 2, 9, 16), jnp.float32))
+    pages = quant.QuantPages(values=S((2, 2, 2, 9, 16, 64), quant.storage_dtype(dtype)),
+                             scales=S((2, 2, 2, 9, 16), jnp.float32))
     bt, vec = S((3, 4), i32), S((3,), i32)
     calls = [
         (lambda q, p, t, n: pk.paged_decode_attention(q, p, 1, t, n, impl="pallas", window=20),

@@ -336,8 +336,8 @@ def _kernel_program(spec: dict):
     """Plain pages in the compute dtype, or quantized ones (``kv_dtype`` values, float32 scales)."""
     if kv_dt is None:
       return _sds(shape, dt, sh)
-    from paged_kv.pallas_kernels.quant import QuantPages
-    return QuantPages(values=_sds(shape, jnp.dtype(kv_dt), sh), scales=_sds(shape[:-1], jnp.float32, sh))
+    from paged_kv.pallas_kernels.quant import QuantPages, storage_dtype
+    return QuantPages(values=_sds(shape, storage_dtype(kv_dt), sh), scales=_sds(shape[:-1], jnp.float32, sh))
   if spec["kernel"] == "prefill":
     batch = min(batch, 4)
   max_blocks = -(-context // bs)
@@ -419,8 +419,8 @@ def _perf_program(spec: dict):
     if kernel == "decode":
       pages = _sds((MATMUL_LAYERS, 2, spec["kv_heads"], nblocks, bs, d), dt, sh)
       if spec.get("kv_dtype"):  # quantized pages: kv_dtype values, float32 scales
-        from paged_kv.pallas_kernels.quant import QuantPages
-        pages = QuantPages(values=_sds(pages.shape, jnp.dtype(spec["kv_dtype"]), sh),
+        from paged_kv.pallas_kernels.quant import QuantPages, storage_dtype
+        pages = QuantPages(values=_sds(pages.shape, storage_dtype(spec["kv_dtype"]), sh),
                            scales=_sds(pages.shape[:-1], jnp.float32, sh))
       if spec.get("variant"):
         from paged_kv.pallas_kernels.decode_attention import paged_decode_attention_pallas
