@@ -29,14 +29,6 @@ def resolve_impl(impl: str, head_dim: int | None = None) -> str:
   return impl
 
 
-def _check_invariant(pages: PagesLike, batch_invariant: bool) -> None:
-  """The batch-invariant kernels read plain pages only (their fixed-tile chunk has no scale
-  operands yet)."""
-  if batch_invariant and quant.is_quant(pages):
-    raise ValueError(f"batch_invariant=True is not supported with quantized pages ({pages.dtype}); "
-                     "use plain pages or batch_invariant=False")
-
-
 def paged_decode_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Array, block_tables: jax.Array,
                            lengths: jax.Array, *, scale: float | None = None, impl: str = "auto",
                            soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
@@ -83,9 +75,8 @@ def paged_decode_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Arra
     ``h // (num_q_heads // num_kv_heads)``.
   """
   window = validate.check_window(window)
-  _check_invariant(pages, batch_invariant)
   layer, scale, impl, soft_cap = validate.check_decode(
-      q, pages, layer, block_tables, lengths, scale, impl, soft_cap, alibi_slopes, window)
+      q, pages, layer, block_tables, lengths, scale, impl, soft_cap, alibi_slopes, window, batch_invariant)
   impl = resolve_impl(impl, pages.shape[-1])
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
@@ -133,9 +124,8 @@ def paged_prefill_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Arr
     ``[B, T, num_q_heads, head_dim]`` in ``q.dtype``.
   """
   window = validate.check_window(window)
-  _check_invariant(pages, batch_invariant)
   layer, scale, impl, soft_cap = validate.check_prefill(
-      q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap, alibi_slopes, window)
+      q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap, alibi_slopes, window, batch_invariant)
   impl = resolve_impl(impl, pages.shape[-1])
   # Knobs are passed only when set, so the default call is exactly the program without them.
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}

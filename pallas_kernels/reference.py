@@ -103,8 +103,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   scales = None
   stored = pages.dtype
   if quant.is_quant(pages):
-    if invariant:
-      raise ValueError("batch_invariant=True is not supported with quantized (QuantPages) pages")
+    assert not invariant, "the entry points refuse batch_invariant with quantized pages (validate.check_kv_options)"
     pages, scales = pages.values, pages.scales  # e4m3 stored (and gathered) as bits
   b, t, hq, d = q.shape
   _, _, hkv, num_blocks, block_size, _ = pages.shape

@@ -91,12 +91,31 @@ def compute_dtype(pages: Any, q: Any) -> jnp.dtype:
   return jnp.dtype(q.dtype if quant.is_quant(pages) else pages.dtype)
 
 
-def check_target_dtype(pages: Any, impl: str) -> None:
-  """Refuses quantized pages the GPU cannot compute (float8_e4m3fn below compute capability 8.9)
-  on the Pallas paths that compile for it (``"pallas"``, ``"auto"`` on a GPU); interpret mode and
-  the reference run anywhere (:func:`paged_kv.pallas_kernels.quant.check_kv_dtype`)."""
-  if quant.is_quant(pages) and impl in ("pallas", "auto"):
-    quant.check_kv_dtype(pages.dtype, "auto")
+def check_kv_options(kv_dtype: Any, impl: str | None, batch_invariant: bool = False) -> None:
+  """What quantized pages support, checked before anything is traced: the kernels' entry points
+  call it on their pages, the engines and ``ServingConfig`` on the KV dtype they will allocate.
+  A float ``kv_dtype`` (plain pages) passes.
+
+  Args:
+    kv_dtype: the pages' dtype (``QuantPages.dtype`` for quantized pages).
+    impl: the kernel implementation; on the Pallas paths that compile for a GPU (``"pallas"``,
+      ``"auto"``) a dtype the target cannot compute is refused
+      (:func:`paged_kv.pallas_kernels.quant.check_kv_dtype`: float8_e4m3fn below compute
+      capability 8.9); interpret mode, the reference and None (no target yet) skip it.
+    batch_invariant: quantized pages with the fixed-tile batch-invariant kernels are refused
+      (those kernels have no scale operands).
+
+  Raises:
+    ValueError: one line naming the KV dtype and ``batch_invariant``, or the dtype and the target.
+  """
+  dt = jnp.dtype(kv_dtype)
+  if dt not in quant.KV_DTYPES:
+    return
+  if batch_invariant:
+    raise ValueError(f"batch_invariant=True does not support quantized KV pages (kv dtype {dt}); "
+                     "use plain pages (kv_dtype 'auto') or batch_invariant=False")
+  if impl in ("pallas", "auto"):
+    quant.check_kv_dtype(dt, "auto")
 
 
 def check_layer(layer: Any, num_layers: int) -> int | jax.Array:
@@ -231,7 +250,7 @@ def _check_query(q: Any, ndim: int, pages: Any, num_kv_heads: int, head_dim: int
 
 def check_decode(q: Any, pages: Any, layer: Any, block_tables: Any, lengths: Any, scale: Any, impl: Any,
                  soft_cap: Any = None, alibi_slopes: Any = None,
-                 window: Any = None) -> tuple[int | jax.Array, float, str, float | None]:
+                 window: Any = None, batch_invariant: bool = False) -> tuple[int | jax.Array, float, str, float | None]:
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -245,7 +264,7 @@ def check_decode(q: Any, pages: Any, layer: Any, block_tables: Any, lengths: Any
   _check_pallas_shapes(impl, head_dim)
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
   soft_cap = check_soft_cap(soft_cap)
-  check_target_dtype(pages, impl)
+  check_kv_options(pages.dtype, impl, batch_invariant)
   _check_tiling("decode", impl, compute_dtype(pages, q), head_dim, block_size, num_q_heads // num_kv_heads,
                 tiling.Knobs.of(soft_cap, alibi_slopes, check_window(window)))
   return layer, check_scale(scale, head_dim), impl, soft_cap
@@ -253,7 +272,7 @@ def check_decode(q: Any, pages: Any, layer: Any, block_tables: Any, lengths: Any
 
 def check_prefill(q: Any, pages: Any, layer: Any, block_tables: Any, q_start: Any, q_lens: Any, scale: Any, impl: Any,
                   soft_cap: Any = None, alibi_slopes: Any = None,
-                 window: Any = None) -> tuple[int | jax.Array, float, str, float | None]:
+                 window: Any = None, batch_invariant: bool = False) -> tuple[int | jax.Array, float, str, float | None]:
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -271,7 +290,7 @@ def check_prefill(q: Any, pages: Any, layer: Any, block_tables: Any, q_start: An
   _check_pallas_shapes(impl, head_dim)
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
   soft_cap = check_soft_cap(soft_cap)
-  check_target_dtype(pages, impl)
+  check_kv_options(pages.dtype, impl, batch_invariant)
   _check_tiling("prefill", impl, compute_dtype(pages, q), head_dim, block_size, num_q_heads // num_kv_heads,
                 tiling.Knobs.of(soft_cap, alibi_slopes, check_window(window)))
   return layer, check_scale(scale, head_dim), impl, soft_cap
@@ -296,7 +315,7 @@ def check_write_kv(pages: Any, layer: Any, k: Any, v: Any, slots: Any, impl: Any
   if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
     raise ValueError(f"k dtype {k.dtype} must equal v dtype {v.dtype}")
   _check_pallas_shapes(impl, head_dim)
-  check_target_dtype(pages, impl)
+  check_kv_options(pages.dtype, impl)
   return layer, impl
 
 
@@ -306,7 +325,7 @@ def check_copy_blocks(pages: Any, src: Any, dst: Any, impl: Any) -> str:
   c = _check_int32("src", src, ndim=1)
   _check_int32("dst", dst, shape=c)
   _check_pallas_shapes(impl, head_dim)
-  check_target_dtype(pages, impl)
+  check_kv_options(pages.dtype, impl)
   check_copy_lists(src, dst, num_blocks)
   return impl
 

@@ -322,22 +322,15 @@ def group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any, manag
 
 
 def check_kv_pages(pages: jax.Array | QuantPages, impl: str, batch_invariant: bool = False) -> None:
-    """Checks of quantized pages (``paged_kv.pallas_kernels.QuantPages``), before tracing:
-    ``batch_invariant=True`` is refused (the fixed-tile kernels read plain pages only), and so is
-    a KV dtype the target cannot compute on a Pallas ``impl`` (float8_e4m3fn below compute
-    capability 8.9, ``paged_kv.pallas_kernels.check_kv_dtype``: one line naming the dtype and the
-    target). Plain pages pass unchanged.
+    """The engines' check of their pages before tracing
+    (``paged_kv.pallas_kernels.validate.check_kv_options``): quantized pages with
+    ``batch_invariant=True``, or in a dtype a Pallas ``impl``'s target cannot compute, are refused.
 
     Raises:
       ValueError: naming the pages' dtype and ``batch_invariant``, or the dtype and the target.
     """
-    if not is_quant(pages):
-        return
-    if batch_invariant:
-        raise ValueError(f"batch_invariant=True does not support quantized KV pages (kv dtype {pages.dtype}); "
-                         "use plain pages (kv_dtype 'auto') or batch_invariant=False")
-    from paged_kv.pallas_kernels.validate import check_target_dtype
-    check_target_dtype(pages, impl)
+    from paged_kv.pallas_kernels.validate import check_kv_options
+    check_kv_options(pages.dtype, impl, batch_invariant)
 
 
 def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, state: BlockManagerState | None,

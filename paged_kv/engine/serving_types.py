@@ -90,11 +90,9 @@ class ServingConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if not isinstance(self.kv_dtype, str):
             raise ValueError(f"kv_dtype={self.kv_dtype!r} must be a string: 'auto', 'int8' or 'fp8'")
-        from paged_kv.models.paged import is_quant_dtype, resolve_kv_dtype
-        quantized = self.kv_dtype != "auto" and is_quant_dtype(resolve_kv_dtype(self.kv_dtype, "float32"))
-        if quantized and self.batch_invariant:
-            raise ValueError(f"batch_invariant=True does not support quantized KV pages (kv_dtype={self.kv_dtype!r}); "
-                             "use kv_dtype='auto' or batch_invariant=False")
+        from paged_kv.models.paged import resolve_kv_dtype
+        from paged_kv.pallas_kernels.validate import check_kv_options
+        check_kv_options(resolve_kv_dtype(self.kv_dtype, "float32"), self.impl, self.batch_invariant)
 
 
 @dataclasses.dataclass(frozen=True)
