@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax
 
-from paged_kv.pallas_kernels import quant, reference, validate
+from paged_kv.pallas_kernels import reference, validate
 from paged_kv.pallas_kernels.reference import PagesLike
 
 

@@ -101,7 +101,6 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   before ``P V`` (the softmax denominator sums the unscaled probabilities). No tile is dequantized.
   """
   scales = None
-  stored = pages.dtype
   if quant.is_quant(pages):
     assert not invariant, "the entry points refuse batch_invariant with quantized pages (validate.check_kv_options)"
     pages, scales = pages.values, pages.scales  # e4m3 stored (and gathered) as bits
