@@ -32,12 +32,12 @@ Public API (see :mod:`paged_kv.pallas_kernels.dispatch` for full docs):
 Quantized pages (:mod:`paged_kv.pallas_kernels.quant`): every entry point above except
 ``layer_matmul`` also takes a :class:`~paged_kv.pallas_kernels.quant.QuantPages`: ``values`` int8 or
 float8_e4m3fn (stored as uint8 bit patterns) in the layout above and ``scales`` float32
-``[num_layers, 2, num_kv_heads, num_blocks, block_size]``, one per token, per KV head, for K and
-for V (symmetric: ``scale = max|x| / qmax``, qmax 127 or 448; a zero row has scale 0 and reads back as 0). ``write_kv`` quantizes as it writes,
-``copy_blocks`` copies the scales with the blocks, and attention converts each tile to the query's
-dtype for the dot and applies the scales to the logits (K) and the probabilities (V), never
-dequantizing a tile in memory. float8_e4m3fn is refused on a GPU below compute capability 8.9
-(:func:`~paged_kv.pallas_kernels.quant.check_kv_dtype`).
+``[num_layers, 2, num_kv_heads, num_blocks, block_size]``, one per token, per KV head, for K and for
+V (symmetric: ``scale = max|x| / qmax``, qmax 127 or 448; a zero row has scale 0 and reads back as
+0). ``write_kv`` quantizes as it writes, ``copy_blocks`` copies the scales with the blocks, and
+attention converts each tile to the query's dtype for the dot and applies the scales to the logits
+(K) and the probabilities (V), never dequantizing a tile in memory. float8_e4m3fn is refused on a
+GPU below compute capability 8.9 (:func:`~paged_kv.pallas_kernels.quant.check_kv_dtype`).
 """
 
 from paged_kv.pallas_kernels.dispatch import (
