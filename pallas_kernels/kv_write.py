@@ -60,9 +60,9 @@ def _write_quant(pages: quant.QuantPages, layer: int | jax.Array, k: jax.Array, 
   num_layers, _, num_kv_heads, num_blocks, block_size, head_dim = pages.shape
   num_slots = num_blocks * block_size
   n = slots.shape[0]
-  kq, ks = quant.quantize(k, pages.dtype)
-  vq, vs = quant.quantize(v, pages.dtype)
-  kq, vq = quant.as_bits(kq), quant.as_bits(vq)  # e4m3 stored as bits
+  q, s = quant.quantize(jnp.stack([k, v]), pages.dtype)  # K and V rows in one call
+  q = quant.as_bits(q)  # e4m3 stored as bits
+  (kq, vq), (ks, vs) = q, s
   slots = sanitize_slots(slots, num_slots).reshape(n, 1)
   flat = pages.values.reshape(num_layers, 2, num_kv_heads, num_slots, head_dim)
   flat_scales = pages.scales.reshape(num_layers, 2, num_kv_heads, num_slots)

@@ -234,21 +234,25 @@ def paged_prefill_attention_reference(q: jax.Array, pages: PagesLike, layer: int
 def write_kv_reference(pages: PagesLike, layer: int | jax.Array, k: jax.Array, v: jax.Array,
                        slots: jax.Array) -> PagesLike:
   """pages[layer, 0|1, h, slot // bs, slot % bs] = k|v[n, h] for every row n. Quantized pages:
-  each row is quantized (:func:`paged_kv.pallas_kernels.quant.quantize`) and its values and scale
-  written at the same slot."""
-  if quant.is_quant(pages):
-    kq, ks = quant.quantize(k, pages.dtype)
-    vq, vs = quant.quantize(v, pages.dtype)
-    values = write_kv_reference(pages.values, layer, quant.as_bits(kq), quant.as_bits(vq), slots)  # e4m3 as bits
-    # The scales as one-element rows: the same scatter on [L, 2, Hkv, NB, bs, 1].
-    scales = write_kv_reference(pages.scales[..., None], layer, ks[..., None], vs[..., None], slots)
-    return quant.QuantPages(values=values, scales=scales[..., 0])
+  each row is quantized (:func:`paged_kv.pallas_kernels.quant.quantize`, K and V rows in one call)
+  and its values and scale written at the same slot."""
+  rows = jnp.stack([k, v], axis=1)  # [N, 2, Hkv, D]
+  if not quant.is_quant(pages):
+    return _scatter_rows(pages, layer, rows, slots)
+  values, scales = quant.quantize(rows, pages.dtype)
+  # e4m3 as bits; the scales as one-element rows, the same scatter on [L, 2, Hkv, NB, bs, 1].
+  return quant.QuantPages(values=_scatter_rows(pages.values, layer, quant.as_bits(values), slots),
+                          scales=_scatter_rows(pages.scales[..., None], layer, scales[..., None], slots)[..., 0])
+
+
+def _scatter_rows(pages: jax.Array, layer: int | jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+  """``pages[layer, :, :, slot n] = rows[n]``: ``pages`` ``[L, 2, Hkv, NB, bs, D]``, ``rows``
+  ``[N, 2, Hkv, D]`` in its dtype, ``slots`` int32 ``[N]`` (out of range: the null slot 0)."""
   num_layers, _, hkv, num_blocks, block_size, d = pages.shape
   slots = sanitize_slots(slots, num_blocks * block_size)
   flat = pages.reshape(num_layers, 2, hkv, num_blocks * block_size, d)
   # Advanced indices (layer, slots) separated by slices put the N axis first: [N, 2, Hkv, D].
-  flat = flat.at[layer, :, :, slots].set(jnp.stack([k, v], axis=1))
-  return flat.reshape(pages.shape)
+  return flat.at[layer, :, :, slots].set(rows).reshape(pages.shape)
 
 
 @jax.jit
