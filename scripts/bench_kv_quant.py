@@ -6,15 +6,42 @@ decode-step time, measured (issue 32). Reference kernels on the CPU.
 
 Parts (each under its key in the JSON):
 
-* ``accuracy.tiny``: the built-in trained model (``checkpoints/tiny-llama``) on held-out text
-  (``scripts/train_tiny_llama.py``'s validation corpus: ``generate_corpus(VAL_SEED_OFFSET, 400)``
-  packed into 128-token windows, never trained on). Teacher-forced: every window is prefilled
-  through the paged cache (K/V written, quantized for int8/fp8, then attended over) in chunks of
-  ``--chunk`` tokens; per token the log-prob of the true next token. Reported: max / mean
-  ``|log-prob - log-prob on plain pages|`` and perplexity (exp of the mean negative log-prob).
-  Greedy: ``generate`` 256 new tokens for 64 prompts (the first 16 tokens of held-out documents);
-  agreement = the fraction of the 64 x 256 positions whose token equals plain pages', and the
-  mean position of the first disagreement.
+* ``accuracy.tiny``: the built-in trained model (``checkpoints/tiny-llama``, float32) on held-out
+  text (``scripts/train_tiny_llama.py``'s validation corpus: ``generate_corpus(VAL_SEED_OFFSET, 400)``
+  packed into 128-token windows, never trained on), per page dtype: plain (``auto``: float32),
+  int8, fp8, and bfloat16 as a control: 8 significant bits per element (int8 has 8 bits, sign
+  included, on a per-token, per-KV-head scale), with no scale and no integer grid. If bfloat16
+  pages agree about as badly as int8, the greedy metrics measure this model's near-ties, not a
+  quantization defect.
+
+  ``teacher_forced``: every window is prefilled through the paged cache (K/V written, quantized
+  for int8/fp8, then attended over) in chunks of ``--chunk`` tokens; per token the log-prob of
+  the true next token. ``max_abs_logprob_err`` / ``mean_abs_logprob_err``: max / mean
+  ``|log-prob - log-prob on plain pages|``; ``perplexity``: exp of the mean negative log-prob.
+
+  ``greedy``: ``generate`` 256 new tokens for 64 prompts (the first 16 tokens of held-out
+  documents) on each dtype's pages. ``agreement``: the fraction of the 64 x 256 positions whose
+  token equals plain pages' (free-running: one flip changes the rest of a row);
+  ``mean_first_disagreement``: the mean position of a row's first differing token (256 when
+  none); ``rows_all_equal``. ``stepwise_agreement``: plain pages' greedy rows teacher-forced
+  through each dtype's pages (the same prefix at every step), the fraction of positions whose
+  argmax is plain's token.
+
+  ``greedy.<dtype>.divergence``: why rows diverge. At a row's first disagreement both runs have
+  the same prefix, so teacher-forcing plain's row through plain and through the dtype's pages
+  gives the log-probs each run saw there. ``rows``: diverging rows. ``reproduced``: the fraction
+  of them whose teacher-forced passes pick the same two tokens at the same first position (a
+  check of the method). ``top2_both``: the fraction where each run's token is in the other's
+  top 2 log-probs (the idea of vLLM's ``check_logprobs_close`` with k = 2: a divergence between
+  near-equal candidates). ``plain_margin``: plain's top-1 minus top-2 log-prob there (median,
+  max). ``margin_below_near_tie``: the fraction of divergences whose margin is below
+  ``near_tie_threshold`` = the dtype's teacher-forced ``max_abs_logprob_err``.
+  ``plain_token_logprob_change`` / ``run_token_logprob_change``: ``|log-prob on the dtype's pages -
+  on plain pages|`` of plain's / the run's token there (median, max: the perturbation that flipped
+  it). Over all 64 x 256 plain greedy positions: ``near_tie_fraction``, the fraction whose margin
+  is below ``near_tie_threshold`` (how common near-ties are in this model); ``stepwise_flips``,
+  the positions where the stepwise argmax differs, and ``stepwise_flips_at_near_ties``, the
+  fraction of them below the threshold.
 * ``accuracy.llama8b_layer``: one random Llama 3.1 8B-shaped layer (hidden 4096, 32 heads, 8 KV
   heads, head_dim 128, MLP 14336, vocabulary ``--vocab``, float32), random tokens; ``--context``
   tokens are prefilled in chunks and the log-probs of the last chunk's tokens (which attend over
