@@ -34,14 +34,19 @@ Parts (each under its key in the JSON):
   check of the method). ``top2_both``: the fraction where each run's token is in the other's
   top 2 log-probs (the idea of vLLM's ``check_logprobs_close`` with k = 2: a divergence between
   near-equal candidates). ``plain_margin``: plain's top-1 minus top-2 log-prob there (median,
-  max). ``margin_below_near_tie``: the fraction of divergences whose margin is below
-  ``near_tie_threshold`` = the dtype's teacher-forced ``max_abs_logprob_err``.
+  max); ``plain_gap``: plain's log-prob of its token minus of the run's token there (median,
+  max: the margin the perturbation overcame). ``margin_below_near_tie``: the fraction of
+  divergences whose ``plain_margin`` is below ``near_tie_threshold`` = the dtype's teacher-forced
+  ``max_abs_logprob_err``.
   ``plain_token_logprob_change`` / ``run_token_logprob_change``: ``|log-prob on the dtype's pages -
   on plain pages|`` of plain's / the run's token there (median, max: the perturbation that flipped
   it). Over all 64 x 256 plain greedy positions: ``near_tie_fraction``, the fraction whose margin
   is below ``near_tie_threshold`` (how common near-ties are in this model); ``stepwise_flips``,
   the positions where the stepwise argmax differs, and ``stepwise_flips_at_near_ties``, the
-  fraction of them below the threshold.
+  fraction of them below the threshold; ``path_abs_logprob_err``: teacher_forced's
+  ``|log-prob error|`` of plain's token on these generated rows (mean, max, and
+  ``max_short_context`` over the positions whose context is no longer than the 128-token
+  teacher-forced windows').
 * ``accuracy.llama8b_layer``: one random Llama 3.1 8B-shaped layer (hidden 4096, 32 heads, 8 KV
   heads, head_dim 128, MLP 14336, vocabulary ``--vocab``, float32), random tokens; ``--context``
   tokens are prefilled in chunks and the log-probs of the last chunk's tokens (which attend over
@@ -180,7 +185,7 @@ def _in_top2(lp: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 
 def divergence_analysis(lp_plain: np.ndarray, lp_kd: np.ndarray, plain: np.ndarray, run: np.ndarray,
-                        near_tie: float) -> dict:
+                        near_tie: float, short: int) -> dict:
     """Where free-running greedy rows on another page dtype leave plain pages' rows (module docstring).
 
     ``plain`` / ``run``: int [P, L] greedy tokens generated on plain / the other dtype's pages.
@@ -188,7 +193,8 @@ def divergence_analysis(lp_plain: np.ndarray, lp_kd: np.ndarray, plain: np.ndarr
     teacher-forced (prompt + ``plain``'s previous tokens) through plain / the other dtype's pages.
     Up to a row's first disagreement the two runs share their prefix, so the teacher-forced
     log-probs there are those each run saw. ``near_tie``: a log-prob margin (the dtype's
-    teacher-forced max |log-prob error|)."""
+    teacher-forced max |log-prob error|). ``short``: how many leading positions have contexts no
+    longer than the teacher-forced windows' (``path_abs_logprob_err.max_short_context``)."""
     rows = np.flatnonzero((plain != run).any(1))
     d = np.argmax(plain[rows] != run[rows], axis=1)  # the first disagreement of each diverging row
     p_at, q_at = lp_plain[rows, d], lp_kd[rows, d]  # [R, V]
@@ -202,11 +208,16 @@ def divergence_analysis(lp_plain: np.ndarray, lp_kd: np.ndarray, plain: np.ndarr
     reproduced = (p_at.argmax(-1) == a) & (q_at.argmax(-1) == b) & (np.argmax(flips[rows], axis=1) == d)
     margin_at = top2_margin(p_at)
     margin_all = top2_margin(lp_plain)  # [P, L]
+    path_err = np.abs(_pick(lp_kd.reshape(-1, lp_kd.shape[-1]), plain.reshape(-1))
+                      - _pick(lp_plain.reshape(-1, lp_plain.shape[-1]), plain.reshape(-1))).reshape(plain.shape)
     return {
         "rows": int(rows.size),
         "reproduced": float(reproduced.mean()) if rows.size else None,
         "top2_both": float(both.mean()) if rows.size else None,
         "plain_margin": _median_max(margin_at),
+        # The margin the perturbation overcame: plain's log-prob of its token minus of the run's
+        # (plain_margin when the run's token is plain's second).
+        "plain_gap": _median_max(_pick(p_at, a) - _pick(p_at, b)),
         "margin_below_near_tie": float((margin_at < near_tie).mean()) if rows.size else None,
         "plain_token_logprob_change": _median_max(np.abs(_pick(q_at, a) - _pick(p_at, a))),
         "run_token_logprob_change": _median_max(np.abs(_pick(q_at, b) - _pick(p_at, b))),
@@ -214,6 +225,10 @@ def divergence_analysis(lp_plain: np.ndarray, lp_kd: np.ndarray, plain: np.ndarr
         "near_tie_fraction": float((margin_all < near_tie).mean()),
         "stepwise_flips": int(flips.sum()),
         "stepwise_flips_at_near_ties": float((margin_all[flips] < near_tie).mean()) if flips.any() else None,
+        # teacher_forced's error measure on the generated text (plain's greedy rows) instead of
+        # the held-out windows; also over the positions whose context is as short as theirs.
+        "path_abs_logprob_err": {"mean": float(path_err.mean()), "max": float(path_err.max()),
+                                 "max_short_context": float(path_err[:, :short].max())},
     }
 
 
@@ -254,7 +269,8 @@ def tiny_accuracy(windows: int, chunk: int, prompts: int, new_tokens: int) -> di
                       "stepwise_agreement": float((step[kd].argmax(-1) == outs["auto"]).mean())}
         if kd != "auto":
             greedy[kd]["divergence"] = divergence_analysis(step["auto"], step[kd], outs["auto"], outs[kd],
-                                                           tf[kd]["max_abs_logprob_err"])
+                                                           tf[kd]["max_abs_logprob_err"],
+                                                           short=wins.shape[1] - w)
     res["greedy"] = {"prompts": prompts, "new_tokens": new_tokens, **greedy}
     return res
 
