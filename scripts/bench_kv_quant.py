@@ -31,7 +31,9 @@ Parts (each under its key in the JSON):
   the same prefix, so teacher-forcing plain's row through plain and through the dtype's pages
   gives the log-probs each run saw there. ``rows``: diverging rows. ``reproduced``: the fraction
   of them whose teacher-forced passes pick the same two tokens at the same first position (a
-  check of the method). ``top2_both``: the fraction where each run's token is in the other's
+  check of the method). ``beyond_short_context``: the fraction of them whose first disagreement
+  has a context longer than the 128-token teacher-forced windows (the length the model was
+  trained on). ``top2_both``: the fraction where each run's token is in the other's
   top 2 log-probs (the idea of vLLM's ``check_logprobs_close`` with k = 2: a divergence between
   near-equal candidates). ``plain_margin``: plain's top-1 minus top-2 log-prob there (median,
   max); ``plain_gap``: plain's log-prob of its token minus of the run's token there (median,
@@ -42,8 +44,9 @@ Parts (each under its key in the JSON):
   on plain pages|`` of plain's / the run's token there (median, max: the perturbation that flipped
   it). Over all 64 x 256 plain greedy positions: ``near_tie_fraction``, the fraction whose margin
   is below ``near_tie_threshold`` (how common near-ties are in this model); ``stepwise_flips``,
-  the positions where the stepwise argmax differs, and ``stepwise_flips_at_near_ties``, the
-  fraction of them below the threshold; ``path_abs_logprob_err``: teacher_forced's
+  the positions where the stepwise argmax differs, ``stepwise_flips_at_near_ties``, the
+  fraction of them below the threshold, and ``stepwise_flips_beyond_short_context``, how many of
+  them have a context longer than 128 tokens; ``path_abs_logprob_err``: teacher_forced's
   ``|log-prob error|`` of plain's token on these generated rows (mean, max, and
   ``max_short_context`` over the positions whose context is no longer than the 128-token
   teacher-forced windows').
@@ -194,7 +197,7 @@ def divergence_analysis(lp_plain: np.ndarray, lp_kd: np.ndarray, plain: np.ndarr
     Up to a row's first disagreement the two runs share their prefix, so the teacher-forced
     log-probs there are those each run saw. ``near_tie``: a log-prob margin (the dtype's
     teacher-forced max |log-prob error|). ``short``: how many leading positions have contexts no
-    longer than the teacher-forced windows' (``path_abs_logprob_err.max_short_context``)."""
+    longer than the teacher-forced windows' (``max_short_context``, ``beyond_short_context``)."""
     rows = np.flatnonzero((plain != run).any(1))
     d = np.argmax(plain[rows] != run[rows], axis=1)  # the first disagreement of each diverging row
     p_at, q_at = lp_plain[rows, d], lp_kd[rows, d]  # [R, V]
@@ -213,6 +216,7 @@ def divergence_analysis(lp_plain: np.ndarray, lp_kd: np.ndarray, plain: np.ndarr
     return {
         "rows": int(rows.size),
         "reproduced": float(reproduced.mean()) if rows.size else None,
+        "beyond_short_context": float((d >= short).mean()) if rows.size else None,
         "top2_both": float(both.mean()) if rows.size else None,
         "plain_margin": _median_max(margin_at),
         # The margin the perturbation overcame: plain's log-prob of its token minus of the run's
@@ -224,6 +228,7 @@ def divergence_analysis(lp_plain: np.ndarray, lp_kd: np.ndarray, plain: np.ndarr
         "near_tie_threshold": near_tie,
         "near_tie_fraction": float((margin_all < near_tie).mean()),
         "stepwise_flips": int(flips.sum()),
+        "stepwise_flips_beyond_short_context": int(flips[:, short:].sum()),
         "stepwise_flips_at_near_ties": float((margin_all[flips] < near_tie).mean()) if flips.any() else None,
         # teacher_forced's error measure on the generated text (plain's greedy rows) instead of
         # the held-out windows; also over the positions whose context is as short as theirs.
