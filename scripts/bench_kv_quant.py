@@ -6,15 +6,50 @@ decode-step time, measured (issue 32). Reference kernels on the CPU.
 
 Parts (each under its key in the JSON):
 
-* ``accuracy.tiny``: the built-in trained model (``checkpoints/tiny-llama``) on held-out text
-  (``scripts/train_tiny_llama.py``'s validation corpus: ``generate_corpus(VAL_SEED_OFFSET, 400)``
-  packed into 128-token windows, never trained on). Teacher-forced: every window is prefilled
-  through the paged cache (K/V written, quantized for int8/fp8, then attended over) in chunks of
-  ``--chunk`` tokens; per token the log-prob of the true next token. Reported: max / mean
-  ``|log-prob - log-prob on plain pages|`` and perplexity (exp of the mean negative log-prob).
-  Greedy: ``generate`` 256 new tokens for 64 prompts (the first 16 tokens of held-out documents);
-  agreement = the fraction of the 64 x 256 positions whose token equals plain pages', and the
-  mean position of the first disagreement.
+* ``accuracy.tiny``: the built-in trained model (``checkpoints/tiny-llama``, float32) on held-out
+  text (``scripts/train_tiny_llama.py``'s validation corpus: ``generate_corpus(VAL_SEED_OFFSET, 400)``
+  packed into 128-token windows, never trained on), per page dtype: plain (``auto``: float32),
+  int8, fp8, and bfloat16 as a control: 8 significant bits per element (int8 has 8 bits, sign
+  included, on a per-token, per-KV-head scale), with no scale and no integer grid. If bfloat16
+  pages agree about as badly as int8, the greedy metrics measure this model's near-ties, not a
+  quantization defect.
+
+  ``teacher_forced``: every window is prefilled through the paged cache (K/V written, quantized
+  for int8/fp8, then attended over) in chunks of ``--chunk`` tokens; per token the log-prob of
+  the true next token. ``max_abs_logprob_err`` / ``mean_abs_logprob_err``: max / mean
+  ``|log-prob - log-prob on plain pages|``; ``perplexity``: exp of the mean negative log-prob.
+
+  ``greedy``: ``generate`` 256 new tokens for 64 prompts (the first 16 tokens of held-out
+  documents) on each dtype's pages. ``agreement``: the fraction of the 64 x 256 positions whose
+  token equals plain pages' (free-running: one flip changes the rest of a row);
+  ``mean_first_disagreement``: the mean position of a row's first differing token (256 when
+  none); ``rows_all_equal``. ``stepwise_agreement``: plain pages' greedy rows teacher-forced
+  through each dtype's pages (the same prefix at every step), the fraction of positions whose
+  argmax is plain's token.
+
+  ``greedy.<dtype>.divergence``: why rows diverge. At a row's first disagreement both runs have
+  the same prefix, so teacher-forcing plain's row through plain and through the dtype's pages
+  gives the log-probs each run saw there. ``rows``: diverging rows. ``reproduced``: the fraction
+  of them whose teacher-forced passes pick the same two tokens at the same first position (a
+  check of the method). ``beyond_short_context``: the fraction of them whose first disagreement
+  has a context longer than the 128-token teacher-forced windows (the length the model was
+  trained on). ``top2_both``: the fraction where each run's token is in the other's
+  top 2 log-probs (the idea of vLLM's ``check_logprobs_close`` with k = 2: a divergence between
+  near-equal candidates). ``plain_margin``: plain's top-1 minus top-2 log-prob there (median,
+  max); ``plain_gap``: plain's log-prob of its token minus of the run's token there (median,
+  max: the margin the perturbation overcame). ``margin_below_near_tie``: the fraction of
+  divergences whose ``plain_margin`` is below ``near_tie_threshold`` = the dtype's teacher-forced
+  ``max_abs_logprob_err``.
+  ``plain_token_logprob_change`` / ``run_token_logprob_change``: ``|log-prob on the dtype's pages -
+  on plain pages|`` of plain's / the run's token there (median, max: the perturbation that flipped
+  it). Over all 64 x 256 plain greedy positions: ``near_tie_fraction``, the fraction whose margin
+  is below ``near_tie_threshold`` (how common near-ties are in this model); ``stepwise_flips``,
+  the positions where the stepwise argmax differs, ``stepwise_flips_at_near_ties``, the
+  fraction of them below the threshold, and ``stepwise_flips_beyond_short_context``, how many of
+  them have a context longer than 128 tokens; ``path_abs_logprob_err``: teacher_forced's
+  ``|log-prob error|`` of plain's token on these generated rows (mean, max, and
+  ``max_short_context`` over the positions whose context is no longer than the 128-token
+  teacher-forced windows').
 * ``accuracy.llama8b_layer``: one random Llama 3.1 8B-shaped layer (hidden 4096, 32 heads, 8 KV
   heads, head_dim 128, MLP 14336, vocabulary ``--vocab``, float32), random tokens; ``--context``
   tokens are prefilled in chunks and the log-probs of the last chunk's tokens (which attend over
@@ -64,6 +99,9 @@ from paged_kv.models.protocol import model_facts
 from paged_kv.models.tokenizer import ByteTokenizer
 
 KV_DTYPES = ("auto", "int8", "fp8")
+# The tiny model's accuracy also runs bfloat16 pages on the float32 model: a control with int8's
+# 8 significant bits and no quantization step (no scale, no integer grid).
+TINY_KV_DTYPES = (*KV_DTYPES, "bfloat16")
 
 
 # ---------------------------------------------------------------------------- teacher forcing
@@ -79,12 +117,12 @@ def _chunk(graphdef: nnx.GraphDef, state: nnx.State, pages, batch, tokens: jax.A
     return jax.nn.log_softmax(model.logits(hidden).astype(jnp.float32), axis=-1), pages
 
 
-def teacher_forced_logprobs(model, windows: np.ndarray, kv_dtype: str, chunk: int, block_size: int = 16,
-                            score_from: int = 0, argmax: bool = False) -> np.ndarray:
+def teacher_forced_logprobs(model: nnx.Module, windows: np.ndarray, kv_dtype: str, chunk: int, block_size: int = 16,
+                            score_from: int = 0, full: bool = False) -> np.ndarray:
     """float32 [B, N - 1 - score_from] log-probs of ``windows[:, 1:]`` (int [B, N]) given the
     prefix, through pages of ``kv_dtype``, prefilled ``chunk`` tokens at a time; positions before
-    ``score_from`` are prefilled without computing logits. ``argmax``: int32 greedy next tokens of
-    the same positions instead of log-probs."""
+    ``score_from`` are prefilled without computing logits. ``full``: every token's log-prob
+    instead, float32 [B, N - 1 - score_from, V] (the argmax is the greedy next token)."""
     b, n = windows.shape
     inputs = windows[:, :-1]
     length = inputs.shape[1]
@@ -100,8 +138,7 @@ def teacher_forced_logprobs(model, windows: np.ndarray, kv_dtype: str, chunk: in
         lp, pages = _chunk(graphdef, state, pages, batch, jnp.asarray(inputs[:, start:start + t]), logits=want)
         if want:
             tgt = windows[:, start + 1:start + t + 1]
-            got = np.argmax(np.asarray(lp), -1) if argmax else \
-                np.take_along_axis(np.asarray(lp), tgt[..., None], axis=-1)[..., 0]
+            got = np.asarray(lp) if full else np.take_along_axis(np.asarray(lp), tgt[..., None], axis=-1)[..., 0]
             lo = max(score_from - start, 0)
             out.append(got[:, lo:])
     return np.concatenate(out, axis=1)
@@ -127,13 +164,86 @@ def heldout(num_docs: int, seq_len: int = 128):
     return docs, pack_documents(docs, ByteTokenizer(), seq_len)
 
 
+def _median_max(x: np.ndarray) -> dict[str, float | None]:
+    """``{"median", "max"}`` of a float array (None for both when it is empty)."""
+    if x.size == 0:
+        return {"median": None, "max": None}
+    return {"median": float(np.median(x)), "max": float(x.max())}
+
+
+def top2_margin(lp: np.ndarray) -> np.ndarray:
+    """float32 [...] top-1 minus top-2 log-prob of float32 [..., V] log-probs (>= 0)."""
+    two = np.partition(lp, -2, axis=-1)[..., -2:]
+    return two[..., 1] - two[..., 0]
+
+
+def _pick(lp: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """float32 [R] log-prob of ``tokens`` (int [R]) in float32 [R, V] log-probs."""
+    return np.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+
+
+def _in_top2(lp: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """bool [R]: ``tokens`` (int [R]) among the two largest of float32 [R, V] log-probs."""
+    return (np.argpartition(lp, -2, axis=-1)[:, -2:] == tokens[:, None]).any(1)
+
+
+def divergence_analysis(lp_plain: np.ndarray, lp_kd: np.ndarray, plain: np.ndarray, run: np.ndarray,
+                        near_tie: float, short: int) -> dict:
+    """Where free-running greedy rows on another page dtype leave plain pages' rows (module docstring).
+
+    ``plain`` / ``run``: int [P, L] greedy tokens generated on plain / the other dtype's pages.
+    ``lp_plain`` / ``lp_kd``: float32 [P, L, V] log-probs at each position of ``plain``'s rows,
+    teacher-forced (prompt + ``plain``'s previous tokens) through plain / the other dtype's pages.
+    Up to a row's first disagreement the two runs share their prefix, so the teacher-forced
+    log-probs there are those each run saw. ``near_tie``: a log-prob margin (the dtype's
+    teacher-forced max |log-prob error|). ``short``: how many leading positions have contexts no
+    longer than the teacher-forced windows' (``max_short_context``, ``beyond_short_context``)."""
+    rows = np.flatnonzero((plain != run).any(1))
+    d = np.argmax(plain[rows] != run[rows], axis=1)  # the first disagreement of each diverging row
+    p_at, q_at = lp_plain[rows, d], lp_kd[rows, d]  # [R, V]
+    a, b = plain[rows, d], run[rows, d]  # plain's token, the other run's token
+    # vLLM's check_logprobs_close idea with k = 2: each run's token is in the other's top 2.
+    both = _in_top2(q_at, a) & _in_top2(p_at, b)
+    # The teacher-forced passes reproduce a divergence when each pass's argmax is its run's token
+    # and the row's first stepwise disagreement is at the same position (chunked prefill vs
+    # one-token decode could round differently).
+    flips = lp_kd.argmax(-1) != plain  # [P, L] stepwise disagreements
+    reproduced = (p_at.argmax(-1) == a) & (q_at.argmax(-1) == b) & (np.argmax(flips[rows], axis=1) == d)
+    margin_at = top2_margin(p_at)
+    margin_all = top2_margin(lp_plain)  # [P, L]
+    path_err = np.abs(_pick(lp_kd.reshape(-1, lp_kd.shape[-1]), plain.reshape(-1))
+                      - _pick(lp_plain.reshape(-1, lp_plain.shape[-1]), plain.reshape(-1))).reshape(plain.shape)
+    return {
+        "rows": int(rows.size),
+        "reproduced": float(reproduced.mean()) if rows.size else None,
+        "beyond_short_context": float((d >= short).mean()) if rows.size else None,
+        "top2_both": float(both.mean()) if rows.size else None,
+        "plain_margin": _median_max(margin_at),
+        # The margin the perturbation overcame: plain's log-prob of its token minus of the run's
+        # (plain_margin when the run's token is plain's second).
+        "plain_gap": _median_max(_pick(p_at, a) - _pick(p_at, b)),
+        "margin_below_near_tie": float((margin_at < near_tie).mean()) if rows.size else None,
+        "plain_token_logprob_change": _median_max(np.abs(_pick(q_at, a) - _pick(p_at, a))),
+        "run_token_logprob_change": _median_max(np.abs(_pick(q_at, b) - _pick(p_at, b))),
+        "near_tie_threshold": near_tie,
+        "near_tie_fraction": float((margin_all < near_tie).mean()),
+        "stepwise_flips": int(flips.sum()),
+        "stepwise_flips_beyond_short_context": int(flips[:, short:].sum()),
+        "stepwise_flips_at_near_ties": float((margin_all[flips] < near_tie).mean()) if flips.any() else None,
+        # teacher_forced's error measure on the generated text (plain's greedy rows) instead of
+        # the held-out windows; also over the positions whose context is as short as theirs.
+        "path_abs_logprob_err": {"mean": float(path_err.mean()), "max": float(path_err.max()),
+                                 "max_short_context": float(path_err[:, :short].max())},
+    }
+
+
 def tiny_accuracy(windows: int, chunk: int, prompts: int, new_tokens: int) -> dict:
     model = load_hf_checkpoint(BUILTIN)
     docs, packed = heldout(400)
     wins = packed[:windows]
-    lps = {kd: teacher_forced_logprobs(model, wins, kd, chunk) for kd in KV_DTYPES}
-    res = {"teacher_forced": {"windows": len(wins), "window_tokens": int(wins.shape[1]), "chunk": chunk,
-                              **logprob_errors(lps)}}
+    lps = {kd: teacher_forced_logprobs(model, wins, kd, chunk) for kd in TINY_KV_DTYPES}
+    tf = logprob_errors(lps)
+    res = {"teacher_forced": {"windows": len(wins), "window_tokens": int(wins.shape[1]), "chunk": chunk, **tf}}
     tok = ByteTokenizer()
     heads = [tok.encode(d, add_bos=True)[:16] for d in docs[:prompts]]
     toks, lens = pad_prompts(heads)
@@ -143,24 +253,29 @@ def tiny_accuracy(windows: int, chunk: int, prompts: int, new_tokens: int) -> di
     mgr = pk.ManagerConfig(num_blocks=1 + prompts * per_seq, block_size=bs, max_seqs=prompts,
                            max_blocks_per_seq=per_seq, prefix_caching=False)
     outs = {}
-    for kd in KV_DTYPES:
+    for kd in TINY_KV_DTYPES:
         pages = allocate_pages(page_spec(model, mgr.num_blocks, bs, kv_dtype=kd))
         out, _, _ = generate(model, pages, toks, lens, 0, SamplingParams(max_new_tokens=new_tokens), manager=mgr,
                              impl="reference")
         outs[kd] = np.asarray(out.tokens)[:, 0, :new_tokens]
-    greedy = {}
-    # Stepwise: plain pages' greedy sequences teacher-forced through each dtype's pages; the
-    # fraction of the generated positions whose argmax equals the token plain pages chose (one
-    # near-tie no longer shifts the rest of a row).
+    # Plain pages' greedy sequences teacher-forced through each dtype's pages: every token's
+    # log-prob at each generated position, float32 [prompts, new_tokens, V]. Stepwise agreement
+    # compares their argmax with plain's tokens (one near-tie no longer shifts the rest of a row).
     forced = np.concatenate([toks, outs["auto"]], axis=1)
     w = toks.shape[1]
-    for kd in KV_DTYPES:
+    step = {kd: teacher_forced_logprobs(model, forced, kd, chunk, score_from=w - 1, full=True)
+            for kd in TINY_KV_DTYPES}
+    greedy = {}
+    for kd in TINY_KV_DTYPES:
         same = outs[kd] == outs["auto"]
         first = np.where(same.all(1), new_tokens, np.argmin(same, axis=1))
-        step = teacher_forced_logprobs(model, forced, kd, chunk, score_from=w - 1, argmax=True)
         greedy[kd] = {"agreement": float(same.mean()), "mean_first_disagreement": float(first.mean()),
                       "rows_all_equal": int(same.all(1).sum()),
-                      "stepwise_agreement": float((step[:, :new_tokens] == outs["auto"]).mean())}
+                      "stepwise_agreement": float((step[kd].argmax(-1) == outs["auto"]).mean())}
+        if kd != "auto":
+            greedy[kd]["divergence"] = divergence_analysis(step["auto"], step[kd], outs["auto"], outs[kd],
+                                                           tf[kd]["max_abs_logprob_err"],
+                                                           short=wins.shape[1] - w)
     res["greedy"] = {"prompts": prompts, "new_tokens": new_tokens, **greedy}
     return res
 
