@@ -59,8 +59,9 @@ Parts (each under its key in the JSON):
   build_workload``) at a KV budget where plain pages preempt: preemptions, the most requests
   running at once, steps.
 * ``timing`` (only with ``--timing``; the machine must be quiet): one decode step of the tiny
-  model at batch 32, plain vs int8 vs fp8 pages, alternating per repeat in one process, medians,
-  ratio plain / quantized (goal >= 0.9).
+  model at batch 32, plain vs int8 vs fp8 pages, alternating step by step in one process, 5 rounds
+  of 40 steps each: the median step over all rounds, the ratio plain / quantized of those medians
+  (goal >= 0.9) and each round's ratio.
 """
 
 from __future__ import annotations
@@ -347,30 +348,40 @@ def serving_capacity(num_blocks_plain: int, requests: int, max_new_tokens: int) 
 
 
 # ---------------------------------------------------------------------------- timing
-def decode_timing(batch: int, context: int, repeats: int) -> dict:
+def decode_timing(batch: int, context: int, repeats: int, rounds: int = 5) -> dict:
+    """One decode step of the built-in model at ``batch`` x ``context`` on each page dtype, the
+    dtypes alternating step by step in one process: ``rounds`` rounds of ``repeats`` steps each.
+    Reports the median step over all rounds, the speed ratio plain / quantized from those medians,
+    and each round's ratio (the spread a single shorter run would show)."""
     from scripts.bench_model import decode_inputs
     model = load_hf_checkpoint(BUILTIN)
     graphdef, state = nnx.split(model)
     tokens, _, meta, num_blocks = decode_inputs(model.config, batch, context, 16)
-    pages = {kd: allocate_pages(page_spec(model, num_blocks, 16, kv_dtype=kd)) for kd in KV_DTYPES}
+    kinds = ("auto", "int8", "fp8")
+    pages = {kd: allocate_pages(page_spec(model, num_blocks, 16, kv_dtype=kd)) for kd in kinds}
 
     def step(kd):
         logits, pages[kd] = paged_decode_step(graphdef, state, pages[kd], meta, tokens, impl="reference")
         logits.block_until_ready()
 
-    for kd in KV_DTYPES:
+    for kd in kinds:
         for _ in range(3):
             step(kd)
-    times = {kd: [] for kd in KV_DTYPES}
-    for _ in range(repeats):
-        for kd in KV_DTYPES:
-            t0 = time.perf_counter()
-            step(kd)
-            times[kd].append(time.perf_counter() - t0)
-    med = {kd: statistics.median(v) for kd, v in times.items()}
-    return {"batch": batch, "context": context, "repeats": repeats,
-            **{f"{kd}_step_ms": med[kd] * 1e3 for kd in KV_DTYPES},
-            **{f"speed_ratio_{kd}": med["auto"] / med[kd] for kd in ("int8", "fp8")}}
+    times = {kd: [[] for _ in range(rounds)] for kd in kinds}
+    for r in range(rounds):
+        for _ in range(repeats):
+            for kd in kinds:
+                t0 = time.perf_counter()
+                step(kd)
+                times[kd][r].append(time.perf_counter() - t0)
+    med = {kd: statistics.median(t for rt in v for t in rt) for kd, v in times.items()}
+    per_round = {kd: [statistics.median(times["auto"][r]) / statistics.median(times[kd][r]) for r in range(rounds)]
+                 for kd in ("int8", "fp8")}
+    return {"batch": batch, "context": context, "repeats": repeats, "rounds": rounds,
+            **{f"{kd}_step_ms": med[kd] * 1e3 for kd in kinds},
+            **{f"speed_ratio_{kd}": med["auto"] / med[kd] for kd in ("int8", "fp8")},
+            **{f"speed_ratio_{kd}_per_round": [round(x, 3) for x in v] for kd, v in per_round.items()},
+            "command": "python scripts/bench_kv_quant.py --timing --parts capacity (a quiet machine)"}
 
 
 def main(argv=None) -> int:
@@ -399,7 +410,7 @@ def main(argv=None) -> int:
                            "serving": serving_capacity(24, 6 if q else 24, 12 if q else 48)}
         print(json.dumps(res["capacity"], indent=1), flush=True)
     if args.timing or q:
-        res["timing"] = decode_timing(32 if not q else 8, 128, 5 if q else 30)
+        res["timing"] = decode_timing(32 if not q else 8, 128, 5 if q else 40, 2 if q else 5)
         print(json.dumps(res["timing"], indent=1), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists() and not q:  # parts run separately add up in one file (read at write time)
