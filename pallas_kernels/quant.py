@@ -187,11 +187,13 @@ def bits_to_float32(x: jax.Array) -> jax.Array:
   if x.dtype != BITS_DTYPE:
     return x.astype(jnp.float32)
   b = x.astype(jnp.uint32)
-  mag = b & 0x7F
-  sign = (b & 0x80) << 24
-  normal = jax.lax.bitcast_convert_type(((mag << 20) + (120 << 23)) | sign, jnp.float32)
-  sub = mag.astype(jnp.float32) * 2.0**-9
-  return jnp.where(mag < 8, jnp.where(sign != 0, -sub, sub), normal)
+  mag = (b & 0x7F) << 20
+  # e = 0 (mag < 8 << 20): the pattern read with exponent field 121 is 2^-6 (1 + m/8); less 2^-6
+  # it is the subnormal m 2^-9, exactly. Else the exponent field is e + 120.
+  sub = jax.lax.bitcast_convert_type(mag + (121 << 23), jnp.float32) - 2.0**-6
+  normal = jax.lax.bitcast_convert_type(mag + (120 << 23), jnp.float32)
+  mag_f = jnp.where(mag < (8 << 20), sub, normal)
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(mag_f, jnp.uint32) | ((b & 0x80) << 24), jnp.float32)
 
 
 def quantize_pages(pages: jax.Array, dtype: DTypeLike) -> QuantPages:

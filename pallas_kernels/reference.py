@@ -130,6 +130,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   heads = jnp.arange(hkv, dtype=jnp.int32)[:, None]
   k_plane = ((layer * 2 + 0) * hkv + heads) * num_blocks
   v_plane = ((layer * 2 + 1) * hkv + heads) * num_blocks
+  kv_planes = jnp.concatenate([k_plane, v_plane])  # [2 * Hkv, 1]
   qk = q.reshape(b, t, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * g, d)
   hi = jax.lax.Precision.HIGHEST
   # A decode step (one query per sequence, G query rows per KV head) is a batch of [G, D] x [D,
@@ -168,8 +169,9 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
       s = jnp.einsum("kbrd,kbsd->kbrs", qk, k, preferred_element_type=jnp.float32, precision=hi)
     s = s.reshape(hkv, b, t, g, keys)
     if scale_rows is not None:  # K's per-token scale multiplies its score column
-      k_scale = scale_rows.at[k_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, 1, 1, keys)
-      s = s * k_scale
+      # K's and V's scales in one gather ([2, Hkv, B, keys]): XLA:CPU pays per op at these sizes.
+      kv_scales = scale_rows.at[kv_planes + ids].get(mode="promise_in_bounds").reshape(2, hkv, b, keys)
+      s = s * kv_scales[0].reshape(hkv, b, 1, 1, keys)
     s = s * scale
     pos = c * keys + jnp.arange(keys, dtype=jnp.int32)
     s = score_knobs(s, soft_cap, slopes, pos, last_pos[None, :, :, None, None])
@@ -179,7 +181,7 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
       v = quant.bits_to_float32(v)
     rows_p = p.reshape(hkv, b, t * g, keys)
     if scale_rows is not None:  # V's per-token scale multiplies its probability (l keeps p unscaled)
-      rows_p = rows_p * scale_rows.at[v_plane + ids].get(mode="promise_in_bounds").reshape(hkv, b, 1, keys)
+      rows_p = rows_p * kv_scales[1].reshape(hkv, b, 1, keys)
     if decode:
       pv = jnp.sum(rows_p[..., None] * v.astype(jnp.float32)[:, :, None], axis=-2)
     else:
