@@ -59,7 +59,8 @@ Parts (each under its key in the JSON):
   build_workload``) at a KV budget where plain pages preempt: preemptions, the most requests
   running at once, steps.
 * ``timing`` (only with ``--timing``; the machine must be quiet): one decode step of the tiny
-  model at batch 32, plain vs int8 vs fp8 pages, alternating step by step in one process, 5 rounds
+  model at batch 32 and 128 or 512 positions of context, plain vs int8 vs fp8 pages, alternating
+  step by step in one process, 5 rounds
   of 40 steps each: the median step over all rounds, the ratio plain / quantized of those medians
   (goal >= 0.9) and each round's ratio.
 """
@@ -410,7 +411,8 @@ def main(argv=None) -> int:
                            "serving": serving_capacity(24, 6 if q else 24, 12 if q else 48)}
         print(json.dumps(res["capacity"], indent=1), flush=True)
     if args.timing or q:
-        res["timing"] = decode_timing(32 if not q else 8, 128, 5 if q else 40, 2 if q else 5)
+        res["timing"] = {f"context_{c}": decode_timing(32 if not q else 8, c, 5 if q else 40, 2 if q else 5)
+                         for c in ((128,) if q else (128, 512))}
         print(json.dumps(res["timing"], indent=1), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists() and not q:  # parts run separately add up in one file (read at write time)

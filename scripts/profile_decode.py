@@ -167,6 +167,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-dtype", default="auto", help="the pages' dtype: auto (the model's), int8 or fp8")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "profile_decode.json"))
     ap.add_argument("--update-docs", action="store_true",
                     help="rewrite docs/benchmarks.md's profile table from the result")
@@ -182,7 +183,7 @@ def main():
     per_seq = -(-(args.prompt + args.new) // bs)
     mgr = pk.ManagerConfig(num_blocks=1 + b * per_seq + b, block_size=bs, max_seqs=b, max_blocks_per_seq=per_seq)
     params = engine.SamplingParams(max_new_tokens=args.new)
-    box = {"pages": allocate_pages(page_spec(CONFIG, mgr.num_blocks, bs)), "state": pk.init_state(mgr)}
+    box = {"pages": allocate_pages(page_spec(CONFIG, mgr.num_blocks, bs, kv_dtype=args.kv_dtype)), "state": pk.init_state(mgr)}
     lens = np.full(b, args.prompt, np.int32)
 
     def run(seed):
@@ -241,7 +242,7 @@ def main():
         print(f"{r['part']:<56} {r['ms']:>8.1f} {100 * r['share']:>5.1f}%")
     cpus = os.cpu_count() or 1
     result = {
-        "meta": {"batch": b, "prompt": args.prompt, "new_tokens": args.new, "block_size": bs, "decode_steps": steps,
+        "meta": {"batch": b, "prompt": args.prompt, "new_tokens": args.new, "block_size": bs, "kv_dtype": args.kv_dtype, "decode_steps": steps,
                  "model": {"vocab_size": CONFIG.vocab_size, "hidden_size": CONFIG.hidden_size,
                            "intermediate_size": CONFIG.intermediate_size, "num_layers": CONFIG.num_layers,
                            "num_heads": CONFIG.num_heads, "num_kv_heads": CONFIG.num_kv_heads, "dtype": "float32"},
