@@ -183,7 +183,8 @@ def main():
     per_seq = -(-(args.prompt + args.new) // bs)
     mgr = pk.ManagerConfig(num_blocks=1 + b * per_seq + b, block_size=bs, max_seqs=b, max_blocks_per_seq=per_seq)
     params = engine.SamplingParams(max_new_tokens=args.new)
-    box = {"pages": allocate_pages(page_spec(CONFIG, mgr.num_blocks, bs, kv_dtype=args.kv_dtype)), "state": pk.init_state(mgr)}
+    pages = allocate_pages(page_spec(CONFIG, mgr.num_blocks, bs, kv_dtype=args.kv_dtype))
+    box = {"pages": pages, "state": pk.init_state(mgr)}
     lens = np.full(b, args.prompt, np.int32)
 
     def run(seed):
@@ -242,7 +243,8 @@ def main():
         print(f"{r['part']:<56} {r['ms']:>8.1f} {100 * r['share']:>5.1f}%")
     cpus = os.cpu_count() or 1
     result = {
-        "meta": {"batch": b, "prompt": args.prompt, "new_tokens": args.new, "block_size": bs, "kv_dtype": args.kv_dtype, "decode_steps": steps,
+        "meta": {"batch": b, "prompt": args.prompt, "new_tokens": args.new, "block_size": bs, "decode_steps": steps,
+                 "kv_dtype": args.kv_dtype,
                  "model": {"vocab_size": CONFIG.vocab_size, "hidden_size": CONFIG.hidden_size,
                            "intermediate_size": CONFIG.intermediate_size, "num_layers": CONFIG.num_layers,
                            "num_heads": CONFIG.num_heads, "num_kv_heads": CONFIG.num_kv_heads, "dtype": "float32"},
