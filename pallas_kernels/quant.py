@@ -218,7 +218,7 @@ def quantize_pages(pages: jax.Array, dtype: DTypeLike) -> QuantPages:
 def dequantize_pages(pages: QuantPages, dtype: DTypeLike = jnp.float32) -> jax.Array:
   """:class:`QuantPages` back to plain pages ``[L, 2, Hkv, NB, bs, D]`` in ``dtype`` (tests and
   the explicit-dequantize comparison path)."""
-  return (bits_to_float32(pages.values) * pages.scales[..., None]).astype(dtype)
+  return dequantize(bits_to_float32(pages.values), pages.scales, dtype)
 
 
 def parse_target(target: Any) -> tuple[int, int] | None:

@@ -71,11 +71,11 @@ def check_pages(pages: Any) -> tuple[int, int, int, int, int]:
 def _check_quant_pages(pages: quant.QuantPages) -> tuple[int, int, int, int, int]:
   """:func:`check_pages` for :class:`paged_kv.pallas_kernels.quant.QuantPages`."""
   values, scales = pages.values, pages.scales
-  stored = [str(quant.storage_dtype(d)) for d in quant.KV_DTYPES]
-  if jnp.dtype(values.dtype) not in (quant.storage_dtype(d) for d in quant.KV_DTYPES):
+  stored = [quant.storage_dtype(d) for d in quant.KV_DTYPES]
+  if jnp.dtype(values.dtype) not in stored:
     hint = " (float8_e4m3fn values are stored as their uint8 bits: quant.as_bits)" \
         if jnp.dtype(values.dtype) == jnp.dtype(jnp.float8_e4m3fn) else ""
-    raise ValueError(f"QuantPages values dtype must be one of {stored}, got {values.dtype}{hint}")
+    raise ValueError(f"QuantPages values dtype must be one of {[str(d) for d in stored]}, got {values.dtype}{hint}")
   if not hasattr(scales, "shape") or jnp.dtype(scales.dtype) != jnp.dtype(jnp.float32):
     raise ValueError(f"QuantPages scales must be float32, got {getattr(scales, 'dtype', type(scales).__name__)}")
   dims = check_pages(jax.ShapeDtypeStruct(tuple(np.shape(values)), jnp.float32))

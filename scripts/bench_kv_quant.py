@@ -358,7 +358,7 @@ def decode_timing(batch: int, context: int, repeats: int, rounds: int = 5) -> di
     model = load_hf_checkpoint(BUILTIN)
     graphdef, state = nnx.split(model)
     tokens, _, meta, num_blocks = decode_inputs(model.config, batch, context, 16)
-    kinds = ("auto", "int8", "fp8")
+    kinds = KV_DTYPES
     pages = {kd: allocate_pages(page_spec(model, num_blocks, 16, kv_dtype=kd)) for kd in kinds}
 
     def step(kd):
