@@ -6,7 +6,9 @@ parallel samples, some for beam search of width 4, all arriving over time into a
 enough that requests get preempted and re-admitted. It ends with a report (throughput, peak
 blocks, KV memory saved by sharing, prefix-cache hit rate, preemptions) and a picture of one
 request family's block tables, in the terminal and as a PNG. The files (the report as JSON and
-the PNG) go to an output folder, ``paged-kv-out/`` by default (``--out-dir``), created if missing.
+the PNG) go to an output folder, ``paged-kv-out/`` by default (``--out-dir``), created if missing;
+the report records how the run was made (``paged_kv.apps.provenance``). A run refuses to replace
+an earlier run's files unless ``--overwrite``; Ctrl-C while serving writes a partial report.
 
     python -m paged_kv                       # the built-in checkpoints/tiny-llama
     python -m paged_kv --checkpoint DIR      # a Hugging Face Llama / Qwen2 / Qwen3 / Mistral directory
@@ -35,10 +37,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from paged_kv.apps.provenance import finish_record, run_record, utc_now
 from paged_kv.checkpoints import BUILTIN as BUILTIN_CHECKPOINT
 
 if TYPE_CHECKING:  # the engine and models load on first use: `--help` imports no JAX
@@ -94,6 +97,33 @@ def _flush_streams() -> None:
             pass
 
 
+_on_interrupt: Callable[[], str] | None = None
+"""Set while requests are being served: writes the partial report of the requests that finished
+(``_RunFiles.write_partial``) and returns the line that says where."""
+PARTIAL_REPORT_S = 10.0
+"""How long an interrupt waits for the partial report before it exits without it."""
+
+
+def _partial_report_line() -> str:
+    """``_on_interrupt``'s line, run in a thread of its own that may take ``PARTIAL_REPORT_S``
+    (the main thread may be inside XLA); "" when nothing is set, it fails or it takes too long."""
+    hook = _on_interrupt
+    if hook is None:
+        return ""
+    result: list[str] = []
+
+    def write() -> None:
+        try:
+            result.append(hook())
+        except Exception as e:  # the interrupt must still exit: say why the report is missing
+            result.append(f"paged-kv: no partial report: {_first_line(e)}")
+
+    writer = threading.Thread(target=write, name="paged-kv-partial-report", daemon=True)
+    writer.start()
+    writer.join(PARTIAL_REPORT_S)
+    return result[0] if result else "paged-kv: no partial report (writing it took too long)"
+
+
 def _interrupted() -> None:
     if not _exit_lock.acquire(blocking=False):  # the other path is already exiting
         while True:
@@ -102,7 +132,9 @@ def _interrupted() -> None:
     flusher.start()
     flusher.join(1.0)
     try:
-        os.write(2, (b"\n" if os.isatty(2) else b"") + b"paged-kv: interrupted\n")  # (past a progress bar)
+        line = _partial_report_line()
+        os.write(2, (b"\n" if os.isatty(2) else b"") + b"paged-kv: interrupted\n"  # (past a progress bar)
+                 + (line.encode(errors="replace") + b"\n" if line else b""))
     finally:
         os._exit(INTERRUPTED_STATUS)
 
@@ -215,8 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "preemption by recompute, prefix caching, parallel sampling and beam search) and report "
                     "tokens/s, peak blocks, KV memory saved by sharing, prefix-cache hit rate and preemptions, "
                     "with a picture of one request family's block tables.",
-        epilog=f"Files go to {DEFAULT_OUT_DIR}/ unless --out-dir, --png or --json say otherwise. How the block "
-               "manager, kernels, model and engines work: docs/design.md in the repository.",
+        epilog=f"Files go to {DEFAULT_OUT_DIR}/ unless --out-dir, --png or --json say otherwise; a run refuses to "
+               "replace the files of an earlier one unless --overwrite. Exit status: 0 done; 1 the run failed (a "
+               "checkpoint that cannot be loaded, a file that cannot be written, every request rejected, a missing "
+               "package); 2 the options cannot serve (one line naming the option, before anything loads); 130 "
+               "interrupted (Ctrl-C; the report then holds the requests that finished, marked partial). How the "
+               "block manager, kernels, model and engines work: docs/design.md in the repository.",
         formatter_class=_HelpFormatter)
     g = p.add_argument_group("model and workload")
     g.add_argument("--checkpoint", metavar="DIR", default=None,
@@ -231,7 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generated tokens per answer at most (an answer also ends at the EOS token)")
     g.add_argument("--arrival-gap", type=_non_negative, default=2, metavar="STEPS",
                    help="engine steps between two arrivals (0: all at once)")
-    g.add_argument("--seed", type=_non_negative, default=0, help="sampling seed (same seed, same outputs)")
+    g.add_argument("--seed", type=_non_negative, default=0,
+                   help="the run's sampling seed (same seed, same outputs). Your prompts: each prompt's seed is "
+                        "derived from --seed and the prompt's token ids (blake2b, prompt_seed), not its place in "
+                        "the list, so a prompt samples the same answers wherever it stands and whatever else runs "
+                        "(bit for bit with --batch-invariant; otherwise where its logits come out the same); the "
+                        "same prompt twice samples the same answers (--n for several). The workload: derived from "
+                        "--seed and the request number. Each request's seed is in the report")
     g = p.add_argument_group("your prompts (instead of the workload; the answers stream as they are generated)")
     g.add_argument("--prompt", action="append", metavar="TEXT", default=None,
                    help="a prompt to serve (repeat the option for several)")
@@ -257,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seqs", type=_positive, default=32, metavar="N",
                    help="sequences running at once (rows of every step; a request holds n or beam-width rows)")
     g.add_argument("--max-seq-len", type=_positive, default=256, metavar="TOKENS",
-                   help="tokens per sequence at most (prompt + answer; rounded up to whole blocks, capped by the "
-                        "model's context)")
+                   help="tokens per sequence at most (prompt + answer), rounded up to whole blocks, then capped by "
+                        "the model's context (config.json's max_position_embeddings): a larger value serves the "
+                        "model's context, and answers that reach it end early (finish reason 'length_capped')")
     g.add_argument("--chunk-size", type=_positive, default=64, metavar="TOKENS",
                    help="prefill positions per step")
     g.add_argument("--max-prefill-rows", type=_positive, default=8, metavar="N",
@@ -274,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention/copy kernels: auto = Pallas on GPU, the jnp reference on CPU")
     g.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant decoding (ServingConfig.batch_invariant): each request's tokens and "
-                        "log-probs the same bits whatever else runs; the reference kernels only")
+                        "log-probs the same bits whatever else runs (docs/batch_invariance.md); plain KV pages "
+                        "only (--kv-dtype auto); on the reference kernels (--impl reference, or auto off a GPU) "
+                        "the --block-size must divide 128")
     g.add_argument("--kv-dtype", choices=("auto", "int8", "fp8"), default="auto",
                    help="KV page dtype (ServingConfig.kv_dtype): auto = the model's; int8 / fp8 store one byte "
                         "per element plus a float32 scale per token and KV head, and the KV memory of "
@@ -290,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"write the block-table picture here instead of DIR/{PNG_NAME}")
     g.add_argument("--json", metavar="PATH", default=None,
                    help=f"write the report JSON here instead of DIR/{JSON_NAME}")
+    g.add_argument("--overwrite", action="store_true",
+                   help=f"replace the files of an earlier run at the output paths ({JSON_NAME}, {PNG_NAME}), "
+                        "removing its picture when this run draws none, so nothing stale stays beside the new "
+                        "report; without it, a run whose report or picture already exists is refused before "
+                        "anything loads. Every file is written under a temporary name in its folder, then renamed")
     g.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="colour the terminal block tables by reference count")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -341,16 +391,17 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _workload_notes(reqs, prompts, context: int, args) -> list[str]:
+def _workload_notes(reqs, prompts, context: int, limit: str) -> list[str]:
     """The built-in workload's requests that cannot run (said before compiling; they are still
-    submitted, and rejected with the engine's reason)."""
+    submitted, and rejected with the engine's reason). ``context``: tokens a sequence holds;
+    ``limit``: what sets it (``_context``)."""
     if prompts is not None:
         return []
     long = [q for q in reqs if len(q.prompt) > context]
     if not long:
         return []
     return [f"{len(long)} of {len(reqs)} requests have prompts longer than the {context} tokens a sequence holds "
-            f"(--max-seq-len {args.max_seq_len}): they will be rejected"]
+            f"({limit}): they will be rejected"]
 
 
 def _describe(req) -> str:
@@ -460,9 +511,19 @@ def _start_jax(args):
     _enable_compile_cache(jax, args)
     if args.tp > 1:  # host devices to shard over when JAX runs on the CPU (before it starts)
         jax.config.update("jax_num_cpu_devices", args.tp)
-    if args.impl == "pallas" and jax.default_backend() != "gpu":
+    backend = jax.default_backend()
+    if args.impl == "pallas" and backend != "gpu":
         raise _UsageError(f"--impl pallas needs a GPU (the Pallas kernels compile through Triton); JAX runs on "
-                          f"{jax.default_backend()} here: use --impl auto, reference or interpret")
+                          f"{backend} here: use --impl auto, reference or interpret")
+    if args.batch_invariant and (args.impl == "reference" or (args.impl == "auto" and backend != "gpu")):
+        # The reference kernels' invariant attention steps over KEY_TILE keys, whole blocks at a
+        # time (pallas_kernels/reference.py refuses other block sizes, but only while compiling).
+        from paged_kv.pallas_kernels.invariant import KEY_TILE
+
+        if KEY_TILE % args.block_size:
+            raise _UsageError(f"--batch-invariant on the reference kernels (--impl {args.impl} on {backend}) needs "
+                              f"a --block-size that divides {KEY_TILE} (a power of two up to {KEY_TILE}), got "
+                              f"{args.block_size}")
     return jax
 
 
@@ -555,11 +616,26 @@ def _sampling_params(args, eos_ids=()):
                           top_p=args.top_p, n=args.n, eos_token_ids=eos_ids)
 
 
+def prompt_seed(run_seed: int, token_ids: Sequence[int]) -> int:
+    """The sampling seed of a prompt given without one: a stable hash of the run's ``--seed`` and
+    the prompt's token ids (blake2b of ``"{run_seed}:{id},{id},..."``) in ``[0, 2**31)``. A
+    function of the prompt's content alone, not its place in the list or the other prompts, and
+    the same in every process (Python's ``hash`` is salted per process)."""
+    import hashlib
+
+    from paged_kv.engine.sampling import SEED_LIMIT
+
+    text = f"{int(run_seed)}:{','.join(str(int(t)) for t in token_ids)}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") % SEED_LIMIT
+
+
 def _prompt_requests(args, prompts, eos_ids):
+    """Your prompts as requests ``0 .. len - 1``, each seeded by ``prompt_seed``."""
     from paged_kv.engine.serving import Request
 
     params = _sampling_params(args, eos_ids)
-    return [Request(ids, params, arrival=0, request_id=i) for i, (_, ids) in enumerate(prompts)]
+    return [Request(ids, params, arrival=0, request_id=i, seed=prompt_seed(args.seed, ids))
+            for i, (_, ids) in enumerate(prompts)]
 
 
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if chr(c) not in "\n\t"}
@@ -616,8 +692,8 @@ class _StreamPrinter:
 
     def on_token(self, delta) -> None:
         u = (delta.request_id, delta.index)
-        if u not in self.decoders:
-            return  # a beam hypothesis past the best: printed with the summary
+        if u not in self.decoders or self.cur >= len(self.units):
+            return  # a beam hypothesis past the best (printed with the summary), or the stream ended
         t0 = time.perf_counter()
         text = printable("".join(self.decoders[u].push(t) for t in delta.tokens if int(t) not in self.eos))
         self.decode_s += time.perf_counter() - t0
@@ -639,6 +715,12 @@ class _StreamPrinter:
             if u[0] == out.request_id and u not in self.done:
                 self._finish(u, f" [rejected: {out.error}]" if out.error else "")
 
+    def end_line(self) -> None:
+        """Ends the line of an answer still streaming (before an error is printed)."""
+        if 0 <= self.cur < len(self.units):
+            self._write("\n")
+            self.cur = len(self.units)  # nothing more prints
+
     def _finish(self, u, tail: str) -> None:
         if self.cur < len(self.units) and self.units[self.cur] == u:
             self._write(tail)
@@ -648,17 +730,21 @@ class _StreamPrinter:
         self._advance()
 
 
-def _stream_prompts(engine, reqs, tok, prompts, prep: dict):
+def _stream_prompts(engine, reqs, tok, prompts, prep: dict, outputs: list) -> dict:
     """Serve ``reqs`` (made from ``prompts``; ``prep``: their encode and chat-render seconds)
-    streaming their text; returns (outputs, tokenizer timing for the report)."""
+    streaming their text; appends each output to ``outputs`` as it finishes; returns the
+    tokenizer timing for the report."""
     printer = _StreamPrinter(tok, reqs, prompts)
-    outputs = []
-    for out in engine.run(reqs, on_token=printer.on_token):
-        outputs.append(out)
-        printer.on_output(out)
+    try:
+        for out in engine.run(reqs, on_token=printer.on_token):
+            outputs.append(out)
+            _phase("served")
+            printer.on_output(out)
+    finally:
+        printer.end_line()  # an error (or Ctrl-C) mid-answer starts on a line of its own
     st = engine.stats()
     n = max(len(reqs), 1)
-    return outputs, {
+    return {
         "requests": len(reqs), "steps": st.steps,
         "encode_ms_per_request": 1000 * prep["encode_s"] / n,
         "chat_render_ms_per_request": 1000 * prep["render_s"] / n,
@@ -672,20 +758,22 @@ def _stream_prompts(engine, reqs, tok, prompts, prep: dict):
 
 
 def _answers(outputs, prompts, tok, as_text: bool) -> list[dict]:
-    """The report's record of your prompts: per prompt its text, token count, and per answer the
-    token ids, the text (up to the first EOS; None where the ids are not all text) and why it ended."""
+    """The report's record of your prompts, in prompt order (those in ``outputs``): per prompt its
+    text, token count and seed, and per answer what ``report.answer_entries`` records (token ids,
+    log-probabilities or a beam's score, why it ended) and the text (up to the first EOS; None
+    where the ids are not all text)."""
+    from paged_kv.apps.report import answer_entries
+
     out = []
     for o in sorted(outputs, key=lambda o: o.request_id):
         text, ids = prompts[o.request_id]
-        entry = {"prompt": text, "prompt_tokens": len(ids), "error": o.error, "answers": []}
-        for j, toks in enumerate(o.tokens):
+        entry = {"prompt": text, "prompt_tokens": len(ids), "seed": o.seed, "error": o.error, "answers": []}
+        for toks, a in zip(o.tokens, answer_entries(o)):
             try:
                 decoded = tok.decode(toks, stop_at_eos=True) if as_text else None
             except ValueError:  # an id the tokenizer has no text for
                 decoded = None
-            entry["answers"].append({"tokens": [int(t) for t in toks], "text": decoded,
-                                     "finish_reason": o.finish_reasons[j],
-                                     **({"score": float(o.scores[j])} if o.scores is not None else {})})
+            entry["answers"].append({**a, "text": decoded})
         out.append(entry)
     return out
 
@@ -712,7 +800,30 @@ def _import_plotting() -> None:
         pass
 
 
-def _run(args, ckpt: Path) -> int:
+def _model_config(ckpt: Path):
+    """The checkpoint's ``LlamaConfig`` from its ``config.json`` alone (no weights read), so the
+    options are checked against the model's context and heads before anything loads."""
+    from paged_kv.models.config import LlamaConfig
+    from paged_kv.models.hf_format import read_hf_config
+
+    try:
+        return LlamaConfig.from_hf_config(read_hf_config(ckpt))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot load checkpoint {str(ckpt)!r}: {_first_line(e)}") from None
+
+
+def _context(args, config) -> tuple[int, str]:
+    """(tokens a sequence holds, what sets it): ``--max-seq-len`` rounded up to whole blocks, capped
+    by the model's context (``max_position_embeddings``) first."""
+    per_seq = -(-args.max_seq_len // args.block_size) * args.block_size  # whole blocks
+    max_pos = config.max_position_embeddings
+    if max_pos < per_seq:
+        return max_pos, f"the model's context (max_position_embeddings={max_pos}, under --max-seq-len " \
+                        f"{args.max_seq_len})"
+    return per_seq, f"--max-seq-len {args.max_seq_len}"
+
+
+def _run(args, ckpt: Path, record: dict) -> int:
     _phase("imports")
     jax = _start_jax(args)
 
@@ -724,15 +835,19 @@ def _run(args, ckpt: Path) -> int:
     from paged_kv.models.hf_tokenizer import load_tokenizer
 
     # Your prompts are encoded (and rendered through the chat template) and checked against the
-    # options first, before the model loads; against the model's own context after, still before
-    # anything compiles.
+    # options and the model's config (its context, its heads for --tp), all before the weights load.
     loaded = load_tokenizer(ckpt)
     prep: dict = {}
-    prompts = _user_prompts(args, loaded.tokenizer, prep)
-    per_seq = -(-args.max_seq_len // args.block_size) * args.block_size  # whole blocks
-    notes = []
-    if prompts is not None:
-        notes = _check_prompts(args, prompts, args.block_size, per_seq, f"--max-seq-len {args.max_seq_len}")
+    with _OptionCheck():
+        prompts = _user_prompts(args, loaded.tokenizer, prep)
+    config = _model_config(ckpt)
+    if args.tp > 1:
+        from paged_kv.models import sharding
+
+        with _OptionCheck():
+            sharding.check_degree(config, args.tp)
+    context, limit = _context(args, config)
+    notes = [] if prompts is None else _check_prompts(args, prompts, args.block_size, context, limit)
     _phase("load")
     try:
         model = load_hf_checkpoint(ckpt)
@@ -743,11 +858,6 @@ def _run(args, ckpt: Path) -> int:
     if vocab < tok.vocab_size:
         raise ValueError(f"the model's vocabulary has {vocab} ids; the tokenizer ({tok_desc}) has {tok.vocab_size}")
     eos_ids = tuple(tok.eos_ids)
-    max_pos = model.config.max_position_embeddings
-    if prompts is not None and max_pos < per_seq:
-        notes = _check_prompts(args, prompts, args.block_size, max_pos,
-                               f"the model's context (max_position_embeddings={max_pos})")
-    context = min(args.max_seq_len, max_pos)
     # A windowed model serves with its KV-cache groups (vLLM's layout: reclaim on). --num-blocks
     # counts blocks of every layer, as without groups: each group gets as many, in blocks of
     # `slots` layers (the same KV bytes when the groups need no padding slots).
@@ -758,23 +868,23 @@ def _run(args, ckpt: Path) -> int:
     num_blocks = args.num_blocks if not layout.grouped else 1 + (args.num_blocks - 1) * layout.num_groups
     kv = _kv_pool(model.config, num_blocks, args.block_size, args.kv_dtype, layout if layout.grouped else None)
     num_blocks = kv["blocks"]
-    mgr = pk.ManagerConfig(num_blocks=num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
-                           max_blocks_per_seq=-(-context // args.block_size),
-                           prefix_caching=not args.no_prefix_caching, groups=layout_groups(layout))
     rows = args.max_prefill_rows
     if prompts is not None:  # a family of n samples or k beams is (re-)admitted in one admission
         rows = max(rows, args.n, args.beam_width)
     # A beam of width k ranks k * (1 + #EOS ids) candidates per row (ServingConfig.top_candidates);
     # the workload's beams have width 4.
     candidates = max(8, (args.beam_width if prompts is not None else 4) * (1 + max(len(eos_ids), 1)))
-    cfg = ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(rows, args.max_seqs),
-                        top_candidates=candidates, impl=args.impl, decode_steps=args.decode_steps,
-                        batch_invariant=args.batch_invariant, kv_dtype=args.kv_dtype)
+    with _OptionCheck():
+        mgr = pk.ManagerConfig(num_blocks=num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
+                               max_blocks_per_seq=-(-context // args.block_size),
+                               prefix_caching=not args.no_prefix_caching, groups=layout_groups(layout))
+        cfg = ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(rows, args.max_seqs),
+                            top_candidates=candidates, impl=args.impl, decode_steps=args.decode_steps,
+                            batch_invariant=args.batch_invariant, kv_dtype=args.kv_dtype)
     mesh = None
     if args.tp > 1:
         from paged_kv.models import sharding
 
-        sharding.check_degree(model.config, args.tp)
         mesh = sharding.make_mesh(args.tp)
     engine = ServingEngine(model, cfg, seed=args.seed, mesh=mesh)
     # What the engine allocated (its page spec), so the report states the pages that serve.
@@ -799,7 +909,7 @@ def _run(args, ckpt: Path) -> int:
               f"blocks reclaimed; a block holds {layout.slots} of {model.config.num_layers} layers", flush=True)
     print(f"tokenizer: {tok_desc}; EOS ids {', '.join(map(str, eos_ids)) or 'none'}"
           + ("; prompts rendered through the chat template" if args.chat else ""), flush=True)
-    for line in ([note] if note else []) + notes + _workload_notes(reqs, prompts, min(per_seq, max_pos), args):
+    for line in ([note] if note else []) + notes + _workload_notes(reqs, prompts, context, limit):
         print(f"note: {line}", flush=True)
     # Every program compiles here, ahead of the first step, one visible line each ("compiling step
     # variant k/2 ... s", ticking on a terminal): serving then never stops for XLA, and the report
@@ -808,12 +918,44 @@ def _run(args, ckpt: Path) -> int:
     # matplotlib (the block-table picture at the end) takes ~0.4 s to import: do it beside the
     # compile, which runs in XLA without the GIL for most of its time.
     threading.Thread(target=_import_plotting, name="import-matplotlib", daemon=True).start()
-    engine.compile(CompileProgress(live=None if not args.no_progress else False))
+    progress = CompileProgress(live=None if not args.no_progress else False)
+    try:
+        engine.compile(progress)
+    finally:
+        progress.end_line()  # an error (or Ctrl-C) mid-compile starts on a line of its own
+    base = {"checkpoint": str(ckpt), "seed": args.seed, "kv_pages": kv}
+    files = _RunFiles(args, record)
+    outputs: list = []
     if prompts is not None:
-        outputs, timing = _stream_prompts(engine, reqs, tok, prompts, prep)
-        extra = {"prompts": len(reqs), "tokenizer": {"description": tok_desc, **timing}, "kv_pages": kv,
-                 "answers": _answers(outputs, prompts, tok, as_text)}
-        return _report(args, engine, outputs, ckpt, tok, as_text, extra, show=_print_beams)
+        def extra_of(done, timing=None):
+            return {**base, "prompts": len(reqs), **({"tokenizer": {"description": tok_desc, **timing}} if timing
+                                                     else {}),
+                    "answers": _answers(done, prompts, tok, as_text)}
+    else:
+        def extra_of(done, timing=None):
+            return {**base, "workload": {"requests": args.requests, "max_new_tokens": args.max_new_tokens,
+                                         "arrival_gap": args.arrival_gap}}
+    # A Ctrl-C from here on writes the report of the requests that finished, marked partial.
+    _serving(lambda: files.write_partial(engine, list(outputs), extra_of))
+    try:
+        if prompts is not None:
+            timing = _stream_prompts(engine, reqs, tok, prompts, prep, outputs)
+            return _report(args, engine, outputs, files, tok, as_text, extra_of(outputs, timing), show=_print_beams)
+        _serve_workload(engine, reqs, args, outputs)
+        return _report(args, engine, outputs, files, tok, as_text, extra_of(outputs), show=_print_outputs)
+    finally:
+        _serving(None)
+
+
+def _serving(hook: Callable[[], str] | None) -> None:
+    """Sets (or clears) what a Ctrl-C writes before it exits (``_on_interrupt``)."""
+    global _on_interrupt
+    _on_interrupt = hook
+
+
+def _serve_workload(engine, reqs, args, outputs: list) -> None:
+    """Serves the workload with a progress bar (and, with ``--verbose``, a line per finished
+    request); appends each output to ``outputs`` as it finishes."""
     from tqdm import tqdm
 
     from paged_kv.apps.progress import BAR_STEADY, BAR_WARMING, SteadyRate
@@ -830,49 +972,94 @@ def _run(args, ckpt: Path) -> int:
                             blocks=eng.blocks_in_use, preempted=eng.preemptions, refresh=False)
             bar.refresh()
 
-    outputs = []
-    for out in engine.run(reqs, on_step=on_step):  # streamed as each request finishes
-        outputs.append(out)
-        bar.update(1)
-        if out.error is not None:
-            bar.write(f"request {out.request_id:>3} rejected: {out.error}")
-            continue
-        if not args.verbose:
-            continue
-        st = out.stats
-        ttft = "–" if st.time_to_first_token_s is None else f"{st.time_to_first_token_s:.2f} s"
-        bar.write(f"request {out.request_id:>3} done at step {st.finish_step:4d}: {_describe(out.request):<34} "
-                  f"{st.prompt_tokens:4d} prompt tokens, {st.cached_prompt_tokens:3d} tokens from cache in "
-                  f"{st.admissions} admission{'s' if st.admissions > 1 else ''}, "
-                  f"{st.generated_tokens:4d} generated, {st.preemptions} preemptions, "
-                  f"first token after {ttft}")
-    bar.close()
-
-    extra = {"workload": {"requests": args.requests, "max_new_tokens": args.max_new_tokens,
-                          "arrival_gap": args.arrival_gap}, "kv_pages": kv}
-    return _report(args, engine, outputs, ckpt, tok, as_text, extra, show=_print_outputs)
+    try:
+        for out in engine.run(reqs, on_step=on_step):  # streamed as each request finishes
+            outputs.append(out)
+            _phase("served")
+            bar.update(1)
+            if out.error is not None:
+                bar.write(f"request {out.request_id:>3} rejected: {out.error}")
+                continue
+            if not args.verbose:
+                continue
+            st = out.stats
+            ttft = "–" if st.time_to_first_token_s is None else f"{st.time_to_first_token_s:.2f} s"
+            bar.write(f"request {out.request_id:>3} done at step {st.finish_step:4d}: {_describe(out.request):<34} "
+                      f"{st.prompt_tokens:4d} prompt tokens, {st.cached_prompt_tokens:3d} tokens from cache in "
+                      f"{st.admissions} admission{'s' if st.admissions > 1 else ''}, "
+                      f"{st.generated_tokens:4d} generated, {st.preemptions} preemptions, "
+                      f"first token after {ttft}")
+    finally:
+        bar.close()  # an error after it starts on a line of its own
 
 
-def _report(args, engine, outputs, ckpt: Path, tok, as_text: bool, extra: dict, *, show) -> int:
+class _RunFiles:
+    """The run's files: the report JSON and the block-table picture, at ``output_paths``, each
+    written atomically (``provenance.write_atomic``); a picture this run does not draw is removed
+    (``--overwrite`` let an earlier run's stay until now), so nothing stale stays beside the
+    report. ``record``: the run's provenance (``provenance.run_record``), finished when written."""
+
+    def __init__(self, args, record: dict):
+        self.png, self.json = output_paths(args)
+        self.record = record
+
+    def write(self, rep: dict, snapshot) -> tuple[list[str], list[str]]:
+        """Writes the report (``rep``, ``stamped`` with the finished record) and the picture of
+        ``snapshot`` (or removes an old one); returns (lines saying what was written, problems)."""
+        from paged_kv.apps import report
+
+        written, problems = [], []
+        try:
+            written.append(f"report JSON: {report.save_report_json(self.stamped(rep), self.json)}")
+        except (OSError, ValueError, TypeError) as e:
+            problems.append(f"cannot write the report JSON {str(self.json)!r}: {_first_line(e)}")
+        if snapshot is not None:
+            try:
+                written.append(f"block-table picture: {report.save_block_tables_png(snapshot, self.png)}")
+            except (OSError, ValueError) as e:
+                problems.append(f"cannot write the block-table picture {str(self.png)!r}: {_first_line(e)}")
+        else:
+            problem = self.remove_stale_png()
+            if problem:
+                problems.append(problem)
+        return written, problems
+
+    def stamped(self, rep: dict) -> dict:
+        """``rep`` with ``partial`` and the finished run record (``run``) first."""
+        return {"partial": rep.get("partial", False), "run": finish_record(self.record), **rep}
+
+    def remove_stale_png(self) -> str | None:
+        """Removes an earlier run's picture at the PNG path; the problem if it cannot."""
+        try:
+            self.png.unlink(missing_ok=True)
+        except OSError as e:
+            return f"cannot remove the earlier block-table picture {str(self.png)!r}: {_first_line(e)}"
+        return None
+
+    def write_partial(self, engine, outputs: list, extra_of) -> str:
+        """The report of the requests in ``outputs`` (those that finished before an interrupt),
+        marked ``"partial": true``, without a picture (an earlier one is removed); returns the
+        line that says where it went."""
+        from paged_kv.apps import report
+
+        done = sorted(outputs, key=lambda o: o.request_id)  # request order
+        rep = report.build_report(engine, done, extra={**extra_of(done), "partial": True})
+        path = report.save_report_json(self.stamped(rep), self.json)
+        self.remove_stale_png()
+        return f"paged-kv: partial report ({len(done)} finished requests): {path}"
+
+
+def _report(args, engine, outputs, files: _RunFiles, tok, as_text: bool, extra: dict, *, show) -> int:
     """The report, its files and the answers (``show(outputs, tok, count, as_text=...)``); the exit status."""
     from paged_kv.apps import report
 
     _phase("report")
-    rep = report.build_report(engine, outputs, extra={"checkpoint": str(ckpt), "seed": args.seed, **extra})
+    outputs = sorted(outputs, key=lambda o: o.request_id)  # request order (they finish in any order)
+    rep = report.build_report(engine, outputs, extra={**extra, "partial": False})
     # The files first: nothing printed below can lose them. Their folder (--out-dir) is created
     # only now, so a run that fails early leaves nothing behind.
-    png_path, json_path = output_paths(args)
-    written, problems = [], []
-    try:
-        written.append(f"report JSON: {report.save_report_json(rep, json_path)}")
-    except (OSError, ValueError, TypeError) as e:
-        problems.append(f"cannot write the report JSON {str(json_path)!r}: {_first_line(e)}")
-    if engine.snapshot is not None:
-        try:
-            written.append(f"block-table picture: {report.save_block_tables_png(engine.snapshot, png_path)}")
-        except (OSError, ValueError) as e:
-            problems.append(f"cannot write the block-table picture {str(png_path)!r}: {_first_line(e)}")
-
+    written, problems = files.write(rep, engine.snapshot)
+    _serving(None)  # the report is written: a Ctrl-C from here on leaves it as it is
     if args.show:
         show(outputs, tok, args.show, as_text=as_text)
     print()
@@ -898,7 +1085,7 @@ def _report(args, engine, outputs, ckpt: Path, tok, as_text: bool, extra: dict, 
         problems.append(f"every request was rejected ({len(rejected)} of {len(outputs)}), e.g. request "
                         f"{rejected[0].request_id}: {rejected[0].error}")
     for line in problems:
-        print(f"paged-kv: error: {line}", file=sys.stderr)
+        _print_error(line)
     return 1 if problems else 0
 
 
@@ -959,7 +1146,7 @@ def _kv_pool(config: Any, num_blocks: int, block_size: int, kv_dtype: str, layou
 
 def _check_prompts(args, prompts, block_size: int, context: int, limit: str) -> list[str]:
     """Your prompts against the pool and the sequence length, in the command line's terms
-    (``ValueError`` naming the option), before anything compiles; returns notes for answers that
+    (``_UsageError`` naming the option), before anything loads; returns notes for answers that
     ``--max-seq-len`` will cut short. ``context``: tokens a sequence can hold; ``limit``: what
     sets it (``--max-seq-len N`` or the model's context)."""
     blocks = args.num_blocks - 1  # block 0 is reserved
@@ -968,15 +1155,16 @@ def _check_prompts(args, prompts, block_size: int, context: int, limit: str) -> 
     for i, (text, ids) in enumerate(prompts):
         n = len(ids)
         if n > context:
-            raise ValueError(f"prompt {i} ({_short(text, 40)!r}) has {n} tokens; {limit} allows {context} per "
+            raise _UsageError(f"prompt {i} ({_short(text, 40)!r}) has {n} tokens; {limit} allows {context} per "
                              f"sequence (prompt + answer): raise --max-seq-len or shorten the prompt")
         longest = min(n + args.max_new_tokens - 1, context)
         need = width * -(-longest // block_size)
         if need > blocks:
             who = f"{width} answers of" if width > 1 else "an answer of"
-            raise ValueError(f"prompt {i} ({_short(text, 40)!r}): {who} up to {longest} tokens need up to {need} "
-                             f"blocks of {block_size} tokens; --num-blocks {args.num_blocks} gives {blocks} "
-                             f"(raise --num-blocks, or lower --max-new-tokens or --n/--beam-width)")
+            capped = f" ({limit} caps them)" if longest < n + args.max_new_tokens - 1 else ""
+            raise _UsageError(f"prompt {i} ({_short(text, 40)!r}): {who} up to {longest} tokens{capped} need up "
+                              f"to {need} blocks of {block_size} tokens; --num-blocks {args.num_blocks} gives "
+                              f"{blocks} (raise --num-blocks, or lower --max-new-tokens or --n/--beam-width)")
         if n + args.max_new_tokens - 1 > context:  # the engine's cap: context - n + 1 new tokens
             cut.append(i)
     if not cut:
@@ -986,34 +1174,95 @@ def _check_prompts(args, prompts, block_size: int, context: int, limit: str) -> 
             "their answers stop at the sequence length (finish reason 'length_capped')"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    install_interrupt_handler()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.block_size & (args.block_size - 1):
-        parser.error(f"--block-size {args.block_size} must be a power of two")
-    if args.num_blocks < 2:
-        parser.error(f"--num-blocks {args.num_blocks} must be >= 2 (block 0 is reserved)")
-    if args.max_new_tokens >= args.max_seq_len:
-        parser.error(f"--max-new-tokens {args.max_new_tokens} does not fit --max-seq-len {args.max_seq_len} "
-                     f"(prompt + answer, and a prompt has at least one token): at most {args.max_seq_len - 1}")
-    for path in (args.png, args.json):
-        if path and not Path(path).resolve().parent.is_dir():
-            parser.error(f"directory of {path!r} does not exist")
-        if path and not os.access(Path(path).resolve().parent, os.W_OK | os.X_OK):
-            parser.error(f"directory of {path!r} is not writable")
+# Library argument -> the option that sets it, for a library ValueError raised by an option's
+# value (``_in_option_terms``). Names with an underscore cannot be prose; the short ones only as
+# ``name=value``.
+_OPTION_OF = {"num_blocks": "--num-blocks", "block_size": "--block-size", "max_seqs": "--max-seqs",
+              "chunk_size": "--chunk-size", "max_prefill_rows": "--max-prefill-rows",
+              "decode_steps": "--decode-steps", "batch_invariant": "--batch-invariant", "kv_dtype": "--kv-dtype",
+              "max_new_tokens": "--max-new-tokens", "top_k": "--top-k", "top_p": "--top-p",
+              "beam_width": "--beam-width", "max_tokens_per_seq": "--max-seq-len"}
+_OPTION_OF_ASSIGNED = {"n": "--n", "tp": "--tp", "impl": "--impl", "seed": "--seed", "temperature": "--temperature"}
+
+
+def _in_option_terms(message: str) -> str:
+    """A library ``ValueError``'s text with the arguments the command line sets named as its
+    options: ``decode_steps=100 must be <= 64`` -> ``--decode-steps 100 must be <= 64``."""
+    import re
+
+    def sub(m: re.Match) -> str:
+        name, assigned = m[1], m[2]
+        return (_OPTION_OF.get(name) or _OPTION_OF_ASSIGNED[name]) + (" " if assigned else "")
+
+    names = "|".join(sorted({*_OPTION_OF, *_OPTION_OF_ASSIGNED}, key=len, reverse=True))
+    pattern = re.compile(rf"(?<![\w.-])({names})\b(=)?")
+    return pattern.sub(lambda m: sub(m) if m[1] in _OPTION_OF or m[2] else m[0], message)
+
+
+class _OptionCheck:
+    """``with _OptionCheck():`` turns a library ``ValueError`` raised by an option's value into a
+    ``_UsageError`` (exit 2) that names the options (``_in_option_terms``)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if kind is not None and issubclass(kind, ValueError) and not issubclass(kind, _UsageError):
+            raise _UsageError(_in_option_terms(_first_line(err))) from None
+        return False
+
+
+def _check_output_paths(args) -> None:
+    """``--png`` / ``--json`` / ``--out-dir`` can be written, and hold no earlier run's files
+    unless ``--overwrite`` (``_UsageError`` naming the option)."""
+    for opt, path in (("--png", args.png), ("--json", args.json)):
+        if not path:
+            continue
+        parent = Path(path).resolve().parent
+        if not parent.is_dir():
+            raise _UsageError(f"{opt} {path!r}: its folder {str(parent)!r} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise _UsageError(f"{opt} {path!r}: its folder {str(parent)!r} is not writable")
+        if Path(path).is_dir():
+            raise _UsageError(f"{opt} {path!r} is a directory; name a file")
     if not (args.png and args.json):  # some file goes to --out-dir: it must be (or become) a folder
         problem = _out_dir_problem(Path(args.out_dir))
         if problem:
-            parser.error(f"--out-dir {args.out_dir!r}: {problem}")
-    try:  # the pool's own checks (sizes, int32 slot indices), before anything is loaded
-        import paged_kv as pk
+            raise _UsageError(f"--out-dir {args.out_dir!r}: {problem}")
+    if not args.overwrite:
+        png, js = output_paths(args)
+        for path, what, opt in ((js, "report", "--json"), (png, "block-table picture", "--png")):
+            if path.exists():
+                where = f"{opt} {str(path)!r}" if getattr(args, opt[2:]) else f"--out-dir {args.out_dir!r}"
+                raise _UsageError(f"{where} already holds an earlier run's {what} ({path.name}): pass --overwrite "
+                                  "to replace that run's files, or choose another --out-dir")
 
-        pk.ManagerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
-                         max_blocks_per_seq=-(-args.max_seq_len // args.block_size))
-    except ValueError as e:
-        parser.error(str(e))
-    try:  # your prompts and their sampling options, before anything is loaded
+
+def _check_options(args) -> None:
+    """Every check of the options alone, before anything is loaded: ``_UsageError`` (exit 2) naming
+    the option. The checks that need the checkpoint (its context, heads and chat template) and the
+    backend (``--impl pallas``, ``--batch-invariant``'s block size) follow in ``_run``, still
+    before the weights load."""
+    if args.block_size & (args.block_size - 1):
+        raise _UsageError(f"--block-size {args.block_size} must be a power of two")
+    if args.num_blocks < 2:
+        raise _UsageError(f"--num-blocks {args.num_blocks} must be >= 2 (block 0 is reserved)")
+    if args.max_new_tokens >= args.max_seq_len:
+        raise _UsageError(f"--max-new-tokens {args.max_new_tokens} does not fit --max-seq-len {args.max_seq_len} "
+                          f"(prompt + answer, and a prompt has at least one token): at most {args.max_seq_len - 1}")
+    if args.batch_invariant and args.kv_dtype != "auto":
+        raise _UsageError(f"--batch-invariant does not support --kv-dtype {args.kv_dtype} (the batch-invariant "
+                          "kernels read plain pages, with no scales): use --kv-dtype auto, or drop --batch-invariant")
+    with _OptionCheck():  # the pool's and the engine's own checks (sizes, int32 slot indices, ...)
+        import paged_kv as pk
+        from paged_kv.engine.serving import ServingConfig
+
+        mgr = pk.ManagerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
+                               max_blocks_per_seq=-(-args.max_seq_len // args.block_size))
+        ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(args.max_prefill_rows, args.max_seqs),
+                      impl=args.impl, decode_steps=args.decode_steps, batch_invariant=args.batch_invariant,
+                      kv_dtype=args.kv_dtype)
+    with _OptionCheck():  # your prompts and their sampling options
         if _read_prompts(args) is None:
             given = [opt for opt, v, default in (("--chat", args.chat, False), ("--n", args.n, 1),
                                                   ("--beam-width", args.beam_width, 1),
@@ -1021,35 +1270,67 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   ("--top-p", args.top_p, 1.0), ("--top-k", args.top_k, 0))
                      if v != default]
             if given:
-                parser.error(f"{given[0]} applies to your prompts: give --prompt TEXT or --prompts-file FILE "
-                             "(the built-in workload has its own sampling options)")
+                raise _UsageError(f"{given[0]} applies to your prompts: give --prompt TEXT or --prompts-file FILE "
+                                  "(the built-in workload has its own sampling options)")
         else:
             _sampling_params(args)
             _check_widths(args)
-    except ValueError as e:
+    if not args.walkthrough:  # (which writes no file)
+        _check_output_paths(args)
+
+
+def _print_error(message: str) -> None:
+    """``paged-kv: error: message`` on stderr, after what stdout holds (flushed first: the error
+    comes after it, on a line of its own; the progress displays end their lines on the way out)."""
+    _flush_streams()
+    print(f"paged-kv: error: {message}", file=sys.stderr, flush=True)
+
+
+def _interrupted_without_handler() -> None:
+    """Ctrl-C as a ``KeyboardInterrupt`` (where the handler could not be installed): the same
+    lines as the handler's."""
+    line = _partial_report_line()
+    print("\npaged-kv: interrupted" if sys.stderr.isatty() else "paged-kv: interrupted", file=sys.stderr)
+    if line:
+        print(line, file=sys.stderr)
+
+
+def _missing_extra_message(missing: list[str]) -> str:
+    return (f"the command line needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+            "installed: pip install 'paged-kv[cli]' (from a checkout of the repository: pip install -e '.[cli]')")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit status (see ``build_parser``'s epilog)."""
+    started = utc_now()
+    install_interrupt_handler()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _check_options(args)
+    except _UsageError as e:
         parser.error(str(e))
-    if not args.walkthrough:
-        missing = _missing_cli_dependencies()
-        if missing:
-            print(f"paged-kv: error: the command line needs {' and '.join(missing)}, which "
-                  f"{'is' if len(missing) == 1 else 'are'} not installed: pip install 'paged-kv[cli]'",
-                  file=sys.stderr)
-            return 1
     if args.walkthrough:
         from paged_kv.apps.walkthrough import main as walkthrough
 
         walkthrough()
         return 0
+    missing = _missing_cli_dependencies()
+    if missing:
+        _print_error(_missing_extra_message(missing))
+        return 1
+    record = run_record(argv, vars(args), started=started)
     try:
         ckpt = _checkpoint_dir(args)
-        return _run(args, ckpt)
+        return _run(args, ckpt, record)
     except _UsageError as e:
         parser.error(str(e))
     except KeyboardInterrupt:  # only if the handler above could not be installed
-        print("paged-kv: interrupted", file=sys.stderr)
+        _interrupted_without_handler()
         return INTERRUPTED_STATUS
     except (ValueError, OSError) as e:
-        print(f"paged-kv: error: {_first_line(e)}", file=sys.stderr)
+        _print_error(_first_line(e))
         return 1
 
 
