@@ -63,7 +63,8 @@ def test_git_commit_of_a_checkout_and_of_no_checkout(tmp_path, monkeypatch):
 def test_run_record_says_how_the_run_was_made():
     args = build_parser().parse_args(["--prompt", "it's", "--batch-invariant", "--top-k", "5"])
     rec = provenance.run_record(["--prompt", "it's", "--batch-invariant", "--top-k", "5"], vars(args))
-    assert rec["command"] == "python -m paged_kv --prompt 'it'\"'\"'s' --batch-invariant --top-k 5"  # as a shell reads it
+    # Quoted as a shell reads it.
+    assert rec["command"] == "python -m paged_kv --prompt 'it'\"'\"'s' --batch-invariant --top-k 5"
     assert rec["options"]["batch_invariant"] is True and rec["options"]["top_k"] == 5
     assert rec["options"]["decode_steps"] == 8 and rec["options"]["tp"] == 1  # defaults too
     assert rec["ended"] is None and rec["versions"]["python"]
