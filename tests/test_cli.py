@@ -268,14 +268,14 @@ def test_every_request_rejected_exits_1_and_prints_dashes(tmp_path):
 
 
 def test_answers_that_are_not_bytes_print_as_token_ids():
-    from paged_kv.apps.cli import _shown_tokens
+    from paged_kv.apps.workload import shown_tokens
     from paged_kv.models.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    assert _shown_tokens(tok, [72, 105, 258, 300], 90) == "'Hi'"  # stops at EOS before the bad id
-    assert _shown_tokens(tok, [72, 300, 105], 90) == "token ids [72 300 105]"
-    assert _shown_tokens(tok, [72, 105, 258, 7], 90, as_text=False) == "token ids [72 105]"
-    assert _shown_tokens(None, list(range(1000, 1100)), 20) == "token ids [1000 1001 1002 10...]"
+    assert shown_tokens(tok, [72, 105, 258, 300], 90) == "'Hi'"  # stops at EOS before the bad id
+    assert shown_tokens(tok, [72, 300, 105], 90) == "token ids [72 300 105]"
+    assert shown_tokens(tok, [72, 105, 258, 7], 90, as_text=False) == "token ids [72 105]"
+    assert shown_tokens(None, list(range(1000, 1100)), 20) == "token ids [1000 1001 1002 10...]"
 
 
 def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
@@ -473,7 +473,7 @@ def test_your_prompts_stream_through_the_checkpoint_tokenizer(bpe_ckpt, tmp_path
     answers each: the header names the tokenizer, the answers stream one after another in prompt
     order, and the streamed text of every answer is the decode of its tokens (the report JSON
     records them)."""
-    from paged_kv.apps.cli import printable
+    from paged_kv.apps.prompts import printable
     from paged_kv.models.hf_tokenizer import HFTokenizer
 
     prompts = tmp_path / "prompts.txt"
@@ -527,7 +527,7 @@ def test_stream_printer_holds_later_answers_until_their_turn():
     request prints its error; EOS ids print nothing; a character split over two deltas prints once."""
     import io
 
-    from paged_kv.apps.cli import _StreamPrinter
+    from paged_kv.apps.prompts import StreamPrinter
     from paged_kv.engine import BeamParams, SamplingParams
     from paged_kv.engine.serving import Request, TokenDelta
     from paged_kv.models.tokenizer import ByteTokenizer
@@ -536,7 +536,7 @@ def test_stream_printer_holds_later_answers_until_their_turn():
     reqs = [Request([1], SamplingParams(n=2), request_id=0), Request([1], BeamParams(beam_width=2), request_id=1),
             Request([1], SamplingParams(), request_id=2)]
     out = io.StringIO()
-    pr = _StreamPrinter(tok, reqs, [("a", [1]), ("b", [1]), ("c", [1])], out=out)
+    pr = StreamPrinter(tok, reqs, [("a", [1]), ("b", [1]), ("c", [1])], out=out)
     e = list("é".encode())
     pr.on_token(TokenDelta(0, 1, (ord("y"),)))             # held: sample 1 is not on screen yet
     pr.on_token(TokenDelta(0, 0, (ord("x"), e[0])))        # live; half a character: nothing yet

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from paged_kv.apps import provenance
-from paged_kv.apps.cli import _in_option_terms, _prompt_requests, _StreamPrinter, build_parser, prompt_seed
+from paged_kv.apps.options import build_parser, in_option_terms
 from paged_kv.apps.progress import CompileProgress
+from paged_kv.apps.prompts import StreamPrinter, prompt_requests, prompt_seed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,11 +37,11 @@ def test_prompt_seed_is_a_stable_function_of_the_prompt_and_the_run_seed():
 def test_a_prompts_seed_does_not_depend_on_its_place():
     args = build_parser().parse_args(["--prompt", "x", "--temperature", "0.7", "--seed", "3"])
     a, b, c = ("a", [257, 97]), ("b", [257, 98]), ("c", [257, 99])
-    first = {tuple(q.prompt): q.seed for q in _prompt_requests(args, [a, b], eos_ids=(258,))}
-    moved = {tuple(q.prompt): q.seed for q in _prompt_requests(args, [c, b, a], eos_ids=(258,))}
+    first = {tuple(q.prompt): q.seed for q in prompt_requests(args, [a, b], eos_ids=(258,))}
+    moved = {tuple(q.prompt): q.seed for q in prompt_requests(args, [c, b, a], eos_ids=(258,))}
     assert first[(257, 97)] == moved[(257, 97)] == prompt_seed(3, [257, 97])
     assert first[(257, 98)] == moved[(257, 98)] and len(set(moved.values())) == 3
-    assert [q.request_id for q in _prompt_requests(args, [c, b, a], eos_ids=())] == [0, 1, 2]
+    assert [q.request_id for q in prompt_requests(args, [c, b, a], eos_ids=())] == [0, 1, 2]
 
 
 # -- provenance ------------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def test_an_answer_streaming_is_ended_before_an_error():
     from paged_kv.models.tokenizer import ByteTokenizer
 
     out = io.StringIO()
-    pr = _StreamPrinter(ByteTokenizer(), [Request([1], SamplingParams(), request_id=0)], [("a", [1])], out=out)
+    pr = StreamPrinter(ByteTokenizer(), [Request([1], SamplingParams(), request_id=0)], [("a", [1])], out=out)
     pr.on_token(TokenDelta(0, 0, (ord("x"),)))
     pr.end_line()
     assert out.getvalue() == "[prompt 0, answer] 'a' -> x\n"
@@ -144,9 +145,9 @@ def test_an_answer_streaming_is_ended_before_an_error():
 
 
 def test_library_errors_are_named_as_options():
-    assert _in_option_terms("decode_steps=300 must be <= 256") == "--decode-steps 300 must be <= 256"
-    assert _in_option_terms("num_blocks * block_size = 9 overflows") == "--num-blocks * --block-size = 9 overflows"
-    assert _in_option_terms("tensor-parallel degree tp=3 fits no head layout; n > 1 needs") == \
+    assert in_option_terms("decode_steps=300 must be <= 256") == "--decode-steps 300 must be <= 256"
+    assert in_option_terms("num_blocks * block_size = 9 overflows") == "--num-blocks * --block-size = 9 overflows"
+    assert in_option_terms("tensor-parallel degree tp=3 fits no head layout; n > 1 needs") == \
         "tensor-parallel degree --tp 3 fits no head layout; n > 1 needs"  # a short name only as name=value
-    assert _in_option_terms("--max-seq-len 48 and max_position_embeddings=512") == \
+    assert in_option_terms("--max-seq-len 48 and max_position_embeddings=512") == \
         "--max-seq-len 48 and max_position_embeddings=512"  # not an option: left as it is
