@@ -68,7 +68,8 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from paged_kv.models.config import LlamaConfig, rope_inv_freq
-from paged_kv.models.protocol import AttentionBackend, LayerMatmul, as_backend
+from paged_kv.models.protocol import AttentionBackend, LayerMatmul, as_backend, in_vocab
+from paged_kv.models.tp_layout import weight_specs
 from paged_kv.pallas_kernels import invariant as invariant_ops
 
 Array = jax.Array
@@ -351,11 +352,6 @@ SAFE_TOKEN = 0
 """The id an out-of-vocabulary token is looked up as inside ``jit`` (``safe_tokens``)."""
 
 
-def in_vocab(tokens: Array, vocab_size: int) -> Array:
-    """bool, same shape as ``tokens`` (any integer dtype): ``0 <= id < vocab_size``."""
-    return (tokens >= 0) & (tokens < vocab_size)
-
-
 def safe_tokens(tokens: Array, vocab_size: int) -> Array:
     """``tokens`` (integer ``[...]``) with ids outside ``[0, vocab_size)`` replaced by ``SAFE_TOKEN``.
 
@@ -399,7 +395,6 @@ class Llama(nnx.Module):
 
     def partition_specs(self, weights: nnx.State, tp: int) -> nnx.State:
         """PartitionSpecs of `weights` (this model's state) over the "tp" mesh axis."""
-        from paged_kv.models.sharding import weight_specs
         return weight_specs(weights, self.config, tp)
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):

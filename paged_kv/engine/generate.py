@@ -28,7 +28,7 @@ from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import SamplingParams, derive_seeds, is_eos, root_key, sample_keys, sample_tokens
 from paged_kv.engine.steps import block_counts, decode, prefill
-from paged_kv.models.llama import in_vocab
+from paged_kv.models.protocol import in_vocab
 from paged_kv.reclaim import free
 from paged_kv.share import fork
 from paged_kv.state import BlockManagerState

@@ -131,7 +131,7 @@ from paged_kv.engine.serving_types import (
     TokenDelta,
 )
 from paged_kv.inputs import is_int
-from paged_kv.models.paged import allocate_pages, kv_bytes_per_block, page_spec
+from paged_kv.models.page_sizing import allocate_pages, kv_bytes_per_block, page_spec
 from paged_kv.models.protocol import model_facts
 from paged_kv.pallas_kernels.quant import QuantPages
 from paged_kv.state import BlockManagerState, init_state

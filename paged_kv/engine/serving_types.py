@@ -15,7 +15,9 @@ from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import BeamParams, SamplingParams
 from paged_kv.inputs import is_int
+from paged_kv.models.page_sizing import resolve_kv_dtype
 from paged_kv.pallas_kernels import IMPLS
+from paged_kv.pallas_kernels.validate import check_kv_options
 
 MAX_DECODE_STEPS = 256  # a burst's outputs are K steps' worth; this bounds that buffer
 
@@ -90,8 +92,6 @@ class ServingConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if not isinstance(self.kv_dtype, str):
             raise ValueError(f"kv_dtype={self.kv_dtype!r} must be a string: 'auto', 'int8' or 'fp8'")
-        from paged_kv.models.paged import resolve_kv_dtype
-        from paged_kv.pallas_kernels.validate import check_kv_options
         check_kv_options(resolve_kv_dtype(self.kv_dtype, "float32"), self.impl, self.batch_invariant)
 
 
