@@ -56,7 +56,7 @@ def copy_blocks(pages: jax.Array | QuantPages, src: jax.Array, dst: jax.Array, *
                 mesh: Mesh | None = None) -> jax.Array | QuantPages:
     """`paged_kv.pallas_kernels.copy_blocks`, run per device under `shard_map` when `mesh` is given (pages
     sharded on KV heads hold every block, so a block copy is device-local). `QuantPages` move their
-    scales with the blocks (sharded on KV heads like their values: `sharding.pages_spec`)."""
+    scales with the blocks (sharded on KV heads like their values: `tp_layout.pages_spec`)."""
     if mesh is None:
         return pk.copy_blocks(pages, src, dst, impl=impl)
     spec = pages_spec(pages)

@@ -46,7 +46,8 @@ from jax.experimental.pallas import triton as pltriton
 from jax.typing import DTypeLike
 
 from paged_kv.pallas_kernels import quant, tiling
-from paged_kv.pallas_kernels.reference import NULL_BLOCK, PagesLike, score_knobs
+from paged_kv.pallas_kernels.reference import NULL_BLOCK, PagesLike
+from paged_kv.pallas_kernels.score_rules import score_knobs
 
 # A finite "minus infinity": exp(MASK - m) is 0, and MASK - MASK is 0, never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

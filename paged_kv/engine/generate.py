@@ -258,7 +258,7 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
         given, a stacked Llama is converted to ``paged_kv.models.per_layer`` for the call (one copy
         of the layer weights per call, alive while the call runs; pass
         ``paged_kv.models.per_layer(model)`` to pay that once); otherwise it runs as given
-        (``paged_kv.models.paged.layout_for_impl`` has the table).
+        (``paged_kv.models.layer_layout.layout_for_impl`` has the table).
       pages: the KV pages ``[layers, 2, kv_heads, manager.num_blocks, manager.block_size, head_dim]``
         (donated); ``[layout.slots, ...]`` for a grouped manager (``page_spec(model, ...,
         layout=call_setup.group_layout(model, manager))``).
