@@ -7,6 +7,7 @@ public names where they were."""
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -295,3 +296,15 @@ def test_split_modules_keep_their_public_names():
     tp_layout = importlib.import_module("paged_kv.models.tp_layout")
     for name in ("AXIS", "PAGE_SPEC", "SCALE_SPEC", "pages_sharding", "pages_spec", "weight_spec", "weight_specs"):
         assert getattr(sharding, name) is getattr(tp_layout, name), name
+
+
+
+def test_kernels_docstring_lists_every_export():
+    """The API list of ``paged_kv.pallas_kernels``'s docstring names every name of its ``__all__``,
+    and every function or class it names is exported."""
+    pk = importlib.import_module("paged_kv.pallas_kernels")
+    api = pk.__doc__[pk.__doc__.index("Public API"):pk.__doc__.index("Quantized pages (")]
+    missing = [name for name in pk.__all__ if not re.search(rf"[`:]{name}`", api)]
+    assert not missing, missing
+    referenced = re.findall(r":(?:func|class):`(\w+)`", api)
+    assert referenced and set(referenced) <= set(pk.__all__), set(referenced) - set(pk.__all__)

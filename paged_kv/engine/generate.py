@@ -295,8 +295,8 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
       batch_invariant: static. True: every prompt's tokens and log-probs are the same bits
         whatever the other prompts, its row, the batch size and the chunk size, equal to
         ``ServingEngine``'s in the same mode and to ``paged_kv.models.contiguous.score_tokens``
-        (docs/batch_invariance.md). The reference kernels only (``impl`` "reference", or "auto"
-        off a GPU).
+        (docs/batch_invariance.md). On the reference and the Pallas kernels alike, on one device
+        or a tensor-parallel mesh; not with quantized pages.
 
     Returns:
       ``(GenerateOutput, pages, state)``.

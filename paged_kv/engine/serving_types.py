@@ -54,8 +54,9 @@ class ServingConfig:
       batch_invariant: every request's tokens and log-probs the same bits whatever its
         batchmates, row, ``max_seqs``, chunking, prefix-cache hits and preemptions, equal to
         ``generate``'s in the same mode and to ``paged_kv.models.contiguous.score_tokens``
-        (docs/batch_invariance.md). The reference kernels only (``impl`` "reference", or "auto"
-        off a GPU); costs decode throughput (``scripts/bench_batch_invariant.py``).
+        (docs/batch_invariance.md). On the reference and the Pallas kernels alike, on one device
+        or a tensor-parallel mesh; not with ``kv_dtype`` int8 / fp8. Costs decode throughput
+        (``scripts/bench_batch_invariant.py``).
       kv_dtype: the KV pages' storage dtype: ``"auto"`` (the model's dtype), ``"int8"`` or
         ``"fp8"`` (``"float8_e4m3fn"``): quantized pages (``paged_kv.pallas_kernels.QuantPages``,
         one float32 scale per token and KV head) hold about twice the blocks of bfloat16 pages in
