@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention/copy kernels: auto = Pallas on GPU, the jnp reference on CPU")
     g.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant decoding (ServingConfig.batch_invariant): each request's tokens and "
-                        "log-probs the same bits whatever else runs; not with --kv-dtype int8/fp8")
+                        "log-probs the same bits whatever else runs; the reference kernels only")
     g.add_argument("--kv-dtype", choices=("auto", "int8", "fp8"), default="auto",
                    help="KV page dtype (ServingConfig.kv_dtype): auto = the model's; int8 / fp8 store one byte "
                         "per element plus a float32 scale per token and KV head, and the KV memory of "
