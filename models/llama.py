@@ -17,7 +17,7 @@ The layer loop follows the layout (below) and the backend's plan, and every laye
     `attend.static_layer`: the Pallas kernels over a tensor-parallel mesh), or on static slices
     of the stacked weights when a stacked model meets such a backend.
 The kernels take the layer as an operand, so every layer shares one compiled kernel either way;
-`paged_kv.models.paged.layout_for_impl` is where the layout is chosen.
+`paged_kv.models.layer_layout.layout_for_impl` is where the layout is chosen.
 
 q and k arrive with RoPE applied; `attend` stores k/v into `cache` and attends. Dimension names in
 einsum strings: b batch, t query tokens, d model width, h query heads, k kv heads, g heads per kv
@@ -68,7 +68,8 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from paged_kv.models.config import LlamaConfig, rope_inv_freq
-from paged_kv.models.protocol import AttentionBackend, LayerMatmul, as_backend
+from paged_kv.models.protocol import AttentionBackend, LayerMatmul, as_backend, in_vocab
+from paged_kv.models.tp_layout import weight_specs
 from paged_kv.pallas_kernels import invariant as invariant_ops
 
 Array = jax.Array
@@ -351,11 +352,6 @@ SAFE_TOKEN = 0
 """The id an out-of-vocabulary token is looked up as inside ``jit`` (``safe_tokens``)."""
 
 
-def in_vocab(tokens: Array, vocab_size: int) -> Array:
-    """bool, same shape as ``tokens`` (any integer dtype): ``0 <= id < vocab_size``."""
-    return (tokens >= 0) & (tokens < vocab_size)
-
-
 def safe_tokens(tokens: Array, vocab_size: int) -> Array:
     """``tokens`` (integer ``[...]``) with ids outside ``[0, vocab_size)`` replaced by ``SAFE_TOKEN``.
 
@@ -370,7 +366,7 @@ class Llama(nnx.Module):
     """Llama 3 decoder. `__call__` returns final-normed hidden states; `logits` applies the head.
 
     Implements `paged_kv.models.protocol.PagedModel`: the facts below are read from `config`, and
-    `partition_specs` gives its tensor-parallel layout (`paged_kv.models.sharding.weight_specs`).
+    `partition_specs` gives its tensor-parallel layout (`paged_kv.models.tp_layout.weight_specs`).
     """
 
     @property
@@ -399,7 +395,6 @@ class Llama(nnx.Module):
 
     def partition_specs(self, weights: nnx.State, tp: int) -> nnx.State:
         """PartitionSpecs of `weights` (this model's state) over the "tp" mesh axis."""
-        from paged_kv.models.sharding import weight_specs
         return weight_specs(weights, self.config, tp)
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
@@ -437,7 +432,7 @@ class Llama(nnx.Module):
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
         if is_per_layer(self) or attend.static_layer:
             # Python-int ids. On stacked weights each layer is a static slice, which XLA:GPU
-            # copies on every step: `paged_kv.models.paged.layout_for_impl` gives such a backend's
+            # copies on every step: `paged_kv.models.layer_layout.layout_for_impl` gives such a backend's
             # callers the per-layer layout instead, which has nothing to slice.
             for i in range(cfg.num_layers):
                 x, cache = self.layer(i)(x, positions, local_freq if cfg.local_rope[i] else inv_freq, cache, attend,
@@ -516,7 +511,7 @@ def _unstack_leaf(w, n: int) -> list:
 
     Done outside any user `jit`, once: one small program per leaf that writes all n slices. A
     leaf with a `NamedSharding` keeps its spec minus the leading (never sharded) layer axis, so a
-    tensor-parallel model stays placed (`paged_kv.models.sharding.weight_specs` gives the same spec for the
+    tensor-parallel model stays placed (`paged_kv.models.tp_layout.weight_specs` gives the same spec for the
     per-layer layout). `jax.ShapeDtypeStruct` leaves (abstract models) give abstract slices."""
     from jax.sharding import NamedSharding, PartitionSpec
 

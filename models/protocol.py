@@ -247,6 +247,13 @@ def partition_specs(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], weights:
     return check_partition_specs(model).partition_specs(weights, tp)
 
 
+def in_vocab(tokens: Array, vocab_size: int) -> Array:
+    """bool, same shape as ``tokens`` (any integer dtype): ``0 <= id < vocab_size``. Every model's
+    token ids are checked against its ``vocab_size`` fact with it (the engines' out-of-vocabulary
+    flags, the Llama's safe lookup)."""
+    return (tokens >= 0) & (tokens < vocab_size)
+
+
 def attend_options(options: dict) -> dict:
     """Check the keyword options of an ``attend`` call; ValueError naming an unsupported one."""
     bad = sorted(set(options) - set(ATTEND_OPTIONS))
@@ -257,4 +264,4 @@ def attend_options(options: dict) -> dict:
 
 
 __all__ = ["ATTEND_OPTIONS", "FACTS", "AttentionBackend", "LayerMatmul", "ModelFacts", "PagedModel", "as_backend",
-           "attend_options", "check_model", "check_partition_specs", "model_facts", "partition_specs"]
+           "attend_options", "check_model", "check_partition_specs", "in_vocab", "model_facts", "partition_specs"]

@@ -1,21 +1,9 @@
-"""Tensor parallelism over a `jax.sharding.Mesh` axis named "tp" (Megatron-style, XLA SPMD).
+"""Tensor parallelism over a `jax.sharding.Mesh` axis named "tp" (Megatron-style, XLA SPMD):
+placing a model and its pages, sharded loading, KV capacity per device.
 
-What is sharded over the "tp" axis of size `tp` (everything else is replicated):
-
-| array | shape (model layout) | sharded axis |
-|---|---|---|
-| `q_proj` | `[d, num_heads, head_dim]` | heads |
-| `k_proj`, `v_proj` | `[d, kv_heads, head_dim]` | KV heads |
-| `o_proj` | `[num_heads, head_dim, d]` | heads (row-parallel: XLA all-reduces its output) |
-| `gate`, `up` | `[d, f]` | `f` (column-parallel) |
-| `q_bias`, `k_bias`, `v_bias` (qwen2, biased llama/qwen3) | `[heads, head_dim]` | heads |
-| `gate_bias`, `up_bias` (llama `mlp_bias`) | `[f]` | `f` |
-| `down` | `[f, d]` | `f` (row-parallel: XLA all-reduces its output) |
-| `lm_head` (or the tied `embed`) | `[vocab, d]` | vocab, when `tp` divides it |
-| KV `pages` | `[layers, 2, kv_heads, blocks, block_size, head_dim]` | KV heads |
-
-The decoder-layer weights are stacked (`paged_kv.models.llama`): each of them has a leading layer axis
-`[L, ...]` before the shape above, never sharded, so its spec is `P(None, ...)` of the table's.
+What is sharded over "tp" (heads, KV heads, MLP width, the vocabulary; the pages on KV heads) is
+the table of `paged_kv.models.tp_layout`, whose names (`AXIS`, `PAGE_SPEC`, `pages_spec`,
+`weight_spec(s)`, ...) this module re-exports.
 
 So each device holds every block for its own KV heads: block ids are global, the block-manager
 state stays small and replicated, and block copies, KV writes and paged attention are
@@ -46,7 +34,7 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -58,17 +46,23 @@ from jax.typing import DTypeLike
 from paged_kv.models import hf_format
 from paged_kv.models.config import LlamaConfig
 from paged_kv.models.llama import Llama, abstract_model, is_per_layer, per_layer
+from paged_kv.models.page_sizing import KVPageSpec, allocate_pages, kv_bytes_per_token_raw
 from paged_kv.models.protocol import check_model, check_partition_specs, model_facts, partition_specs
+from paged_kv.models.tp_layout import (
+    AXIS,
+    PAGE_SPEC,
+    SCALE_SPEC,
+    _leaf_name,
+    _stacked_spec,
+    pages_sharding,
+    pages_spec,
+    weight_spec,
+    weight_specs,
+)
 from paged_kv.pallas_kernels.quant import QuantPages, is_quant
 from paged_kv.pallas_kernels.validate import is_int
 
-if TYPE_CHECKING:  # paged.py imports this module (lazily): no import back at run time
-    from paged_kv.models.paged import KVPageSpec
-
 _Tree = TypeVar("_Tree")
-
-AXIS = "tp"
-"""Name of the tensor-parallel mesh axis."""
 
 
 # ---------------------------------------------------------------------------- degrees and meshes
@@ -146,85 +140,6 @@ def mesh_of(pages: jax.Array | QuantPages) -> Mesh | None:
             and sh.mesh.size > 1:
         return sh.mesh
     return None
-
-
-# ---------------------------------------------------------------------------- partition specs
-PAGE_SPEC = P(None, None, AXIS, None, None, None)
-"""Pages `[layers, 2, kv_heads, blocks, block_size, head_dim]`: sharded on KV heads."""
-SCALE_SPEC = P(None, None, AXIS, None, None)
-"""Quantized pages' scales `[layers, 2, kv_heads, blocks, block_size]`: sharded on KV heads, with
-their values."""
-
-
-def pages_spec(pages: jax.Array | QuantPages | KVPageSpec) -> P | QuantPages:
-    """The partition spec(s) of `pages` (or of the pages a `KVPageSpec` describes): `PAGE_SPEC`
-    for plain pages; for `QuantPages` the same pytree of specs (`PAGE_SPEC` values, `SCALE_SPEC`
-    scales), so `shard_map` / `jit` shardings split the scales on the KV-head axis with their values."""
-    from paged_kv.models.paged import KVPageSpec
-    quantized = pages.quantized if isinstance(pages, KVPageSpec) else is_quant(pages)
-    return QuantPages(values=PAGE_SPEC, scales=SCALE_SPEC) if quantized else PAGE_SPEC
-
-
-def pages_sharding(pages: jax.Array | QuantPages | KVPageSpec, mesh: Mesh) -> NamedSharding | QuantPages:
-    """`pages_spec(pages)` as `NamedSharding`s on `mesh` (a pytree for `QuantPages`)."""
-    spec = pages_spec(pages)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec, is_leaf=lambda x: isinstance(x, P))
-
-
-def weight_spec(name: str, shape: tuple[int, ...], tp: int, tied: bool) -> P:
-    """PartitionSpec of the weight whose last state-path key is `name` (model layout)."""
-    if name in ("q_proj", "k_proj", "v_proj"):
-        return P(None, AXIS, None)
-    if name == "o_proj":
-        return P(AXIS, None, None)
-    if name in ("gate", "up"):
-        return P(None, AXIS)
-    if name == "down":
-        return P(AXIS, None)
-    # Family biases follow their projection's output axis: the q/k/v biases [heads, head_dim] and
-    # the gate/up biases [f] are split with it; o_proj's and down's [d] are added after the
-    # all-reduce, so they are replicated (as are the q/k norm scales [head_dim], named "scale").
-    if name in ("q_bias", "k_bias", "v_bias"):
-        return P(AXIS, None)
-    if name in ("gate_bias", "up_bias"):
-        return P(AXIS)
-    # The output head is vocab-parallel when tp divides the vocabulary (logits are gathered for the
-    # sampler); an embedding that is also the head is sharded the same way (XLA masks the lookup).
-    if name == "lm_head" or (name == "embed" and tied):
-        return P(AXIS, None) if shape[0] % tp == 0 else P()
-    return P()
-
-
-def _path_keys(path) -> list:
-    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    return [k for k in keys if k != "value"]
-
-
-def _leaf_name(path) -> str:
-    return str(_path_keys(path)[-1])
-
-
-def _stacked_spec(stacked: bool, name: str, shape: tuple[int, ...], tp: int, tied: bool) -> P:
-    """`weight_spec` of one layer's slice, with the leading layer axis (never sharded) in front
-    when the variable is a stacked decoder-layer weight (`paged_kv.models.llama`: `layers.*` is [L, ...])."""
-    if not stacked:
-        return weight_spec(name, shape, tp, tied)
-    return P(None, *weight_spec(name, shape[1:], tp, tied))
-
-
-def _is_stacked_path(keys: list) -> bool:
-    """A stacked decoder-layer weight: under "layers" with no layer index next (`paged_kv.models.llama`'s
-    `per_layer` layout puts an int there, `("layers", i, ...)`, and its weights have no layer axis)."""
-    return keys[0] == "layers" and not (len(keys) > 1 and isinstance(keys[1], int))
-
-
-def weight_specs(weights: nnx.State, config: LlamaConfig, tp: int) -> nnx.State:
-    """PartitionSpecs for an `nnx.State` of a model (same tree structure). Stacked layer weights
-    (under "layers") get an unsharded leading layer axis before the table's spec; per-layer ones
-    (`paged_kv.models.llama.per_layer`, under "layers/<i>") get the table's spec as they are."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: _stacked_spec(_is_stacked_path(_path_keys(path)), _leaf_name(path), tuple(x.shape), tp,
-                                      config.tie_word_embeddings), weights)
 
 
 # ---------------------------------------------------------------------------- placing arrays
@@ -345,7 +260,6 @@ def allocate_pages_on_mesh(spec: KVPageSpec, mesh: Mesh) -> jax.Array:
     if spec.num_kv_heads % tp:
         raise ValueError(f"pages with num_kv_heads={spec.num_kv_heads} cannot be split over tp={tp}; size "
                          "them from the placed model's config (paged_kv.models.sharding.shard replicates KV heads)")
-    from paged_kv.models.paged import allocate_pages
     return jax.jit(lambda: allocate_pages(spec), out_shardings=pages_sharding(spec, mesh))()
 
 
@@ -536,10 +450,8 @@ def kv_capacity(config: LlamaConfig, device_bytes: int, tp: int = 1, *, block_si
     `device_bytes`: one device's memory; `memory_fraction` of it is the budget (the rest is left
     for activations, the sampler and the runtime, as vLLM's `gpu_memory_utilization`). `dtype` of
     the pages defaults to the model's; int8 / float8_e4m3fn pages count their float32 scales too
-    (`paged_kv.models.paged.kv_bytes_per_token_raw`).
+    (`paged_kv.models.page_sizing.kv_bytes_per_token_raw`).
     """
-    from paged_kv.models.paged import kv_bytes_per_token_raw
-
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
     if device_bytes <= 0:

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 # name -> the module that defines it
 _EXPORTS = {
-    "AdmitResult": "paged_kv.admission",
+    "AdmitResult": "paged_kv.results",
     "admit": "paged_kv.admission",
-    "AppendResult": "paged_kv.allocate",
+    "AppendResult": "paged_kv.results",
     "append": "paged_kv.allocate",
     "NULL_BLOCK": "paged_kv.config",
     "Group": "paged_kv.config",
@@ -50,12 +50,13 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from paged_kv.admission import AdmitResult, admit
-    from paged_kv.allocate import AppendResult, append
+    from paged_kv.admission import admit
+    from paged_kv.allocate import append
     from paged_kv.config import NULL_BLOCK, Group, ManagerConfig
     from paged_kv.manager import BlockManager
     from paged_kv.prefix_cache import is_cached, reset_prefix_cache
     from paged_kv.reclaim import free
+    from paged_kv.results import AdmitResult, AppendResult
     from paged_kv.share import fork, select
     from paged_kv.state import BlockManagerState, CacheStats, FreeQueue, init_state
     from paged_kv.status import Status, StatusArray

@@ -19,14 +19,14 @@ Semantics of one call, which the reference manager implements row by row:
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from paged_kv import block_hash, free_queue, hash_table, inputs, prefix_cache
-from paged_kv.batch import check_rows, first_come_first_served, start_rows
+from paged_kv import block_hash, free_queue, groups, hash_table, inputs, prefix_cache
+from paged_kv.batch import check_lengths, first_come_first_served, start_rows
 from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.results import AdmitResult
 from paged_kv.scan import leading_count, prefix_sum
 from paged_kv.state import (
     CLASS,
@@ -39,21 +39,6 @@ from paged_kv.state import (
     add_stats,
 )
 from paged_kv.status import Status
-
-
-@flax.struct.dataclass
-class AdmitResult:
-    """Attributes:
-    status: int32 ``[B]``, a ``Status`` per request.
-    cached_tokens: int32 ``[B]``, prompt tokens whose K/V is already in cached blocks: prefill
-      starts after them.
-    shared_tokens: int32 ``[B]``, the next prompt tokens, held in blocks that an earlier request
-      of this call computes: prefill them in the same forward pass as (or after) that request.
-    """
-
-    status: jax.Array
-    cached_tokens: jax.Array
-    shared_tokens: jax.Array
 
 
 def admit(
@@ -84,7 +69,6 @@ def admit(
     if salts is not None:
         salts = inputs.int_array("admit", "salts", salts, ndim=1, batch=b, unsigned_ok=True)
     if config.grouped and not config.prefix_caching:
-        from paged_kv import groups
         return groups.admit(config, state, seq_ids, prompt_lens, None, salts)
     if not config.prefix_caching:
         state, status = _admit_fresh(config, state, seq_ids, prompt_lens)
@@ -104,23 +88,14 @@ def admit(
     if salts is None:
         salts = jnp.zeros(seq_ids.shape, jnp.uint32)
     if config.grouped:
-        from paged_kv import groups
         return groups.admit(config, state, seq_ids, prompt_lens, prompt_tokens, salts)
     return _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts)
-
-
-def _check_lengths(config, state, seq_ids, prompt_lens, max_len):
-    status, sid = check_rows(config, state, seq_ids, must_be_active=False)
-    lens = prompt_lens.astype(jnp.int32)
-    bad = (lens < 1) | (lens > min(config.max_tokens_per_seq, max_len))
-    status = jnp.where((status == Status.OK) & bad, Status.BAD_LENGTH, status)
-    return status, sid, lens
 
 
 def _admit_fresh(config, state, seq_ids, prompt_lens):
     """Admission without the cache: every block fresh from the queue front."""
     bs, m = config.block_size, config.max_blocks_per_seq
-    status, sid, lens = _check_lengths(config, state, seq_ids, prompt_lens, config.max_tokens_per_seq)
+    status, sid, lens = check_lengths(config, state, seq_ids, prompt_lens, config.max_tokens_per_seq)
     need = jnp.where(status == Status.OK, (lens + bs - 1) // bs, 0)
     fits = first_come_first_served(need, state.queue.num_free)
     status = jnp.where((status == Status.OK) & ~fits, Status.NO_FREE_BLOCKS, status)
@@ -219,7 +194,7 @@ def _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts):
     salts = salts.astype(jnp.uint32)
     cache = state.cache
 
-    status, sid, lens = _check_lengths(config, state, seq_ids, prompt_lens, length)
+    status, sid, lens = check_lengths(config, state, seq_ids, prompt_lens, length)
     ok0 = status == Status.OK
     n_blocks = jnp.where(ok0, (lens + bs - 1) // bs, 0)
     n_full = lens // bs

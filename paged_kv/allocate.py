@@ -10,37 +10,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from numpy.typing import ArrayLike
 
-from paged_kv import block_hash, free_queue, hash_table, inputs, prefix_cache
+from paged_kv import block_hash, free_queue, groups, hash_table, inputs, prefix_cache
 from paged_kv.batch import check_rows, first_come_first_served
 from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.results import AppendResult
 from paged_kv.scan import per_platform, prefix_sum, repair
 from paged_kv.state import NO_PARENT, BlockManagerState
 from paged_kv.status import Status
-
-
-@flax.struct.dataclass
-class AppendResult:
-    """What one decode step's ``append`` tells the model and the copy kernel.
-
-    Attributes:
-      status: int32 ``[B]``, a ``Status`` per row.
-      slots: int32 ``[B]``, where the row's new token's K/V goes (block * block_size + offset);
-        a slot in the null block for rows that did not take effect, so padding writes are harmless.
-      copy_src, copy_dst: int32 ``[B]``, the copy-on-write list: block ``copy_src[i]`` must be
-        copied to ``copy_dst[i]`` before the K/V write; ``(NULL_BLOCK, NULL_BLOCK)`` where no copy.
-      num_copies: int32 scalar, real entries in the copy list.
-    """
-
-    status: jax.Array
-    slots: jax.Array
-    copy_src: jax.Array
-    copy_dst: jax.Array
-    num_copies: jax.Array
 
 
 def append(
@@ -80,7 +60,6 @@ def append(
     """
     seq_ids, token_ids = check_inputs(config, seq_ids, token_ids)
     if config.grouped:
-        from paged_kv import groups
         return groups.append(config, state, seq_ids, token_ids)
 
     def one_check(state):
@@ -110,7 +89,6 @@ def append_general(config: ManagerConfig, state: BlockManagerState, seq_ids: jax
     """``append`` on checked inputs in the form with its skips and loops: the CPU form, and the
     GPU form's rare path. With groups, the grouped form (``groups.append``)."""
     if config.grouped:
-        from paged_kv import groups
         return groups.append(config, state, seq_ids, token_ids)
     return _write(config, state, _decide(config, state, seq_ids), token_ids, straight=False)
 

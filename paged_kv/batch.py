@@ -163,3 +163,14 @@ def by_width(config: ManagerConfig, needed: jax.Array, fn: Callable[..., T], *op
         return lax.switch(index, [functools.partial(fn, w) for w in widths], *ops)
 
     return per_platform(config.target, *operands, cpu=bucketed, default=functools.partial(fn, m))
+
+
+def check_lengths(config, state, seq_ids, prompt_lens, max_len):
+    """``check_rows`` for free rows to start, then ``BAD_LENGTH`` for a prompt length outside
+    ``[1, min(max_tokens_per_seq, max_len)]``. Returns ``(status, sid, lens)``: int32 ``[B]``
+    each (``lens`` the lengths as int32)."""
+    status, sid = check_rows(config, state, seq_ids, must_be_active=False)
+    lens = prompt_lens.astype(jnp.int32)
+    bad = (lens < 1) | (lens > min(config.max_tokens_per_seq, max_len))
+    status = jnp.where((status == Status.OK) & bad, Status.BAD_LENGTH, status)
+    return status, sid, lens

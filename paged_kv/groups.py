@@ -13,7 +13,7 @@ Rules (``docs/design.md``, section "KV-cache groups"):
   that left the window.
 - ``append`` first reclaims, for each window group in group order, every held block whose tokens
   all lie before ``num_tokens - window + 1`` (the tokens computed before the new one): released
-  tail first (``reclaim.release``: back of the queue, contents and hash kept, so still a prefix
+  tail first (``refcount.release``: back of the queue, contents and hash kept, so still a prefix
   hit until allocation takes it from the front), its entry set to ``NULL_BLOCK``. This happens
   for every running row of the call, also one that then fails for lack of blocks (as vLLM's
   ``allocate_slots`` does: the blocks are out of the window either way). Then every group takes
@@ -44,17 +44,16 @@ block that an earlier row of the same call takes fresh is reported as shared, no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
-from paged_kv.batch import blocks_held, check_rows, tail_first, take_status
+from paged_kv.batch import blocks_held, check_lengths, check_rows, tail_first, take_status
 from paged_kv.config import NULL_BLOCK, Group, ManagerConfig
-from paged_kv.reclaim import cache_slots, release
+from paged_kv.refcount import cache_slots, release
+from paged_kv.results import AdmitResult, AppendResult
 from paged_kv.scan import leading_count, prefix_sum
 from paged_kv.state import (
     CLASS,
@@ -68,10 +67,6 @@ from paged_kv.state import (
     add_stats,
 )
 from paged_kv.status import Status
-
-if TYPE_CHECKING:
-    from paged_kv.admission import AdmitResult
-    from paged_kv.allocate import AppendResult
 
 _TWEAK = np.array([0x9E3779B9, 0x85EBCA6B], np.uint32)
 
@@ -181,8 +176,6 @@ def append(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
 
     Returns the state and an ``allocate.AppendResult`` whose ``slots``, ``copy_src`` and
     ``copy_dst`` are int32 ``[B, G]`` (one slot and one copy-list entry per group)."""
-    from paged_kv.allocate import AppendResult
-
     status0, sid = check_rows(config, state, seq_ids, must_be_active=True)
     tokens = jnp.zeros_like(sid) if token_ids is None else token_ids.astype(jnp.int32)
     tables = state.tables
@@ -286,8 +279,6 @@ def admit(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, p
     """``admission.admit`` with groups (checked inputs; ``prompt_tokens`` int32 ``[B, L]`` and
     ``salts`` uint32 ``[B]`` required with prefix caching). Returns the state and an
     ``admission.AdmitResult``."""
-    from paged_kv.admission import AdmitResult, _check_lengths
-
     bs = config.block_size
     b = seq_ids.shape[0]
     if salts is None:
@@ -302,7 +293,7 @@ def admit(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, p
         length, c = config.max_tokens_per_seq, config.max_blocks_per_seq
         tokens = jnp.zeros((b, c * bs), jnp.int32)
         chains = jnp.zeros((b, c, 2), jnp.uint32)
-    status0, sid, lens = _check_lengths(config, state, seq_ids, prompt_lens, length)
+    status0, sid, lens = check_lengths(config, state, seq_ids, prompt_lens, length)
     tables = state.tables
     pending = jnp.zeros((config.num_blocks,), bool)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paged_kv import inputs
+from paged_kv import groups, inputs
 from paged_kv.batch import blocks_held, by_width, start_rows, tail_first, take_status
 from paged_kv.config import ManagerConfig
-from paged_kv.reclaim import cache_slots, release
+from paged_kv.refcount import cache_slots, release
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
 
@@ -27,7 +27,6 @@ def _take_tables(
     straight: bool = False,
 ) -> tuple[BlockManagerState, jax.Array]:
     if config.grouped:
-        from paged_kv import groups
         return groups.take_tables(config, state, dst_ids, src_ids, dst_must_be_free=dst_must_be_free)
     s, n = config.max_seqs, config.num_blocks
     dst, src, status = take_status(config, state, dst_ids, src_ids, dst_must_be_free)
@@ -96,7 +95,7 @@ def select(
     Args:
       dst_ids: int32 ``[B]`` distinct rows (running or free; < 0: padding).
       parent_ids: int32 ``[B]`` running rows (may repeat).
-      straight: static, see ``reclaim.release``.
+      straight: static, see ``refcount.release``.
 
     Returns:
       The new state and status int32 ``[B]``.

@@ -17,20 +17,29 @@ Block 0 is the reserved null block: padding writes go there and unused block-tab
 0. Slot index = ``block_id * block_size + offset``. Out-of-range block ids and slots are clamped
 to the null block, so a bad index never reads or writes another sequence's memory.
 
-Public API (see :mod:`paged_kv.pallas_kernels.dispatch` for full docs):
+Public API (``__all__``; the kernels' full docs are in :mod:`paged_kv.pallas_kernels.dispatch`):
 
-* :func:`paged_decode_attention` ``(q, pages, layer, block_tables, lengths, *, scale, impl)``
-* :func:`paged_prefill_attention` ``(q, pages, layer, block_tables, q_start, q_lens, *, scale, impl)``
+* :func:`paged_decode_attention` ``(q, pages, layer, block_tables, lengths, *, scale, impl, soft_cap,
+  alibi_slopes, batch_invariant, window)``
+* :func:`paged_prefill_attention` ``(q, pages, layer, block_tables, q_start, q_lens, *, scale, impl,
+  soft_cap, alibi_slopes, batch_invariant, window)``
 * :func:`write_kv` ``(pages, layer, k, v, slots, *, impl)``
 * :func:`copy_blocks` ``(pages, src, dst, *, impl)``
-* :func:`layer_matmul` ``(x, w, layer, *, scale, bias, impl)``: one layer's projection read out
-  of a stacked ``[L, K, N]`` weight in place (the scan over layers on a GPU)
+* :func:`layer_matmul` ``(x, w, layer, *, scale, bias, impl, batch_invariant)``: one layer's
+  projection read out of a stacked ``[L, K, N]`` weight in place (the scan over layers on a GPU)
+* :func:`resolve_impl` ``(impl, head_dim=None)``: the implementation "auto" runs here
+* ``IMPLS``: the accepted ``impl`` values; ``NULL_BLOCK``: the reserved block id 0
+* :class:`QuantPages`, ``KV_DTYPES``, :func:`quantize`, :func:`dequantize`, :func:`check_kv_dtype`:
+  quantized pages (below)
 
 ``impl`` is "auto" (Pallas on GPU, XLA reference elsewhere), "pallas", "interpret" (Pallas with
-``interpret=True``, used in tests) or "reference".
+``interpret=True``, used in tests) or "reference". The attention knobs (``soft_cap``,
+``alibi_slopes``, ``window``) and ``batch_invariant`` (the fixed-tile kernels: a query's bits do
+not depend on the batch; :mod:`paged_kv.pallas_kernels.invariant`) are off by default, and a
+kernel compiles exactly as without them when they are.
 
-Quantized pages (:mod:`paged_kv.pallas_kernels.quant`): every entry point above except
-``layer_matmul`` also takes a :class:`~paged_kv.pallas_kernels.quant.QuantPages`: ``values`` int8 or
+Quantized pages (:mod:`paged_kv.pallas_kernels.quant`): the attention, ``write_kv`` and
+``copy_blocks`` entry points also take a :class:`~paged_kv.pallas_kernels.quant.QuantPages`: ``values`` int8 or
 float8_e4m3fn (stored as uint8 bit patterns) in the layout above and ``scales`` float32
 ``[num_layers, 2, num_kv_heads, num_blocks, block_size]``, one per token, per KV head, for K and for
 V (symmetric: ``scale = max|x| / qmax``, qmax 127 or 448; a zero row has scale 0 and reads back as

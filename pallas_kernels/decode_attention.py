@@ -45,8 +45,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.typing import DTypeLike
 
-from paged_kv.pallas_kernels import quant, tiling
-from paged_kv.pallas_kernels.reference import NULL_BLOCK, PagesLike, score_knobs
+from paged_kv.pallas_kernels import gpu_figures, quant, tiling
+from paged_kv.pallas_kernels.reference import NULL_BLOCK, PagesLike
+from paged_kv.pallas_kernels.score_rules import score_knobs
 
 # A finite "minus infinity": exp(MASK - m) is 0, and MASK - MASK is 0, never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -209,12 +210,12 @@ def merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
   return o_tot / w_tot
 
 
-# The split rule's picture of the GPU: an H100/H200 (what the tiles were tuned on), figures as in
-# scripts/gate/perf_model.py. They only rank split counts against each other; on an A100 (108 SMs,
-# 2 TB/s) the same choice is close (the waves are shorter by a fifth).
-SMS = 132
-BANDWIDTH = 0.92 * 4.8e12  # HBM bytes/s a streaming kernel sustains
-LATENCY_S = 0.7e-6  # DRAM round trip under load (the high end)
+# The split rule's picture of the GPU: an H100/H200 (what the tiles were tuned on), the figures of
+# gpu_figures.py. They only rank split counts against each other; on an A100 (108 SMs, 2 TB/s) the
+# same choice is close (the waves are shorter by a fifth).
+SMS = gpu_figures.H200_SMS
+BANDWIDTH = gpu_figures.H200_SUSTAINED_BANDWIDTH  # HBM bytes/s a streaming kernel sustains
+LATENCY_S = gpu_figures.H200_LATENCY_S[1]  # DRAM round trip under load (the high end)
 MERGE_S = 3e-6  # the merge kernel's launch gap (the high end) when there are splits
 
 

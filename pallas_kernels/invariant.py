@@ -29,6 +29,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from paged_kv.pallas_kernels.score_rules import score_knobs, window_start
+
 ROW_TILE = 16
 """Rows per dot in ``matmul``: decode batches of up to 16 rows run one dot; larger ones loop."""
 
@@ -146,8 +148,6 @@ def attention_chunk(carry: Carry, qk: jax.Array, k: jax.Array, v: jax.Array, key
   int32 and valid bool ``[B, T]`` (query ``(b, t)`` sees key positions ``<= last_pos``, nothing
   when not valid); slopes None or float32 ``[H, 1, 1, G, 1]``; first_pos None or int32 ``[B, T]``
   (a sliding window: query ``(b, t)`` sees no key before ``first_pos``). Returns the new carry."""
-  from paged_kv.pallas_kernels.reference import score_knobs  # reference imports this module
-
   o, m, denom = carry
   h, b, t, g, d = o.shape
   keys = k.shape[2]
@@ -198,11 +198,9 @@ def contiguous_attention(q: jax.Array, k: jax.Array, v: jax.Array, last_pos: jax
   """Causal attention over contiguous K/V with the invariant steps: q ``[B, T, QH, D]``, k, v
   ``[B, S, KVH, D]`` (key ``s`` at position ``s``), last_pos/valid ``[B, T]``; slopes None or
   float ``[QH]``; window None, an int >= 1 or an int32 scalar (<= 0: none), as
-  :func:`paged_kv.pallas_kernels.reference.window_start`. Returns ``[B, T, QH, D]`` in q's dtype;
+  :func:`paged_kv.pallas_kernels.score_rules.window_start`. Returns ``[B, T, QH, D]`` in q's dtype;
   the same bits per query as the paged reference in invariant mode (same key tiles, same steps;
   tiles wholly before every query's window are skipped, which leaves a carry's bits unchanged)."""
-  from paged_kv.pallas_kernels.reference import window_start  # reference imports this module
-
   b, t, hq, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]
   g = hq // hkv

@@ -20,7 +20,7 @@ kernel fixes everything a query row's arithmetic depends on:
   factor exactly 1), so how many steps a tile runs does not matter to any row.
 
 Online softmax in float32 (:func:`paged_kv.pallas_kernels.decode_attention.online_softmax_step`),
-``soft_cap`` and ALiBi slopes as in the other kernels (:func:`paged_kv.pallas_kernels.reference.score_knobs`),
+``soft_cap`` and ALiBi slopes as in the other kernels (:func:`paged_kv.pallas_kernels.score_rules.score_knobs`),
 and an optional sliding ``window``: query at position ``p`` sees keys ``p - window < k <= p``.
 
 Bits are equal within this kernel (any batch, row, chunk split, prefill or decode), not to the
@@ -40,7 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from paged_kv.pallas_kernels.decode_attention import layer_operand, online_softmax_init, online_softmax_step
-from paged_kv.pallas_kernels.reference import sanitize_block_tables, score_knobs
+from paged_kv.pallas_kernels.reference import sanitize_block_tables
+from paged_kv.pallas_kernels.score_rules import score_knobs
 
 ROW_TILE = 16
 """Query rows (token x query head of one KV head) per program: Triton's smallest dot edge."""

@@ -28,7 +28,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from paged_kv.pallas_kernels import quant, tiling
 from paged_kv.pallas_kernels.decode_attention import layer_operand, online_softmax_init, online_softmax_step
-from paged_kv.pallas_kernels.reference import PagesLike, sanitize_block_tables, score_knobs
+from paged_kv.pallas_kernels.reference import PagesLike, sanitize_block_tables
+from paged_kv.pallas_kernels.score_rules import score_knobs
 
 
 def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,

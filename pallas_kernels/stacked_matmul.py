@@ -50,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from paged_kv.pallas_kernels import gpu_figures
 from paged_kv.pallas_kernels.decode_attention import layer_operand
 from paged_kv.pallas_kernels.reference import Projections, StackedBiases, StackedWeights
 
@@ -86,19 +87,19 @@ class Plan:
   num_stages: int = 2
 
 
-# The GPU the plan is sized for: an H100/H200-class part (132 SMs, ~4.4 TB/s sustained, a DRAM
-# round trip of up to ~0.7 us under load, ~227 KB of shared memory per SM, ~990 TFLOP/s of
-# bfloat16 MMA of which a kernel reaches ~70 % with wgmma and ~45 % with mma.sync). A decode
+# The GPU the plan is sized for: an H100/H200-class part (gpu_figures.py: 132 SMs, ~4.4 TB/s
+# sustained, a DRAM round trip of up to ~0.7 us under load, ~227 KB of shared memory per SM,
+# ~990 TFLOP/s of bfloat16 MMA, of which a kernel reaches ~70 % with wgmma and ~45 % with mma.sync). A decode
 # step's projection is a stream of the weight, so the plan is about keeping that stream full:
 # enough programs to occupy every SM, and a per-program chain of K steps (each a round trip
 # divided by the stages in flight, or its MMA time if longer) that does not outlast the stream
 # (Little's law; scripts/gate/perf_model.py has the full model the gate applies).
-_SMS = 132
-_BANDWIDTH = 4.4e12  # bytes/s a streaming kernel sustains
-_LATENCY = 0.7e-6  # s, the high end of the loaded DRAM round trip
-_PEAK_FLOPS = 989e12
+_SMS = gpu_figures.H200_SMS
+_BANDWIDTH = gpu_figures.H200_SUSTAINED_BANDWIDTH  # bytes/s a streaming kernel sustains
+_LATENCY = gpu_figures.H200_LATENCY_S[1]  # s, the high end of the loaded DRAM round trip
+_PEAK_FLOPS = gpu_figures.H200_DENSE_FLOPS
 _MMA_EFFICIENCY = {True: 0.70, False: 0.45}  # bm >= 64 (wgmma on sm_90) / below (mma.sync)
-_SMEM_PER_SM = 232_448
+_SMEM_PER_SM = gpu_figures.H200_SMEM_OPTIN
 _SMEM_PER_BLOCK = 166_912 - 2048  # A100's opt-in limit (the smaller target), less the scale's tiles
 _MAX_RESIDENT = 4  # 4 warps at ~128 registers: 4 programs per SM
 _STAGES = (3, 4, 5)  # Triton's num_stages: 2-4 tiles in flight while one is computed

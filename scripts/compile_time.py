@@ -111,7 +111,7 @@ def compile_seconds(num_layers: int, target: str | None = None) -> dict:
     cfg = config(num_layers)
     pages, meta, tokens = inputs(cfg)
     impl = "reference" if target in (None, "cpu") else "pallas"
-    # The layer layout the engines give this impl (paged_kv.models.paged.layout_for_impl): stacked for the
+    # The layer layout the engines give this impl (paged_kv.models.layer_layout.layout_for_impl): stacked for the
     # scan on the reference kernels, one array per layer for the unrolled Pallas path.
     graphdef, state = nnx.split(layout_for_impl(abstract_model(cfg), impl))
     if target in (None, "cpu"):

@@ -4,7 +4,8 @@ configured before JAX starts (so never in the pytest process, whose other tests 
   python tests/sharding_worker.py four CKPT            4 devices in one process
   python tests/sharding_worker.py multi CKPT ID PORT   process ID of 2 (2 devices each) on 127.0.0.1:PORT
   python tests/sharding_worker.py invariant CKPT       2 devices: batch-invariant mode, tp=1 vs tp=2
-  python tests/sharding_worker.py quant CKPT           2 devices: int8 KV pages, tp=1 vs tp=2
+  python tests/sharding_worker.py quant CKPT           2 devices: int8 KV pages, tp=1 vs tp=2; then, in the
+                                                       same process, a protocol model's attend options at tp=2
 
 CKPT: a Hugging Face checkpoint directory of a small model with 4 heads and 2 KV heads (the test
 writes one), so tp=4 replicates KV heads.
@@ -205,11 +206,31 @@ def quant(ckpt: str) -> dict:
     return res
 
 
+def protocol_model() -> dict:
+    """`tests.model_helpers.KnobModel` (a protocol model with its own `partition_specs`, passing a
+    scale, a soft cap and ALiBi slopes to `attend`) through `generate` on a tp=2 mesh: its greedy
+    tokens, the device count and the pages' sharding. The slopes are split with the query heads
+    inside `attend`."""
+    import paged_kv as pk
+    from paged_kv import engine
+    from paged_kv.models import allocate_pages, page_spec, sharding
+    from tests.model_helpers import KNOB_PROMPTS, KnobModel
+    m = KnobModel(True)
+    mgr = pk.ManagerConfig(num_blocks=16, block_size=8, max_seqs=4, max_blocks_per_seq=4)
+    toks, lens = engine.pad_prompts(KNOB_PROMPTS, width=8)
+    out, pages, _ = engine.generate(m, allocate_pages(page_spec(m, 16, 8)), toks, lens, 0,
+                                    engine.SamplingParams(max_new_tokens=6), manager=mgr, chunk_size=8,
+                                    mesh=sharding.make_mesh(2))
+    return {"tokens": np.asarray(out.tokens[:, 0]).tolist(), "devices": len(jax.devices()),
+            "spec": str(pages.sharding.spec)}
+
+
 if __name__ == "__main__":
     if MODE == "invariant":
         result = invariant(sys.argv[2])
     elif MODE == "quant":
-        result = quant(sys.argv[2])
+        # Two devices too: the protocol model's mesh run shares this process (one JAX start fewer).
+        result = dict(quant(sys.argv[2]), protocol=protocol_model())
     elif MODE == "four":
         result = four(sys.argv[2])
     else:

@@ -7,11 +7,6 @@ with a ValueError naming the missing member before anything compiles; attend opt
 paged and contiguous attention alike. One tiny float32 model and one ManagerConfig for the whole
 module, so each loop compiles once."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +15,6 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import paged_kv as pk
 from examples.gpt2 import from_transformers
@@ -40,6 +34,7 @@ from paged_kv.models import (
 )
 from paged_kv.models.protocol import ModelFacts, model_facts
 from tests import tolerances as tol
+from tests.model_helpers import KNOB_PROMPTS, KnobModel
 from tests.test_engine_beam import reference_beam_search
 
 VOCAB, BS, PROMPT, NEW = 96, 8, 12, 32
@@ -234,43 +229,6 @@ def test_mesh_use_needs_partition_specs(model):
 
 
 # ---------------------------------------------------------------------------- attend options through the protocol
-class KnobModel(nnx.Module):
-    """One attention layer that asks ``attend`` for a scale, a soft cap and ALiBi slopes (or none):
-    embedding [V, d] -> q, k, v (GQA, 4 query heads over 2 KV heads of 16) -> attend -> head [64, V]."""
-
-    def __init__(self, knobs: bool, seed: int = 0):
-        rngs = nnx.Rngs(seed)
-        self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size = 1, 2, 16, 64
-        self.max_positions, self.dtype, self.knobs = 64, "float32", knobs
-        self.embed = nnx.Param(jax.random.normal(rngs.params(), (64, 32)))
-        self.wq = nnx.Param(0.5 * jax.random.normal(rngs.params(), (32, 4, 16)))
-        self.wk = nnx.Param(0.5 * jax.random.normal(rngs.params(), (32, 2, 16)))
-        self.wv = nnx.Param(0.2 * jax.random.normal(rngs.params(), (32, 2, 16)))
-        self.head = nnx.Param(0.2 * jax.random.normal(rngs.params(), (64, 64)))  # [QH * D, V]
-        self.slopes = nnx.Param(jnp.array([0.5, 0.25, 0.125, 0.0625]))
-
-    def __call__(self, tokens, positions, cache, attend):
-        x = jnp.take(self.embed[...], tokens, axis=0, mode="clip")
-        q, k, v = (jnp.einsum("btd,dhe->bthe", x, w[...]) for w in (self.wq, self.wk, self.wv))
-        options = dict(scale=0.4, soft_cap=3.0, alibi_slopes=self.slopes[...]) if self.knobs else {}
-        out, cache = attend(0, q, k, v, cache, **options)
-        return out.reshape(out.shape[:2] + (64,)), cache
-
-    def logits(self, hidden):
-        return (hidden @ self.head[...]).astype(jnp.float32)
-
-    def partition_specs(self, weights, tp):
-        """Query and KV heads split over "tp" (the head's input rows, heads * D, too); the rest
-        replicated. ALiBi slopes stay whole here: attend splits them with the query heads."""
-        heads = {"wq": P(None, sharding.AXIS, None), "wk": P(None, sharding.AXIS, None),
-                 "wv": P(None, sharding.AXIS, None), "head": P(sharding.AXIS, None)}
-        name = lambda path: [getattr(k, "key", None) for k in path if getattr(k, "key", None) != "value"][-1]
-        return jax.tree_util.tree_map_with_path(lambda path, x: heads.get(name(path), P()), weights)
-
-
-KNOB_PROMPTS = [[3, 9, 27, 17, 51, 25, 11], [40, 2, 8, 32, 60]]
-
-
 def _knob_atol(m: KnobModel, context: int, magnitude: float) -> float:
     """q/k/v projections over d = 32, attention (scores bounded from the weights: ``||q_h|| <=
     sigma(W_q,h) max ||e||`` and likewise ``k``, times the scale, plus the ALiBi bias), the head
@@ -310,40 +268,3 @@ def test_attend_options_reach_paged_and_contiguous_attention():
     got, _ = paged_prefill_step(graphdef, state, allocate_pages(page_spec(m, 9, BS)), batch, toks, impl="interpret")
     tol.assert_close(np.asarray(got)[0, :7], np.asarray(want)[0, :7], _knob_atol(m, 7, float(np.abs(want).max())),
                      "interpret vs reference")
-
-
-MESH_SCRIPT = """
-import json, os, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-sys.path.insert(0, os.getcwd())
-import jax, numpy as np
-import paged_kv as pk
-from paged_kv.models import allocate_pages, page_spec, sharding
-from paged_kv import engine
-from tests.test_model_gpt2 import KnobModel, KNOB_PROMPTS
-m = KnobModel(True)
-mgr = pk.ManagerConfig(num_blocks=16, block_size=8, max_seqs=4, max_blocks_per_seq=4)
-toks, lens = engine.pad_prompts(KNOB_PROMPTS, width=8)
-out, pages, _ = engine.generate(m, allocate_pages(page_spec(m, 16, 8)), toks, lens, 0,
-                                engine.SamplingParams(max_new_tokens=6), manager=mgr, chunk_size=8,
-                                mesh=sharding.make_mesh(2))
-print("RESULT " + json.dumps({"tokens": np.asarray(out.tokens[:, 0]).tolist(), "devices": len(jax.devices()),
-                              "spec": str(pages.sharding.spec)}))
-"""
-
-
-@pytest.mark.skipif(os.environ.get("PAGED_KV_MESH_TESTS") != "1",
-                    reason="about 30 s (a 2-device subprocess); set PAGED_KV_MESH_TESTS=1")
-def test_attend_options_on_a_mesh():
-    """A protocol model with its own partition_specs and ALiBi slopes on a 2-device "tp" mesh
-    (slopes split with the query heads inside attend): the same greedy tokens as its contiguous
-    decoding on one device."""
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    r = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
-    assert res["devices"] == 2 and "tp" in res["spec"]
-    want, _ = greedy_generate_contiguous(KnobModel(True), KNOB_PROMPTS, 6, chunk_size=BS, max_len=16)
-    assert res["tokens"] == want.tolist()

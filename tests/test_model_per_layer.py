@@ -33,6 +33,7 @@ from paged_kv.models import (
     per_layer,
     sharding as msharding,
     stacked,
+    tp_layout,
 )
 from paged_kv.models.config import tiny
 from paged_kv.models.protocol import AttentionBackend
@@ -165,7 +166,7 @@ def test_partition_specs_follow_the_per_layer_layout(tp):
     flat = dict(jax.tree_util.tree_flatten_with_path(stacked_specs, is_leaf=lambda x: isinstance(x, P))[0])
     checked = 0
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]:
-        keys = msharding._path_keys(path)
+        keys = tp_layout._path_keys(path)
         if keys[0] == "layers":
             assert isinstance(keys[1], int)
             stacked_path = path[:1] + path[2:]

@@ -19,9 +19,9 @@ from paged_kv.models import (
     allocate_pages,
     init_model,
     is_per_layer,
+    layer_layout,
     make_paged_batch,
     page_spec,
-    paged as paged_mod,
     paged_forward,
 )
 from paged_kv.models.config import tiny
@@ -82,7 +82,7 @@ def test_pallas_impls_scan_with_four_launches_per_layer(monkeypatch):
     cfg = tiny(num_layers=3)
     model = init_model(cfg, seed=1, init_std=0.2)
     tokens, batch, spec = _case(cfg)
-    assert paged_mod.layout_for_impl(model, "interpret") is model
+    assert layer_layout.layout_for_impl(model, "interpret") is model
     calls = []
     real = stacked_matmul.layer_matmul_pallas
 
@@ -108,13 +108,13 @@ def test_layer_matmul_only_without_a_mesh_and_for_pallas():
     """The paged backend brings the in-place matmul for the Pallas impls on one device; the
     reference kernels (a CPU) scan with XLA's slices, and a tensor-parallel mesh unrolls on
     per-layer weights (`static_layer`), where GSPMD partitions the XLA matmuls."""
-    assert paged_mod.layer_matmul_for("reference") is None
-    assert paged_mod.layer_matmul_for("auto") is None  # the CPU: reference
-    assert paged_mod.layer_matmul_for("interpret") is not None
-    assert paged_mod.layer_matmul_for("pallas") is not None
-    assert paged_mod.layer_matmul_for("pallas", mesh=object()) is None
-    assert not paged_mod.static_layer_impl("pallas") and paged_mod.static_layer_impl("pallas", mesh=object())
-    assert not paged_mod.static_layer_impl("reference", mesh=object())
+    assert layer_layout.layer_matmul_for("reference") is None
+    assert layer_layout.layer_matmul_for("auto") is None  # the CPU: reference
+    assert layer_layout.layer_matmul_for("interpret") is not None
+    assert layer_layout.layer_matmul_for("pallas") is not None
+    assert layer_layout.layer_matmul_for("pallas", mesh=object()) is None
+    assert not layer_layout.static_layer_impl("pallas") and layer_layout.static_layer_impl("pallas", mesh=object())
+    assert not layer_layout.static_layer_impl("reference", mesh=object())
 
 
 def test_unsupported_widths_fall_back_to_the_reference():
@@ -122,11 +122,11 @@ def test_unsupported_widths_fall_back_to_the_reference():
     copied on a GPU, as any scan's), not a refusal: any model width runs."""
     x = jnp.ones((3, 24), jnp.float32)
     w = jnp.asarray(np.random.RandomState(0).randn(2, 24, 40), jnp.float32)
-    got = paged_mod._layer_matmul(x, w, 1, impl="interpret")
+    got = layer_layout._layer_matmul(x, w, 1, impl="interpret")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(pk.layer_matmul(x, w, 1, impl="reference")))
     # A group with one such weight goes through the reference as a whole.
     w2 = jnp.asarray(np.random.RandomState(1).randn(2, 24, 32), jnp.float32)
-    got = paged_mod._layer_matmul(x, (w2, w), 1, impl="interpret")
+    got = layer_layout._layer_matmul(x, (w2, w), 1, impl="interpret")
     want = pk.layer_matmul(x, (w2, w), 1, impl="reference")
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,10 +1,13 @@
 """The module graph the design doc describes (docs/design.md, section 1): imports point down only
-(apps -> engine -> core / models -> pallas_kernels), everything installs under the one name
-``paged_kv``, importing the library has no side effects, no import cycle between the checkpoint
-loaders, and the serving split keeps its public names where they were."""
+(apps -> engine -> core / models -> pallas_kernels), no module imports one that imports it back
+(not even from inside a function), the engines see a model only through the protocol (nothing
+from ``models/llama.py``), everything installs under the one name ``paged_kv``, importing the
+library has no side effects, and the serving, paged-forward and call-setup splits keep their
+public names where they were."""
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -28,6 +31,88 @@ def imported_modules(path: Path) -> set[str]:
             names.add(node.module)
             names.update(f"{node.module}.{a.name}" for a in node.names)
     return names
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def run_time_imports(path: Path) -> set[str]:
+    """The modules a file imports when it runs, at any depth (function-level imports included,
+    ``if TYPE_CHECKING:`` blocks left out: they never run)."""
+    names = set()
+    stack = [ast.parse(path.read_text())]
+    while stack:
+        node = stack.pop()
+        if _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+            names.add(node.module)
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def module_of_file(path: Path) -> str:
+    """``paged_kv.x.y`` for a library file (``models/`` and ``pallas_kernels/`` install under
+    ``paged_kv``); a package's ``__init__.py`` is the package."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] != "paged_kv":
+        parts.insert(0, "paged_kv")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the library modules it imports at run time: the core, the engines, the models and
+    the kernels (the command line, ``paged_kv/apps``, is not the library). Packages' ``__init__``
+    modules are left out: ``from paged_kv.models import sharding`` loads the package first, but a
+    package only gathers names (``paged_kv/__init__.py`` loads them on first use)."""
+    files = {}
+    for folder in ("paged_kv", "models", "pallas_kernels"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name != "__init__.py" and "apps" not in path.relative_to(ROOT).parts:
+                files[module_of_file(path)] = path
+    return {mod: {name for name in run_time_imports(path) if name in files and name != mod}
+            for mod, path in files.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
 
 
 # Each layer (a folder of the repository) and the layers of this repository it may import.
@@ -158,3 +243,70 @@ def test_one_definition_of_the_shared_checks():
     for v in (0, -3, 2**40, np.int8(1), np.uint32(7), np.int64(-1), True, False, np.bool_(True),
               1.0, np.float32(2), "1", None, np.array(1), [1]):
         assert core(v) == kernels(v) == (isinstance(v, (int, np.integer)) and not isinstance(v, bool)), v
+
+
+def test_no_import_cycles():
+    """No library module (core, engine, models, kernels) imports, at module level or inside a
+    function, a module that imports it back (a lazy import only hides a cycle). The import walk
+    finds a planted cycle."""
+    graph = import_graph()
+    assert "paged_kv.models.sharding" in graph and "paged_kv.engine.call_setup" in graph
+    assert import_cycles(graph) == [], import_cycles(graph)
+    planted = {k: set(v) for k, v in graph.items()}
+    planted["paged_kv.models.llama"].add("paged_kv.models.sharding")  # the cycle this layout removed
+    assert ["paged_kv.models.llama", "paged_kv.models.sharding"] in import_cycles(planted)
+
+
+def test_engines_see_a_model_only_through_the_protocol():
+    """docs/design.md, section 9: nothing under paged_kv/engine imports ``models/llama.py``
+    (token checks come from ``models/protocol.py``)."""
+    wrong = [f"{path.relative_to(ROOT)} imports {name}"
+             for path in sorted((ROOT / "paged_kv/engine").rglob("*.py"))
+             for name in run_time_imports(path) if name.startswith("paged_kv.models.llama")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_sharding_sits_above_the_llama():
+    """``sharding`` (placing and loading, which knows the Llama) imports ``llama``; ``llama``
+    imports neither ``sharding`` nor the paged forward, only the specs of ``tp_layout``."""
+    llama = run_time_imports(ROOT / "models/llama.py")
+    assert "paged_kv.models.llama" in run_time_imports(ROOT / "models/sharding.py")
+    assert "paged_kv.models.tp_layout" in llama
+    for above in ("sharding", "paged", "paged_attention", "layer_layout", "hf_io"):
+        assert f"paged_kv.models.{above}" not in llama, above
+
+
+def test_split_modules_keep_their_public_names():
+    """``paged_kv.models.paged`` and ``paged_kv.engine.call_setup`` still export what their users
+    import from them, as the objects of the modules that now hold them."""
+    paged = importlib.import_module("paged_kv.models.paged")
+    models = importlib.import_module("paged_kv.models")
+    for name in ("KVGroupLayout", "KVPageSpec", "PagedBatch", "allocate_pages", "compute_slots", "copy_blocks",
+                 "kv_bytes_per_block", "kv_bytes_per_token", "kv_bytes_per_token_raw", "kv_group_layout",
+                 "layer_windows", "layout_for_impl", "make_paged_batch", "page_spec", "page_spec_for_budget",
+                 "paged_decode_step", "paged_forward", "paged_prefill_step", "resolve_kv_dtype"):
+        assert name in paged.__all__, name
+        if hasattr(models, name):
+            assert getattr(models, name) is getattr(paged, name), name
+    setup = importlib.import_module("paged_kv.engine.call_setup")
+    checks = importlib.import_module("paged_kv.engine.input_checks")
+    for name in ("check_call", "check_key", "check_seeds", "group_layout", "kv_cache_groups", "layer_layout",
+                 "layout_groups", "pad_prompts", "place", "replicate_inputs", "split_model", "token_ids"):
+        assert callable(getattr(setup, name)), name
+    assert setup.token_ids is checks.token_ids and setup.pad_prompts is checks.pad_prompts
+    sharding = importlib.import_module("paged_kv.models.sharding")
+    tp_layout = importlib.import_module("paged_kv.models.tp_layout")
+    for name in ("AXIS", "PAGE_SPEC", "SCALE_SPEC", "pages_sharding", "pages_spec", "weight_spec", "weight_specs"):
+        assert getattr(sharding, name) is getattr(tp_layout, name), name
+
+
+
+def test_kernels_docstring_lists_every_export():
+    """The API list of ``paged_kv.pallas_kernels``'s docstring names every name of its ``__all__``,
+    and every function or class it names is exported."""
+    pk = importlib.import_module("paged_kv.pallas_kernels")
+    api = pk.__doc__[pk.__doc__.index("Public API"):pk.__doc__.index("Quantized pages (")]
+    missing = [name for name in pk.__all__ if not re.search(rf"[`:]{name}`", api)]
+    assert not missing, missing
+    referenced = re.findall(r":(?:func|class):`(\w+)`", api)
+    assert referenced and set(referenced) <= set(pk.__all__), set(referenced) - set(pk.__all__)

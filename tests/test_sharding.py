@@ -1,7 +1,8 @@
 """Tensor parallelism (paged_kv.models.sharding): degree validation, KV capacity arithmetic and sharded
 loading in this process (one device); generation on 4 simulated devices and on a 2-process,
 4-device mesh over loopback in subprocesses (tests/sharding_worker.py), since the device count
-is fixed when JAX starts and the other tests expect one device.
+is fixed when JAX starts and the other tests expect one device; there too a protocol model's
+attend options (ALiBi slopes split with the query heads) at tp=2.
 
 Every subprocess is bounded in time and killed (with its process group) on failure.
 """
@@ -25,6 +26,7 @@ import paged_kv as pk
 from paged_kv import engine
 from paged_kv.models import (
     abstract_model,
+    greedy_generate_contiguous,
     llama31_8b,
     load_hf_checkpoint,
     page_spec,
@@ -33,6 +35,7 @@ from paged_kv.models import (
     tiny,
 )
 from tests import tolerances as tol
+from tests.model_helpers import KNOB_PROMPTS, KnobModel
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "sharding_worker.py"
@@ -260,6 +263,16 @@ def test_batch_invariant_tp1_equals_tp2(workers: dict) -> None:
         one, two = res["tp1"][kind], res["tp2"][kind]
         assert two["tokens"] == one["tokens"], kind
         assert two["logprobs"] == one["logprobs"], kind  # exact: float32 values carried as floats
+
+
+def test_protocol_model_attend_options_on_a_mesh(workers: dict) -> None:
+    """A protocol model with its own partition_specs and ALiBi slopes on a 2-device "tp" mesh
+    (slopes split with the query heads inside attend; run by the "quant" worker): the same
+    greedy tokens as its contiguous decoding on one device."""
+    res = _ok(workers["quant"])[0]["protocol"]
+    assert res["devices"] == 2 and "tp" in res["spec"]
+    want, _ = greedy_generate_contiguous(KnobModel(True), KNOB_PROMPTS, 6, chunk_size=8, max_len=16)
+    assert res["tokens"] == want.tolist()
 
 
 def test_int8_pages_tp1_equals_tp2(workers: dict) -> None:

@@ -31,10 +31,11 @@ with ``paged_kv.models.sharding.shard``), the block-manager state and prompts ar
 loops run unchanged (the kernels per device under ``shard_map``).
 
 Modules: ``sampling`` (parameters, sampler), ``steps`` (chunked prefill and the decode step with
-their block-manager side), ``generate``, ``beam_search``, ``call_setup`` (checks and placement of a
-call), and the serving loop: ``serving`` (``ServingEngine``, wiring), ``serving_types`` (its config, request,
-output and statistics types), ``scheduler`` + ``outcomes`` + ``families`` (the host policy,
-testable without a model), ``serving_step`` (the jitted step and its inputs and outputs).
+their block-manager side), ``generate``, ``beam_search``, ``call_setup`` (a call's checks, over
+``input_checks``, ``placement`` and ``manager_groups``), and the serving loop: ``serving``
+(``ServingEngine``, wiring), ``serving_types`` (its config, request, output and statistics types),
+``scheduler`` + ``outcomes`` + ``families`` (the host policy, testable without a model),
+``serving_step`` (the jitted step and its inputs and outputs).
 """
 
 from paged_kv.engine.beam_search import BeamOutput, beam_search, beam_search_jit, beam_search_loop

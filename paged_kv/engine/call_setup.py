@@ -1,7 +1,11 @@
-"""Setting up a call of ``generate`` / ``beam_search`` (and the serving engine): checks of its
-inputs, run in Python before anything is traced or compiled (``check_call`` returns the
-``CallShape`` the loops are compiled for), and the placement of the model, pages and inputs on a
-mesh (``place``, ``layer_layout``, ``replicate_inputs``).
+"""Setting up a call of ``generate`` / ``beam_search`` (and the serving engine): ``check_call``
+checks a call's model, manager, pages and prompts in Python before anything is traced or
+compiled and returns the ``CallShape`` the loops are compiled for.
+
+Its parts live in modules of one concern each, whose names this module also exports (the engines
+call them as ``call_setup.<name>``): ``input_checks`` (token ids, keys, seeds, ``pad_prompts``),
+``placement`` (``place``, ``layer_layout``, ``replicate_inputs``) and ``manager_groups`` (the
+manager's KV-cache groups of a model: ``kv_cache_groups``, ``group_layout``).
 
 Every problem raises ``ValueError`` naming the value and the limit. Shapes are always checked;
 values (prompt lengths, which rows are free) are checked when they are concrete arrays, and
@@ -11,264 +15,33 @@ skipped when the call is itself being traced inside the caller's ``jit``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from numpy.typing import ArrayLike
 
-from paged_kv.config import DEFAULT_GROUPS, Group, ManagerConfig
+from paged_kv.config import ManagerConfig
+from paged_kv.engine.input_checks import (
+    SEED_LIMIT,
+    TOKEN_LIMIT,
+    _concrete,
+    check_int_dtype,
+    check_key,
+    check_padded_tokens,
+    check_seeds,
+    pad_prompts,
+    token_ids,
+)
+from paged_kv.engine.manager_groups import group_layout, kv_cache_groups, layout_groups
+from paged_kv.engine.placement import layer_layout, place, replicate_inputs, split_model
 from paged_kv.inputs import is_int
-from paged_kv.models.paged import KVGroupLayout, kv_group_layout, layer_windows, page_spec
+from paged_kv.models.kv_groups import KVGroupLayout
+from paged_kv.models.page_sizing import page_spec
 from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv.pallas_kernels import IMPLS
 from paged_kv.pallas_kernels.quant import QuantPages, is_quant
+from paged_kv.pallas_kernels.validate import check_kv_options
 from paged_kv.state import BlockManagerState, init_state
-
-TOKEN_LIMIT = 2**31
-"""Token ids are int32 on the device: without a vocabulary to check against, ids must be < 2**31."""
-
-
-def _concrete(x) -> np.ndarray | None:
-    if isinstance(x, jax.core.Tracer):
-        return None
-    return np.asarray(x)
-
-
-def _dtype_of(x) -> np.dtype | None:
-    """The dtype ``x`` has or would get as an array (None when it cannot be one: ragged, junk)."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None:
-        return np.dtype(dtype)
-    try:
-        return np.asarray(x).dtype
-    except (ValueError, TypeError, OverflowError):
-        return None
-
-
-def check_int_dtype(name: str, x: ArrayLike) -> None:
-    """``ValueError`` unless ``x`` (an array, a tracer or nested lists) holds integers (not bool).
-
-    Works on tracers too: only the dtype is read."""
-    dtype = _dtype_of(x)
-    if dtype is None or dtype.kind not in "iu":
-        what = "ragged or non-numeric values" if dtype is None or dtype.kind == "O" else f"dtype {dtype}"
-        raise ValueError(f"{name} must be integers (int32), got {what}")
-
-
-def _limit_text(vocab_size: int | None) -> str:
-    return f"[0, vocab_size={vocab_size})" if vocab_size is not None else "[0, 2**31)"
-
-
-def _first_bad_element(items) -> tuple[int, object] | None:
-    """Position and value of the first element that is not a Python/NumPy int (bools excluded).
-    Python-level loop: only run on the error path."""
-    for pos, t in enumerate(items):
-        if not is_int(t):
-            return pos, t
-    return None
-
-
-def token_ids(tokens: ArrayLike, *, what: str = "prompt", vocab_size: int | None = None) -> np.ndarray:
-    """Checks one prompt's token ids on the host; returns them as int32 ``[L]`` (L >= 1).
-
-    ``tokens``: a sequence of Python/NumPy ints, or a 1-D integer NumPy/JAX array (concrete).
-    Every id must be in ``[0, vocab_size)`` (``[0, 2**31)`` when ``vocab_size`` is None).
-
-    Raises ``ValueError`` naming the offending id, its position and the limit: for None, strings,
-    mappings, nested lists, bools, floats (4.7, a float array), ids out of range. The checks are
-    vectorised (NumPy) except the type scan of a Python list, which runs in C (``map(type, ...)``).
-    """
-    hi = TOKEN_LIMIT if vocab_size is None else int(vocab_size)
-    if isinstance(tokens, jax.core.Tracer):
-        raise ValueError(f"{what} token ids must be concrete values, not traced inside jit")
-    if tokens is None or isinstance(tokens, (str, bytes, dict, set, frozenset)) or np.isscalar(tokens):
-        raise ValueError(f"{what} must be a sequence of int token ids, got {type(tokens).__name__}: {tokens!r:.60}")
-    if isinstance(tokens, (np.ndarray, jax.Array)):
-        arr = np.asarray(tokens)
-        if arr.ndim != 1:
-            raise ValueError(f"{what} must be a 1-D sequence of token ids, got an array of shape {arr.shape}")
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{what} token ids must be integers, got an array of dtype {arr.dtype}")
-    else:
-        try:
-            items = list(tokens)
-        except TypeError:
-            raise ValueError(f"{what} must be a sequence of int token ids, got {type(tokens).__name__}") from None
-        allowed = all(issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_))
-                      for t in set(map(type, items)))
-        if not allowed:
-            pos, t = _first_bad_element(items)
-            raise ValueError(f"{what} token {t!r:.60} at position {pos} is a {type(t).__name__}, not an int "
-                             f"token id in {_limit_text(vocab_size)}")
-        try:
-            arr = np.asarray(items, dtype=np.int64)
-        except OverflowError:  # a Python int beyond int64: find it (error path)
-            pos, t = next((i, t) for i, t in enumerate(items) if not 0 <= t < hi)
-            raise ValueError(f"{what} token id {t} at position {pos} is out of range: ids must be in "
-                             f"{_limit_text(vocab_size)}") from None
-    if arr.size == 0:
-        raise ValueError(f"{what} is empty; it needs at least 1 token")
-    bad = (arr < 0) | (arr >= hi)
-    if bad.any():
-        pos = int(np.argmax(bad))
-        raise ValueError(f"{what} token id {arr[pos]} at position {pos} is out of range: ids must be in "
-                         f"{_limit_text(vocab_size)}")
-    return arr.astype(np.int32)
-
-
-def check_padded_tokens(prompt_tokens: ArrayLike, prompt_lens: ArrayLike, vocab_size: int) -> None:
-    """Host check of padded prompts (concrete int ``[B, L]`` and lengths ``[B]``, already shape-
-    and length-checked): every id at a position ``< prompt_lens[b]`` must be in ``[0, vocab_size)``.
-    Padding positions are not checked (the model looks any out-of-range id up as a safe one)."""
-    toks, lens = np.asarray(prompt_tokens), np.asarray(prompt_lens)
-    valid = np.arange(toks.shape[1])[None, :] < lens[:, None]
-    bad = valid & ((toks < 0) | (toks >= vocab_size))
-    if bad.any():
-        b, pos = np.argwhere(bad)[0].tolist()
-        raise ValueError(f"prompt {b} token id {toks[b, pos]} at position {pos} is out of range: ids must be in "
-                         f"[0, vocab_size={vocab_size})")
-
-
-SEED_LIMIT = 2**32
-
-
-def check_key(key: ArrayLike) -> jax.Array | np.ndarray:
-    """A PRNG key for ``generate``: a typed key (``jax.random.key``, shape ``()``), a raw uint32
-    ``[2]`` key (``jax.random.PRNGKey``), or an int seed in ``[0, 2**32)`` (made into a key; the
-    only case that touches the device). ``ValueError`` for anything else (bools, floats, negative
-    or too large seeds, other shapes), before anything is compiled."""
-    if isinstance(key, (bool, np.bool_)) or key is None:
-        raise ValueError(f"key={key!r} must be a PRNG key (jax.random.key(seed)) or an int seed in [0, 2**32)")
-    if isinstance(key, (int, np.integer)):
-        if not 0 <= key < SEED_LIMIT:
-            raise ValueError(f"seed={key!r} must be an int in [0, 2**32)")
-        return jax.random.key(int(key))
-    dtype = getattr(key, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        if tuple(key.shape) != ():
-            raise ValueError(f"key must be one PRNG key (shape ()), got shape {tuple(key.shape)}")
-        return key
-    if dtype is not None and np.dtype(dtype) == np.uint32 and tuple(np.shape(key)) == (2,):
-        return key
-    raise ValueError(f"key must be a PRNG key (jax.random.key(seed)), a raw uint32 [2] key or an int seed in "
-                     f"[0, 2**32), got {type(key).__name__}"
-                     + (f" of dtype {dtype} and shape {tuple(np.shape(key))}" if dtype is not None
-                        else f" {key!r:.40}"))
-
-
-def check_seeds(seeds: ArrayLike | None, num_prompts: int) -> jax.Array | None:
-    """``generate``'s per-prompt sampling seeds: None (derived from the key), or integers (not
-    bools or floats) of shape ``[num_prompts]`` in ``[0, 2**31)`` (the range is checked when the
-    values are concrete). Returns int32 ``[num_prompts]`` or None; ``ValueError`` otherwise."""
-    if seeds is None:
-        return None
-    if not hasattr(seeds, "dtype"):
-        try:
-            seeds = np.asarray(seeds)
-        except (TypeError, ValueError):
-            raise ValueError(f"seeds must be ints [{num_prompts}], got {seeds!r:.40}") from None
-    dtype = np.dtype(seeds.dtype) if not jax.dtypes.issubdtype(seeds.dtype, jax.dtypes.prng_key) else None
-    if dtype is None or dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
-        raise ValueError(f"seeds must be integers, got dtype {seeds.dtype}")
-    if tuple(np.shape(seeds)) != (num_prompts,):
-        raise ValueError(f"seeds must have shape ({num_prompts},) (one per prompt), got {tuple(np.shape(seeds))}")
-    host = _concrete(seeds)
-    if host is not None:
-        bad = (host < 0) | (host >= 2**31)
-        if bad.any():
-            b = int(np.argmax(bad))
-            raise ValueError(f"seeds[{b}]={int(host[b])} must be an int in [0, 2**31)")
-    return jax.numpy.asarray(seeds, np.int32)
-
-
-def split_model(model: nnx.Module | tuple[nnx.GraphDef, nnx.State]) -> tuple[nnx.GraphDef, nnx.State]:
-    """``(graphdef, weights)`` from an NNX module or an already split pair."""
-    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nnx.GraphDef):
-        return model
-    if isinstance(model, nnx.Module):
-        return nnx.split(model)
-    raise ValueError(f"model must be an nnx.Module or a (graphdef, state) pair, got {type(model).__name__}")
-
-
-def place(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Array, mesh: jax.sharding.Mesh | None
-          ) -> tuple[nnx.GraphDef, nnx.State, ModelFacts, jax.Array, jax.sharding.Mesh | None]:
-    """Resolve the mesh of a call and put the model and pages on it.
-
-    ``mesh`` None: the mesh the pages are already sharded over (``paged_kv.models.sharding.shard``), or none
-    (one device: nothing changes). Returns ``(graphdef, weights, facts, pages, mesh)``; with a mesh
-    the model and pages are placed (a no-op when they already are), and ``facts`` (the model's
-    ``paged_kv.models.protocol.ModelFacts``) are the placed model's (KV heads replicated when tp exceeds them).
-    ValueError, before anything is traced, when the model does not implement the protocol.
-    """
-    from paged_kv.models import sharding
-
-    graphdef, weights = split_model(model)
-    facts = model_facts(model if isinstance(model, nnx.Module) else (graphdef, weights))
-    mesh = sharding.mesh_of(pages) if mesh is None else mesh
-    if mesh is None:
-        return graphdef, weights, facts, pages, None
-    sharding.tp_degree(mesh)
-    (graphdef, weights), pages = sharding.shard((graphdef, weights), pages, mesh)
-    return graphdef, weights, model_facts((graphdef, weights)), pages, mesh
-
-
-def layer_layout(graphdef: nnx.GraphDef, weights: nnx.State, impl: str,
-                 mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """``(graphdef, weights)`` in the layer layout for ``impl`` and ``mesh``
-    (``paged_kv.models.paged.layout_for_impl``): a stacked Llama becomes one array per layer when the
-    kernels are Pallas over a tensor-parallel mesh, so the jitted programs hold no slice of a
-    stacked weight (XLA:GPU copies each one on every step); on one device the layers stay
-    stacked (the Pallas matmul reads them in place). Outside ``jit`` only; a conversion copies
-    the decoder-layer weights once, so callers rebind their ``weights`` to the result and keep no
-    reference to the stacked ones. Call after ``impl`` is checked (an unknown ``impl`` must
-    raise before anything is copied)."""
-    from paged_kv.models.paged import layout_for_impl
-    return layout_for_impl((graphdef, weights), impl, mesh)
-
-
-def replicate_inputs(mesh: jax.sharding.Mesh | None, *arrays: Any) -> tuple[Any, ...]:
-    """Arrays (block-manager state, prompts, keys) replicated over ``mesh``, or as given without one.
-    Over several processes every process must pass the same values."""
-    if mesh is None:
-        return arrays
-    from paged_kv.models import sharding
-    return sharding.replicate(arrays, mesh)
-
-
-def pad_prompts(prompts: Sequence[ArrayLike], width: int | None = None, multiple: int = 1, *,
-                vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Token lists -> (int32 ``[B, W]`` zero-padded tokens, int32 ``[B]`` lengths).
-
-    ``W`` is ``width`` or the longest prompt rounded up to ``multiple``; keeping ``W`` fixed
-    across calls keeps the compiled loop. Each prompt is checked by ``token_ids``: ints (not
-    bools or floats) in ``[0, vocab_size)`` (``[0, 2**31)`` when ``vocab_size`` is None; ``generate``
-    and ``beam_search`` check against the model's vocabulary again); a bad id raises ``ValueError``
-    naming the prompt, the id, its position and the limit.
-    """
-    if prompts is None or isinstance(prompts, (str, bytes)) or np.isscalar(prompts):
-        raise ValueError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
-    for name, v, lo in (("width", width, 1), ("multiple", multiple, 1)):
-        if v is not None and (not is_int(v) or v < lo):
-            raise ValueError(f"{name}={v!r} must be an int >= {lo}")
-    if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
-        raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 1")
-    try:
-        prompts = [token_ids(p, what=f"prompt {i}", vocab_size=vocab_size) for i, p in enumerate(prompts)]
-    except TypeError:
-        raise ValueError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}") from None
-    if not prompts:
-        raise ValueError("no prompts")
-    longest = max(len(p) for p in prompts)
-    w = -(-longest // multiple) * multiple if width is None else int(width)
-    if longest > w:
-        raise ValueError(f"a prompt has {longest} tokens; width={w}")
-    out = np.zeros((len(prompts), w), np.int32)
-    for i, p in enumerate(prompts):
-        out[i, :len(p)] = p
-    return out, np.array([len(p) for p in prompts], np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,40 +60,6 @@ class CallShape:
         return self.num_prompts * self.rows_per_prompt
 
 
-def layout_groups(layout: KVGroupLayout) -> tuple[Group, ...]:
-    """The ``ManagerConfig.groups`` of a ``KVGroupLayout``: ``Group("window", w)`` for a group
-    window ``w >= 1``, ``Group("full")`` for 0."""
-    return tuple(Group("window", w) if w else Group("full") for w in layout.group_windows)
-
-
-def kv_cache_groups(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any) -> tuple[Group, ...]:
-    """The KV-cache groups to build a windowed ``model``'s manager with
-    (``ManagerConfig(groups=kv_cache_groups(model))``): those of
-    ``paged_kv.models.kv_group_layout(model)``, vLLM 0.33's layer grouping. ``(Group("full"),)``
-    for a model without windows. ``model``: anything ``kv_group_layout`` takes (a model, its
-    split, a ``LlamaConfig``, per-layer windows), or a ``KVGroupLayout``."""
-    return layout_groups(model if isinstance(model, KVGroupLayout) else kv_group_layout(model))
-
-
-def group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any, manager: ManagerConfig
-                 ) -> KVGroupLayout | None:
-    """The pages' ``KVGroupLayout`` for a grouped ``manager``: ``kv_group_layout(model)``, whose
-    groups must equal ``manager.groups`` (else ``ValueError`` naming both); None for the default
-    single full group (pages of every layer, as without groups: a windowed model then keeps one
-    full table per sequence and never reclaims)."""
-    if not isinstance(manager, ManagerConfig):
-        raise ValueError(f"manager must be a ManagerConfig, got {type(manager).__name__}")
-    if manager.groups == DEFAULT_GROUPS:
-        return None
-    windows = layer_windows(model)
-    layout = kv_group_layout(windows)
-    if layout_groups(layout) != manager.groups:
-        raise ValueError(f"manager groups={manager.groups!r} differ from the model's KV-cache groups "
-                         f"{layout_groups(layout)!r} (paged_kv.engine.kv_cache_groups(model); layer windows "
-                         f"{windows})")
-    return layout
-
-
 def check_kv_pages(pages: jax.Array | QuantPages, impl: str, batch_invariant: bool = False) -> None:
     """The engines' check of their pages before tracing
     (``paged_kv.pallas_kernels.validate.check_kv_options``): quantized pages with
@@ -329,7 +68,6 @@ def check_kv_pages(pages: jax.Array | QuantPages, impl: str, batch_invariant: bo
     Raises:
       ValueError: naming the pages' dtype and ``batch_invariant``, or the dtype and the target.
     """
-    from paged_kv.pallas_kernels.validate import check_kv_options
     check_kv_options(pages.dtype, impl, batch_invariant)
 
 
@@ -433,3 +171,9 @@ def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, stat
 
 def initial_state(manager: ManagerConfig, state: BlockManagerState | None) -> BlockManagerState:
     return init_state(manager) if state is None else state
+
+__all__ = [
+    "SEED_LIMIT", "TOKEN_LIMIT", "CallShape", "check_call", "check_int_dtype", "check_key", "check_kv_pages",
+    "check_padded_tokens", "check_seeds", "group_layout", "initial_state", "kv_cache_groups", "layer_layout",
+    "layout_groups", "pad_prompts", "place", "replicate_inputs", "split_model", "token_ids",
+]

@@ -28,7 +28,7 @@ from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import SamplingParams, derive_seeds, is_eos, root_key, sample_keys, sample_tokens
 from paged_kv.engine.steps import block_counts, decode, prefill
-from paged_kv.models.llama import in_vocab
+from paged_kv.models.protocol import in_vocab
 from paged_kv.reclaim import free
 from paged_kv.share import fork
 from paged_kv.state import BlockManagerState
@@ -258,7 +258,7 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
         given, a stacked Llama is converted to ``paged_kv.models.per_layer`` for the call (one copy
         of the layer weights per call, alive while the call runs; pass
         ``paged_kv.models.per_layer(model)`` to pay that once); otherwise it runs as given
-        (``paged_kv.models.paged.layout_for_impl`` has the table).
+        (``paged_kv.models.layer_layout.layout_for_impl`` has the table).
       pages: the KV pages ``[layers, 2, kv_heads, manager.num_blocks, manager.block_size, head_dim]``
         (donated); ``[layout.slots, ...]`` for a grouped manager (``page_spec(model, ...,
         layout=call_setup.group_layout(model, manager))``).
@@ -295,8 +295,8 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
       batch_invariant: static. True: every prompt's tokens and log-probs are the same bits
         whatever the other prompts, its row, the batch size and the chunk size, equal to
         ``ServingEngine``'s in the same mode and to ``paged_kv.models.contiguous.score_tokens``
-        (docs/batch_invariance.md). The reference kernels only (``impl`` "reference", or "auto"
-        off a GPU).
+        (docs/batch_invariance.md). On the reference and the Pallas kernels alike, on one device
+        or a tensor-parallel mesh; not with quantized pages.
 
     Returns:
       ``(GenerateOutput, pages, state)``.

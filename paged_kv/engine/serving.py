@@ -131,7 +131,7 @@ from paged_kv.engine.serving_types import (
     TokenDelta,
 )
 from paged_kv.inputs import is_int
-from paged_kv.models.paged import allocate_pages, kv_bytes_per_block, page_spec
+from paged_kv.models.page_sizing import allocate_pages, kv_bytes_per_block, page_spec
 from paged_kv.models.protocol import model_facts
 from paged_kv.pallas_kernels.quant import QuantPages
 from paged_kv.state import BlockManagerState, init_state
@@ -161,7 +161,7 @@ class ServingEngine:
             and ``mesh`` is given, a stacked Llama's layer weights are copied once into one array
             per layer (``paged_kv.models.per_layer``; drop your own reference to ``model`` to free
             the stacked copy); otherwise the model runs as given
-            (``paged_kv.models.paged.layout_for_impl`` has the table).
+            (``paged_kv.models.layer_layout.layout_for_impl`` has the table).
           config: the ``ServingConfig``. Its manager may hold a windowed model's KV-cache groups
             (``paged_kv.engine.kv_cache_groups(model)``): the engine then allocates pages of
             ``layout.slots`` layers (``self.layout``) and reclaims out-of-window blocks.

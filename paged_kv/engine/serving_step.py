@@ -46,8 +46,8 @@ from paged_kv.engine.step_io import (
 )
 from paged_kv.engine.steps import decode_appended
 from paged_kv.fused import free_select_append
-from paged_kv.models.llama import in_vocab
 from paged_kv.models.paged import make_paged_batch, paged_forward
+from paged_kv.models.protocol import in_vocab
 from paged_kv.pallas_kernels.invariant import log_softmax as invariant_log_softmax
 from paged_kv.pallas_kernels.quant import QuantPages
 from paged_kv.reclaim import free

@@ -15,7 +15,9 @@ from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.sampling import BeamParams, SamplingParams
 from paged_kv.inputs import is_int
+from paged_kv.models.page_sizing import resolve_kv_dtype
 from paged_kv.pallas_kernels import IMPLS
+from paged_kv.pallas_kernels.validate import check_kv_options
 
 MAX_DECODE_STEPS = 256  # a burst's outputs are K steps' worth; this bounds that buffer
 
@@ -52,8 +54,9 @@ class ServingConfig:
       batch_invariant: every request's tokens and log-probs the same bits whatever its
         batchmates, row, ``max_seqs``, chunking, prefix-cache hits and preemptions, equal to
         ``generate``'s in the same mode and to ``paged_kv.models.contiguous.score_tokens``
-        (docs/batch_invariance.md). The reference kernels only (``impl`` "reference", or "auto"
-        off a GPU); costs decode throughput (``scripts/bench_batch_invariant.py``).
+        (docs/batch_invariance.md). On the reference and the Pallas kernels alike, on one device
+        or a tensor-parallel mesh; not with ``kv_dtype`` int8 / fp8. Costs decode throughput
+        (``scripts/bench_batch_invariant.py``).
       kv_dtype: the KV pages' storage dtype: ``"auto"`` (the model's dtype), ``"int8"`` or
         ``"fp8"`` (``"float8_e4m3fn"``): quantized pages (``paged_kv.pallas_kernels.QuantPages``,
         one float32 scale per token and KV head) hold about twice the blocks of bfloat16 pages in
@@ -90,8 +93,6 @@ class ServingConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if not isinstance(self.kv_dtype, str):
             raise ValueError(f"kv_dtype={self.kv_dtype!r} must be a string: 'auto', 'int8' or 'fp8'")
-        from paged_kv.models.paged import resolve_kv_dtype
-        from paged_kv.pallas_kernels.validate import check_kv_options
         check_kv_options(resolve_kv_dtype(self.kv_dtype, "float32"), self.impl, self.batch_invariant)
 
 

@@ -70,6 +70,7 @@ import numpy as np
 
 from paged_kv import pallas_kernels as pk
 from paged_kv.pallas_kernels import testing as kt
+from paged_kv.pallas_kernels.gpu_figures import H200_BANDWIDTH
 from tests import tolerances as tol
 
 # Roundings to the storage dtype (as in tests/test_kernels_decode.py): the kernel rounds the
@@ -267,7 +268,7 @@ def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict
   print("serving:", out["serving"], flush=True)
   kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * batch * (prompt + new // 2)
   out["kv_bytes_per_decode_step_mid_generation"] = kv
-  out["kv_read_lower_bound_ms_h200"] = round(1e3 * kv / 4.8e12, 3)
+  out["kv_read_lower_bound_ms_h200"] = round(1e3 * kv / H200_BANDWIDTH, 3)
   return out
 
 

@@ -562,7 +562,7 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   blocks_per_seq = LLAMA_CONTEXT // bs
   mgr = ManagerConfig(num_blocks=LLAMA_BATCH * blocks_per_seq + 1, block_size=bs, max_seqs=LLAMA_BATCH,
                       max_blocks_per_seq=blocks_per_seq, prefix_caching=True)
-  # The layout the engines run with the Pallas kernels (``paged_kv.models.paged.layout_for_impl``): on one
+  # The layout the engines run with the Pallas kernels (``paged_kv.models.layer_layout.layout_for_impl``): on one
   # GPU the stacked weights (the scan's projections read them in place), over a mesh one weight
   # array per layer (unrolled); either way no program copies a slice of a stacked weight.
   tp_mesh = None if tp == 1 else jax.sharding.Mesh(mesh1.devices, ("tp",))

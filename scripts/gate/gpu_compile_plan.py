@@ -12,6 +12,8 @@ import itertools
 import re
 from typing import TYPE_CHECKING
 
+from scripts.gate import perf_model
+
 if TYPE_CHECKING:  # annotations only: the module imports no JAX (module docstring)
   from paged_kv.pallas_kernels import tiling
 
@@ -52,11 +54,13 @@ device_description_str: "{name}"
 """
 
 # Public figures: H200 (sm_90, 132 SMs, 141 GB HBM3e at 4.8 TB/s, 227 KiB opt-in shared memory
-# per block) and A100 80 GB (sm_80, 108 SMs, 2.0 TB/s, 163 KiB opt-in).
+# per block; stated once in pallas_kernels/gpu_figures.py) and A100 80 GB (sm_80, 108 SMs,
+# 2.0 TB/s, 163 KiB opt-in).
+_H200 = perf_model.FIGURES
 TARGETS = {
-    "sm_90": dict(name="NVIDIA H200", major=9, smem_optin=232_448, smem_core=233_472, sms=132,
-                  fpus=128, bandwidth=4_800_000_000_000, l2=52_428_800, clock=1.98,
-                  memory=151_397_597_184),
+    "sm_90": dict(name=_H200.H200_NAME, major=9, smem_optin=_H200.H200_SMEM_OPTIN, smem_core=_H200.H200_SMEM_PER_SM,
+                  sms=_H200.H200_SMS, fpus=_H200.H200_FP32_PER_SM, bandwidth=int(_H200.H200_BANDWIDTH),
+                  l2=_H200.H200_L2_BYTES, clock=_H200.H200_CLOCK_GHZ, memory=_H200.H200_MEMORY_BYTES),
     "sm_80": dict(name="NVIDIA A100-SXM4-80GB", major=8, smem_optin=166_912, smem_core=167_936,
                   sms=108, fpus=64, bandwidth=2_039_000_000_000, l2=41_943_040, clock=1.41,
                   memory=85_899_345_920),

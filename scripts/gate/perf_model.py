@@ -41,8 +41,10 @@ Plain Python (no JAX import), so ``tests/test_perf_model.py`` checks it on any m
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
+from pathlib import Path
 
 
 # ------------------------------------------------------------------------------ assumptions
@@ -94,9 +96,22 @@ class Gpu:
     return d
 
 
-H200 = Gpu(name="NVIDIA H200 (sm_90)", sms=132, bandwidth=4.8e12, achievable=0.92, latency_s=(0.4e-6, 0.7e-6),
-           regs_per_sm=65_536, smem_per_sm=233_472, threads_per_sm=2048, max_ctas_per_sm=32,
-           smem_reserved_per_cta=1024, dense_flops=989e12,
+def _library_figures():
+  """``pallas_kernels/gpu_figures.py``, where the H200's figures are stated once (the kernels' plans
+  read them too), loaded from its file: importing it as ``paged_kv.pallas_kernels.gpu_figures``
+  would run the package's ``__init__`` and import JAX."""
+  path = Path(__file__).resolve().parents[2] / "pallas_kernels" / "gpu_figures.py"
+  spec = importlib.util.spec_from_file_location("_paged_kv_gpu_figures", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+FIGURES = _library_figures()
+H200 = Gpu(name=f"{FIGURES.H200_NAME} (sm_90)", sms=FIGURES.H200_SMS, bandwidth=FIGURES.H200_BANDWIDTH,
+           achievable=FIGURES.H200_ACHIEVABLE, latency_s=FIGURES.H200_LATENCY_S,
+           regs_per_sm=65_536, smem_per_sm=FIGURES.H200_SMEM_PER_SM, threads_per_sm=2048, max_ctas_per_sm=32,
+           smem_reserved_per_cta=1024, dense_flops=FIGURES.H200_DENSE_FLOPS,
            mma_efficiency={"wgmma": (0.70, 0.80), "mma.sync": (0.45, 0.55), None: (0.05, 0.07)},
            launch_s=(1.5e-6, 3e-6))
 A100 = Gpu(name="NVIDIA A100 80 GB (sm_80)", sms=108, bandwidth=2.039e12, achievable=0.92,

@@ -373,7 +373,7 @@ def copy_baseline(spec: dict, results: list[dict]) -> dict | None:
   return None
 
 
-# The single-GPU layouts the engines can run (``paged_kv.models.paged.layout_for_impl``), and the
+# The single-GPU layouts the engines can run (``paged_kv.models.layer_layout.layout_for_impl``), and the
 # one they pick today with the Pallas kernels; the gate fails when the model says the other is
 # faster at a named decode shape.
 LAYOUTS = ("stacked", "per_layer")

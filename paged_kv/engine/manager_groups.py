@@ -1,0 +1,47 @@
+"""The block manager's KV-cache groups of a model: its ``KVGroupLayout``
+(``paged_kv.models.kv_groups``, vLLM 0.33's layer grouping) as the ``ManagerConfig.groups`` the
+manager is built with, and the check that a manager's groups are the model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from paged_kv.config import DEFAULT_GROUPS, Group, ManagerConfig
+from paged_kv.models.kv_groups import KVGroupLayout, kv_group_layout, layer_windows
+
+
+def layout_groups(layout: KVGroupLayout) -> tuple[Group, ...]:
+    """The ``ManagerConfig.groups`` of a ``KVGroupLayout``: ``Group("window", w)`` for a group
+    window ``w >= 1``, ``Group("full")`` for 0."""
+    return tuple(Group("window", w) if w else Group("full") for w in layout.group_windows)
+
+
+def kv_cache_groups(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any) -> tuple[Group, ...]:
+    """The KV-cache groups to build a windowed ``model``'s manager with
+    (``ManagerConfig(groups=kv_cache_groups(model))``): those of
+    ``paged_kv.models.kv_group_layout(model)``, vLLM 0.33's layer grouping. ``(Group("full"),)``
+    for a model without windows. ``model``: anything ``kv_group_layout`` takes (a model, its
+    split, a ``LlamaConfig``, per-layer windows), or a ``KVGroupLayout``."""
+    return layout_groups(model if isinstance(model, KVGroupLayout) else kv_group_layout(model))
+
+
+def group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any, manager: ManagerConfig
+                 ) -> KVGroupLayout | None:
+    """The pages' ``KVGroupLayout`` for a grouped ``manager``: ``kv_group_layout(model)``, whose
+    groups must equal ``manager.groups`` (else ``ValueError`` naming both); None for the default
+    single full group (pages of every layer, as without groups: a windowed model then keeps one
+    full table per sequence and never reclaims)."""
+    if not isinstance(manager, ManagerConfig):
+        raise ValueError(f"manager must be a ManagerConfig, got {type(manager).__name__}")
+    if manager.groups == DEFAULT_GROUPS:
+        return None
+    windows = layer_windows(model)
+    layout = kv_group_layout(windows)
+    if layout_groups(layout) != manager.groups:
+        raise ValueError(f"manager groups={manager.groups!r} differ from the model's KV-cache groups "
+                         f"{layout_groups(layout)!r} (paged_kv.engine.kv_cache_groups(model); layer windows "
+                         f"{windows})")
+    return layout
