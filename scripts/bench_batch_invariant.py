@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from paged_kv.checkpoints import BUILTIN
 from paged_kv.models import allocate_pages, load_hf_checkpoint, page_spec, paged_decode_step
 from scripts.bench_model import decode_inputs
+from scripts.run_record import record
 
 
 def measure(batch: int, context: int, block_size: int, repeats: int) -> dict:
@@ -69,8 +70,9 @@ def main(argv=None) -> int:
         print(f"{r['batch']:>5} {r['plain_tok_s']:>12.0f} {r['invariant_tok_s']:>16.0f} {r['cost_pct']:>6.1f}%")
     out = Path(args.out or f"results/bench_batch_invariant_{jax.default_backend()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
-                               "jax": jax.__version__, "rows": rows}, indent=1) + "\n")
+    out.write_text(json.dumps({"run": record(__file__, args, argv), "backend": jax.default_backend(),
+                               "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
+                               "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -99,6 +99,7 @@ from paged_kv.models import (
 from paged_kv.models.paged import _make_attend
 from paged_kv.models.protocol import model_facts
 from paged_kv.models.tokenizer import ByteTokenizer
+from scripts.run_record import merge_parts, record, table
 
 KV_DTYPES = ("auto", "int8", "fp8")
 # The tiny model's accuracy also runs bfloat16 pages on the float32 model: a control with int8's
@@ -382,7 +383,28 @@ def decode_timing(batch: int, context: int, repeats: int, rounds: int = 5) -> di
             **{f"{kd}_step_ms": med[kd] * 1e3 for kd in kinds},
             **{f"speed_ratio_{kd}": med["auto"] / med[kd] for kd in ("int8", "fp8")},
             **{f"speed_ratio_{kd}_per_round": [round(x, 3) for x in v] for kd, v in per_round.items()},
-            "command": "python scripts/bench_kv_quant.py --timing --parts capacity (a quiet machine)"}
+            }
+
+
+PARTS = [("accuracy", "tiny"), ("accuracy", "llama8b_layer"), ("capacity",), ("timing",)]
+
+
+def summary(res: dict) -> str:
+    """The closing table: per page dtype, the headline figure of each part in ``res``."""
+    tiny, layer = res["accuracy"].get("tiny"), res["accuracy"].get("llama8b_layer")
+    serving, timing = res.get("capacity", {}).get("serving"), res.get("timing", {})
+    rows = []
+    for kd in TINY_KV_DTYPES:
+        row = [kd]
+        row.append(tiny["teacher_forced"][kd]["max_abs_logprob_err"] if tiny else "-")
+        row.append(tiny["greedy"][kd]["agreement"] if tiny and kd in tiny["greedy"] else "-")
+        row.append(layer[kd]["max_abs_logprob_err"] if layer and kd in layer else "-")
+        row.append(serving[kd]["preemptions"] if serving and kd in serving else "-")
+        row.append(", ".join(f"{t[f'speed_ratio_{kd}']:.2f}" for t in timing.values() if isinstance(t, dict)
+                             and f"speed_ratio_{kd}" in t) or "-")
+        rows.append(row)
+    return table(["kv dtype", "tiny max|dlogp|", "greedy agreement", "8B layer max|dlogp|", "preemptions",
+                  "speed vs plain"], rows)
 
 
 def main(argv=None) -> int:
@@ -396,29 +418,36 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     q = args.quick
+    run = record(__file__, args, argv)
     res = {"backend": jax.default_backend(), "jax": jax.__version__,
            "machine": platform.processor() or platform.machine(), "quick": q, "accuracy": {}}
     out = Path(args.out or ("/tmp/bench_kv_quant_quick.json" if q else "results/bench_kv_quant.json"))
+    ran = []
     if "tiny" in args.parts:
+        print("accuracy of the built-in model ...", flush=True)
         res["accuracy"]["tiny"] = tiny_accuracy(4 if q else 64, 32, 4 if q else 64, 16 if q else 256)
-        print(json.dumps(res["accuracy"]["tiny"], indent=1), flush=True)
+        ran.append(("accuracy", "tiny"))
     if "llama8b" in args.parts:
+        print("accuracy of an 8B-shaped layer ...", flush=True)
         ctx, vocab = (256, 4096) if q else (args.context, args.vocab)
         res["accuracy"]["llama8b_layer"] = llama8b_accuracy(ctx, vocab, min(512, ctx), min(256, ctx))
-        print(json.dumps(res["accuracy"]["llama8b_layer"], indent=1), flush=True)
+        ran.append(("accuracy", "llama8b_layer"))
     if "capacity" in args.parts:
+        print("capacity ...", flush=True)
         res["capacity"] = {"blocks_for_budget": capacity_table(),
                            "serving": serving_capacity(24, 6 if q else 24, 12 if q else 48)}
-        print(json.dumps(res["capacity"], indent=1), flush=True)
+        ran.append(("capacity",))
     if args.timing or q:
+        print("decode-step timing ...", flush=True)
         res["timing"] = {f"context_{c}": decode_timing(32 if not q else 8, c, 5 if q else 40, 2 if q else 5)
                          for c in ((128,) if q else (128, 512))}
-        print(json.dumps(res["timing"], indent=1), flush=True)
+        ran.append(("timing",))
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists() and not q:  # parts run separately add up in one file (read at write time)
-        old = json.loads(out.read_text())
-        res = {**old, **res, "accuracy": {**old.get("accuracy", {}), **res["accuracy"]}}
+    # Parts run separately add up in one file (read at write time); each part keeps its own record.
+    old = json.loads(out.read_text()) if out.exists() and not q else None
+    res = merge_parts(old, res, ran, PARTS, run)
     out.write_text(json.dumps(res, indent=1) + "\n")
+    print(summary(res))
     print(f"wrote {out}")
     return 0
 

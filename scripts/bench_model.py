@@ -25,6 +25,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.run_record import record
 from paged_kv.models import (
     LlamaConfig,
     allocate_pages,
@@ -93,7 +94,7 @@ def run(batch: int, context: int, block_size: int, repeats: int, impl: str, dtyp
             "paged_ms": 1e3 * t_paged, "contiguous_ms": 1e3 * t_contig, "paged_over_contiguous": t_paged / t_contig}
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, nargs="+", default=[128, 512])
@@ -102,7 +103,7 @@ def main():
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     backend = jax.default_backend()
     impl = resolve_impl(args.impl)
@@ -121,7 +122,7 @@ def main():
             "model": {k: v for k, v in cfg.to_hf_config().items() if k in (
                 "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim")}}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({"run": record(__file__, args, argv), "meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

@@ -45,7 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_kv as pk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from paged_kv.reference import ReferenceBlockManager
+from scripts.run_record import record
 
 POOL = 100_000
 BS = 16
@@ -115,7 +119,8 @@ def one_at_a_time(prompts, repeats=3):
 def one_at_a_time_in_process(sync_dispatch: bool, one_core: bool = False) -> dict:
     """``one_at_a_time`` in a fresh process: the dispatch mode and the CPUs are fixed when JAX
     starts."""
-    cmd = [sys.executable, __file__, "--one-at-a-time-only"] + (["--sync-dispatch"] if sync_dispatch else [])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one-at-a-time-only"]
+    cmd += ["--sync-dispatch"] if sync_dispatch else []
     cmd += ["--one-core"] if one_core else []
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -233,9 +238,11 @@ def mixed(uncached_to_front, waves=40, batch=256, families=200, system_len=1024,
 # blocks do not take up room in the LRU order: this is where sending them to the front matters.
 CHAT_EDGE = dict(batch=64, families=2_000, system_len=64, unique=(1, 11), gen=4, pool=3_000,
                  label="short chat turns at the pool's edge")
+# --smoke: every part at a tiny size, in this process (checks that the script runs; no figures).
+SMOKE_MIX = dict(batch=8, families=4, system_len=32, unique=(4, 8), gen=2, pool=256)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/bench_prefix_cache.json"))
     parser.add_argument("--waves", type=int, default=40)
@@ -243,8 +250,17 @@ def main() -> None:
     parser.add_argument("--one-at-a-time-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sync-dispatch", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--one-core", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="every part at a tiny size, the one-request-per-call runs in this process (a check "
+                             "that the script runs, no figures)")
+    args = parser.parse_args(argv)
 
+    if args.smoke:
+        prompts = shared_prompt_requests(n=4, system=32, unique=8)
+        one = one_async = one_pinned = {**one_at_a_time(prompts, repeats=1), "smoke": "in this process"}
+        loop, ref, many = one_at_a_time_in_loop(prompts, 1), reference_one_at_a_time(prompts), batched(prompts, 1)
+        mix = [mixed(front, waves=2, **SMOKE_MIX) for front in (True, False)] * 2
+        return write(args, argv, one, one_async, one_pinned, loop, ref, many, mix)
     prompts = shared_prompt_requests()
     if args.one_at_a_time_only:  # a child process of the full run
         if args.one_core:  # like `taskset -c N`: before JAX creates its CPU client and threads
@@ -290,10 +306,14 @@ def main() -> None:
         where = "front (default)" if m["uncached_to_front"] else "back"
         print(f"| {m['workload']} | {m['pool']} | {where} | {m['hit_rate']:.3f} | {m['system_prompt_hit_rate']:.3f}"
               f" | {m['evictions']} |")
+    write(args, argv, one, one_async, one_pinned, loop, ref, many, mix)
+
+
+def write(args, argv, one, one_async, one_pinned, loop, ref, many, mix) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
-                pool=POOL, block_size=BS, command="python scripts/bench_prefix_cache.py")
-    args.out.write_text(json.dumps(dict(meta=meta, one_at_a_time=one, one_at_a_time_default_dispatch=one_async,
+                pool=POOL, block_size=BS)
+    args.out.write_text(json.dumps(dict(run=record(__file__, args, argv), meta=meta, one_at_a_time=one, one_at_a_time_default_dispatch=one_async,
                                         one_at_a_time_one_cpu=one_pinned,
                                         one_at_a_time_in_loop=loop, batched=many,
                                         reference_one_at_a_time=ref, mixed=mix), indent=2) + "\n")
