@@ -24,6 +24,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paged_kv.apps.progress import bar
 from paged_kv.checkpoints import BUILTIN
 from paged_kv.models import allocate_pages, load_hf_checkpoint, page_spec, paged_decode_step
 from scripts.bench_model import decode_inputs
@@ -64,7 +65,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    rows = [measure(b, args.context, args.block_size, args.repeats) for b in args.batches]
+    shown = bar(len(args.batches), "batches", unit="batch")
+    rows = []
+    for b in args.batches:
+        rows.append(measure(b, args.context, args.block_size, args.repeats))
+        shown.update()
+    shown.close()
     print(f"{'batch':>5} {'plain tok/s':>12} {'invariant tok/s':>16} {'cost':>7}")
     for r in rows:
         print(f"{r['batch']:>5} {r['plain_tok_s']:>12.0f} {r['invariant_tok_s']:>16.0f} {r['cost_pct']:>6.1f}%")

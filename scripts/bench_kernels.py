@@ -34,13 +34,12 @@ sys.path.insert(0, str(ROOT))
 from scripts import checkout_layout  # the lent GPU machine does not install the checkout
 
 checkout_layout.install()
-from scripts.run_record import record  # noqa: E402
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from paged_kv import pallas_kernels as pk
+from scripts.run_record import record
 
 
 def median_time(fn, *args, repeats: int, warmup: int = 2) -> float:
@@ -218,7 +217,8 @@ def print_row(r):
 def main(argv: list[str] | None = None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="fewer configurations")
-  parser.add_argument("--smoke", action="store_true", help="CPU: one tiny configuration per part (a check that it runs)")
+  parser.add_argument("--smoke", action="store_true",
+                      help="CPU: one tiny configuration per part (a check that it runs)")
   parser.add_argument("--out", default=None, help="JSON path (default results/bench_kernels_<backend>.json)")
   parser.add_argument("--decode", nargs="*", default=None, metavar="BATCH:CONTEXT",
                       help="GPU: only these decode configurations (e.g. 64:4096, the issue-15 goal)")

@@ -25,7 +25,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.run_record import record
+from paged_kv.apps.progress import bar
 from paged_kv.models import (
     LlamaConfig,
     allocate_pages,
@@ -37,6 +37,7 @@ from paged_kv.models import (
     paged_decode_step,
 )
 from paged_kv.pallas_kernels import resolve_impl
+from scripts.run_record import record
 
 
 def bench_config(dtype: str) -> LlamaConfig:
@@ -107,7 +108,13 @@ def main(argv: list[str] | None = None):
 
     backend = jax.default_backend()
     impl = resolve_impl(args.impl)
-    rows = [run(b, c, args.block_size, args.repeats, impl, args.dtype) for b in args.batch for c in args.context]
+    configs = [(b, c) for b in args.batch for c in args.context]
+    shown = bar(len(configs), "configurations")
+    rows = []
+    for b, c in configs:
+        rows.append(run(b, c, args.block_size, args.repeats, impl, args.dtype))
+        shown.update()
+    shown.close()
     cfg = bench_config(args.dtype)
     print(f"decode step, {backend}, impl={impl}, model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}; median of {args.repeats}")

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_kv as pk
+from paged_kv.apps.progress import bar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -53,11 +54,6 @@ from scripts.run_record import record
 
 POOL = 100_000
 BS = 16
-
-
-def progress(i, n, label):
-    if i % max(1, n // 20) == 0 or i == n - 1:
-        print(f"\r  {label}: {i + 1}/{n}", end="" if i < n - 1 else "\n", flush=True)
 
 
 def shared_prompt_requests(n=256, system=512, unique=64, seed=0):
@@ -84,7 +80,8 @@ def one_at_a_time(prompts, repeats=3):
     warm, _ = touch(warm, sids[0])
     jax.block_until_ready(warm)
     medians, floors = [], []
-    for r in range(repeats):
+    shown = bar(repeats * n, "one at a time", unit="req")
+    for _ in range(repeats):
         state = pk.init_state(cfg)
         times, hits = [], []
         for i in range(n):
@@ -96,7 +93,7 @@ def one_at_a_time(prompts, repeats=3):
             # would launch a jitted gather between admissions, and it left the next admission
             # ~15 µs slower (a cold start after another computation).
             hits.append(int(np.asarray(result.cached_tokens)[0]))
-            progress(r * n + i, repeats * n, "one at a time")
+            shown.update()
         medians.append(statistics.median(times))
         times = []
         for i in range(n):
@@ -105,6 +102,7 @@ def one_at_a_time(prompts, repeats=3):
             jax.block_until_ready(out)
             times.append(time.perf_counter() - t0)
         floors.append(statistics.median(times))
+    shown.close()
     st = state.cache.stats
     return dict(
         admit_us_median=statistics.median(medians) * 1e6,
@@ -210,7 +208,8 @@ def mixed(uncached_to_front, waves=40, batch=256, families=200, system_len=1024,
     free = jax.jit(pk.free, static_argnums=0, donate_argnums=1)
     state = pk.init_state(cfg)
     ids = jnp.arange(batch, dtype=jnp.int32)
-    for w in range(waves):
+    shown = bar(waves, f"{label}, uncached_to_front={uncached_to_front}", unit="wave")
+    for _ in range(waves):
         fam = rng.choice(families, size=batch, p=popularity)
         tail = rng.integers(unique[0], unique[1] + 1, size=batch)
         toks = np.zeros((batch, width), np.int32)
@@ -222,7 +221,8 @@ def mixed(uncached_to_front, waves=40, batch=256, families=200, system_len=1024,
         for _ in range(gen):
             state, r = append(cfg, state, ids, jnp.asarray(rng.integers(0, 32_000, batch), jnp.int32))
         state, _ = free(cfg, state, ids)
-        progress(w, waves, f"{label}, uncached_to_front={uncached_to_front}")
+        shown.update()
+    shown.close()
     st = state.cache.stats
     return dict(
         workload=label, uncached_to_front=uncached_to_front, pool=pool,
@@ -313,8 +313,8 @@ def write(args, argv, one, one_async, one_pinned, loop, ref, many, mix) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
                 pool=POOL, block_size=BS)
-    args.out.write_text(json.dumps(dict(run=record(__file__, args, argv), meta=meta, one_at_a_time=one, one_at_a_time_default_dispatch=one_async,
-                                        one_at_a_time_one_cpu=one_pinned,
+    args.out.write_text(json.dumps(dict(run=record(__file__, args, argv), meta=meta, one_at_a_time=one,
+                                        one_at_a_time_default_dispatch=one_async, one_at_a_time_one_cpu=one_pinned,
                                         one_at_a_time_in_loop=loop, batched=many,
                                         reference_one_at_a_time=ref, mixed=mix), indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -71,11 +71,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import platform
-import shlex
 import shutil
 import sys
 import tempfile

@@ -95,7 +95,7 @@ def record(script: str, args=None, argv: list[str] | None = None) -> dict:
     the arguments it parsed (default ``sys.argv[1:]``)."""
     return {"command": command(script, argv),
             "options": _jsonable(vars(args)) if args is not None else {},
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             **commit(), "versions": versions(), **device()}
 
 

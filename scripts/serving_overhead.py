@@ -49,7 +49,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.run_record import record, table  # noqa: E402
+from scripts.run_record import record, table
+
 PROMPT, NEW = 16, 32
 
 

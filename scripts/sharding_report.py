@@ -159,10 +159,11 @@ def main(argv=None):
             print(f"llama-3.1-8b bf16 {gb:3d} GB tp={tp}: weights/dev {c.weight_bytes / 1e9:6.2f} GB, "
                   f"KV {c.kv_bytes_per_token // 1024} KiB/token/dev, {c.num_blocks:7d} blocks, {c.tokens:9d} tokens",
                   flush=True)
-    note = (f"decode step of batch B={args.batch} (one token per sequence), compiled for simulated CPU devices; collective "
-            "bytes are result sizes per step; on the CPU bfloat16 matmuls run in float32, so their all-reduces "
-            "carry float32 (2x the bfloat16 expectation)")
-    out = {"run": record(__file__, args, argv), "note": note, "jax": jax.__version__, "backend": jax.default_backend(), "devices": jax.device_count(),
+    note = (f"decode step of batch B={args.batch} (one token per sequence), compiled for simulated CPU devices; "
+            "collective bytes are result sizes per step; on the CPU bfloat16 matmuls run in float32, so their "
+            "all-reduces carry float32 (2x the bfloat16 expectation)")
+    out = {"run": record(__file__, args, argv), "note": note, "jax": jax.__version__,
+           "backend": jax.default_backend(), "devices": jax.device_count(),
            "memory_fraction": 0.9, "decode_step": rows, "kv_capacity": capacity}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:
