@@ -41,6 +41,8 @@ from paged_kv.reference import ReferenceBlockManager
 from scripts.run_record import record
 
 GROUP = 4
+# --workloads: (workload, prefix caching)
+WORKLOADS = {"lazy": ("lazy", True), "lazy-no-cache": ("lazy", False), "cow": ("cow", True)}
 
 
 def make_config(batch: int, caching: bool, num_blocks: int = 100_000) -> pk.ManagerConfig:
@@ -170,11 +172,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 256], help="B (a multiple of 4 for cow)")
     parser.add_argument("--num-blocks", type=int, default=100_000, help="the pool")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=Path("results/bench_block_manager.json"))
     args = parser.parse_args(argv)
 
     rows = []
-    for workload, caching in (("lazy", True), ("lazy", False), ("cow", True)):
+    for workload, caching in (WORKLOADS[w] for w in args.workloads):
         for batch in args.batches:
             cfg = make_config(batch, caching, args.num_blocks)
             call_s, select_s, copies = time_calls(cfg, workload, batch, args.steps)

@@ -63,12 +63,12 @@ def shared_prompt_requests(n=256, system=512, unique=64, seed=0):
                     ).astype(np.int32)
 
 
-def one_at_a_time(prompts, repeats=3):
+def one_at_a_time(prompts, repeats=3, pool=POOL):
     """Median admission time of one request per jitted call (the median of ``repeats`` passes
     over the 256 requests, each on a fresh manager), and the same for a call that only touches
     the state (the per-call floor)."""
     n, length = prompts.shape
-    cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
+    cfg = pk.ManagerConfig(num_blocks=pool, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
     admit = jax.jit(pk.admit, static_argnums=0, donate_argnums=1)
     touch = jax.jit(lambda state, sid: (state.replace(num_tokens=state.num_tokens.at[sid].add(1)), sid),
                     donate_argnums=0)
@@ -124,11 +124,11 @@ def one_at_a_time_in_process(sync_dispatch: bool, one_core: bool = False) -> dic
     return json.loads(out.strip().splitlines()[-1])
 
 
-def one_at_a_time_in_loop(prompts, repeats=3):
+def one_at_a_time_in_loop(prompts, repeats=3, pool=POOL):
     """The same 256 one-request admissions inside one jitted ``fori_loop``: the per-admission
     cost without the host dispatch of a call (how an on-device loop would admit)."""
     n, length = prompts.shape
-    cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
+    cfg = pk.ManagerConfig(num_blocks=pool, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
     toks = jnp.asarray(prompts)
 
     @jax.jit
@@ -154,9 +154,9 @@ def one_at_a_time_in_loop(prompts, repeats=3):
                 hit_tokens_rest_min=min(hits[1:]), hit_tokens_rest_max=max(hits[1:]))
 
 
-def batched(prompts, repeats=11):
+def batched(prompts, repeats=11, pool=POOL):
     n, length = prompts.shape
-    cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
+    cfg = pk.ManagerConfig(num_blocks=pool, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
     admit = jax.jit(pk.admit, static_argnums=0, donate_argnums=1)
     ids, lens, toks = jnp.arange(n, dtype=jnp.int32), jnp.full((n,), length, jnp.int32), jnp.asarray(prompts)
     times = []
@@ -178,9 +178,9 @@ def batched(prompts, repeats=11):
     )
 
 
-def reference_one_at_a_time(prompts):
+def reference_one_at_a_time(prompts, pool=POOL):
     n = prompts.shape[0]
-    cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
+    cfg = pk.ManagerConfig(num_blocks=pool, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
     ref = ReferenceBlockManager(cfg)
     times = []
     for i in range(n):
@@ -257,9 +257,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.smoke:
         prompts = shared_prompt_requests(n=4, system=32, unique=8)
-        one = one_async = one_pinned = {**one_at_a_time(prompts, repeats=1), "smoke": "in this process"}
-        loop, ref, many = one_at_a_time_in_loop(prompts, 1), reference_one_at_a_time(prompts), batched(prompts, 1)
-        mix = [mixed(front, waves=2, **SMOKE_MIX) for front in (True, False)] * 2
+        pool = SMOKE_MIX["pool"]
+        one = one_async = one_pinned = {**one_at_a_time(prompts, 1, pool), "smoke": "in this process"}
+        loop, ref = one_at_a_time_in_loop(prompts, 1, pool), reference_one_at_a_time(prompts, pool)
+        many = batched(prompts, 1, pool)
+        mix = [mixed(front, waves=2, **SMOKE_MIX) for front in (True, False)]
         return write(args, argv, one, one_async, one_pinned, loop, ref, many, mix)
     prompts = shared_prompt_requests()
     if args.one_at_a_time_only:  # a child process of the full run
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
 def write(args, argv, one, one_async, one_pinned, loop, ref, many, mix) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
-                pool=POOL, block_size=BS)
+                pool=SMOKE_MIX["pool"] if args.smoke else POOL, block_size=BS)
     args.out.write_text(json.dumps(dict(run=record(__file__, args, argv), meta=meta, one_at_a_time=one,
                                         one_at_a_time_default_dispatch=one_async, one_at_a_time_one_cpu=one_pinned,
                                         one_at_a_time_in_loop=loop, batched=many,

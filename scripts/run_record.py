@@ -118,7 +118,8 @@ def merge_parts(old: dict | None, new: dict, ran: list[tuple[str, ...]], parts: 
     for path in ran:
         parent = _at(out, path[:-1])
         parent[path[-1]] = {**parent[path[-1]], "run": run}
-    kept = [p for p in parts if p not in ran and isinstance(_at(old or {}, p), dict)]
+    kept = [p for p in parts if p not in ran and p[0] not in ("run", "parts_from_separate_runs")
+            and isinstance(_at(old or {}, p), dict)]
     for path in kept:
         parent = out
         for k in path[:-1]:
