@@ -14,6 +14,7 @@ attention at scaled-down shapes (8 query heads, 2 KV heads, head dim 64, float32
 write_kv / copy_blocks references.
 
     python scripts/bench_kernels.py            # writes results/bench_kernels_{cpu,gpu}.json
+    python scripts/bench_kernels.py --smoke --out /tmp/k.json   # CPU, tiny sizes: a check that it runs
     python scripts/bench_kernels.py --quick    # fewer configurations
 """
 

@@ -4,7 +4,8 @@ decode-step time, measured (issue 32). Reference kernels on the CPU.
     python scripts/bench_kv_quant.py            # accuracy + capacity (+ timing), results/bench_kv_quant.json
     python scripts/bench_kv_quant.py --quick    # a smoke run of every part, small sizes (not for the results)
 
-Parts (each under its key in the JSON):
+Parts (each under its key in the JSON, with the ``run`` that measured it: ``--parts`` reruns some
+and keeps the others from the file, which then says ``parts_from_separate_runs``):
 
 * ``accuracy.tiny``: the built-in trained model (``checkpoints/tiny-llama``, float32) on held-out
   text (``scripts/train_tiny_llama.py``'s validation corpus: ``generate_corpus(VAL_SEED_OFFSET, 400)``

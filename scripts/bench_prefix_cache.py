@@ -26,6 +26,7 @@ cost of a jitted call that takes the same state and changes one array (the floor
 per-request call on this machine).
 
     python scripts/bench_prefix_cache.py     # writes results/bench_prefix_cache.json
+    python scripts/bench_prefix_cache.py --smoke --out /tmp/pc.json   # tiny sizes: a check that it runs
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ records the main job's per-program compile table (``report.json``'s ``compile.pr
     python scripts/startup_time.py --baseline /tmp/before   # the same runs of another checkout,
                                                             # interleaved with these ones
 
+``--job-args '--requests 2 --max-new-tokens 4'`` gives the main job a smaller workload,
+``--warm 1 --no-no-cache-run`` fewer runs (a check that the script works).
+
 The main job needs the ``cli`` extra (tqdm, matplotlib: ``pip install -e '.[cli]'``).
 
 With ``--baseline DIR`` (a checkout of the code to compare with, e.g. ``git worktree add

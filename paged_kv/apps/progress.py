@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Protocol, TextIO
 
 
 class CompileProgress:
@@ -104,6 +104,16 @@ BAR_WARMING = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 BAR_STEADY = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
 
+class ProgressBar(Protocol):
+    """What ``bar`` returns (a tqdm bar, or nothing shown)."""
+
+    def update(self, n: int = 1) -> object: ...
+
+    def set_postfix_str(self, s: str) -> object: ...
+
+    def close(self) -> None: ...
+
+
 class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
@@ -116,7 +126,7 @@ class _NoBar:
 
 
 def bar(total: int, desc: str, *, unit: str = "it", out: TextIO | None = None, window: int = 3,
-        clock: Callable[[], float] = time.perf_counter):
+        clock: Callable[[], float] = time.perf_counter) -> ProgressBar:
     """A progress bar over ``total`` items on ``out`` (default ``sys.stderr``): ``update(n)``,
     ``set_postfix_str(s)``, ``close()``. Its ETA appears once ``window`` items came at a steady
     rate (``SteadyRate``); without tqdm it shows nothing."""
@@ -137,4 +147,4 @@ def bar(total: int, desc: str, *, unit: str = "it", out: TextIO | None = None, w
                 dynamic_ncols=True, bar_format=BAR_WARMING)
 
 
-__all__ = ["BAR_STEADY", "BAR_WARMING", "CompileProgress", "SteadyRate", "bar"]
+__all__ = ["BAR_STEADY", "BAR_WARMING", "CompileProgress", "ProgressBar", "SteadyRate", "bar"]
