@@ -38,7 +38,7 @@ import paged_kv as pk
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paged_kv.reference import ReferenceBlockManager
-from scripts.run_record import record
+from scripts.run_record import record, utc_now
 
 GROUP = 4
 # --workloads: (workload, prefix caching)
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=Path("results/bench_block_manager.json"))
     args = parser.parse_args(argv)
+    started = utc_now()
 
     rows = []
     for workload, caching in (WORKLOADS[w] for w in args.workloads):
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
                 cpus=jax.device_count(), steps=args.steps, repeats=args.repeats)
-    args.out.write_text(json.dumps(dict(run=record(__file__, args, argv), meta=meta, rows=rows), indent=2) + "\n")
+    run = record(__file__, args, argv, started=started)
+    args.out.write_text(json.dumps(dict(run=run, meta=meta, rows=rows), indent=2) + "\n")
     print(f"\nwrote {args.out}")
 
 

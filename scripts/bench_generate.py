@@ -64,7 +64,7 @@ from paged_kv.models import allocate_pages, greedy_generate_contiguous, load_hf_
 from paged_kv.pallas_kernels import resolve_impl
 from scripts.doc_tables import BENCHMARKS, markers, replace_block, shown_command
 from scripts.extras import require
-from scripts.run_record import record
+from scripts.run_record import record, utc_now
 from tests import tolerances
 
 HF_CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--update-docs", action="store_true", help="rewrite docs/benchmarks.md's table from the new file")
     ap.add_argument("--render-docs", action="store_true", help="only rewrite docs/benchmarks.md's table from --out")
     args = ap.parse_args(argv)
+    started = utc_now()
     if args.render_docs:
         update_docs(json.loads(Path(args.out).read_text()))
         return
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None):
                   f"{row.get('on_device_over_transformers', float('nan')):>5.2f}x | "
                   f"{a['near_tie_steps']}/{a['steps']}, {div} ({a['real_divergences']}) | {busy:.2f}", flush=True)
     busiest = max((v["other_processes_cores"] or 0.0) for r in rows for v in r["load"].values())
-    run_meta = record(__file__, args, argv)
+    run_meta = record(__file__, args, argv, started=started)
     meta = {"backend": jax.default_backend(), "impl": impl, "jax": jax.__version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "machine": platform.machine(), "cpu_count": meter.cpus,
             "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "block_size": args.block_size,

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_kv import pallas_kernels as pk
-from scripts.run_record import record
+from scripts.run_record import record, utc_now
 
 
 def median_time(fn, *args, repeats: int, warmup: int = 2) -> float:
@@ -224,10 +224,11 @@ def main(argv: list[str] | None = None):
   parser.add_argument("--decode", nargs="*", default=None, metavar="BATCH:CONTEXT",
                       help="GPU: only these decode configurations (e.g. 64:4096, the issue-15 goal)")
   args = parser.parse_args(argv)
+  started = utc_now()
   backend = jax.default_backend()
   on_gpu = backend == "gpu"
   t0 = time.perf_counter()
-  result = dict(run=record(__file__, args, argv), backend=backend, device=str(jax.devices()[0]), jax=jax.__version__,
+  result = dict(run=None, backend=backend, device=str(jax.devices()[0]), jax=jax.__version__,
                 python=platform.python_version(), machine=platform.machine(),
                 cpu_count=__import__("os").cpu_count())
   if on_gpu:
@@ -276,6 +277,7 @@ def main(argv: list[str] | None = None):
     result["write_kv"] = bench_write_kv(layers=layers, hkv=2, d=64, bs=16, num_blocks=num_blocks, n=n,
                                         dtype=jnp.float32, impl="reference", repeats=reps)
   result["total_s"] = time.perf_counter() - t0
+  result["run"] = record(__file__, args, argv, started=started)
   out = Path(args.out) if args.out else ROOT / "results" / f"bench_kernels_{'gpu' if on_gpu else 'cpu'}.json"
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=2) + "\n")

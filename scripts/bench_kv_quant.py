@@ -100,7 +100,7 @@ from paged_kv.models import (
 from paged_kv.models.paged import _make_attend
 from paged_kv.models.protocol import model_facts
 from paged_kv.models.tokenizer import ByteTokenizer
-from scripts.run_record import merge_parts, record, table
+from scripts.run_record import merge_parts, record, table, utc_now
 
 KV_DTYPES = ("auto", "int8", "fp8")
 # The tiny model's accuracy also runs bfloat16 pages on the float32 model: a control with int8's
@@ -418,8 +418,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=128256, help="the 8B-shaped layer's vocabulary")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    started = utc_now()
     q = args.quick
-    run = record(__file__, args, argv)
     res = {"backend": jax.default_backend(), "jax": jax.__version__,
            "machine": platform.processor() or platform.machine(), "quick": q, "accuracy": {}}
     out = Path(args.out or ("/tmp/bench_kv_quant_quick.json" if q else "results/bench_kv_quant.json"))
@@ -446,7 +446,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Parts run separately add up in one file (read at write time); each part keeps its own record.
     old = json.loads(out.read_text()) if out.exists() and not q else None
-    res = merge_parts(old, res, ran, PARTS, run)
+    res = merge_parts(old, res, ran, PARTS, record(__file__, args, argv, started=started))
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(summary(res))
     print(f"wrote {out}")

@@ -37,7 +37,7 @@ from paged_kv.models import (
     paged_decode_step,
 )
 from paged_kv.pallas_kernels import resolve_impl
-from scripts.run_record import record
+from scripts.run_record import record, utc_now
 
 
 def bench_config(dtype: str) -> LlamaConfig:
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    started = utc_now()
 
     backend = jax.default_backend()
     impl = resolve_impl(args.impl)
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None):
             "model": {k: v for k, v in cfg.to_hf_config().items() if k in (
                 "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim")}}
-    out.write_text(json.dumps({"run": record(__file__, args, argv), "meta": meta, "rows": rows}, indent=2) + "\n")
+    made = record(__file__, args, argv, started=started)
+    out.write_text(json.dumps({"run": made, "meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

@@ -51,7 +51,7 @@ from paged_kv.apps.progress import bar
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paged_kv.reference import ReferenceBlockManager
-from scripts.run_record import record
+from scripts.run_record import record, utc_now
 
 POOL = 100_000
 BS = 16
@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="every part at a tiny size, the one-request-per-call runs in this process (a check "
                              "that the script runs, no figures)")
     args = parser.parse_args(argv)
+    started = utc_now()
 
     if args.smoke:
         prompts = shared_prompt_requests(n=4, system=32, unique=8)
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         loop, ref = one_at_a_time_in_loop(prompts, 1, pool), reference_one_at_a_time(prompts, pool)
         many = batched(prompts, 1, pool)
         mix = [mixed(front, waves=2, **SMOKE_MIX) for front in (True, False)]
-        return write(args, argv, one, one_async, one_pinned, loop, ref, many, mix)
+        return write(args, argv, started, one, one_async, one_pinned, loop, ref, many, mix)
     prompts = shared_prompt_requests()
     if args.one_at_a_time_only:  # a child process of the full run
         if args.one_core:  # like `taskset -c N`: before JAX creates its CPU client and threads
@@ -309,14 +310,14 @@ def main(argv: list[str] | None = None) -> None:
         where = "front (default)" if m["uncached_to_front"] else "back"
         print(f"| {m['workload']} | {m['pool']} | {where} | {m['hit_rate']:.3f} | {m['system_prompt_hit_rate']:.3f}"
               f" | {m['evictions']} |")
-    write(args, argv, one, one_async, one_pinned, loop, ref, many, mix)
+    write(args, argv, started, one, one_async, one_pinned, loop, ref, many, mix)
 
 
-def write(args, argv, one, one_async, one_pinned, loop, ref, many, mix) -> None:
+def write(args, argv, started, one, one_async, one_pinned, loop, ref, many, mix) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
                 pool=SMOKE_MIX["pool"] if args.smoke else POOL, block_size=BS)
-    args.out.write_text(json.dumps(dict(run=record(__file__, args, argv), meta=meta, one_at_a_time=one,
+    args.out.write_text(json.dumps(dict(run=record(__file__, args, argv, started=started), meta=meta, one_at_a_time=one,
                                         one_at_a_time_default_dispatch=one_async, one_at_a_time_one_cpu=one_pinned,
                                         one_at_a_time_in_loop=loop, batched=many,
                                         reference_one_at_a_time=ref, mixed=mix), indent=2) + "\n")

@@ -198,6 +198,7 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", help="commit of the measured source when it is no git checkout (an archive)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "compile_time.json"))
     args = ap.parse_args(argv)
+    started = run_record.utc_now()
 
     load_start = load()
     compiles = []
@@ -236,7 +237,7 @@ def main(argv=None) -> None:
         entry["from_an_earlier_run"] = {"parts": kept, "run": prev.get("run")}
     labels = [(k,) for k in old or {}]
     data = run_record.merge_parts(old, {args.label: entry}, [(args.label,)], labels,
-                                  run_record.record(__file__, args, argv))
+                                  run_record.record(__file__, args, argv, started=started))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {out} [{args.label}]")

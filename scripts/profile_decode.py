@@ -49,7 +49,7 @@ import paged_kv as pk
 from paged_kv import engine
 from paged_kv.models import LlamaConfig, allocate_pages, init_model, page_spec
 from scripts.doc_tables import BENCHMARKS, replace_block, shown_command
-from scripts.run_record import record
+from scripts.run_record import record, utc_now
 
 # The model of scripts/bench_generate.py (HF_CONFIG there).
 CONFIG = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None):
                     help="rewrite docs/benchmarks.md's profile table from the result")
     ap.add_argument("--render-docs", action="store_true", help="only rewrite docs/benchmarks.md's table from --out")
     args = ap.parse_args(argv)
+    started = utc_now()
     if args.render_docs:
         update_docs(json.loads(Path(args.out).read_text()))
         return
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None):
     for r in prefill_rows:
         print(f"{r['part']:<56} {r['ms']:>8.1f} {100 * r['share']:>5.1f}%")
     cpus = os.cpu_count() or 1
-    run_meta = record(__file__, args, argv)
+    run_meta = record(__file__, args, argv, started=started)
     result = {
         "run": run_meta,
         "meta": {"batch": b, "prompt": args.prompt, "new_tokens": args.new, "block_size": bs, "decode_steps": steps,

@@ -87,7 +87,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from scripts.extras import require
-from scripts.run_record import record
+from scripts.run_record import record, utc_now
 
 require("bench", "tqdm", "matplotlib")
 
@@ -313,6 +313,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    started = utc_now()
     if args.jax_cache:
         jax.config.update("jax_compilation_cache_dir", args.jax_cache)
     t_start = time.perf_counter()
@@ -413,7 +414,7 @@ def main(argv=None):
     bar.close()
     elapsed = time.perf_counter() - t_start
 
-    run = record(__file__, args, argv)
+    run = record(__file__, args, argv, started=started)
     meta = {
         "command": run["command"],
         "args": run["options"],

@@ -1,11 +1,13 @@
-"""What ran: the record every benchmark writes into its results JSON (under ``"run"``).
+"""What ran: the record every benchmark writes into its results JSON (under ``"run"``), in the
+vocabulary of the main job's ``report.json`` (``paged_kv.apps.provenance``).
 
 ``record(__file__, args, argv)`` returns the command that actually ran (the script and the
 arguments it parsed, so a run from a test or another script records its own arguments, not the
-caller's ``sys.argv``), every parsed option, the date (ISO 8601, UTC), the git commit of the
-checkout and whether its tree had uncommitted changes (``None`` outside a git checkout), the
-versions of paged-kv, JAX, jaxlib, flax, numpy and Python (and torch / transformers when the
-script imported them), the backend, the device kind and count, the machine and its CPU count.
+caller's ``sys.argv``), ``argv``, every parsed option, ``versions`` (paged-kv and its git commit,
+with ``+dirty`` when tracked files differ from it, None outside a git checkout; JAX, jaxlib, flax,
+Python; here also numpy, and torch / transformers / ... when the script imported them),
+``started`` (when the script says, else when the record is made) and ``ended`` (ISO 8601, UTC),
+the backend, device kind and count, the machine and its CPU count.
 
 A file that gathers parts written by separate runs keeps each part's own record (``merge_parts``)
 and says so in ``"parts_from_separate_runs"``. ``table`` formats a script's closing summary.
@@ -13,18 +15,17 @@ and says so in ``"parts_from_separate_runs"``. ``table`` formats a script's clos
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 import os
 import platform
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
+from paged_kv.apps import provenance
+
+utc_now = provenance.utc_now  # a script's start, for ``record(..., started=...)``
 ROOT = Path(__file__).resolve().parents[1]
-# Imported by some scripts only: recorded when the script imported them.
-OPTIONAL = ("torch", "transformers", "optax", "tqdm", "matplotlib")
+# Imported by some scripts only: their versions are recorded when the script imported them.
+OPTIONAL = ("numpy", "torch", "transformers", "optax", "tqdm", "matplotlib")
 SEPARATE_RUNS = ("this file gathers parts written by separate runs: each part's 'run' records its own command, "
                  "date, commit and versions")
 
@@ -39,64 +40,21 @@ def _jsonable(value):
     return str(value)
 
 
-def _git(*args: str) -> str | None:
-    try:
-        res = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return res.stdout.strip() if res.returncode == 0 else None
+def record(script: str, args=None, argv: list[str] | None = None, *, started: str | None = None) -> dict:
+    """The run's record (module docstring). ``script`` is the caller's ``__file__``, ``args`` its
+    parsed arguments, ``argv`` the arguments it parsed (default ``sys.argv[1:]``), ``started``
+    its start (``provenance.utc_now()``; default now)."""
+    import jax  # noqa: F401  (the scripts have started it: finish_record reads its backend and devices)
 
-
-def commit() -> dict:
-    """``{"commit": sha, "dirty": bool}`` of the checkout; both ``None`` outside a git checkout."""
-    sha = _git("rev-parse", "HEAD")
-    if sha is None:
-        return {"commit": None, "dirty": None}
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": sha, "dirty": None if status is None else bool(status)}
-
-
-def versions() -> dict:
-    """Versions of paged-kv and its stack; torch / transformers / ... when this process imported them."""
-    def dist(name: str) -> str | None:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    out = {"paged_kv": dist("paged-kv"), "jax": dist("jax"), "jaxlib": dist("jaxlib"), "flax": dist("flax"),
-           "numpy": dist("numpy"), "python": platform.python_version()}
-    for name in OPTIONAL:
-        if name in sys.modules:
-            out[name] = getattr(sys.modules[name], "__version__", None) or dist(name)
-    return out
-
-
-def device() -> dict:
-    """Backend, device kind and count (initializes JAX's backend), machine and CPU count."""
-    import jax
-
-    devices = jax.devices()
-    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind, "device_count": len(devices),
-            "machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count()}
-
-
-def command(script: str, argv: list[str] | None = None) -> str:
-    """The command line that ran ``script`` with ``argv`` (default ``sys.argv[1:]``), the script's
-    path relative to the checkout."""
     path = Path(script).resolve()
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    return shlex.join(["python", str(shown), *(sys.argv[1:] if argv is None else argv)])
-
-
-def record(script: str, args=None, argv: list[str] | None = None) -> dict:
-    """The run's record: ``command``, ``options`` (``vars(args)``), ``date``, ``commit``, ``dirty``,
-    ``versions`` and the device (``device()``). ``script`` is the caller's ``__file__``; ``argv``
-    the arguments it parsed (default ``sys.argv[1:]``)."""
-    return {"command": command(script, argv),
-            "options": _jsonable(vars(args)) if args is not None else {},
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            **commit(), "versions": versions(), **device()}
+    argv = list(sys.argv[1:] if argv is None else argv)
+    options = _jsonable(vars(args)) if args is not None else {}
+    run = provenance.finish_record(provenance.run_record(argv, options, prog=f"python {shown}", started=started))
+    for name in OPTIONAL:
+        if name in sys.modules:
+            run["versions"][name] = getattr(sys.modules[name], "__version__", None)
+    return {**run, "machine": platform.machine(), "cpu_count": os.cpu_count()}
 
 
 def _at(data: dict, path: tuple[str, ...]):

@@ -49,7 +49,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.run_record import record, table
+from scripts.run_record import record, table, utc_now
 
 PROMPT, NEW = 16, 32
 
@@ -124,7 +124,7 @@ def timed_generate(model, r: int, repeats: int, requests: int | None = None) -> 
     return {"wall_s": best, "tokens": tokens, "tokens_per_s": tokens / best, "outputs": outs}
 
 
-def ab_decode_steps(model, args, argv: list[str] | None) -> None:
+def ab_decode_steps(model, args, argv: list[str] | None, started: str) -> None:
     """Serving at two ``decode_steps`` and ``generate``, one timed run each per round, alternated
     in one process; medians of the per-round ratios (the machine's speed drifts between rounds)."""
     import jax
@@ -149,7 +149,7 @@ def ab_decode_steps(model, args, argv: list[str] | None) -> None:
         print(f"R={r}: K={k1} {rows[str(r)][f'k{k1}_to_generate']:.2f}x generate, K={k2} "
               f"{rows[str(r)][f'k{k2}_to_generate']:.2f}x, K={k2} / K={k1} {rows[str(r)][f'k{k2}_to_k{k1}']:.2f} "
               f"(medians of {args.repeats} rounds); load {load[0]:.1f}", flush=True)
-    result = {"run": record(__file__, args, argv), "label": args.label, "jax": jax.__version__,
+    result = {"run": record(__file__, args, argv, started=started), "label": args.label, "jax": jax.__version__,
               "backend": jax.default_backend(), "cpus": os.cpu_count(),
               "workload": {"prompt_tokens": PROMPT, "new_tokens": NEW, "greedy": True, "arrivals": "all at step 0",
                            "chunk_size": args.chunk_size, "max_prefill_rows": f"min({args.prefill_rows}, R)",
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--out", default=str(ROOT / "results" / "serving_overhead.json"))
     args = ap.parse_args(argv)
+    started = utc_now()
     import jax
 
     import paged_kv
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_hf_checkpoint(ROOT / "checkpoints" / "tiny-llama")
     rows = {}
     if args.ab_decode_steps:
-        return ab_decode_steps(model, args, argv)
+        return ab_decode_steps(model, args, argv, started)
     for r in args.rows:
         load = os.getloadavg()
         # Serving and generate alternate, one timed run each per round, so that both see the same
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
                         "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
         print(f"R={r}: ratio {rows[str(r)]['ratio_serving_to_generate']:.2f} (median of {len(ratios)} rounds, "
               f"{min(ratios):.2f}-{max(ratios):.2f}), same tokens: {same}; load {load[0]:.1f}", flush=True)
-    result = {"run": record(__file__, args, argv), "label": args.label,
+    result = {"run": record(__file__, args, argv, started=started), "label": args.label,
               "code": str(Path(paged_kv.__file__).resolve().parent.parent),
               "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
               "workload": {"prompt_tokens": PROMPT, "new_tokens": NEW, "greedy": True, "arrivals": "all at step 0",

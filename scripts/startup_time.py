@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from scripts.extras import require
-from scripts.run_record import record, table
+from scripts.run_record import record, table, utc_now
 
 
 def run_main(tree: Path, cache: Path | None, out: Path, job_args: list[str] = ()) -> dict:
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                          "'--requests 2 --max-new-tokens 4'")
     ap.add_argument("--label", default="", help="what this tree is (e.g. a commit)")
     args = ap.parse_args(argv)
+    started = utc_now()
     trees = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     names = ["cold"] + [f"warm_{i}" for i in range(1, args.warm + 1)] + (["no_cache"] if args.no_cache_run else [])
     job_args = shlex.split(args.job_args)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline:
         summary["ratio_this_to_baseline"] = {k: round(summary["this"][k] / summary["baseline"][k], 3)
                                              for k in summary["this"] if summary["this"][k] is not None}
-    run = record(__file__, args, argv)
+    run = record(__file__, args, argv, started=started)
     result = {"run": run, "label": args.label, "trees": {t: str(p) for t, p in trees.items()}, "summary": summary,
               "runs": runs, "cache_entries": entries, "cpus": os.cpu_count(), "command": run["command"],
               "goal": "cold <= 15 s, warm <= 6 s (issue 17)"}

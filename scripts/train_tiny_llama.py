@@ -45,7 +45,7 @@ from paged_kv.models.tokenizer import ByteTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.run_record import record
+from scripts.run_record import record, utc_now
 
 if TYPE_CHECKING:  # annotations only: optax is imported (by _optax) only to train
     import optax
@@ -287,6 +287,7 @@ def _bar(frac: float, width: int = 24) -> str:
 
 
 def train(args, argv: list[str] | None = None) -> dict:
+    started = utc_now()
     tokenizer = ByteTokenizer()
     config = model_config(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
                           args.max_positions, tokenizer)
@@ -358,7 +359,7 @@ def train(args, argv: list[str] | None = None) -> dict:
         print(f"  {p!r} -> {c!r}")
 
     result = {
-        "run": record(__file__, args, argv),
+        "run": record(__file__, args, argv, started=started),
         "script": "scripts/train_tiny_llama.py",
         "args": vars(args),
         "config": config.to_hf_config(),

@@ -44,13 +44,13 @@ def subprocess_run(name: str, argv: list[str], timeout: float = 300) -> None:
 
 
 def check_run(run: dict, name: str, argv: list[str]) -> None:
-    """The record says what ran: this command, its options, a UTC date, the commit, the versions."""
-    assert run["command"] == shlex.join(["python", f"scripts/{name}.py", *argv])
+    """The record says what ran: this command, its options, when (UTC), the commit, the versions."""
+    assert run["command"] == shlex.join(["python", f"scripts/{name}.py", *argv]) and run["argv"] == argv
     assert isinstance(run["options"], dict) and run["options"]
-    assert datetime.datetime.fromisoformat(run["date"]).utcoffset() == datetime.timedelta(0)
-    assert "commit" in run and "dirty" in run
-    assert {"paged_kv", "jax", "jaxlib", "flax", "numpy", "python"} <= set(run["versions"])
-    assert run["backend"] and run["device_kind"] and run["device_count"] >= 1
+    started, ended = (datetime.datetime.fromisoformat(run[k]) for k in ("started", "ended"))
+    assert started.utcoffset() == datetime.timedelta(0) and started <= ended
+    assert {"paged_kv", "paged_kv_commit", "jax", "jaxlib", "flax", "numpy", "python"} <= set(run["versions"])
+    assert run["backend"] and run["device_kind"] and run["device_count"] >= 1 and run["cpu_count"] >= 1
 
 
 def read(path: Path, name: str, argv: list[str]) -> dict:
@@ -66,6 +66,8 @@ def test_record_and_parts_from_separate_runs():
     run = run_record.record(str(ROOT / "scripts" / "bench_model.py"), args, ["--out", "/tmp/x y.json"])
     assert run["command"] == "python scripts/bench_model.py --out '/tmp/x y.json'"
     assert run["options"] == {"out": "/tmp/x.json", "sizes": [1, 2]}
+    # From this checkout (an editable install): its commit, "+dirty" when tracked files changed.
+    assert run["versions"]["paged_kv_commit"] is None or len(run["versions"]["paged_kv_commit"]) >= 40
     json.dumps(run)
 
     first = run_record.merge_parts(None, {"a": {"x": {"v": 1}}, "b": {"v": 2}}, [("a", "x"), ("b",)],
@@ -92,7 +94,8 @@ def test_serving_overhead(tmp_path):
     row = read(out, "serving_overhead", argv)["rows"]["2"]
     assert row["same_greedy_tokens"] is True and row["ratio_serving_to_generate"] > 0
     s = row["serving"]
-    assert s["device_calls"] >= 1 and s["device_ms_mean"] > 0
+    assert 1 <= s["device_calls"] < s["steps"]  # bursts of decode steps (the default --decode-steps 8)
+    assert s["device_ms_mean"] > 0 and s["device_ms_mean"] + s["host_ms_mean"] <= s["step_ms_mean"] + 0.01
     for k in ("schedule", "inputs", "process"):
         assert s[f"{k}_ms_mean"] >= 0
     assert 0 < s["host_fraction_of_step"] < 1
