@@ -418,7 +418,7 @@ def main(argv=None):
     meta = {
         "command": run["command"],
         "args": run["options"],
-        "date_utc": run["date"],
+        "date_utc": run["ended"],
         "jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "elapsed_s": round(elapsed, 1),
         "token_rule": "tokens = ceil(UTF-8 bytes / 4) (approximates a BPE tokenizer); prompt token ids = the "

@@ -15,12 +15,19 @@ and says so in ``"parts_from_separate_runs"``. ``table`` formats a script's clos
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import sys
 from pathlib import Path
 
-from paged_kv.apps import provenance
+try:
+    from paged_kv.apps import provenance
+except ImportError:  # compile_time.py measuring an older checkout on PYTHONPATH: this checkout's module
+    _spec = importlib.util.spec_from_file_location(
+        "provenance", Path(__file__).resolve().parents[1] / "paged_kv" / "apps" / "provenance.py")
+    provenance = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(provenance)
 
 utc_now = provenance.utc_now  # a script's start, for ``record(..., started=...)``
 ROOT = Path(__file__).resolve().parents[1]
