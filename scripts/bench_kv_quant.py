@@ -96,9 +96,8 @@ from paged_kv.models import (
     page_spec,
     page_spec_for_budget,
     paged_decode_step,
+    paged_forward,
 )
-from paged_kv.models.paged import _make_attend
-from paged_kv.models.protocol import model_facts
 from paged_kv.models.tokenizer import ByteTokenizer
 from scripts.run_record import merge_parts, record, table, utc_now
 
@@ -113,12 +112,11 @@ TINY_KV_DTYPES = (*KV_DTYPES, "bfloat16")
 def _chunk(graphdef: nnx.GraphDef, state: nnx.State, pages, batch, tokens: jax.Array, *, logits: bool):
     """One prefill chunk ``tokens`` int32 [B, T] through the paged cache (reference kernels):
     ``(float32 log-probs [B, T, V] or None, pages)``; without ``logits`` only the K/V are written."""
-    model = nnx.merge(graphdef, state)
-    attend = _make_attend(batch, "reference", False, None, model_facts(model).head_dim)
-    hidden, pages = model(tokens, batch.positions, pages, attend)
+    out, pages = paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl="reference",
+                               last_only=not logits)
     if not logits:
         return None, pages
-    return jax.nn.log_softmax(model.logits(hidden).astype(jnp.float32), axis=-1), pages
+    return jax.nn.log_softmax(out.astype(jnp.float32), axis=-1), pages
 
 
 def teacher_forced_logprobs(model: nnx.Module, windows: np.ndarray, kv_dtype: str, chunk: int, block_size: int = 16,
