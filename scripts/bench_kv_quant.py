@@ -325,15 +325,17 @@ def capacity_table() -> dict:
 def serving_capacity(num_blocks_plain: int, requests: int, max_new_tokens: int) -> dict:
     """The CLI's workload (``build_workload``) on a pool of ``num_blocks_plain`` float32 blocks'
     bytes, plain vs int8 / fp8 pages in the same bytes (as ``--kv-dtype`` sizes them)."""
-    from paged_kv.apps.cli import _kv_pool, build_workload
+    from paged_kv.apps.workload import build_workload
     from paged_kv.engine.serving import ServingConfig, ServingEngine
+    from paged_kv.models import kv_bytes_per_block
     model = load_hf_checkpoint(BUILTIN)
     tok = ByteTokenizer()
     res = {"workload": {"requests": requests, "max_new_tokens": max_new_tokens, "arrival_gap": 2},
            "budget": f"{num_blocks_plain} float32 blocks of 16 tokens"}
+    budget = num_blocks_plain * kv_bytes_per_block(model.config, 16)
     for kd in KV_DTYPES:
-        pool = _kv_pool(model.config, num_blocks_plain, 16, kd, None)
-        mgr = pk.ManagerConfig(num_blocks=pool["blocks"], block_size=16, max_seqs=32, max_blocks_per_seq=16)
+        pool = page_spec_for_budget(model.config, block_size=16, budget_bytes=budget, kv_dtype=kd)
+        mgr = pk.ManagerConfig(num_blocks=pool.num_blocks, block_size=16, max_seqs=32, max_blocks_per_seq=16)
         eng = ServingEngine(model, ServingConfig(mgr, chunk_size=64, max_prefill_rows=8, top_candidates=8,
                                                  impl="reference", decode_steps=1, kv_dtype=kd))
         peak = [0]
@@ -342,7 +344,7 @@ def serving_capacity(num_blocks_plain: int, requests: int, max_new_tokens: int) 
             peak[0] = max(peak[0], e.num_running)
 
         outs = list(eng.run(build_workload(tok, requests, max_new_tokens, 2, tok.eos_ids), on_step=on_step))
-        res[kd] = {"blocks": pool["blocks"], "bytes_per_block": pool["bytes_per_block"],
+        res[kd] = {"blocks": pool.num_blocks, "bytes_per_block": pool.bytes_per_block,
                    "preemptions": eng.preemptions, "max_running_requests": peak[0], "steps": eng.step_count,
                    "finished": sum(o.error is None for o in outs)}
     return res
