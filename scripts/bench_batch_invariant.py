@@ -24,9 +24,11 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paged_kv.apps.progress import bar
 from paged_kv.checkpoints import BUILTIN
 from paged_kv.models import allocate_pages, load_hf_checkpoint, page_spec, paged_decode_step
 from scripts.bench_model import decode_inputs
+from scripts.run_record import record, utc_now
 
 
 def measure(batch: int, context: int, block_size: int, repeats: int) -> dict:
@@ -63,14 +65,21 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    rows = [measure(b, args.context, args.block_size, args.repeats) for b in args.batches]
+    started = utc_now()
+    shown = bar(len(args.batches), "batches", unit="batch")
+    rows = []
+    for b in args.batches:
+        rows.append(measure(b, args.context, args.block_size, args.repeats))
+        shown.update()
+    shown.close()
     print(f"{'batch':>5} {'plain tok/s':>12} {'invariant tok/s':>16} {'cost':>7}")
     for r in rows:
         print(f"{r['batch']:>5} {r['plain_tok_s']:>12.0f} {r['invariant_tok_s']:>16.0f} {r['cost_pct']:>6.1f}%")
     out = Path(args.out or f"results/bench_batch_invariant_{jax.default_backend()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
-                               "jax": jax.__version__, "rows": rows}, indent=1) + "\n")
+    out.write_text(json.dumps({"run": record(__file__, args, argv, started=started), "backend": jax.default_backend(),
+                               "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
+                               "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -15,6 +15,7 @@ total / steps. The reference is timed per whole step with ``time.perf_counter``.
 is on by default (token ids stored, filled blocks hashed and cached); one workload runs without.
 
     python scripts/bench_block_manager.py            # writes results/bench_block_manager.json
+    python scripts/bench_block_manager.py --batches 4 --steps 3 --repeats 1 --num-blocks 512 --out /tmp/bm.json
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import functools
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,13 +34,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_kv as pk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from paged_kv.reference import ReferenceBlockManager
+from scripts.run_record import record, utc_now
 
 GROUP = 4
+# --workloads: (workload, prefix caching)
+WORKLOADS = {"lazy": ("lazy", True), "lazy-no-cache": ("lazy", False), "cow": ("cow", True)}
 
 
-def make_config(batch: int, caching: bool) -> pk.ManagerConfig:
-    return pk.ManagerConfig(num_blocks=100_000, block_size=16, max_seqs=batch,
+def make_config(batch: int, caching: bool, num_blocks: int = 100_000) -> pk.ManagerConfig:
+    return pk.ManagerConfig(num_blocks=num_blocks, block_size=16, max_seqs=batch,
                             max_blocks_per_seq=512, prefix_caching=caching)
 
 
@@ -158,17 +166,21 @@ def time_reference(cfg, workload, batch, steps):
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 256], help="B (a multiple of 4 for cow)")
+    parser.add_argument("--num-blocks", type=int, default=100_000, help="the pool")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=Path("results/bench_block_manager.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    started = utc_now()
 
     rows = []
-    for workload, caching in (("lazy", True), ("lazy", False), ("cow", True)):
-        for batch in (32, 256):
-            cfg = make_config(batch, caching)
+    for workload, caching in (WORKLOADS[w] for w in args.workloads):
+        for batch in args.batches:
+            cfg = make_config(batch, caching, args.num_blocks)
             call_s, select_s, copies = time_calls(cfg, workload, batch, args.steps)
             loop_s = time_loop(cfg, workload, batch, args.steps, args.repeats)
             ref_s = time_reference(cfg, workload, batch, args.steps)
@@ -196,9 +208,9 @@ def main() -> None:
               f"{r['speedup_loop']:.1f}x |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
-                cpus=jax.device_count(), steps=args.steps, repeats=args.repeats,
-                command="python scripts/bench_block_manager.py")
-    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+                cpus=jax.device_count(), steps=args.steps, repeats=args.repeats)
+    run = record(__file__, args, argv, started=started)
+    args.out.write_text(json.dumps(dict(run=run, meta=meta, rows=rows), indent=2) + "\n")
     print(f"\nwrote {args.out}")
 
 

@@ -64,6 +64,7 @@ from paged_kv.models import allocate_pages, greedy_generate_contiguous, load_hf_
 from paged_kv.pallas_kernels import resolve_impl
 from scripts.doc_tables import BENCHMARKS, markers, replace_block, shown_command
 from scripts.extras import require
+from scripts.run_record import record, utc_now
 from tests import tolerances
 
 HF_CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -255,7 +256,7 @@ def update_docs(result: dict, page: Path = BENCHMARKS) -> None:
     replace_block("bench_generate", render_table(result), page)
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 512], help="prompt lengths")
@@ -269,7 +270,8 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_generate.json"))
     ap.add_argument("--update-docs", action="store_true", help="rewrite docs/benchmarks.md's table from the new file")
     ap.add_argument("--render-docs", action="store_true", help="only rewrite docs/benchmarks.md's table from --out")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    started = utc_now()
     if args.render_docs:
         update_docs(json.loads(Path(args.out).read_text()))
         return
@@ -298,6 +300,7 @@ def main():
                   f"{row.get('on_device_over_transformers', float('nan')):>5.2f}x | "
                   f"{a['near_tie_steps']}/{a['steps']}, {div} ({a['real_divergences']}) | {busy:.2f}", flush=True)
     busiest = max((v["other_processes_cores"] or 0.0) for r in rows for v in r["load"].values())
+    run_meta = record(__file__, args, argv, started=started)
     meta = {"backend": jax.default_backend(), "impl": impl, "jax": jax.__version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "machine": platform.machine(), "cpu_count": meter.cpus,
             "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "block_size": args.block_size,
@@ -305,8 +308,8 @@ def main():
             "model": {k: HF_CONFIG[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                                 "num_attention_heads", "num_key_value_heads")},
             "max_other_cores_per_core": busiest / meter.cpus, "max_load_per_core": args.max_load_per_core,
-            "command": " ".join(["python", "scripts/bench_generate.py", *sys.argv[1:]])}
-    result = {"meta": meta, "rows": rows}
+            "command": run_meta["command"]}
+    result = {"run": run_meta, "meta": meta, "rows": rows}
     text = json.dumps(result, indent=2) + "\n"
     if busiest / meter.cpus > args.max_load_per_core:
         fd, tmp = tempfile.mkstemp(prefix="bench_generate_contended_", suffix=".json")

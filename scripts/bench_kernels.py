@@ -14,6 +14,7 @@ attention at scaled-down shapes (8 query heads, 2 KV heads, head dim 64, float32
 write_kv / copy_blocks references.
 
     python scripts/bench_kernels.py            # writes results/bench_kernels_{cpu,gpu}.json
+    python scripts/bench_kernels.py --smoke --out /tmp/k.json   # CPU, tiny sizes: a check that it runs
     python scripts/bench_kernels.py --quick    # fewer configurations
 """
 
@@ -34,12 +35,12 @@ sys.path.insert(0, str(ROOT))
 from scripts import checkout_layout  # the lent GPU machine does not install the checkout
 
 checkout_layout.install()
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from paged_kv import pallas_kernels as pk
+from scripts.run_record import record, utc_now
 
 
 def median_time(fn, *args, repeats: int, warmup: int = 2) -> float:
@@ -214,17 +215,20 @@ def print_row(r):
         f"{r['ours_over_contiguous']:10.2f} {jax_ms} {jax_ratio}", flush=True)
 
 
-def main():
+def main(argv: list[str] | None = None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="fewer configurations")
+  parser.add_argument("--smoke", action="store_true",
+                      help="CPU: one tiny configuration per part (a check that it runs)")
   parser.add_argument("--out", default=None, help="JSON path (default results/bench_kernels_<backend>.json)")
   parser.add_argument("--decode", nargs="*", default=None, metavar="BATCH:CONTEXT",
                       help="GPU: only these decode configurations (e.g. 64:4096, the issue-15 goal)")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
+  started = utc_now()
   backend = jax.default_backend()
   on_gpu = backend == "gpu"
   t0 = time.perf_counter()
-  result = dict(backend=backend, device=str(jax.devices()[0]), jax=jax.__version__,
+  result = dict(run=None, backend=backend, device=str(jax.devices()[0]), jax=jax.__version__,
                 python=platform.python_version(), machine=platform.machine(),
                 cpu_count=__import__("os").cpu_count())
   if on_gpu:
@@ -251,24 +255,29 @@ def main():
         + bench_write_kv(layers=32, hkv=8, d=128, bs=16, num_blocks=2048, n=256,
                          dtype=jnp.bfloat16, impl="reference", repeats=20))
   else:
-    bw = copy_bandwidth(1 << 26, jnp.float32, repeats=5)
+    # --smoke: one tiny configuration of each part (checks that the script runs, times nothing useful)
+    reps, layers, num_blocks, n = (2, 2, 64, 4) if args.smoke else (10, 8, 512, 32)
+    bw = copy_bandwidth(1 << (20 if args.smoke else 26), jnp.float32, repeats=reps // 2)
     result["device_copy_gbps"] = bw / 1e9
-    print(f"host copy bandwidth: {bw / 1e9:.1f} GB/s (64 MiB, read + write)")
+    print(f"host copy bandwidth: {bw / 1e9:.1f} GB/s ({'1' if args.smoke else '64'} MiB, read + write)")
     batches = [1, 8, 32] if not args.quick else [1, 8]
     contexts = [256, 1024, 4096] if not args.quick else [256, 1024]
     configs = [(b, c, False) for b in batches for c in contexts if b * c <= (1 << 17)]
     configs += [(8, 1024, True)]
+    if args.smoke:
+      configs = [(1, 64, False)]
     shape = dict(hq=8, hkv=2, d=64, bs=16, dtype=jnp.float32)
     result["decode_shape"] = dict(shape, dtype="float32")
     print(HEADER)
-    result["decode"] = bench_decode(configs, **shape, impl="reference", repeats=10, copy_bw=bw,
+    result["decode"] = bench_decode(configs, **shape, impl="reference", repeats=reps, copy_bw=bw,
                                     with_jax_op=False)
-    result["copy"] = bench_copy_blocks(layers=8, hkv=2, d=64, bs=16, num_blocks=512, copies=32,
-                                       dtype=jnp.float32, impls=("reference",), repeats=10,
+    result["copy"] = bench_copy_blocks(layers=layers, hkv=2, d=64, bs=16, num_blocks=num_blocks, copies=n,
+                                       dtype=jnp.float32, impls=("reference",), repeats=reps,
                                        copy_bw=bw)
-    result["write_kv"] = bench_write_kv(layers=8, hkv=2, d=64, bs=16, num_blocks=512, n=32,
-                                        dtype=jnp.float32, impl="reference", repeats=10)
+    result["write_kv"] = bench_write_kv(layers=layers, hkv=2, d=64, bs=16, num_blocks=num_blocks, n=n,
+                                        dtype=jnp.float32, impl="reference", repeats=reps)
   result["total_s"] = time.perf_counter() - t0
+  result["run"] = record(__file__, args, argv, started=started)
   out = Path(args.out) if args.out else ROOT / "results" / f"bench_kernels_{'gpu' if on_gpu else 'cpu'}.json"
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=2) + "\n")

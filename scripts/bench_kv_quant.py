@@ -4,7 +4,8 @@ decode-step time, measured (issue 32). Reference kernels on the CPU.
     python scripts/bench_kv_quant.py            # accuracy + capacity (+ timing), results/bench_kv_quant.json
     python scripts/bench_kv_quant.py --quick    # a smoke run of every part, small sizes (not for the results)
 
-Parts (each under its key in the JSON):
+Parts (each under its key in the JSON, with the ``run`` that measured it: ``--parts`` reruns some
+and keeps the others from the file, which then says ``parts_from_separate_runs``):
 
 * ``accuracy.tiny``: the built-in trained model (``checkpoints/tiny-llama``, float32) on held-out
   text (``scripts/train_tiny_llama.py``'s validation corpus: ``generate_corpus(VAL_SEED_OFFSET, 400)``
@@ -95,10 +96,10 @@ from paged_kv.models import (
     page_spec,
     page_spec_for_budget,
     paged_decode_step,
+    paged_forward,
 )
-from paged_kv.models.paged import _make_attend
-from paged_kv.models.protocol import model_facts
 from paged_kv.models.tokenizer import ByteTokenizer
+from scripts.run_record import merge_parts, record, table, utc_now
 
 KV_DTYPES = ("auto", "int8", "fp8")
 # The tiny model's accuracy also runs bfloat16 pages on the float32 model: a control with int8's
@@ -111,12 +112,11 @@ TINY_KV_DTYPES = (*KV_DTYPES, "bfloat16")
 def _chunk(graphdef: nnx.GraphDef, state: nnx.State, pages, batch, tokens: jax.Array, *, logits: bool):
     """One prefill chunk ``tokens`` int32 [B, T] through the paged cache (reference kernels):
     ``(float32 log-probs [B, T, V] or None, pages)``; without ``logits`` only the K/V are written."""
-    model = nnx.merge(graphdef, state)
-    attend = _make_attend(batch, "reference", False, None, model_facts(model).head_dim)
-    hidden, pages = model(tokens, batch.positions, pages, attend)
+    out, pages = paged_forward(nnx.merge(graphdef, state), pages, batch, tokens, impl="reference",
+                               last_only=not logits)
     if not logits:
         return None, pages
-    return jax.nn.log_softmax(model.logits(hidden).astype(jnp.float32), axis=-1), pages
+    return jax.nn.log_softmax(out.astype(jnp.float32), axis=-1), pages
 
 
 def teacher_forced_logprobs(model: nnx.Module, windows: np.ndarray, kv_dtype: str, chunk: int, block_size: int = 16,
@@ -325,15 +325,17 @@ def capacity_table() -> dict:
 def serving_capacity(num_blocks_plain: int, requests: int, max_new_tokens: int) -> dict:
     """The CLI's workload (``build_workload``) on a pool of ``num_blocks_plain`` float32 blocks'
     bytes, plain vs int8 / fp8 pages in the same bytes (as ``--kv-dtype`` sizes them)."""
-    from paged_kv.apps.cli import _kv_pool, build_workload
+    from paged_kv.apps.workload import build_workload
     from paged_kv.engine.serving import ServingConfig, ServingEngine
+    from paged_kv.models import kv_bytes_per_block
     model = load_hf_checkpoint(BUILTIN)
     tok = ByteTokenizer()
     res = {"workload": {"requests": requests, "max_new_tokens": max_new_tokens, "arrival_gap": 2},
            "budget": f"{num_blocks_plain} float32 blocks of 16 tokens"}
+    budget = num_blocks_plain * kv_bytes_per_block(model.config, 16)
     for kd in KV_DTYPES:
-        pool = _kv_pool(model.config, num_blocks_plain, 16, kd, None)
-        mgr = pk.ManagerConfig(num_blocks=pool["blocks"], block_size=16, max_seqs=32, max_blocks_per_seq=16)
+        pool = page_spec_for_budget(model.config, block_size=16, budget_bytes=budget, kv_dtype=kd)
+        mgr = pk.ManagerConfig(num_blocks=pool.num_blocks, block_size=16, max_seqs=32, max_blocks_per_seq=16)
         eng = ServingEngine(model, ServingConfig(mgr, chunk_size=64, max_prefill_rows=8, top_candidates=8,
                                                  impl="reference", decode_steps=1, kv_dtype=kd))
         peak = [0]
@@ -342,7 +344,7 @@ def serving_capacity(num_blocks_plain: int, requests: int, max_new_tokens: int) 
             peak[0] = max(peak[0], e.num_running)
 
         outs = list(eng.run(build_workload(tok, requests, max_new_tokens, 2, tok.eos_ids), on_step=on_step))
-        res[kd] = {"blocks": pool["blocks"], "bytes_per_block": pool["bytes_per_block"],
+        res[kd] = {"blocks": pool.num_blocks, "bytes_per_block": pool.bytes_per_block,
                    "preemptions": eng.preemptions, "max_running_requests": peak[0], "steps": eng.step_count,
                    "finished": sum(o.error is None for o in outs)}
     return res
@@ -382,7 +384,28 @@ def decode_timing(batch: int, context: int, repeats: int, rounds: int = 5) -> di
             **{f"{kd}_step_ms": med[kd] * 1e3 for kd in kinds},
             **{f"speed_ratio_{kd}": med["auto"] / med[kd] for kd in ("int8", "fp8")},
             **{f"speed_ratio_{kd}_per_round": [round(x, 3) for x in v] for kd, v in per_round.items()},
-            "command": "python scripts/bench_kv_quant.py --timing --parts capacity (a quiet machine)"}
+            }
+
+
+PARTS = [("accuracy", "tiny"), ("accuracy", "llama8b_layer"), ("capacity",), ("timing",)]
+
+
+def summary(res: dict) -> str:
+    """The closing table: per page dtype, the headline figure of each part in ``res``."""
+    tiny, layer = res["accuracy"].get("tiny"), res["accuracy"].get("llama8b_layer")
+    serving, timing = res.get("capacity", {}).get("serving"), res.get("timing", {})
+    rows = []
+    for kd in TINY_KV_DTYPES:
+        row = [kd]
+        row.append(tiny["teacher_forced"][kd]["max_abs_logprob_err"] if tiny else "-")
+        row.append(tiny["greedy"][kd]["agreement"] if tiny and kd in tiny["greedy"] else "-")
+        row.append(layer[kd]["max_abs_logprob_err"] if layer and kd in layer else "-")
+        row.append(serving[kd]["preemptions"] if serving and kd in serving else "-")
+        row.append(", ".join(f"{t[f'speed_ratio_{kd}']:.2f}" for t in timing.values() if isinstance(t, dict)
+                             and f"speed_ratio_{kd}" in t) or "-")
+        rows.append(row)
+    return table(["kv dtype", "tiny max|dlogp|", "greedy agreement", "8B layer max|dlogp|", "preemptions",
+                  "speed vs plain"], rows)
 
 
 def main(argv=None) -> int:
@@ -395,30 +418,37 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=128256, help="the 8B-shaped layer's vocabulary")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    started = utc_now()
     q = args.quick
     res = {"backend": jax.default_backend(), "jax": jax.__version__,
            "machine": platform.processor() or platform.machine(), "quick": q, "accuracy": {}}
     out = Path(args.out or ("/tmp/bench_kv_quant_quick.json" if q else "results/bench_kv_quant.json"))
+    ran = []
     if "tiny" in args.parts:
+        print("accuracy of the built-in model ...", flush=True)
         res["accuracy"]["tiny"] = tiny_accuracy(4 if q else 64, 32, 4 if q else 64, 16 if q else 256)
-        print(json.dumps(res["accuracy"]["tiny"], indent=1), flush=True)
+        ran.append(("accuracy", "tiny"))
     if "llama8b" in args.parts:
+        print("accuracy of an 8B-shaped layer ...", flush=True)
         ctx, vocab = (256, 4096) if q else (args.context, args.vocab)
         res["accuracy"]["llama8b_layer"] = llama8b_accuracy(ctx, vocab, min(512, ctx), min(256, ctx))
-        print(json.dumps(res["accuracy"]["llama8b_layer"], indent=1), flush=True)
+        ran.append(("accuracy", "llama8b_layer"))
     if "capacity" in args.parts:
+        print("capacity ...", flush=True)
         res["capacity"] = {"blocks_for_budget": capacity_table(),
                            "serving": serving_capacity(24, 6 if q else 24, 12 if q else 48)}
-        print(json.dumps(res["capacity"], indent=1), flush=True)
+        ran.append(("capacity",))
     if args.timing or q:
+        print("decode-step timing ...", flush=True)
         res["timing"] = {f"context_{c}": decode_timing(32 if not q else 8, c, 5 if q else 40, 2 if q else 5)
                          for c in ((128,) if q else (128, 512))}
-        print(json.dumps(res["timing"], indent=1), flush=True)
+        ran.append(("timing",))
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists() and not q:  # parts run separately add up in one file (read at write time)
-        old = json.loads(out.read_text())
-        res = {**old, **res, "accuracy": {**old.get("accuracy", {}), **res["accuracy"]}}
+    # Parts run separately add up in one file (read at write time); each part keeps its own record.
+    old = json.loads(out.read_text()) if out.exists() and not q else None
+    res = merge_parts(old, res, ran, PARTS, record(__file__, args, argv, started=started))
     out.write_text(json.dumps(res, indent=1) + "\n")
+    print(summary(res))
     print(f"wrote {out}")
     return 0
 

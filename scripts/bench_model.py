@@ -25,6 +25,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paged_kv.apps.progress import bar
 from paged_kv.models import (
     LlamaConfig,
     allocate_pages,
@@ -36,6 +37,7 @@ from paged_kv.models import (
     paged_decode_step,
 )
 from paged_kv.pallas_kernels import resolve_impl
+from scripts.run_record import record, utc_now
 
 
 def bench_config(dtype: str) -> LlamaConfig:
@@ -93,7 +95,7 @@ def run(batch: int, context: int, block_size: int, repeats: int, impl: str, dtyp
             "paged_ms": 1e3 * t_paged, "contiguous_ms": 1e3 * t_contig, "paged_over_contiguous": t_paged / t_contig}
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, nargs="+", default=[128, 512])
@@ -102,11 +104,18 @@ def main():
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    started = utc_now()
 
     backend = jax.default_backend()
     impl = resolve_impl(args.impl)
-    rows = [run(b, c, args.block_size, args.repeats, impl, args.dtype) for b in args.batch for c in args.context]
+    configs = [(b, c) for b in args.batch for c in args.context]
+    shown = bar(len(configs), "configurations")
+    rows = []
+    for b, c in configs:
+        rows.append(run(b, c, args.block_size, args.repeats, impl, args.dtype))
+        shown.update()
+    shown.close()
     cfg = bench_config(args.dtype)
     print(f"decode step, {backend}, impl={impl}, model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}; median of {args.repeats}")
@@ -121,7 +130,8 @@ def main():
             "model": {k: v for k, v in cfg.to_hf_config().items() if k in (
                 "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim")}}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    made = record(__file__, args, argv, started=started)
+    out.write_text(json.dumps({"run": made, "meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

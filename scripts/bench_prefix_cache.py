@@ -26,6 +26,7 @@ cost of a jitted call that takes the same state and changes one array (the floor
 per-request call on this machine).
 
     python scripts/bench_prefix_cache.py     # writes results/bench_prefix_cache.json
+    python scripts/bench_prefix_cache.py --smoke --out /tmp/pc.json   # tiny sizes: a check that it runs
 """
 
 from __future__ import annotations
@@ -45,15 +46,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_kv as pk
+from paged_kv.apps.progress import bar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from paged_kv.reference import ReferenceBlockManager
+from scripts.run_record import record, utc_now
 
 POOL = 100_000
 BS = 16
-
-
-def progress(i, n, label):
-    if i % max(1, n // 20) == 0 or i == n - 1:
-        print(f"\r  {label}: {i + 1}/{n}", end="" if i < n - 1 else "\n", flush=True)
 
 
 def shared_prompt_requests(n=256, system=512, unique=64, seed=0):
@@ -63,12 +64,12 @@ def shared_prompt_requests(n=256, system=512, unique=64, seed=0):
                     ).astype(np.int32)
 
 
-def one_at_a_time(prompts, repeats=3):
+def one_at_a_time(prompts, repeats=3, pool=POOL):
     """Median admission time of one request per jitted call (the median of ``repeats`` passes
     over the 256 requests, each on a fresh manager), and the same for a call that only touches
     the state (the per-call floor)."""
     n, length = prompts.shape
-    cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
+    cfg = pk.ManagerConfig(num_blocks=pool, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
     admit = jax.jit(pk.admit, static_argnums=0, donate_argnums=1)
     touch = jax.jit(lambda state, sid: (state.replace(num_tokens=state.num_tokens.at[sid].add(1)), sid),
                     donate_argnums=0)
@@ -80,7 +81,8 @@ def one_at_a_time(prompts, repeats=3):
     warm, _ = touch(warm, sids[0])
     jax.block_until_ready(warm)
     medians, floors = [], []
-    for r in range(repeats):
+    shown = bar(repeats * n, "one at a time", unit="req")
+    for _ in range(repeats):
         state = pk.init_state(cfg)
         times, hits = [], []
         for i in range(n):
@@ -92,7 +94,7 @@ def one_at_a_time(prompts, repeats=3):
             # would launch a jitted gather between admissions, and it left the next admission
             # ~15 µs slower (a cold start after another computation).
             hits.append(int(np.asarray(result.cached_tokens)[0]))
-            progress(r * n + i, repeats * n, "one at a time")
+            shown.update()
         medians.append(statistics.median(times))
         times = []
         for i in range(n):
@@ -101,6 +103,7 @@ def one_at_a_time(prompts, repeats=3):
             jax.block_until_ready(out)
             times.append(time.perf_counter() - t0)
         floors.append(statistics.median(times))
+    shown.close()
     st = state.cache.stats
     return dict(
         admit_us_median=statistics.median(medians) * 1e6,
@@ -115,17 +118,18 @@ def one_at_a_time(prompts, repeats=3):
 def one_at_a_time_in_process(sync_dispatch: bool, one_core: bool = False) -> dict:
     """``one_at_a_time`` in a fresh process: the dispatch mode and the CPUs are fixed when JAX
     starts."""
-    cmd = [sys.executable, __file__, "--one-at-a-time-only"] + (["--sync-dispatch"] if sync_dispatch else [])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one-at-a-time-only"]
+    cmd += ["--sync-dispatch"] if sync_dispatch else []
     cmd += ["--one-core"] if one_core else []
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def one_at_a_time_in_loop(prompts, repeats=3):
+def one_at_a_time_in_loop(prompts, repeats=3, pool=POOL):
     """The same 256 one-request admissions inside one jitted ``fori_loop``: the per-admission
     cost without the host dispatch of a call (how an on-device loop would admit)."""
     n, length = prompts.shape
-    cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
+    cfg = pk.ManagerConfig(num_blocks=pool, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
     toks = jnp.asarray(prompts)
 
     @jax.jit
@@ -151,9 +155,9 @@ def one_at_a_time_in_loop(prompts, repeats=3):
                 hit_tokens_rest_min=min(hits[1:]), hit_tokens_rest_max=max(hits[1:]))
 
 
-def batched(prompts, repeats=11):
+def batched(prompts, repeats=11, pool=POOL):
     n, length = prompts.shape
-    cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
+    cfg = pk.ManagerConfig(num_blocks=pool, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
     admit = jax.jit(pk.admit, static_argnums=0, donate_argnums=1)
     ids, lens, toks = jnp.arange(n, dtype=jnp.int32), jnp.full((n,), length, jnp.int32), jnp.asarray(prompts)
     times = []
@@ -175,9 +179,9 @@ def batched(prompts, repeats=11):
     )
 
 
-def reference_one_at_a_time(prompts):
+def reference_one_at_a_time(prompts, pool=POOL):
     n = prompts.shape[0]
-    cfg = pk.ManagerConfig(num_blocks=POOL, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
+    cfg = pk.ManagerConfig(num_blocks=pool, block_size=BS, max_seqs=n, max_blocks_per_seq=64)
     ref = ReferenceBlockManager(cfg)
     times = []
     for i in range(n):
@@ -205,7 +209,8 @@ def mixed(uncached_to_front, waves=40, batch=256, families=200, system_len=1024,
     free = jax.jit(pk.free, static_argnums=0, donate_argnums=1)
     state = pk.init_state(cfg)
     ids = jnp.arange(batch, dtype=jnp.int32)
-    for w in range(waves):
+    shown = bar(waves, f"{label}, uncached_to_front={uncached_to_front}", unit="wave")
+    for _ in range(waves):
         fam = rng.choice(families, size=batch, p=popularity)
         tail = rng.integers(unique[0], unique[1] + 1, size=batch)
         toks = np.zeros((batch, width), np.int32)
@@ -217,7 +222,8 @@ def mixed(uncached_to_front, waves=40, batch=256, families=200, system_len=1024,
         for _ in range(gen):
             state, r = append(cfg, state, ids, jnp.asarray(rng.integers(0, 32_000, batch), jnp.int32))
         state, _ = free(cfg, state, ids)
-        progress(w, waves, f"{label}, uncached_to_front={uncached_to_front}")
+        shown.update()
+    shown.close()
     st = state.cache.stats
     return dict(
         workload=label, uncached_to_front=uncached_to_front, pool=pool,
@@ -233,9 +239,11 @@ def mixed(uncached_to_front, waves=40, batch=256, families=200, system_len=1024,
 # blocks do not take up room in the LRU order: this is where sending them to the front matters.
 CHAT_EDGE = dict(batch=64, families=2_000, system_len=64, unique=(1, 11), gen=4, pool=3_000,
                  label="short chat turns at the pool's edge")
+# --smoke: every part at a tiny size, in this process (checks that the script runs; no figures).
+SMOKE_MIX = dict(batch=8, families=4, system_len=32, unique=(4, 8), gen=2, pool=256)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/bench_prefix_cache.json"))
     parser.add_argument("--waves", type=int, default=40)
@@ -243,8 +251,20 @@ def main() -> None:
     parser.add_argument("--one-at-a-time-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sync-dispatch", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--one-core", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="every part at a tiny size, the one-request-per-call runs in this process (a check "
+                             "that the script runs, no figures)")
+    args = parser.parse_args(argv)
+    started = utc_now()
 
+    if args.smoke:
+        prompts = shared_prompt_requests(n=4, system=32, unique=8)
+        pool = SMOKE_MIX["pool"]
+        one = one_async = one_pinned = {**one_at_a_time(prompts, 1, pool), "smoke": "in this process"}
+        loop, ref = one_at_a_time_in_loop(prompts, 1, pool), reference_one_at_a_time(prompts, pool)
+        many = batched(prompts, 1, pool)
+        mix = [mixed(front, waves=2, **SMOKE_MIX) for front in (True, False)]
+        return write(args, argv, started, one, one_async, one_pinned, loop, ref, many, mix)
     prompts = shared_prompt_requests()
     if args.one_at_a_time_only:  # a child process of the full run
         if args.one_core:  # like `taskset -c N`: before JAX creates its CPU client and threads
@@ -290,11 +310,15 @@ def main() -> None:
         where = "front (default)" if m["uncached_to_front"] else "back"
         print(f"| {m['workload']} | {m['pool']} | {where} | {m['hit_rate']:.3f} | {m['system_prompt_hit_rate']:.3f}"
               f" | {m['evictions']} |")
+    write(args, argv, started, one, one_async, one_pinned, loop, ref, many, mix)
+
+
+def write(args, argv, started, one, one_async, one_pinned, loop, ref, many, mix) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
-                pool=POOL, block_size=BS, command="python scripts/bench_prefix_cache.py")
-    args.out.write_text(json.dumps(dict(meta=meta, one_at_a_time=one, one_at_a_time_default_dispatch=one_async,
-                                        one_at_a_time_one_cpu=one_pinned,
+                pool=SMOKE_MIX["pool"] if args.smoke else POOL, block_size=BS)
+    args.out.write_text(json.dumps(dict(run=record(__file__, args, argv, started=started), meta=meta, one_at_a_time=one,
+                                        one_at_a_time_default_dispatch=one_async, one_at_a_time_one_cpu=one_pinned,
                                         one_at_a_time_in_loop=loop, batched=many,
                                         reference_one_at_a_time=ref, mixed=mix), indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -68,6 +68,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from scripts.extras import require
+from scripts.run_record import record
 
 require("bench", "tqdm", "matplotlib")
 
@@ -339,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
     long_prompt = [one_request("gemma3", settings[1][1], rng, engine_check=False,
                                prompt_len=settings[1][1] - 1024)] if not args.quick else []
     result = {
+        "run": record(__file__, args, argv),
         "meta": {
             "command": "python " + shlex.join(["scripts/bench_window_reclaim.py", *(argv or sys.argv[1:])]),
             "date": datetime.date.today().isoformat(), "jax": jax.__version__, "python": platform.python_version(),

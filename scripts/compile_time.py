@@ -12,7 +12,9 @@ Only the public API is used, so the same script measures another checkout of the
     PYTHONPATH=/tmp/base17 python scripts/compile_time.py --label before   # main's code
 
 Results are merged into `--out` (default results/compile_time.json) under the label, with the
-load average at start and end (the machine is shared: compare runs made back to back).
+load average at start and end (the machine is shared: compare runs made back to back); each
+label keeps the record of the run that wrote it (`run`), and the file says that its labels come
+from separate runs.
 `--isolate` compiles each depth in a fresh process, so no depth profits from caches the one
 before it warmed (Triton's kernels, XLA's autotuning): the figure a user's first run sees.
 
@@ -28,6 +30,7 @@ kernels (`impl="pallas"`): deviceless, on the compile-only topology of the GPU c
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -73,6 +76,11 @@ from paged_kv.models import (
     paged_decode_step,
 )
 from paged_kv.models.llama import abstract_model
+
+# This checkout's run record, by path: PYTHONPATH may point at another checkout's `scripts`.
+_spec = importlib.util.spec_from_file_location("run_record", Path(__file__).resolve().parent / "run_record.py")
+run_record = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_record)
 
 BATCH, CONTEXT, BLOCK = 8, 256, 16
 
@@ -190,6 +198,7 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", help="commit of the measured source when it is no git checkout (an archive)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "compile_time.json"))
     args = ap.parse_args(argv)
+    started = run_record.utc_now()
 
     load_start = load()
     compiles = []
@@ -219,8 +228,16 @@ def main(argv=None) -> None:
         cpu = {c["layers"]: c["total_cpu_s"] for c in compiles}
         entry["compile_cpu_32_over_4"] = cpu[32] / cpu[4]
     out = Path(args.out)
-    data = json.loads(out.read_text()) if out.exists() else {}
-    data.setdefault(args.label, {}).update({k: v for k, v in entry.items() if v != [] or k not in data[args.label]})
+    old = json.loads(out.read_text()) if out.exists() else None
+    # One label per run; a run with no depths for a part keeps that part from the label's earlier run.
+    prev = (old or {}).get(args.label, {})
+    kept = [k for k in ("compile", "step") if not entry[k] and prev.get(k)]
+    entry.update({k: prev[k] for k in kept})
+    if kept:
+        entry["from_an_earlier_run"] = {"parts": kept, "run": prev.get("run")}
+    labels = [(k,) for k in old or {}]
+    data = run_record.merge_parts(old, {args.label: entry}, [(args.label,)], labels,
+                                  run_record.record(__file__, args, argv, started=started))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {out} [{args.label}]")

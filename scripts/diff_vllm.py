@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from scripts.run_record import record
 
 BLOCK = 16  # vllm_driver.py's block size
 DEFAULT_ENV = Path(os.environ.get("VLLM_ENV", Path.home() / ".cache" / "vllm-ref-env"))
@@ -295,7 +296,7 @@ def main_groups(args) -> int:
         "identical": sum(r["equal"] for r in results), "hit_tokens": sum(r["hit_tokens"] for r in results),
         "compared": "after every op: hit tokens of an admission, every group's table of the request, the free queue",
         "seconds": round(time.perf_counter() - t0, 1), "results": results,
-        "command": "python " + " ".join(sys.argv),
+        "command": "python " + " ".join(sys.argv), "run": record(__file__, args),
     }
     return report(summary, args.out, "grouped streams")
 
@@ -342,7 +343,7 @@ def main() -> int:
         "streams": len(results), "ops_per_stream": args.ops, "usable_blocks": args.usable_blocks,
         "identical": sum(r["equal"] for r in results), "hit_tokens": sum(r["hit_tokens"] for r in results),
         "seconds": round(time.perf_counter() - t0, 1), "results": results,
-        "command": "python " + " ".join(sys.argv),
+        "command": "python " + " ".join(sys.argv), "run": record(__file__, args),
     }
     return report(summary, args.out, "streams")
 

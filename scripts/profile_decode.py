@@ -49,6 +49,7 @@ import paged_kv as pk
 from paged_kv import engine
 from paged_kv.models import LlamaConfig, allocate_pages, init_model, page_spec
 from scripts.doc_tables import BENCHMARKS, replace_block, shown_command
+from scripts.run_record import record, utc_now
 
 # The model of scripts/bench_generate.py (HF_CONFIG there).
 CONFIG = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
@@ -161,7 +162,7 @@ def update_docs(result: dict, page: Path = BENCHMARKS) -> None:
     replace_block("profile_decode", render_table(result), page)
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
@@ -172,7 +173,8 @@ def main():
     ap.add_argument("--update-docs", action="store_true",
                     help="rewrite docs/benchmarks.md's profile table from the result")
     ap.add_argument("--render-docs", action="store_true", help="only rewrite docs/benchmarks.md's table from --out")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    started = utc_now()
     if args.render_docs:
         update_docs(json.loads(Path(args.out).read_text()))
         return
@@ -242,7 +244,9 @@ def main():
     for r in prefill_rows:
         print(f"{r['part']:<56} {r['ms']:>8.1f} {100 * r['share']:>5.1f}%")
     cpus = os.cpu_count() or 1
+    run_meta = record(__file__, args, argv, started=started)
     result = {
+        "run": run_meta,
         "meta": {"batch": b, "prompt": args.prompt, "new_tokens": args.new, "block_size": bs, "decode_steps": steps,
                  "kv_dtype": args.kv_dtype,
                  "model": {"vocab_size": CONFIG.vocab_size, "hidden_size": CONFIG.hidden_size,
@@ -251,7 +255,7 @@ def main():
                  "jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": cpus,
                  "load_average_before": load_before, "load_average_after": load_after,
                  "contended": max(load_before, load_after) > 0.5 * cpus,
-                 "command": " ".join(["python", "scripts/profile_decode.py", *sys.argv[1:]])},
+                 "command": run_meta["command"]},
         "decode_step_ms": round(step_ms, 4), "call_s_traced": traced_s, "call_s_untraced": untraced_s,
         "parts": rows, "prefill_ms": round(prefill_ms, 2), "prefill_parts": prefill_rows,
         "heaviest_instructions": [{"part": p, "hlo_op": op, "ms_per_step": round(us / steps / 1e3, 4)}

@@ -71,11 +71,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import platform
-import shlex
 import shutil
 import sys
 import tempfile
@@ -89,6 +87,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from scripts.extras import require
+from scripts.run_record import record, utc_now
 
 require("bench", "tqdm", "matplotlib")
 
@@ -314,6 +313,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    started = utc_now()
     if args.jax_cache:
         jax.config.update("jax_compilation_cache_dir", args.jax_cache)
     t_start = time.perf_counter()
@@ -414,10 +414,11 @@ def main(argv=None):
     bar.close()
     elapsed = time.perf_counter() - t_start
 
+    run = record(__file__, args, argv, started=started)
     meta = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv]),
-        "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
-        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+        "command": run["command"],
+        "args": run["options"],
+        "date_utc": run["ended"],
         "jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "elapsed_s": round(elapsed, 1),
         "token_rule": "tokens = ceil(UTF-8 bytes / 4) (approximates a BPE tokenizer); prompt token ids = the "
@@ -449,7 +450,7 @@ def main(argv=None):
                             "PagedAttention, SOSP 2023, section 6.3 (OPT-13B)",
                   "ranges_pct": {f"{t}/{m}": v for (t, m), v in PAPER.items()}},
     }
-    result = {"meta": meta, "rows": rows_out}
+    result = {"run": run, "meta": meta, "rows": rows_out}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

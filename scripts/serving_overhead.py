@@ -15,13 +15,15 @@ device call (``--decode-steps``, ``ServingConfig.decode_steps``; the CLI's defau
 
     python scripts/serving_overhead.py                      # writes results/serving_overhead.json
 
-It times the step from outside. Per step:
+Per device call (a step, or a burst of decode steps), the means of ``ServingEngine.stats()``'s
+host-time split (``EngineStats``: docs/usage.md, "Where the time goes"):
 
-* ``device_ms``: the jitted step's call until its outputs are ready (dispatch + compute), by
-  wrapping the module's jitted step function;
-* ``host_ms``: the rest of ``ServingEngine.step`` (admission policy, building inputs, copying the
-  outputs back, processing them, statistics); ``inputs_ms`` and ``process_ms`` split out two parts
-  of it.
+* ``device_ms_mean``: the jitted step's call until its outputs are on the host (dispatch, compute,
+  the copy back);
+* ``host_ms_mean``: the host's parts of the step, split into ``schedule_ms_mean`` (admission and
+  the burst decision), ``inputs_ms_mean`` (building the inputs) and ``process_ms_mean``
+  (processing the outputs); ``step_ms_median``: the median wall time of a step, from ``run``'s
+  ``on_step`` callback.
 
 Compile is excluded: a first engine runs the workload once (it compiles every program, cached by
 jit for any engine of the same shapes), a second engine is timed. ``generate`` is timed on its
@@ -29,6 +31,7 @@ second call. The load average is recorded: numbers from a loaded machine say so.
 
     python scripts/serving_overhead.py --chunk-size 64 --prefill-rows 8 --decode-steps 1 --out /tmp/c64.json
     python scripts/serving_overhead.py --ab-decode-steps 1 8 --repeats 7 --out /tmp/bursts.json
+    python scripts/serving_overhead.py --rows 2 --repeats 1 --out /tmp/smoke.json    # a check that it runs
 """
 
 from __future__ import annotations
@@ -41,7 +44,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts.run_record import record, table, utc_now
+
 PROMPT, NEW = 16, 32
 
 
@@ -52,91 +61,33 @@ def workload(r: int):
 
 def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_steps: int = 1,
                   requests: int | None = None) -> dict:
-    import jax
-
     import paged_kv as pk
-    from paged_kv.engine import serving
-    from paged_kv.engine.sampling import SamplingParams
+    from paged_kv.engine import Request, SamplingParams, ServingConfig, ServingEngine
 
-    try:  # after the split the step lives in serving_step and the inputs are built by a function
-        from paged_kv.engine import scheduler as sched_mod, serving_step as step_mod
-        jit_owner = step_mod  # the engine calls the packed step where there is one
-        jit_name = "packed_step_jit" if hasattr(step_mod, "packed_step_jit") else "step_jit"
-    except ImportError:
-        sched_mod, jit_owner, jit_name = None, serving, "_step_jit"
     blocks = r * -(-(PROMPT + NEW) // 16) + 1
     mgr = pk.ManagerConfig(num_blocks=blocks, block_size=16, max_seqs=r, max_blocks_per_seq=8)
-    extra = {"decode_steps": decode_steps} if decode_steps > 1 else {}  # older trees lack the field
-    cfg = serving.ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(rows, r), **extra)
-    reqs = [serving.Request(p, SamplingParams(max_new_tokens=NEW)) for p in workload(requests or r)]
+    cfg = ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(rows, r), decode_steps=decode_steps)
+    reqs = [Request(p, SamplingParams(max_new_tokens=NEW)) for p in workload(requests or r)]
+    list(ServingEngine(model, cfg).run(reqs))  # compiles every program (jit's cache serves the next engine)
 
-    def run(engine):
-        return list(engine.run(reqs))
-
-    run(serving.ServingEngine(model, cfg))  # compiles every program
-    original = getattr(jit_owner, jit_name)
-
-    def measure() -> dict:  # one run (a function, so each run's closures see its own lists)
-        device = []
-
-        def timed_step(*args, **kw):
-            t = time.perf_counter()
-            out = original(*args, **kw)
-            jax.block_until_ready(out)
-            device.append(time.perf_counter() - t)
-            return out
-
-        engine = serving.ServingEngine(model, cfg)
-        parts = {"inputs": [], "process": []}
-
-        def wrap(fn, key):
-            def inner(*a, **kw):
-                t = time.perf_counter()
-                res = fn(*a, **kw)
-                parts[key].append(time.perf_counter() - t)
-                return res
-            return inner
-
-        engine._process = wrap(engine._process, "process")
-        if sched_mod is not None:
-            orig_build = sched_mod.build_inputs
-            sched_mod.build_inputs = wrap(orig_build, "inputs")
-        else:
-            engine._inputs = wrap(engine._inputs, "inputs")
-        setattr(jit_owner, jit_name, timed_step)
-        steps = []  # (wall, device, inputs, process) per step that ran the model
-        orig_step = engine.step
-
-        def step(*a, **kw):
-            n0, i0, p0 = len(device), len(parts["inputs"]), len(parts["process"])
-            t = time.perf_counter()
-            res = orig_step(*a, **kw)
-            wall = time.perf_counter() - t
-            if len(device) > n0:
-                steps.append((wall, sum(device[n0:]), sum(parts["inputs"][i0:]), sum(parts["process"][p0:])))
-            return res
-
-        engine.step = step
-        try:
-            t0 = time.perf_counter()
-            outs = run(engine)
-            wall = time.perf_counter() - t0
-        finally:
-            setattr(jit_owner, jit_name, original)
-            if sched_mod is not None:
-                sched_mod.build_inputs = orig_build
+    def measure() -> dict:
+        engine = ServingEngine(model, cfg)
+        ends = []  # the clock after each step (``on_step``): the steps' wall times
+        t0 = time.perf_counter()
+        outs = list(engine.run(reqs, on_step=lambda _: ends.append(time.perf_counter())))
+        wall = time.perf_counter() - t0
         tokens = sum(len(t) for o in outs for t in o.tokens)
-        st = engine.stats()
-        med = lambda i: 1000 * statistics.median(x[i] for x in steps)
-        mean = lambda i: 1000 * statistics.fmean(x[i] for x in steps)
+        st = engine.stats()  # the host-time split: EngineStats' schedule_s, inputs_s, device_s, process_s
+        calls = max(st.device_calls, 1)
+        ms = lambda seconds: 1000 * seconds / calls
+        host = st.schedule_s + st.inputs_s + st.process_s
         return {
             "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": st.steps,
-            "step_ms_median": med(0), "device_ms_median": 1000 * statistics.median(x[1] for x in steps),
-            "host_ms_median": 1000 * statistics.median(x[0] - x[1] for x in steps),
-            "step_ms_mean": mean(0), "device_ms_mean": mean(1),
-            "host_ms_mean": 1000 * statistics.fmean(x[0] - x[1] for x in steps),
-            "inputs_ms_mean": mean(2), "process_ms_mean": mean(3),
-            "host_fraction_of_step": sum(x[0] - x[1] for x in steps) / sum(x[0] for x in steps),
+            "device_calls": st.device_calls,
+            "step_ms_median": 1000 * statistics.median(np.diff([t0, *ends])),
+            "step_ms_mean": ms(st.step_s), "device_ms_mean": ms(st.device_s), "host_ms_mean": ms(host),
+            "schedule_ms_mean": ms(st.schedule_s), "inputs_ms_mean": ms(st.inputs_s),
+            "process_ms_mean": ms(st.process_s), "host_fraction_of_step": host / st.step_s if st.step_s else None,
             "compile_s_in_run": st.compile_s,
             "outputs": [o.tokens[0] for o in outs],
         }
@@ -173,7 +124,7 @@ def timed_generate(model, r: int, repeats: int, requests: int | None = None) -> 
     return {"wall_s": best, "tokens": tokens, "tokens_per_s": tokens / best, "outputs": outs}
 
 
-def ab_decode_steps(model, args) -> None:
+def ab_decode_steps(model, args, argv: list[str] | None, started: str) -> None:
     """Serving at two ``decode_steps`` and ``generate``, one timed run each per round, alternated
     in one process; medians of the per-round ratios (the machine's speed drifts between rounds)."""
     import jax
@@ -198,7 +149,8 @@ def ab_decode_steps(model, args) -> None:
         print(f"R={r}: K={k1} {rows[str(r)][f'k{k1}_to_generate']:.2f}x generate, K={k2} "
               f"{rows[str(r)][f'k{k2}_to_generate']:.2f}x, K={k2} / K={k1} {rows[str(r)][f'k{k2}_to_k{k1}']:.2f} "
               f"(medians of {args.repeats} rounds); load {load[0]:.1f}", flush=True)
-    result = {"label": args.label, "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
+    result = {"run": record(__file__, args, argv, started=started), "label": args.label, "jax": jax.__version__,
+              "backend": jax.default_backend(), "cpus": os.cpu_count(),
               "workload": {"prompt_tokens": PROMPT, "new_tokens": NEW, "greedy": True, "arrivals": "all at step 0",
                            "chunk_size": args.chunk_size, "max_prefill_rows": f"min({args.prefill_rows}, R)",
                            "requests": args.requests or "R"},
@@ -208,7 +160,7 @@ def ab_decode_steps(model, args) -> None:
     print(f"wrote {args.out}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--repeats", type=int, default=5, help="rounds (one timed serving and generate run each)")
@@ -224,7 +176,8 @@ def main() -> None:
                          "rows; generate then runs them all in one batch)")
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--out", default=str(ROOT / "results" / "serving_overhead.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    started = utc_now()
     import jax
 
     import paged_kv
@@ -233,7 +186,7 @@ def main() -> None:
     model = load_hf_checkpoint(ROOT / "checkpoints" / "tiny-llama")
     rows = {}
     if args.ab_decode_steps:
-        return ab_decode_steps(model, args)
+        return ab_decode_steps(model, args, argv, started)
     for r in args.rows:
         load = os.getloadavg()
         # Serving and generate alternate, one timed run each per round, so that both see the same
@@ -255,19 +208,24 @@ def main() -> None:
                         "same_greedy_tokens": same,
                         "loadavg_before": [round(x, 2) for x in load],
                         "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
-        print(f"R={r}: serving {s['tokens_per_s']:.0f} tok/s (step {s['step_ms_median']:.2f} ms median: device "
-              f"{s['device_ms_median']:.2f}, host {s['host_ms_median']:.2f}; inputs {s['inputs_ms_mean']:.2f}, "
-              f"process {s['process_ms_mean']:.2f} ms mean), generate {g['tokens_per_s']:.0f} tok/s: ratio "
-              f"{rows[str(r)]['ratio_serving_to_generate']:.2f} (median of {len(ratios)} rounds, "
+        print(f"R={r}: ratio {rows[str(r)]['ratio_serving_to_generate']:.2f} (median of {len(ratios)} rounds, "
               f"{min(ratios):.2f}-{max(ratios):.2f}), same tokens: {same}; load {load[0]:.1f}", flush=True)
-    result = {"label": args.label, "code": str(Path(paged_kv.__file__).resolve().parent.parent),
+    result = {"run": record(__file__, args, argv, started=started), "label": args.label,
+              "code": str(Path(paged_kv.__file__).resolve().parent.parent),
               "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
               "workload": {"prompt_tokens": PROMPT, "new_tokens": NEW, "greedy": True, "arrivals": "all at step 0",
                            "chunk_size": args.chunk_size, "max_prefill_rows": f"min({args.prefill_rows}, R)",
-                           "decode_steps": args.decode_steps, "record_tables": True},
+                           "decode_steps": args.decode_steps},
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(table(["R", "serving tok/s", "generate tok/s", "ratio", "step ms (median)", "device ms", "schedule ms",
+                 "inputs ms", "process ms"],
+                [[r, x["serving"]["tokens_per_s"], x["generate"]["tokens_per_s"], x["ratio_serving_to_generate"],
+                  x["serving"]["step_ms_median"], *(x["serving"][f"{k}_ms_mean"] for k in
+                                                    ("device", "schedule", "inputs", "process"))]
+                 for r, x in rows.items()]))
+    print("(ms: per device call, the means of ServingEngine.stats()'s split; ratio: median of the rounds')")
     print(f"wrote {args.out}")
 
 

@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from paged_kv.models import LlamaConfig, abstract_model, llama31_8b, page_spec, sharding
 from paged_kv.models.hf_io import read_hf_config
 from paged_kv.models.paged import PagedBatch, paged_decode_step
+from scripts.run_record import record, utc_now
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<shape>\(?[^=]*?\)?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -132,6 +133,7 @@ def main(argv=None):
     ap.add_argument("--out", default="results/sharding_report.json")
     ap.add_argument("--skip-8b", action="store_true", help="only the built-in tiny model")
     args = ap.parse_args(argv)
+    started = utc_now()
     if jax.device_count() < 4:
         raise SystemExit(f"need 4 devices, have {jax.device_count()} (XLA_FLAGS={os.environ.get('XLA_FLAGS')})")
 
@@ -158,10 +160,11 @@ def main(argv=None):
             print(f"llama-3.1-8b bf16 {gb:3d} GB tp={tp}: weights/dev {c.weight_bytes / 1e9:6.2f} GB, "
                   f"KV {c.kv_bytes_per_token // 1024} KiB/token/dev, {c.num_blocks:7d} blocks, {c.tokens:9d} tokens",
                   flush=True)
-    note = ("decode step of batch B=8 (one token per sequence), compiled for simulated CPU devices; collective "
-            "bytes are result sizes per step; on the CPU bfloat16 matmuls run in float32, so their all-reduces "
-            "carry float32 (2x the bfloat16 expectation)")
-    out = {"note": note, "jax": jax.__version__, "backend": jax.default_backend(), "devices": jax.device_count(),
+    note = (f"decode step of batch B={args.batch} (one token per sequence), compiled for simulated CPU devices; "
+            "collective bytes are result sizes per step; on the CPU bfloat16 matmuls run in float32, so their "
+            "all-reduces carry float32 (2x the bfloat16 expectation)")
+    out = {"run": record(__file__, args, argv, started=started), "note": note, "jax": jax.__version__,
+           "backend": jax.default_backend(), "devices": jax.device_count(),
            "memory_fraction": 0.9, "decode_step": rows, "kv_capacity": capacity}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:

@@ -43,6 +43,10 @@ from flax import nnx
 from paged_kv.models import LlamaConfig, greedy_generate_contiguous, init_model, save_hf_checkpoint
 from paged_kv.models.tokenizer import ByteTokenizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.run_record import record, utc_now
+
 if TYPE_CHECKING:  # annotations only: optax is imported (by _optax) only to train
     import optax
 
@@ -282,7 +286,8 @@ def _bar(frac: float, width: int = 24) -> str:
     return "[" + "#" * n + "." * (width - n) + "]"
 
 
-def train(args) -> dict:
+def train(args, argv: list[str] | None = None) -> dict:
+    started = utc_now()
     tokenizer = ByteTokenizer()
     config = model_config(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
                           args.max_positions, tokenizer)
@@ -354,6 +359,7 @@ def train(args) -> dict:
         print(f"  {p!r} -> {c!r}")
 
     result = {
+        "run": record(__file__, args, argv, started=started),
         "script": "scripts/train_tiny_llama.py",
         "args": vars(args),
         "config": config.to_hf_config(),
@@ -408,7 +414,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cpus)", flush=True)
-    train(args)
+    train(args, argv)
 
 
 if __name__ == "__main__":

@@ -67,3 +67,22 @@ def test_uneven_steps_are_not_steady():
     for t in (0.0, 0.1, 0.5, 0.6, 1.5, 1.6):
         r.observe(t)
     assert not r.steady
+
+
+def test_bar_shows_an_eta_once_items_come_steadily():
+    from paged_kv.apps.progress import BAR_STEADY, BAR_WARMING, bar
+
+    out, clock = io.StringIO(), Clock()
+    b = bar(10, "measuring", out=out, window=3, clock=clock)
+    clock.t += 30.0  # the first item compiles
+    b.update()
+    for _ in range(2):
+        clock.t += 1.0
+        b.update()
+    assert b.bar_format == BAR_WARMING  # 3 gaps needed, the first one an outlier
+    for _ in range(3):
+        clock.t += 1.0
+        b.update()
+    assert b.bar_format == BAR_STEADY and b.n == 6
+    b.close()
+    assert "measuring" in out.getvalue()

@@ -6,6 +6,8 @@
   long compile never looks like a hang.
 * ``SteadyRate``: whether steps run at a steady rate yet, so the serving bar shows an ETA only
   then (an ETA from the first steps, or from a compile, is noise: "34:34" that means nothing).
+* ``bar``: a tqdm bar for a long loop (the benchmarks' measurements) with that rule: no ETA until
+  the items come at a steady rate; nothing when tqdm is not installed (it is the ``cli`` extra).
 
 Both take the clock and the stream as arguments, so they are tested without compiling anything.
 """
@@ -16,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Protocol, TextIO
 
 
 class CompileProgress:
@@ -113,4 +115,48 @@ class SteadyRate:
 BAR_WARMING = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 BAR_STEADY = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
-__all__ = ["BAR_STEADY", "BAR_WARMING", "CompileProgress", "SteadyRate"]
+
+class ProgressBar(Protocol):
+    """What ``bar`` returns (a tqdm bar, or nothing shown)."""
+
+    def update(self, n: int = 1) -> object: ...
+
+    def set_postfix_str(self, s: str) -> object: ...
+
+    def close(self) -> None: ...
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def bar(total: int, desc: str, *, unit: str = "it", out: TextIO | None = None, window: int = 3,
+        clock: Callable[[], float] = time.perf_counter) -> ProgressBar:
+    """A progress bar over ``total`` items on ``out`` (default ``sys.stderr``): ``update(n)``,
+    ``set_postfix_str(s)``, ``close()``. Its ETA appears once ``window`` items came at a steady
+    rate (``SteadyRate``); without tqdm it shows nothing."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    rate = SteadyRate(window=window)
+    rate.observe(clock())  # the start: the first item's time (often a compile) is a gap too
+
+    class _Bar(tqdm):
+        def update(self, n: int = 1):
+            if rate.observe(clock()) and self.bar_format == BAR_WARMING:
+                self.bar_format = BAR_STEADY
+            return super().update(n)
+
+    return _Bar(total=total, desc=desc, unit=unit, file=out if out is not None else sys.stderr,
+                dynamic_ncols=True, bar_format=BAR_WARMING)
+
+
+__all__ = ["BAR_STEADY", "BAR_WARMING", "CompileProgress", "ProgressBar", "SteadyRate", "bar"]

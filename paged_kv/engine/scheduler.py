@@ -327,14 +327,20 @@ class Scheduler:
             self._refresh_cache_stats()
             return self._drain(t0)
         burst = self._burst_length(max_steps)
+        t_inputs = time.perf_counter()
         inp, pf = build_inputs(cfg, self._take_frees(), self.host.select, self.host.pending, self.host.cohort,
                                self.host.running.values(), burst.steps, burst.stop_on_finish)
         self.host.select = []
         prefill_rows = cfg.max_prefill_rows if pf else 0
         t1 = time.perf_counter()
         outs = self.device.step(inp, prefill_rows)
+        t_process = time.perf_counter()
         self._note_compile(("step", prefill_rows), t1)
         st = self.host.stats
+        st.device_calls += 1
+        st.schedule_s += t_inputs - t0
+        st.inputs_s += t1 - t_inputs
+        st.device_s += t_process - t1
         for i, out in enumerate(outs if isinstance(outs, list) else [outs]):
             self.step_count += 1
             st.steps += 1
@@ -346,6 +352,7 @@ class Scheduler:
             if cfg.record_tables:
                 self.snapshot = F.record_sharing(st, self.snapshot, self.host.running.values(),
                                                  self.host.row_owner, out, self.manager.block_size, self.step_count)
+        st.process_s += time.perf_counter() - t_process
         return self._drain(t0)
 
     def _burst_length(self, max_steps: int | None) -> Burst:

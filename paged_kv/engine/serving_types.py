@@ -269,6 +269,15 @@ class EngineStats:
     beam_blocks_unshared: int = 0
     peak_sampling_saved: int = 0
     peak_beam_saved: int = 0
+    # Where the steps' time goes, in seconds summed over the steps that called the model (each
+    # part timed on the host around work the step does anyway: no device sync is added). Their
+    # sum is ``step_s`` less the bookkeeping between them; the first call of each shape compiles,
+    # so ``device_s`` includes ``compile_s`` less ``compile_ahead_s``' share.
+    device_calls: int = 0  # calls of the jitted step (a burst of decode steps is one call)
+    schedule_s: float = 0.0  # admission (its ``admit`` call included) and the burst decision
+    inputs_s: float = 0.0  # building the step's inputs (``serving_step.build_inputs``)
+    device_s: float = 0.0  # the step call until its outputs are on the host: dispatch, compute, copy back
+    process_s: float = 0.0  # processing each step's outputs: tokens, finishing, preemption, statistics
 
     @property
     def tokens_per_s(self) -> float:
