@@ -165,7 +165,8 @@ def by_width(config: ManagerConfig, needed: jax.Array, fn: Callable[..., T], *op
     return per_platform(config.target, *operands, cpu=bucketed, default=functools.partial(fn, m))
 
 
-def check_lengths(config, state, seq_ids, prompt_lens, max_len):
+def check_lengths(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, prompt_lens: jax.Array,
+                  max_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``check_rows`` for free rows to start, then ``BAD_LENGTH`` for a prompt length outside
     ``[1, min(max_tokens_per_seq, max_len)]``. Returns ``(status, sid, lens)``: int32 ``[B]``
     each (``lens`` the lengths as int32)."""

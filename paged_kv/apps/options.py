@@ -13,10 +13,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from paged_kv.apps.workload import short
 from paged_kv.checkpoints import BUILTIN as BUILTIN_CHECKPOINT
+
+if TYPE_CHECKING:  # the engine loads on first use: `--help` imports no JAX
+    from paged_kv.engine import BeamParams, SamplingParams
 
 DEFAULT_OUT_DIR = "paged-kv-out"
 """Where the main job writes its files unless told otherwise (relative to the current directory)."""
@@ -203,7 +208,7 @@ def output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
             Path(args.json) if args.json else out / JSON_NAME)
 
 
-def checkpoint_dir(args) -> Path:
+def checkpoint_dir(args: argparse.Namespace) -> Path:
     """The checkpoint directory, checked before anything is loaded (``ValueError`` otherwise)."""
     if args.checkpoint is None:
         if not BUILTIN_CHECKPOINT.is_dir():
@@ -221,7 +226,7 @@ def checkpoint_dir(args) -> Path:
     raise ValueError(f"checkpoint directory {str(ckpt)!r} does not exist")
 
 
-def read_prompts(args) -> list[str] | None:
+def read_prompts(args: argparse.Namespace) -> list[str] | None:
     """The ``--prompt`` texts, then the lines of ``--prompts-file``; None when neither is given."""
     if args.prompt is None and args.prompts_file is None:
         return None
@@ -237,7 +242,7 @@ def read_prompts(args) -> list[str] | None:
     return texts
 
 
-def sampling_params(args, eos_ids=()):
+def sampling_params(args: argparse.Namespace, eos_ids: tuple[int, ...] | None = ()) -> SamplingParams | BeamParams:
     """The ``SamplingParams`` or ``BeamParams`` of ``--n``, ``--beam-width``, ``--temperature``,
     ``--top-p``, ``--top-k`` and ``--max-new-tokens`` (``ValueError`` for a bad combination)."""
     from paged_kv.engine import BeamParams, SamplingParams
@@ -254,7 +259,7 @@ def sampling_params(args, eos_ids=()):
                           top_p=args.top_p, n=args.n, eos_token_ids=eos_ids)
 
 
-def sequence_context(args, config) -> tuple[int, str]:
+def sequence_context(args: argparse.Namespace, config: Any) -> tuple[int, str]:
     """(tokens a sequence holds, what sets it): ``--max-seq-len`` rounded up to whole blocks, capped
     by the model's context (``max_position_embeddings``) first."""
     per_seq = -(-args.max_seq_len // args.block_size) * args.block_size  # whole blocks
@@ -311,7 +316,8 @@ def _check_widths(args) -> None:
                              f"(raise --max-seqs to {w} or more, or lower {opt})")
 
 
-def check_prompts(args, prompts, block_size: int, context: int, limit: str) -> list[str]:
+def check_prompts(args: argparse.Namespace, prompts: Sequence[tuple[str, list[int]]],
+                  block_size: int, context: int, limit: str) -> list[str]:
     """Your prompts against the pool and the sequence length, in the command line's terms
     (``UsageError`` naming the option), before anything loads; returns notes for answers that
     ``--max-seq-len`` will cut short. ``context``: tokens a sequence can hold; ``limit``: what
@@ -405,7 +411,7 @@ def _check_output_paths(args) -> None:
                                   "to replace that run's files, or choose another --out-dir")
 
 
-def check_options(args) -> None:
+def check_options(args: argparse.Namespace) -> None:
     """Every check of the options alone, before anything is loaded: ``UsageError`` (exit 2) naming
     the option. The checks that need the checkpoint (its context, heads and chat template) and the
     backend (``--impl pallas``, ``--batch-invariant``'s block size) follow in ``paged_kv.apps.cli``, still

@@ -9,13 +9,24 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
 
 from paged_kv.apps.interrupt import phase
 from paged_kv.apps.options import read_prompts, sampling_params
 from paged_kv.apps.workload import short, shown_tokens
 
+if TYPE_CHECKING:  # the engine and models load on first use: `--help` imports no JAX
+    import argparse
 
-def user_prompts(args, tok, timing: dict) -> list[tuple[str, list[int]]] | None:
+    from paged_kv.engine.serving import Request, ServingEngine
+    from paged_kv.engine.serving_types import RequestOutput, TokenDelta
+    from paged_kv.models.hf_tokenizer import HFTokenizer
+    from paged_kv.models.tokenizer import ByteTokenizer
+
+    Tokenizer = HFTokenizer | ByteTokenizer
+
+
+def user_prompts(args: argparse.Namespace, tok: Tokenizer, timing: dict) -> list[tuple[str, list[int]]] | None:
     """(text, token ids) per prompt: with ``--chat`` the text rendered through the chat template
     and encoded without added special tokens (the template carries them), as transformers'
     ``apply_chat_template`` does; else encoded with the checkpoint's special tokens. ``timing``
@@ -57,7 +68,8 @@ def prompt_seed(run_seed: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") % SEED_LIMIT
 
 
-def prompt_requests(args, prompts, eos_ids):
+def prompt_requests(args: argparse.Namespace, prompts: Sequence[tuple[str, list[int]]],
+                    eos_ids: tuple[int, ...] | None) -> list[Request]:
     """Your prompts as requests ``0 .. len - 1``, each seeded by ``prompt_seed``."""
     from paged_kv.engine.serving import Request
 
@@ -83,7 +95,8 @@ class StreamPrinter:
     Each answer is decoded incrementally (``paged_kv.models.hf_tokenizer.stream_decoder``), so a character
     split over several tokens prints once, whole; EOS and special tokens print nothing."""
 
-    def __init__(self, tok, requests, prompts, out=None):
+    def __init__(self, tok: Tokenizer, requests: Sequence[Request], prompts: Sequence[tuple[str, list[int]]],
+                 out: TextIO | None = None):
         from paged_kv.models.hf_tokenizer import stream_decoder
 
         self.out = out or sys.stdout
@@ -118,7 +131,7 @@ class StreamPrinter:
                 u = self.units[self.cur]
                 self._write(self.titles[u] + " " + "".join(self.held.pop(u)))
 
-    def on_token(self, delta) -> None:
+    def on_token(self, delta: TokenDelta) -> None:
         u = (delta.request_id, delta.index)
         if u not in self.decoders or self.cur >= len(self.units):
             return  # a beam hypothesis past the best (printed with the summary), or the stream ended
@@ -137,7 +150,7 @@ class StreamPrinter:
             self.decode_s += time.perf_counter() - t0
             self._finish(u, f"{rest} [{delta.finish_reason}]")
 
-    def on_output(self, out) -> None:
+    def on_output(self, out: RequestOutput) -> None:
         """A finished (or rejected) request: all its answers are complete."""
         for u in self.units:
             if u[0] == out.request_id and u not in self.done:
@@ -158,7 +171,8 @@ class StreamPrinter:
         self._advance()
 
 
-def stream_prompts(engine, reqs, tok, prompts, prep: dict, outputs: list) -> dict:
+def stream_prompts(engine: ServingEngine, reqs: Sequence[Request], tok: Tokenizer,
+                   prompts: Sequence[tuple[str, list[int]]], prep: dict, outputs: list) -> dict:
     """Serve ``reqs`` (made from ``prompts``; ``prep``: their encode and chat-render seconds)
     streaming their text; appends each output to ``outputs`` as it finishes; returns the
     tokenizer timing for the report."""
@@ -185,7 +199,8 @@ def stream_prompts(engine, reqs, tok, prompts, prep: dict, outputs: list) -> dic
     }
 
 
-def answers(outputs, prompts, tok, as_text: bool) -> list[dict]:
+def answers(outputs: Sequence[RequestOutput], prompts: Sequence[tuple[str, list[int]]], tok: Tokenizer,
+            as_text: bool) -> list[dict]:
     """The report's record of your prompts, in prompt order (those in ``outputs``): per prompt its
     text, token count and seed, and per answer what ``report.answer_entries`` records (token ids,
     log-probabilities or a beam's score, why it ended) and the text (up to the first EOS; None
@@ -206,7 +221,7 @@ def answers(outputs, prompts, tok, as_text: bool) -> list[dict]:
     return out
 
 
-def print_beams(outputs, tok, count: int, *, as_text: bool = True) -> None:
+def print_beams(outputs: Sequence[RequestOutput], tok: Tokenizer, count: int, *, as_text: bool = True) -> None:
     """After streaming: every hypothesis of the beam requests with its score (the answers of the
     sampled ones were streamed)."""
     for o in sorted(outputs, key=lambda o: o.request_id):  # prompt order (they finish in any order)

@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING
 from paged_kv.apps.interrupt import phase
 
 if TYPE_CHECKING:  # the engine and models load on first use: `--help` imports no JAX
-    from paged_kv.engine.serving import Request
+    import argparse
+
+    from paged_kv.engine.serving import Request, ServingEngine
+    from paged_kv.engine.serving_types import RequestOutput
     from paged_kv.models.hf_tokenizer import HFTokenizer
     from paged_kv.models.tokenizer import ByteTokenizer
 
@@ -66,7 +69,7 @@ def short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def workload_notes(reqs, prompts, context: int, limit: str) -> list[str]:
+def workload_notes(reqs: Sequence[Request], prompts: Sequence | None, context: int, limit: str) -> list[str]:
     """The built-in workload's requests that cannot run (said before compiling; they are still
     submitted, and rejected with the engine's reason). ``context``: tokens a sequence holds;
     ``limit``: what sets it (``sequence_context``)."""
@@ -107,7 +110,8 @@ def _pick_outputs(outputs, count: int):
     return picked[:count]
 
 
-def shown_tokens(tokenizer, ids, limit: int, *, as_text: bool = True) -> str:
+def shown_tokens(tokenizer: HFTokenizer | ByteTokenizer | None, ids: Sequence[int], limit: int, *,
+                 as_text: bool = True) -> str:
     """Text of ``ids`` (quoted) when ``tokenizer`` can decode them, else the token ids themselves
     (a model whose vocabulary is not byte-level generates ids the byte tokenizer has no text for)."""
     ids = [int(t) for t in ids]
@@ -123,7 +127,8 @@ def shown_tokens(tokenizer, ids, limit: int, *, as_text: bool = True) -> str:
     return f"token ids [{text if len(text) <= limit else text[: limit - 3] + '...'}]"
 
 
-def print_outputs(outputs, tokenizer, count: int, *, as_text: bool = True) -> None:
+def print_outputs(outputs: Sequence[RequestOutput], tokenizer: HFTokenizer | ByteTokenizer | None, count: int, *,
+                  as_text: bool = True) -> None:
     """A few answers; ``as_text=False`` (or ids the tokenizer cannot decode): token ids."""
     for o in _pick_outputs(outputs, count):
         prompt = shown_tokens(tokenizer, o.request.prompt, 60)
@@ -135,7 +140,7 @@ def print_outputs(outputs, tokenizer, count: int, *, as_text: bool = True) -> No
             print(f"    {tag}: {text}")
 
 
-def serve_workload(engine, reqs, args, outputs: list) -> None:
+def serve_workload(engine: ServingEngine, reqs: Sequence[Request], args: argparse.Namespace, outputs: list) -> None:
     """Serves the workload with a progress bar (and, with ``--verbose``, a line per finished
     request); appends each output to ``outputs`` as it finishes."""
     from tqdm import tqdm
