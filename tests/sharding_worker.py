@@ -3,7 +3,9 @@ configured before JAX starts (so never in the pytest process, whose other tests 
 
   python tests/sharding_worker.py four CKPT            4 devices in one process
   python tests/sharding_worker.py multi CKPT ID PORT   process ID of 2 (2 devices each) on 127.0.0.1:PORT
-  python tests/sharding_worker.py invariant CKPT       2 devices: batch-invariant mode, tp=1 vs tp=2
+  python tests/sharding_worker.py invariant CKPT       2 devices: batch-invariant mode, tp=1 vs tp=2; then, in
+                                                       the same process, the serving engine's pressured workload
+                                                       (tests/test_serving.py) on the built-in checkpoint, tp=1 vs tp=2
   python tests/sharding_worker.py quant CKPT           2 devices: int8 KV pages, tp=1 vs tp=2; then, in the
                                                        same process, a protocol model's attend options at tp=2
 
@@ -190,6 +192,24 @@ def invariant(ckpt: str) -> dict:
     return res
 
 
+def serving() -> dict:
+    """`ServingEngine` on the built-in checkpoint with tests/test_serving.py's config and its
+    pressured workload (every request at once: repeated preemption), on one device and on a tp=2
+    mesh (KV heads sharded, the manager's state replicated): each run's tokens per request and
+    preemptions, the device count and the tp=2 pages' sharding."""
+    from paged_kv.engine.serving import ServingEngine
+    from paged_kv.models import load_hf_checkpoint, sharding
+    from tests.test_serving import CFG, _workload
+    model = load_hf_checkpoint(TINY_LLAMA)
+    res = {"devices": len(jax.devices())}
+    for name, mesh in (("tp1", None), ("tp2", sharding.make_mesh(2))):
+        eng = ServingEngine(model, CFG, mesh=mesh)
+        res[name] = {"tokens": {str(o.request_id): o.tokens for o in eng.run(_workload(0))},
+                     "preemptions": eng.stats().preemptions}
+    res["spec"] = str(eng.pages.sharding.spec)  # (tp=2's)
+    return res
+
+
 def quant(ckpt: str) -> dict:
     """int8 KV pages (`QuantPages`) on one device and over a tp=2 mesh: greedy with n=2 (forked
     prompt blocks, copy-on-write of values and scales) and beam search (`run_engine`), plus the
@@ -227,7 +247,8 @@ def protocol_model() -> dict:
 
 if __name__ == "__main__":
     if MODE == "invariant":
-        result = invariant(sys.argv[2])
+        # Two devices too: the serving engine's mesh run shares this process (one JAX start fewer).
+        result = dict(invariant(sys.argv[2]), serving=serving())
     elif MODE == "quant":
         # Two devices too: the protocol model's mesh run shares this process (one JAX start fewer).
         result = dict(quant(sys.argv[2]), protocol=protocol_model())

@@ -28,8 +28,8 @@ OPTIONS = ["--checkpoint", "--requests", "--max-new-tokens", "--arrival-gap", "-
 _CACHE_HOME = tempfile.mkdtemp(prefix="paged-kv-test-cache-")
 
 
-def _run(*args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "XDG_CACHE_HOME": _CACHE_HOME}
+def _run(*args, timeout=600, env=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "XDG_CACHE_HOME": _CACHE_HOME, **(env or {})}
     return subprocess.run([sys.executable, "-m", "paged_kv", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -128,15 +128,21 @@ def test_tensor_parallel_degree_that_fits_no_head_layout_is_one_line(tmp_path):
         "degrees that work for this model: [1, 2, 4] (see --help)"]
 
 
-@pytest.mark.skipif(os.environ.get("PAGED_KV_MESH_TESTS") != "1",
-                    reason="compiles the serving step for 2 host devices; set PAGED_KV_MESH_TESTS=1")
 def test_tensor_parallel_run(tmp_path):
+    """``--tp 2`` on a CPU: the CLI creates its 2 host devices itself and serves over them.
+    Compiling dominates: XLA's optimisation passes are off for this run (as in
+    tests/sharding_worker.py; the SPMD partitioner still runs), and no other test compiles these
+    programs, so the compilation cache is off too."""
     r = _run("--tp", "2", "--requests", "3", "--max-new-tokens", "6", "--num-blocks", "24", "--max-seqs", "12",
              "--max-seq-len", "192", "--chunk-size", "32", "--max-prefill-rows", "4", "--no-progress",
-             "--out-dir", str(tmp_path))
+             "--no-compile-cache", "--out-dir", str(tmp_path),
+             env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "block_tables.png").is_file() and (tmp_path / "report.json").is_file()
     assert "tensor-parallel over 2 devices" in r.stdout and "generated tokens/s" in r.stdout
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["requests"]["finished"] == 3 and rep["run"]["options"]["tp"] == 2
+    assert rep["run"]["backend"] == "cpu" and rep["run"]["device_count"] == 2  # the CLI's own host devices
 
 
 SMALL_RUN = ("--requests", "6", "--max-new-tokens", "12", "--num-blocks", "24", "--max-seqs", "12",

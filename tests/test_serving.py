@@ -6,11 +6,6 @@ Every run uses one ``ServingConfig`` (a 24-block pool: 23 usable blocks of 16 to
 compiles once for the whole module; "ample blocks" means each request running alone."""
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import chex
 import jax
@@ -26,7 +21,6 @@ from paged_kv.models import load_hf_checkpoint
 from paged_kv.models.tokenizer import ByteTokenizer
 from tests import tolerances as tol
 
-ROOT = Path(__file__).resolve().parent.parent
 TOK = ByteTokenizer()
 MGR = pk.ManagerConfig(num_blocks=24, block_size=16, max_seqs=16, max_blocks_per_seq=16)
 CFG = ServingConfig(MGR, chunk_size=32, max_prefill_rows=4, top_candidates=8, impl="reference")
@@ -254,37 +248,8 @@ def test_filter_rows_matches_filter_logits(temperature, top_k, top_p):
                                atol=tol.logprob_atol(0.0, logits.shape[-1]))
 
 
-MESH_SCRIPT = """
-import json, os, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-sys.path.insert(0, os.getcwd())
-import jax
-from paged_kv.models import load_hf_checkpoint, sharding
-from tests.test_serving import CFG, _workload
-from paged_kv.engine.serving import ServingEngine
-eng = ServingEngine(load_hf_checkpoint("checkpoints/tiny-llama"), CFG, mesh=sharding.make_mesh(2))
-outs = {str(o.request_id): o.tokens for o in eng.run(_workload(0))}
-print("RESULT " + json.dumps({"tokens": outs, "preemptions": eng.stats().preemptions,
-                              "devices": len(jax.devices()), "spec": str(eng.pages.sharding.spec)}))
-"""
-
-
-@pytest.mark.skipif(os.environ.get("PAGED_KV_MESH_TESTS") != "1",
-                    reason="about a minute (compiles the step again in a 2-device subprocess); "
-                           "set PAGED_KV_MESH_TESTS=1")
-def test_tensor_parallel_serving_matches_one_device(pressured):
-    """The pressured workload on a 2-device "tp" mesh (KV heads sharded, state replicated): the
-    same preemptions and the same tokens as on one device."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    r = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
-    assert res["devices"] == 2 and "tp" in res["spec"]
-    eng, outs = pressured
-    assert res["preemptions"] == eng.stats().preemptions
-    for o in outs:
-        assert res["tokens"][str(o.request_id)] == o.tokens, o.request_id
+# The pressured workload on a 2-device "tp" mesh, against one device: tests/test_sharding.py
+# (test_tensor_parallel_serving_matches_one_device), in its 2-device worker process.
 
 
 # ---------------------------------------------------------------------------- streaming

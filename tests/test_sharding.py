@@ -2,7 +2,8 @@
 loading in this process (one device); generation on 4 simulated devices and on a 2-process,
 4-device mesh over loopback in subprocesses (tests/sharding_worker.py), since the device count
 is fixed when JAX starts and the other tests expect one device; there too a protocol model's
-attend options (ALiBi slopes split with the query heads) at tp=2.
+attend options (ALiBi slopes split with the query heads) and the serving engine (preempting) at
+tp=2.
 
 Every subprocess is bounded in time and killed (with its process group) on failure.
 """
@@ -90,9 +91,10 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(ckpt):
-    """The 4-device worker, the two processes of the 2-process mesh and the 2-device
-    batch-invariant worker, started together (the waits overlap); {"four": [result] | error,
-    "multi": [result, result] | error, "invariant": [result] | error}."""
+    """The 4-device worker, the two processes of the 2-process mesh, the 2-device batch-invariant
+    (then serving) worker and the 2-device int8 (then protocol model) worker, started together
+    (the waits overlap); {"four": [result] | error, "multi": [result, result] | error,
+    "invariant": [result] | error, "quant": [result] | error}."""
     port = str(_free_port())
     deadline = time.monotonic() + TIMEOUT_S
     four = [_start(["four", ckpt])]
@@ -263,6 +265,21 @@ def test_batch_invariant_tp1_equals_tp2(workers: dict) -> None:
         one, two = res["tp1"][kind], res["tp2"][kind]
         assert two["tokens"] == one["tokens"], kind
         assert two["logprobs"] == one["logprobs"], kind  # exact: float32 values carried as floats
+
+
+def test_tensor_parallel_serving_matches_one_device(workers: dict) -> None:
+    """tests/test_serving.py's pressured workload (greedy, shared system prompt, n=3 sampled, a
+    width-3 beam; all at once in 23 blocks) through `ServingEngine` on a 2-device "tp" mesh (KV
+    heads sharded, state replicated; run by the "invariant" worker): the same preemptions and the
+    same tokens as on one device."""
+    res = _ok(workers["invariant"])[0]["serving"]
+    assert res["devices"] == 2 and "tp" in res["spec"]
+    one, two = res["tp1"], res["tp2"]
+    assert one["preemptions"] >= 2  # the workload really preempts
+    assert two["preemptions"] == one["preemptions"]
+    assert sorted(two["tokens"]) == sorted(one["tokens"]) and len(one["tokens"]) == 7
+    for rid, tokens in one["tokens"].items():
+        assert two["tokens"][rid] == tokens, rid
 
 
 def test_protocol_model_attend_options_on_a_mesh(workers: dict) -> None:

@@ -46,6 +46,7 @@ from typing import Any
 
 from paged_kv.apps.interrupt import (
     INTERRUPTED_STATUS,
+    first_line,
     flush_streams,
     install_interrupt_handler,
     interrupted_without_handler,
@@ -60,7 +61,6 @@ from paged_kv.apps.options import (
     check_options,
     check_prompts,
     checkpoint_dir,
-    first_line,
     missing_cli_dependencies,
     missing_extra_message,
     output_paths,

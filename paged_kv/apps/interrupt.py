@@ -34,6 +34,14 @@ def flush_streams() -> None:
             pass
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message in one line (its first), or its type's name where it has none: how
+    the command line reports a failure. Here, the lowest module of ``paged_kv/apps``, so that every
+    other one can import it (the interrupt reports a failed partial report with it)."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
 _on_interrupt: Callable[[], str] | None = None
 """Set while requests are being served: writes the partial report of the requests that finished
 (``paged_kv.apps.cli``'s ``_RunFiles.write_partial``) and returns the line that says where."""
@@ -53,8 +61,6 @@ def _partial_report_line() -> str:
         try:
             result.append(hook())
         except Exception as e:  # the interrupt must still exit: say why the report is missing
-            from paged_kv.apps.options import first_line
-
             result.append(f"paged-kv: no partial report: {first_line(e)}")
 
     writer = threading.Thread(target=write, name="paged-kv-partial-report", daemon=True)
@@ -149,5 +155,5 @@ def interrupted_without_handler() -> None:
         print(line, file=sys.stderr)
 
 
-__all__ = ["INTERRUPTED_STATUS", "flush_streams", "install_interrupt_handler", "interrupted_without_handler",
-           "on_interrupt_write", "phase"]
+__all__ = ["INTERRUPTED_STATUS", "first_line", "flush_streams", "install_interrupt_handler",
+           "interrupted_without_handler", "on_interrupt_write", "phase"]

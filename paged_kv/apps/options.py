@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from paged_kv.apps.interrupt import first_line
 from paged_kv.apps.workload import short
 from paged_kv.checkpoints import BUILTIN as BUILTIN_CHECKPOINT
 
@@ -31,11 +32,6 @@ JSON_NAME = "report.json"
 
 class UsageError(Exception):
     """A bad combination of options found after parsing: exit 2, like argparse."""
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -453,5 +449,5 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 __all__ = ["DEFAULT_OUT_DIR", "JSON_NAME", "PNG_NAME", "OptionCheck", "UsageError", "build_parser", "check_options",
-           "check_prompts", "checkpoint_dir", "first_line", "in_option_terms", "missing_cli_dependencies",
+           "check_prompts", "checkpoint_dir", "in_option_terms", "missing_cli_dependencies",
            "missing_extra_message", "output_paths", "read_prompts", "sampling_params", "sequence_context"]
