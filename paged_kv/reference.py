@@ -376,7 +376,7 @@ class GroupedReference(ReferenceBlockManager):
             n_cached = min([next((skip[g] + i for i, b in enumerate(hits[g]) if b in pending), h)
                             for g in range(len(groups))])
             tables = []
-            for g, group in enumerate(groups):
+            for g in range(len(groups)):
                 table = [NULL_BLOCK] * skip[g] + hits[g] + fresh[g]
                 for b in hits[g] + fresh[g]:
                     self.ref_count[b] += 1

@@ -323,8 +323,8 @@ def main_groups(args) -> int:
         **provenance(args.vllm_env),
     }
     for retention, x in per_setting.items():
-        print(f"retention {RETENTION_LABELS.get(retention, retention)}: {x['streams']} streams, {x['ops']} ops, {x['comparisons']} comparisons, "
-              f"{x['divergent_streams']} divergent streams")
+        print(f"retention {RETENTION_LABELS.get(retention, retention)}: {x['streams']} streams, {x['ops']} ops, "
+              f"{x['comparisons']} comparisons, {x['divergent_streams']} divergent streams")
     return report(summary, args.out, "grouped streams")
 
 

@@ -209,13 +209,14 @@ def test_fork_and_select_share_a_reclaimed_prefix():
     assert bm.usage()["used"] == 0
 
 
-def _snapshot(bm: pk.BlockManager) -> dict:
-    return {s: bm.tables(s) for s in sorted(bm.running())}, bm.free_queue(), np.asarray(bm.state.ref_count).tolist()
+def _snapshot(bm: pk.BlockManager) -> tuple:
+    return ({s: bm.tables(s) for s in sorted(bm.running())}, bm.free_queue(),
+            np.asarray(bm.state.ref_count).tolist(), bm.cached_blocks())
 
 
-def _reference_snapshot(ref: GroupedReference) -> dict:
+def _reference_snapshot(ref: GroupedReference) -> tuple:
     counts = list(ref.ref_count)
-    return {s: ref.tables[s] for s in sorted(ref.tables)}, ref.queue_order(), counts
+    return {s: ref.tables[s] for s in sorted(ref.tables)}, ref.queue_order(), counts, sorted(ref.cached_blocks())
 
 
 def _admit_both(bm: pk.BlockManager, ref: GroupedReference, ids: list[int], prompts: list[list[int]]) -> None:
@@ -231,9 +232,11 @@ def _append_both(bm: pk.BlockManager, ref: GroupedReference, ids: list[int], tok
     assert got.slots.tolist() == slots and got.copy_src.tolist() == src and got.copy_dst.tolist() == dst
 
 
-@pytest.mark.parametrize("groups", [HYBRID, (Group("full"), Group("window", 2), Group("window", 9))])
-def test_random_ops_equal_reference(groups):
-    cfg = pk.ManagerConfig(num_blocks=20, block_size=BS, max_seqs=4, max_blocks_per_seq=8, groups=groups)
+@pytest.mark.parametrize("groups, retention", [
+    (HYBRID, None), ((Group("full"), Group("window", 2), Group("window", 9)), 0)])
+def test_random_ops_equal_reference(groups, retention):
+    cfg = pk.ManagerConfig(num_blocks=20, block_size=BS, max_seqs=4, max_blocks_per_seq=8, groups=groups,
+                           prefix_cache_retention_interval=retention)
     bm, ref = pk.BlockManager(cfg), GroupedReference(cfg)
     rng = random.Random(0)
     doc = [rng.randrange(3) for _ in range(32)]
@@ -267,9 +270,10 @@ DOC = [1, 2, 0, 1] * 8  # prompts are prefixes of this (plus a tail), so blocks 
 
 class GroupedMachine(RuleBasedStateMachine):
     """admit / append / fork / beam select / free drawn by hypothesis on a hybrid manager (one
-    full group, two window groups, one smaller than a block); after every step the jitted manager
-    equals ``GroupedReference`` (tables per group, free queue order, counts), the invariants hold,
-    and no window table's null prefix shrank for a row that is still the same sequence."""
+    full group, two window groups, one smaller than a block) with sparse retention (the default);
+    after every step the jitted manager equals ``GroupedReference`` (tables per group, free queue
+    order, counts, cached blocks), the invariants hold, and no window table's null prefix shrank
+    for a row that is still the same sequence. ``DenseGroupedMachine``: the same, dense."""
 
     config = pk.ManagerConfig(num_blocks=22, block_size=BS, max_seqs=4, max_blocks_per_seq=8,
                               groups=(Group("full"), Group("window", 6), Group("window", 3)))
@@ -356,6 +360,12 @@ class GroupedMachine(RuleBasedStateMachine):
         assert self.bm.usage()["used"] == 0
 
 
+class DenseGroupedMachine(GroupedMachine):
+    config = dataclasses.replace(GroupedMachine.config, prefix_cache_retention_interval=None)
+
+
 GroupedMachine.TestCase.settings = settings(max_examples=5, stateful_step_count=20, deadline=None,
                                             suppress_health_check=list(HealthCheck))
+DenseGroupedMachine.TestCase.settings = settings(GroupedMachine.TestCase.settings, max_examples=3)
 TestGroupedManager = GroupedMachine.TestCase
+TestDenseGroupedManager = DenseGroupedMachine.TestCase
