@@ -293,6 +293,7 @@ def main_groups(args) -> int:
         print(f"needs {GROUPS_DRIVER} and the vLLM environment ({args.vllm_env})", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
+    made_by = provenance(args.vllm_env)  # before the run: the checkout it ran on
     results = []
     retentions = args.retention.split(",")
     for retention in retentions:
@@ -319,8 +320,7 @@ def main_groups(args) -> int:
         "configuration": "paged-kv ManagerConfig.prefix_cache_retention_interval and vLLM's "
                          "KVCacheConfig.prefix_cache_retention_interval set alike per stream: 0 (sparse; "
                          "the default of paged-kv and of a vLLM server's CacheConfig) or none (dense)",
-        "seconds": round(time.perf_counter() - t0, 1), "results": results,
-        **provenance(args.vllm_env),
+        "seconds": round(time.perf_counter() - t0, 1), "results": results, **made_by,
     }
     for retention, x in per_setting.items():
         print(f"retention {RETENTION_LABELS.get(retention, retention)}: {x['streams']} streams, {x['ops']} ops, "
