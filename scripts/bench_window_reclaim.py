@@ -370,6 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = args.out or (Path(tempfile.gettempdir()) / "bench_window_reclaim.json" if args.quick
                        else REPO / "results" / "bench_window_reclaim.json")
     t0 = time.perf_counter()
+    commit = _commit()  # before the run: the checkout it ran on
     per_request = ([one_request(shape, ctx, rng, engine_check=check) for shape, ctx, check in settings]
                    if "per_request" in parts else [])
     # A long prompt: admission takes blocks for the whole prompt in every group at once (no
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "meta": {
             "command": "python " + shlex.join(["scripts/bench_window_reclaim.py", *(argv or sys.argv[1:])]),
-            "date": datetime.date.today().isoformat(), "commit": _commit(), "jax": jax.__version__,
+            "date": datetime.date.today().isoformat(), "commit": commit, "jax": jax.__version__,
             "python": platform.python_version(),
             "retention_runs": {k: {"reclaim": reclaim, "prefix_cache_retention_interval": retention}
                                for k, reclaim, retention in RUNS},
