@@ -5,6 +5,7 @@ plain-Python ``GroupedReference`` with the invariants checked after every call."
 import dataclasses
 import random
 
+import chex
 import hypothesis.strategies as st
 import jax
 import numpy as np
@@ -101,6 +102,26 @@ def test_sparse_retention_caches_at_a_shared_prefix_junction():
     assert int(bm.admit([2], [doc[:21] + [95]]).cached_tokens[0]) == 20
     assert bm.tables(2) == [[1, 2, 3, 4, 5, 26], [0, 0, 0, 22, 23, 21]]
     check_invariants(bm.config, bm.state)
+
+
+def test_sparse_retention_same_on_both_targets():
+    """Groups have one form for every platform; the parts it shares with the single-group path
+    (``release``, ``evict``) take ``ManagerConfig.target``. The junction stream above, with
+    appends that reclaim hashless blocks to the front, gives the same state bit for bit traced
+    for ``"cpu"`` and for ``"gpu"``."""
+    doc = list(range(1, 33))
+    states = []
+    for target in ("cpu", "gpu"):
+        cfg = pk.ManagerConfig(num_blocks=31, block_size=BS, max_seqs=4, max_blocks_per_seq=8, target=target,
+                               groups=(Group("full"), Group("window", 8)))
+        bm = pk.BlockManager(cfg)
+        bm.admit([0, 1], [doc[:21] + list(range(80, 90)), doc[:23]])
+        for t in range(6):
+            bm.append([0, 1], [t, t])
+        bm.free([0])
+        bm.admit([2], [doc[:21] + [95]])
+        states.append(jax.tree.map(np.asarray, bm.state))
+    chex.assert_trees_all_equal(*states, strict=True)
 
 
 @pytest.mark.parametrize("retention", [0, None])
