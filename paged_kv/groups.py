@@ -25,6 +25,11 @@ Rules (``docs/design.md``, section "KV-cache groups"):
   holds hit blocks ``[skip, h)`` with ``skip = max(0, h * bs - window + 1) // bs`` and
   ``NULL_BLOCK`` before; every group takes fresh blocks for ``[h, ceil(len / bs))``, group 0
   first. (A window of 1 token caches no block, as in vLLM 0.33: ``Group.caches_blocks``.)
+- Retention (``ManagerConfig.prefix_cache_retention_interval``): a full group hashes every full
+  block; a window group under ``0`` (sparse, the default) only the ``reach_blocks`` blocks before
+  the prompt boundary and before a shared-prefix junction (``reachable``), none that ``append``
+  fills; under ``None`` (dense) every full block. A block without a hash goes to the front of
+  the free queue when released.
 - ``free``, ``fork``, ``select`` act group by group (releases group by group, each table tail
   first), never touching a table's null prefix: forks and beams that share a reclaimed prefix
   share only its nulls.

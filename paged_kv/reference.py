@@ -294,8 +294,9 @@ class ReferenceBlockManager:
 class GroupedReference(ReferenceBlockManager):
     """The plain-Python form of ``paged_kv.groups`` (a ``ManagerConfig`` with KV-cache groups):
     one table per group, window reclaim in ``append``, per-group prefix hits with the hybrid
-    rule, rows one at a time with first come, first served. Cache keys are exact: ``(group,
-    salt, prefix tokens)``. ``tables[sid]`` is the list of the groups' tables (``NULL_BLOCK``
+    rule, rows one at a time with first come, first served, the retention rule of
+    ``ManagerConfig.prefix_cache_retention_interval`` (``_caches``). Cache keys are exact:
+    ``(group, salt, prefix tokens)``. ``tables[sid]`` is the list of the groups' tables (``NULL_BLOCK``
     for a reclaimed prefix); ``null_prefix[sid][g]`` the length of that prefix."""
 
     def __init__(self, config: ManagerConfig):
