@@ -72,11 +72,20 @@ class Group:
     def hit_blocks(self, block_size: int) -> int:
         """Trailing cached blocks a prefix hit of this group needs (vLLM's
         ``cdiv(window - 1, block_size)``, at least 1); 0 for a full group (it needs all)."""
-        return max(1, -(-(self.window - 1) // block_size)) if self.is_window else 0
+        return max(1, self.reach_blocks(block_size)) if self.is_window else 0
+
+    def reach_blocks(self, block_size: int) -> int:
+        """Blocks a sparse-retention window group keeps cached before each reachable boundary:
+        vLLM's ``cdiv(window - 1, block_size)`` (0 for a window of 1 token, which caches
+        nothing); 0 for a full group."""
+        return -(-(self.window - 1) // block_size) if self.is_window else 0
 
 
 DEFAULT_GROUPS = (Group("full"),)
 """``ManagerConfig.groups`` by default: one full-attention group."""
+
+RETENTION_INTERVALS = (0, None)
+"""Values of ``ManagerConfig.prefix_cache_retention_interval``: ``0`` sparse, ``None`` dense."""
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -113,6 +122,18 @@ class ManagerConfig:
         and loops that run only when needed), ``"gpu"`` (straight-line code behind one predicate
         per call), or ``"auto"`` (both, the lowering keeps the one for its platform: a CPU's form
         on a CPU, the GPU form elsewhere). Every form gives the same results bit for bit.
+      prefix_cache_retention_interval: which full blocks of a window group get a hash (vLLM 0.33's
+        ``KVCacheConfig.prefix_cache_retention_interval``; full groups always cache every full
+        block). ``0`` (sparse, the default, as vLLM's engine default ``CacheConfig``): only the
+        blocks a later request can reach, the ``Group.reach_blocks`` blocks ending at the prompt
+        boundary (block ``(prompt_len - 1) // block_size``, exclusive) and at a shared-prefix
+        junction (admission: where the first full group's, or else the first window group's,
+        own hit ends, when the hybrid hit stops before it); blocks filled by ``append`` never.
+        A window block without a hash that is reclaimed or freed joins the front of the free
+        queue (``uncached_to_front``), reused before any cached block. ``None`` (dense, vLLM's
+        ``KVCacheConfig`` built by hand): every full block, as a full group. One value for the
+        whole manager, as in vLLM, where it is a field of the model's ``KVCacheConfig``, not of
+        a group's spec.
     """
 
     num_blocks: int
@@ -123,6 +144,7 @@ class ManagerConfig:
     uncached_to_front: bool = True
     target: str = "auto"
     groups: tuple[Group, ...] = DEFAULT_GROUPS
+    prefix_cache_retention_interval: int | None = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.groups, list):
@@ -141,6 +163,10 @@ class ManagerConfig:
         for name in ("prefix_caching", "uncached_to_front"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        retention = self.prefix_cache_retention_interval
+        if not (retention is None or (type(retention) is int and retention in RETENTION_INTERVALS)):
+            raise ValueError(
+                f"prefix_cache_retention_interval must be 0 (sparse) or None (dense), got {retention!r}")
         if self.target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
         if self.block_size & (self.block_size - 1):
@@ -157,6 +183,20 @@ class ManagerConfig:
     def grouped(self) -> bool:
         """Whether the groups differ from the default single full group (the grouped forms run)."""
         return self.groups != DEFAULT_GROUPS
+
+    def sparse(self, group: Group) -> bool:
+        """Whether ``group`` caches only its reachable blocks (a window group under
+        ``prefix_cache_retention_interval == 0``)."""
+        return group.is_window and self.prefix_cache_retention_interval == 0
+
+    @property
+    def lead_groups(self) -> tuple[int, ...]:
+        """The groups whose own prefix hit vLLM's hybrid coordinator looks up first and records
+        as ``longest_hit_length`` (where a sparse window group's shared-prefix junction lies):
+        every full group (vLLM looks up full attention first, groups of equal specs together),
+        or, without one, every group equal to the first."""
+        first = next((g for g in self.groups if not g.is_window), self.groups[0])
+        return tuple(i for i, g in enumerate(self.groups) if g == first)
 
     @property
     def num_groups(self) -> int:

@@ -25,6 +25,11 @@ Rules (``docs/design.md``, section "KV-cache groups"):
   holds hit blocks ``[skip, h)`` with ``skip = max(0, h * bs - window + 1) // bs`` and
   ``NULL_BLOCK`` before; every group takes fresh blocks for ``[h, ceil(len / bs))``, group 0
   first. (A window of 1 token caches no block, as in vLLM 0.33: ``Group.caches_blocks``.)
+- Retention (``ManagerConfig.prefix_cache_retention_interval``): a full group hashes every full
+  block; a window group under ``0`` (sparse, the default) only the ``reach_blocks`` blocks before
+  the prompt boundary and before a shared-prefix junction (``reachable``), none that ``append``
+  fills; under ``None`` (dense) every full block. A block without a hash goes to the front of
+  the free queue when released.
 - ``free``, ``fork``, ``select`` act group by group (releases group by group, each table tail
   first), never touching a table's null prefix: forks and beams that share a reclaimed prefix
   share only its nulls.
@@ -259,7 +264,9 @@ def _append_row(config: ManagerConfig, state: BlockManagerState, tables: jax.Arr
         parent_class = jnp.where(col > 0, prefix_cache.class_of(cache, parent),
                                  jnp.array([NO_PARENT, 0], jnp.int32))
         chains = jnp.stack([group_chains(chain, g) for g in range(g_count)])
-        caching = np.array([group.caches_blocks for group in config.groups])
+        # A block an append fills lies past the prompt boundary: a sparse window group never
+        # reaches it (``reachable``).
+        caching = np.array([group.caches_blocks and not config.sparse(group) for group in config.groups])
         cache = prefix_cache.register(
             cache.replace(tokens=tok), block, chains, jnp.broadcast_to(state.seq_salt[s], (g_count,)),
             parent_class, fills & jnp.asarray(caching),
@@ -308,16 +315,19 @@ def admit(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, p
 
 def _hit_length(config: ManagerConfig, state: BlockManagerState, c: int, ok0: jax.Array, n_cacheable: jax.Array,
                 block_tokens: jax.Array, salt: jax.Array, chains: jax.Array):
-    """The hybrid hit of one prompt: ``(h, cands int32 [G, C], verified bool [G, C],
+    """The hybrid hit of one prompt: ``(h, lead, cands int32 [G, C], verified bool [G, C],
     hit_class int32 [G, C, 2])``: ``h`` (int32) the largest block count every group accepts;
+    ``lead`` (int32, ``>= h``) the largest that the lead groups accept (``ManagerConfig.lead_groups``:
+    vLLM's ``longest_hit_length``, where a sparse window group's shared-prefix junction lies);
     ``verified``: a full group's verified leading run of cached blocks (which may be longer than
     ``h``), a window group's blocks that hold the prompt's tokens and salt."""
+
     cache = state.cache
     j = jnp.arange(c, dtype=jnp.int32)
     hh = jnp.arange(c + 1, dtype=jnp.int32)
     cacheable = ok0 & (j < n_cacheable)
-    accept = hh <= jnp.where(ok0, n_cacheable, 0)
-    cands, verified, classes = [], [], []
+    within = hh <= jnp.where(ok0, n_cacheable, 0)
+    accepts, cands, verified, classes = [], [], [], []
     root = jnp.array([[NO_PARENT, 0]], jnp.int32)
     for g, group in enumerate(config.groups):
         keys = block_hash.key_of(group_chains(chains, g))
@@ -333,16 +343,32 @@ def _hit_length(config: ManagerConfig, state: BlockManagerState, c: int, ok0: ja
             # All of blocks [max(0, h - c_g), h) cached; the prefix before is trusted on the keys.
             counts = jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sum(good)])
             lo = jnp.maximum(hh - group.hit_blocks(config.block_size), 0)
-            accept &= (counts[hh] - counts[lo]) == (hh - lo)
+            accepts.append(within & ((counts[hh] - counts[lo]) == (hh - lo)))
         else:
             prev = jnp.concatenate([root, klass[:-1]], axis=0)
             good &= jnp.all(meta[:, PARENT_CLASS:PARENT_CLASS_GENERATION + 1] == prev, axis=-1)
-            accept &= hh <= leading_count(good)
+            accepts.append(within & (hh <= leading_count(good)))
         cands.append(cand)
         verified.append(good)
         classes.append(klass)
-    h = jnp.max(jnp.where(accept, hh, 0))
-    return h, jnp.stack(cands), jnp.stack(verified), jnp.stack(classes)
+    accepts = jnp.stack(accepts)  # [G, C + 1]
+    h = jnp.max(jnp.where(jnp.all(accepts, axis=0), hh, 0))
+    lead = jnp.max(jnp.where(jnp.all(accepts[np.array(config.lead_groups)], axis=0), hh, 0))
+    return h, lead, jnp.stack(cands), jnp.stack(verified), jnp.stack(classes)
+
+
+def reachable(config: ManagerConfig, group: Group, j: jax.Array, n_prompt: jax.Array, h: jax.Array,
+              lead: jax.Array) -> jax.Array:
+    """bool ``[C]``: which positions ``j`` (int32 ``[C]``) of a prompt of ``n_prompt`` tokens,
+    admitted with hit ``h`` and lead hit ``lead`` (int32 scalars), a sparse window ``group``
+    (``ManagerConfig.sparse``) hashes when full: the ``reach_blocks``
+    positions before the prompt boundary ``(n_prompt - 1) // bs`` and before the shared-prefix
+    junction ``lead`` when ``lead > h`` (vLLM's ``SlidingWindowManager.reachable_block_mask``
+    for ``prefix_cache_retention_interval == 0``). Plain-Python form:
+    ``GroupedReference._caches``."""
+    need = group.reach_blocks(config.block_size)
+    end = (n_prompt - 1) // config.block_size
+    return ((j >= end - need) & (j < end)) | ((lead > h) & (j >= lead - need) & (j < lead))
 
 
 def _joined_classes(cache: prefix_cache.PrefixCache, g: int, h: jax.Array, chains: jax.Array,
@@ -389,7 +415,8 @@ def _admit_row(config: ManagerConfig, c: int, state: BlockManagerState, tables: 
     n_full = length // bs
     n_cacheable = (length - 1) // bs
     if config.prefix_caching:
-        h, cands, verified, classes = _hit_length(config, state, c, ok0, n_cacheable, block_tokens, salt, chains)
+        h, lead, cands, verified, classes = _hit_length(
+            config, state, c, ok0, n_cacheable, block_tokens, salt, chains)
     else:
         h = jnp.int32(0)
         cands = jnp.full((g_count, c), -1, jnp.int32)
@@ -446,12 +473,18 @@ def _admit_row(config: ManagerConfig, c: int, state: BlockManagerState, tables: 
                 block_class = block_class.at[g].set(_joined_classes(
                     cache, g, h, chains, block_tokens, salt, state.block_group, block_class[g], registered[g]))
         parent_class = jnp.concatenate([root, block_class[:, :-1]], axis=1)
-        for g in range(g_count):
-            if not config.groups[g].caches_blocks:
+        for g, group in enumerate(config.groups):
+            if not group.caches_blocks:
                 continue
+            caches = fresh[g] & (j < n_full)
+            if config.sparse(group):
+                caches &= reachable(config, group, j, length, h, lead)
+                count = jnp.sum(caches, dtype=jnp.int32)
+            else:
+                count = jnp.where(ok, jnp.maximum(n_full - h, 0), 0)
             cache = prefix_cache.register(
                 cache, block[g], group_chains(chains, g), jnp.broadcast_to(salt, (c,)), parent_class[g],
-                fresh[g] & (j < n_full), count=jnp.where(ok, jnp.maximum(n_full - h, 0), 0),
+                caches, count=count,
                 # Any fresh block may equal an older cached one: the hybrid hit can stop short of
                 # a group's own cached run (another group missed), unlike one group's admission.
                 distinct_keys=True,

@@ -135,7 +135,10 @@ def _check_cache(config, state, tables, nulls, tokens, active) -> None:
     assert EMPTY < 0 and TOMBSTONE < 0
 
     # Full blocks, and only full blocks, of running sequences are cached (none of a group that
-    # caches nothing, ``Group.caches_blocks``).
+    # caches nothing, ``Group.caches_blocks``). A sparse window group (``ManagerConfig.sparse``)
+    # caches only some full blocks, all before its prompt boundary, so before position
+    # ``(tokens - 1) // bs``; which ones depends on the prompt and the hit at admission, so the
+    # exact set is checked against ``GroupedReference``, not here.
     bs = config.block_size
     for g, group in enumerate(config.groups):
         for s in np.flatnonzero(active):
@@ -143,8 +146,15 @@ def _check_cache(config, state, tables, nulls, tokens, active) -> None:
             for j in range(int(nulls[g, s]), held):
                 b = tables[g, s, j]
                 full = (j + 1) * bs <= tokens[s] and group.caches_blocks
-                assert (slot[b] >= 0) == full, (
-                    f"group {g} row {s}: block {b} (position {j}) full={full} but cached={slot[b] >= 0}")
+                hashed = slot[b] >= 0
+                if config.sparse(group):
+                    reach = j < (int(tokens[s]) - 1) // bs
+                    assert not hashed or (full and reach), (
+                        f"group {g} row {s}: block {b} (position {j}) cached but full={full}, "
+                        f"before the last possible prompt boundary={reach}")
+                    continue
+                assert hashed == full, (
+                    f"group {g} row {s}: block {b} (position {j}) full={full} but cached={hashed}")
     window_blocks = set()
     if config.grouped:  # a window group's parent may be gone: its chain is not checked here
         owner = np.asarray(state.block_group)

@@ -302,6 +302,10 @@ class BlockManager:
         q = np.asarray(_queue(self.state.queue))
         return q[q >= 0].tolist()
 
+    def cached_blocks(self) -> list[int]:
+        """Blocks that hold a prefix-cache hash (held or free), ascending. O(pool)."""
+        return np.flatnonzero(np.asarray(self.state.cache.slot) >= 0).tolist()
+
     def reset_prefix_cache(self) -> int:
         """Drops the hash of every cached block no request holds; returns how many."""
         self.state, dropped = _reset(self.config, self.state)

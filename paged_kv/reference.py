@@ -294,8 +294,9 @@ class ReferenceBlockManager:
 class GroupedReference(ReferenceBlockManager):
     """The plain-Python form of ``paged_kv.groups`` (a ``ManagerConfig`` with KV-cache groups):
     one table per group, window reclaim in ``append``, per-group prefix hits with the hybrid
-    rule, rows one at a time with first come, first served. Cache keys are exact: ``(group,
-    salt, prefix tokens)``. ``tables[sid]`` is the list of the groups' tables (``NULL_BLOCK``
+    rule, rows one at a time with first come, first served, the retention rule of
+    ``ManagerConfig.prefix_cache_retention_interval`` (``_caches``). Cache keys are exact:
+    ``(group, salt, prefix tokens)``. ``tables[sid]`` is the list of the groups' tables (``NULL_BLOCK``
     for a reclaimed prefix); ``null_prefix[sid][g]`` the length of that prefix."""
 
     def __init__(self, config: ManagerConfig):
@@ -313,7 +314,10 @@ class GroupedReference(ReferenceBlockManager):
     def _held(self, sid: int, g: int) -> list[int]:
         return self.tables[sid][g][self.null_prefix[sid][g]:]
 
-    def _hit_length(self, toks: list[int], salt: int) -> tuple[int, list[list[int | None]]]:
+    def _hit_length(self, toks: list[int], salt: int) -> tuple[int, int, list[list[int | None]]]:
+        """``(h, lead, cands)``: the hybrid hit ``h`` (blocks), the lead groups' own hit ``lead``
+        (``ManagerConfig.lead_groups``; vLLM's ``longest_hit_length``, ``>= h``) and every group's cached
+        block per position (None: not cached)."""
         cfg, bs = self.config, self.config.block_size
         n_cacheable = (len(toks) - 1) // bs
         cands = [[self._lookup(self._gkey(g, salt, toks, (j + 1) * bs)) for j in range(n_cacheable)]
@@ -324,8 +328,25 @@ class GroupedReference(ReferenceBlockManager):
             lo = max(0, h - group.hit_blocks(bs)) if group.is_window else 0
             return all(c is not None for c in cands[g][lo:h])
 
-        h = max(h for h in range(n_cacheable + 1) if all(accepts(g, h) for g in range(cfg.num_groups)))
-        return h, cands
+        def best(gs) -> int:
+            return max(h for h in range(n_cacheable + 1) if all(accepts(g, h) for g in gs))
+
+        return best(range(cfg.num_groups)), best(cfg.lead_groups), cands
+
+    def _caches(self, g: int, j: int, n_prompt: int, h: int, lead: int) -> bool:
+        """Whether group ``g`` hashes the full block at position ``j`` of a prompt of
+        ``n_prompt`` tokens admitted with hit ``h`` and lead hit ``lead``: every one, except
+        in a window of 1 token (none) and under sparse retention, where only the
+        ``reach_blocks`` blocks before the prompt boundary ``(n_prompt - 1) // bs`` and before
+        the shared-prefix junction ``lead`` (when ``lead > h``) do."""
+        cfg, group = self.config, self.config.groups[g]
+        if not group.caches_blocks:
+            return False
+        if not cfg.sparse(group):
+            return True
+        need = group.reach_blocks(cfg.block_size)
+        ends = [(n_prompt - 1) // cfg.block_size] + ([lead] if lead > h else [])
+        return any(end - need <= j < end for end in ends)
 
     def admit(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
               salts: Sequence[int] | None = None, max_len: int | None = None) -> list[tuple]:
@@ -342,7 +363,7 @@ class GroupedReference(ReferenceBlockManager):
                 out.append((status, 0, 0))
                 continue
             n_blocks = cfg.blocks_for(len(toks))
-            h, cands = self._hit_length(toks, salt) if cfg.prefix_caching else (0, [[]] * len(groups))
+            h, lead, cands = self._hit_length(toks, salt) if cfg.prefix_caching else (0, 0, [[]] * len(groups))
             skip = [g.skipped_blocks(h * bs, bs) for g in groups]
             hits = [cands[g][skip[g]:h] for g in range(len(groups))]
             pulls = [b for hs in hits for b in hs if self.ref_count[b] == 0]
@@ -356,7 +377,7 @@ class GroupedReference(ReferenceBlockManager):
             n_cached = min([next((skip[g] + i for i, b in enumerate(hits[g]) if b in pending), h)
                             for g in range(len(groups))])
             tables = []
-            for g, group in enumerate(groups):
+            for g in range(len(groups)):
                 table = [NULL_BLOCK] * skip[g] + hits[g] + fresh[g]
                 for b in hits[g] + fresh[g]:
                     self.ref_count[b] += 1
@@ -364,7 +385,7 @@ class GroupedReference(ReferenceBlockManager):
                 if cfg.prefix_caching:
                     for j, b in enumerate(fresh[g], start=h):
                         self.block_tokens[b] = (toks[j * bs:(j + 1) * bs] + [0] * bs)[:bs]
-                        if j < len(toks) // bs and group.caches_blocks:
+                        if j < len(toks) // bs and self._caches(g, j, len(toks), h, lead):
                             self._cache(b, self._gkey(g, salt, toks, (j + 1) * bs))
                 tables.append(table)
             self.tables[sid], self.num_tokens[sid], self.null_prefix[sid] = tables, len(toks), skip
@@ -424,7 +445,9 @@ class GroupedReference(ReferenceBlockManager):
                             self.seq_tokens[sid].append(token)
                             for g, t in enumerate(tables):
                                 self.block_tokens.setdefault(t[-1], [0] * bs)[offset] = token
-                                if offset == bs - 1 and groups[g].caches_blocks:
+                                # A block an append fills lies past the prompt boundary: a
+                                # sparse window group never reaches it.
+                                if offset == bs - 1 and groups[g].caches_blocks and not cfg.sparse(groups[g]):
                                     toks = self.seq_tokens[sid]
                                     self._cache(t[-1], self._gkey(g, self.seq_salt[sid], toks, len(toks)))
             statuses.append(status)

@@ -37,14 +37,21 @@ Measurements (block size 16, greedy, no EOS: every request runs to its context):
    12 finished.
 3. **Prefix-cache hit rate**: 6 requests share a 4,096-token document and differ in a 64-token
    question, arriving one after another (each after the previous finished); hit tokens / prompt
-   tokens with and without reclaim. Reclaimed blocks keep their hashes at the back of the free
-   queue, so they still hit while the pool has room.
+   tokens with and without reclaim. Reclaimed blocks that hold a hash stay at the back of the
+   free queue, so they still hit while the pool has room.
+
+Measurements 2 and 3 run the reclaiming engine under both prefix-cache retention settings
+(``ManagerConfig.prefix_cache_retention_interval``): ``0``, sparse, the default (as vLLM's engine),
+where a window group hashes only the blocks before each prompt's boundary and before a shared-prefix
+junction (``"with"``), and ``None``, dense, every full block (``"with_dense_retention"``). Without
+reclaim there is no window group, so retention changes nothing there.
 
 Usage::
 
     pip install -e '.[bench]'
     python scripts/bench_window_reclaim.py            # full run (writes results/bench_window_reclaim.{json,png})
     python scripts/bench_window_reclaim.py --quick    # smoke run: small contexts, written under /tmp
+    python scripts/bench_window_reclaim.py --parts capacity,prefix --out results/bench_window_retention.json
 """
 
 from __future__ import annotations
@@ -113,14 +120,23 @@ class Run:
     wall_s: float
 
 
-def engine_for(model, *, reclaim: bool, layer_blocks: int, max_seqs: int, max_tokens: int) -> tuple[ServingEngine, int]:
+PARTS = ("per_request", "capacity", "prefix")
+"""``--parts``: measurements 1, 2 and 3."""
+
+RUNS = (("with", True, 0), ("with_dense_retention", True, None), ("without", False, 0))
+"""Measurements 2 and 3: (result key, reclaim, prefix_cache_retention_interval)."""
+
+
+def engine_for(model, *, reclaim: bool, layer_blocks: int, max_seqs: int, max_tokens: int,
+               retention: int | None = 0) -> tuple[ServingEngine, int]:
     """An engine whose pool holds `layer_blocks` layer-blocks (the same bytes either way); returns it
     and the layers per block."""
     layout = kv_group_layout(model)
     groups = kv_cache_groups(layout) if reclaim else (pk.Group("full"),)
     per_block = layout.slots if reclaim else layout.num_layers
     manager = pk.ManagerConfig(num_blocks=layer_blocks // per_block + 1, block_size=BLOCK, max_seqs=max_seqs,
-                               max_blocks_per_seq=-(-max_tokens // BLOCK), groups=groups, prefix_caching=True)
+                               max_blocks_per_seq=-(-max_tokens // BLOCK), groups=groups, prefix_caching=True,
+                               prefix_cache_retention_interval=retention)
     config = ServingConfig(manager=manager, chunk_size=512, max_prefill_rows=min(max_seqs, 4), decode_steps=64,
                            record_tables=False)
     return ServingEngine(model, config), per_block
@@ -238,12 +254,12 @@ def capacity(shape: str, context: int, num_requests: int, fits: int, rng: np.ran
             for i in range(num_requests)]
     out = {"shape": shape, "context": context, "requests": num_requests, "pool_fits_without_reclaim": fits,
            "pool_layer_blocks": pool}
-    for reclaim in (True, False):
+    for key, reclaim, retention in RUNS:
         engine, per_block = engine_for(model, reclaim=reclaim, layer_blocks=pool, max_seqs=num_requests,
-                                       max_tokens=context)
-        r = run(engine, per_block, reqs, label=f"capacity {shape} {'reclaim' if reclaim else 'no reclaim'}")
+                                       max_tokens=context, retention=retention)
+        r = run(engine, per_block, reqs, label=f"capacity {shape} {key}")
         spans = np.diff([0, *r.steps])
-        out["with" if reclaim else "without"] = {
+        out[key] = {
             "max_running": int(max(r.running)),
             "mean_running": float(np.dot(spans, r.running) / spans.sum()),
             "steps_to_finish_all": int(r.steps[-1]), "preemptions": r.stats["preemptions"],
@@ -264,11 +280,13 @@ def prefix_hits(shape: str, doc: int, num_requests: int, rng: np.random.Generato
         reqs.append(Request(prompt, greedy(64), request_id=i, arrival=i * 200))
     pool = 3 * layers * -(-context // BLOCK)
     out = {"shape": shape, "document": doc, "question": 64, "requests": num_requests}
-    for reclaim in (True, False):
-        engine, per_block = engine_for(model, reclaim=reclaim, layer_blocks=pool, max_seqs=2, max_tokens=context)
-        r = run(engine, per_block, reqs, label=f"prefix {shape} {'reclaim' if reclaim else 'no reclaim'}")
+    for key, reclaim, retention in RUNS:
+        engine, per_block = engine_for(model, reclaim=reclaim, layer_blocks=pool, max_seqs=2, max_tokens=context,
+                                       retention=retention)
+        r = run(engine, per_block, reqs, label=f"prefix {shape} {key}")
         q, h = r.stats["cache_query_tokens"], r.stats["cache_hit_tokens"]
-        out["with" if reclaim else "without"] = {"hit_tokens": h, "query_tokens": q, "hit_rate": h / q if q else 0.0}
+        out[key] = {"hit_tokens": h, "query_tokens": q, "hit_rate": h / q if q else 0.0,
+                    "preemptions": r.stats["preemptions"]}
     return out
 
 
@@ -301,16 +319,29 @@ def print_tables(result: dict) -> None:
     for r in result["per_request"] + result["long_prompt"]:
         print(f"{r['shape']:8} {r['context']:>8} {r['prompt']:>7} {r['peak_fraction']:>6.1%} "
               f"{r['time_avg_fraction']:>6.1%} {r['waste_without_reclaim']:>9.1%}")
+    labels = {"with": "reclaim, sparse retention", "with_dense_retention": "reclaim, dense retention",
+              "without": "no reclaim"}
     for c in result["capacity"]:
         print(f"\n{c['requests']} {c['shape']} requests of {c['context']} tokens, a pool for "
               f"{c['pool_fits_without_reclaim']} without reclaim:")
-        for k in ("with", "without"):
+        for k, _, _ in RUNS:
             x = c[k]
-            print(f"  {k:7} reclaim: {x['mean_running']:.1f} running on average (max {x['max_running']}), "
+            print(f"  {labels[k]:26}: {x['mean_running']:.1f} running on average (max {x['max_running']}), "
                   f"{x['preemptions']} preemptions, all done in {x['steps_to_finish_all']} steps")
     for p in result["prefix"]:
-        print(f"prefix hits {p['shape']}: with reclaim {p['with']['hit_rate']:.1%}, "
-              f"without {p['without']['hit_rate']:.1%}")
+        rates = [f"{labels[k]} {p[k]['hit_rate']:.1%} ({p[k]['preemptions']} preemptions)" for k, _, _ in RUNS]
+        print(f"prefix hits {p['shape']}: " + ", ".join(rates))
+
+
+def _commit() -> str:
+    """The checkout's commit, ``+dirty`` when it has uncommitted changes."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain") else "")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -318,8 +349,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="small contexts; writes under a temporary folder")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/bench_window_reclaim.json)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"','-separated measurements to run, of {', '.join(PARTS)} (default all)")
     args = ap.parse_args(argv)
-    rng = np.random.default_rng(args.seed)
+    parts = args.parts.split(",")
+    if not set(parts) <= set(PARTS):
+        ap.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
+    # One generator per measurement, so that running only some (--parts) draws the same requests.
+    rng, cap_rng, pre_rng = (np.random.default_rng([args.seed, k]) for k in range(3))
     if args.quick:
         global PROMPT
         PROMPT = 64
@@ -334,16 +371,21 @@ def main(argv: list[str] | None = None) -> dict:
     out = args.out or (Path(tempfile.gettempdir()) / "bench_window_reclaim.json" if args.quick
                        else REPO / "results" / "bench_window_reclaim.json")
     t0 = time.perf_counter()
-    per_request = [one_request(shape, ctx, rng, engine_check=check) for shape, ctx, check in settings]
+    commit = _commit()  # before the run: the checkout it ran on
+    per_request = ([one_request(shape, ctx, rng, engine_check=check) for shape, ctx, check in settings]
+                   if "per_request" in parts else [])
     # A long prompt: admission takes blocks for the whole prompt in every group at once (no
     # allocation per prefill chunk yet), so the peak is the prompt's, reclaimed at the first decode.
     long_prompt = [one_request("gemma3", settings[1][1], rng, engine_check=False,
-                               prompt_len=settings[1][1] - 1024)] if not args.quick else []
+                               prompt_len=settings[1][1] - 1024)] if not args.quick and "per_request" in parts else []
     result = {
         "run": record(__file__, args, argv),
         "meta": {
             "command": "python " + shlex.join(["scripts/bench_window_reclaim.py", *(argv or sys.argv[1:])]),
-            "date": datetime.date.today().isoformat(), "jax": jax.__version__, "python": platform.python_version(),
+            "date": datetime.date.today().isoformat(), "commit": commit, "jax": jax.__version__,
+            "python": platform.python_version(),
+            "retention_runs": {k: {"reclaim": reclaim, "prefix_cache_retention_interval": retention}
+                               for k, reclaim, retention in RUNS},
             "cpu_count": os.cpu_count(), "block_size": BLOCK, "prompt": PROMPT,
             "shapes": {k: {"model_type": v[0], "layer_windows": list(v[1])} for k, v in SHAPES.items()},
             "vllm_rfc_waste": VLLM_RFC_WASTE,
@@ -351,15 +393,16 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "per_request": per_request,
         "long_prompt": long_prompt,
-        "capacity": [capacity(*cap, rng)],
-        "prefix": [prefix_hits(*pre, rng)],
+        "capacity": [capacity(*cap, cap_rng)] if "capacity" in parts else [],
+        "prefix": [prefix_hits(*pre, pre_rng)] if "prefix" in parts else [],
     }
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, out.with_suffix(".png"))
+    if per_request:
+        plot(result, out.with_suffix(".png"))
     print_tables(result)
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    print(f"\nwrote {out}" + (f" and {out.with_suffix('.png')}" if per_request else ""))
     return result
 
 

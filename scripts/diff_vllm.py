@@ -19,8 +19,11 @@ Build the vLLM environment once (see ../shared/tools/vllm_ref/README.md), then:
 longer prompts and bursts of appends so that sliding windows reclaim, through a manager with a
 full-attention group and sliding-window groups (``--group-sets``, block size 4), against
 ``scripts/vllm_groups_driver.py`` (vLLM's ``KVCacheManager`` with the same groups). Compared after
-every op: the admission's hit tokens, every group's table of the request, id for id, and the whole
-free queue::
+every op: the admission's hit tokens, every group's table of the request, id for id, the whole
+free queue and the set of blocks holding a hash. Each stream runs under both prefix-cache
+retention settings (``--retention``), paged-kv's ``ManagerConfig.prefix_cache_retention_interval``
+and vLLM's ``KVCacheConfig.prefix_cache_retention_interval`` set alike: ``0`` (sparse, the default
+of both paged-kv and a vLLM server) and ``none`` (dense)::
 
     python scripts/diff_vllm.py --groups --streams 8 --ops 300 --out results/diff_vllm_groups.json
 """
@@ -39,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from scripts.run_record import record
+from scripts.run_record import record, utc_now
 
 BLOCK = 16  # vllm_driver.py's block size
 DEFAULT_ENV = Path(os.environ.get("VLLM_ENV", Path.home() / ".cache" / "vllm-ref-env"))
@@ -158,7 +161,12 @@ def compare(seed: int, num_ops: int, usable: int, env: Path, driver: Path) -> di
 
 
 GROUP_BLOCK = 4
-GROUP_SETS = ("full,w5", "full,w6,w9", "w7", "full,w2", "full,w1", "full,w13,full")
+GROUP_SETS = ("full,w5", "full,w6,w9", "w7", "full,w2", "full,w1", "full,w13,full",
+              "w9,w9,w9,w9,w9,full", "w6,w10,w6")
+RETENTIONS = ("0", "none")
+"""``--retention`` values: vLLM's ``prefix_cache_retention_interval`` as the driver takes it."""
+RETENTION_LABELS = {"0": "0 (sparse; the default of paged-kv and of a vLLM server)",
+                    "none": "None (dense; vLLM's KVCacheConfig built by hand)"}
 GROUPS_DRIVER = ROOT / "scripts" / "vllm_groups_driver.py"
 
 
@@ -169,14 +177,16 @@ def parse_groups(spec: str) -> tuple:
     return tuple(Group("full") if g == "full" else Group("window", int(g[1:])) for g in spec.split(","))
 
 
-def groups_config(usable: int, spec: str, max_seqs: int = 6):
+def groups_config(usable: int, spec: str, retention: str = "0", max_seqs: int = 6):
     import paged_kv as pk
 
     return pk.ManagerConfig(num_blocks=usable + 1, block_size=GROUP_BLOCK, max_seqs=max_seqs,
-                            max_blocks_per_seq=32, groups=parse_groups(spec))
+                            max_blocks_per_seq=32, groups=parse_groups(spec),
+                            prefix_cache_retention_interval=None if retention == "none" else int(retention))
 
 
-def make_groups_stream(seed: int, num_ops: int, usable: int, spec: str, max_seqs: int = 6) -> list[list]:
+def make_groups_stream(seed: int, num_ops: int, usable: int, spec: str, retention: str = "0",
+                       max_seqs: int = 6) -> list[list]:
     """A random op stream for ``vllm_groups_driver.py``, rich in shared prefixes: most prompts are
     a prefix of one document (32 blocks drawn from 4 distinct ones, so blocks also repeat inside
     it), sometimes with a short tail of their own; appends come in bursts of up to 12 tokens that
@@ -188,7 +198,7 @@ def make_groups_stream(seed: int, num_ops: int, usable: int, spec: str, max_seqs
     rng = random.Random(seed)
     blocks = [[rng.randrange(6) for _ in range(bs)] for _ in range(4)]
     doc = [t for _ in range(32) for t in blocks[rng.choice([0, 0, 1, 2, 3])]]
-    bm = pk.BlockManager(groups_config(usable, spec, max_seqs))
+    bm = pk.BlockManager(groups_config(usable, spec, retention, max_seqs))
     limit = bm.config.max_tokens_per_seq - 1
     tokens: dict[int, list[int]] = {}
     ops: list[list] = []
@@ -231,11 +241,12 @@ def make_groups_stream(seed: int, num_ops: int, usable: int, spec: str, max_seqs
     return ops
 
 
-def run_paged_kv_groups(ops: list[list], usable: int, spec: str, max_seqs: int = 6) -> list[str]:
+def run_paged_kv_groups(ops: list[list], usable: int, spec: str, retention: str = "0",
+                        max_seqs: int = 6) -> list[str]:
     """``vllm_groups_driver.py``'s output lines, produced by paged-kv."""
     import paged_kv as pk
 
-    bm = pk.BlockManager(groups_config(usable, spec, max_seqs))
+    bm = pk.BlockManager(groups_config(usable, spec, retention, max_seqs))
     lines = []
     for i, op in enumerate(ops):
         rid = op[1]
@@ -250,14 +261,14 @@ def run_paged_kv_groups(ops: list[list], usable: int, spec: str, max_seqs: int =
         else:
             bm.free([rid])
             what = f"free {rid}"
-        lines.append(f"{i} {what} queue {bm.free_queue()}")
+        lines.append(f"{i} {what} queue {bm.free_queue()} cached {bm.cached_blocks()}")
     return lines
 
 
-def compare_groups(seed: int, num_ops: int, usable: int, spec: str, env: Path) -> dict:
-    ops = make_groups_stream(seed, num_ops, usable, spec)
-    ours = run_paged_kv_groups(ops, usable, spec)
-    theirs = run_vllm(ops, usable, env, GROUPS_DRIVER, str(GROUP_BLOCK), spec)
+def compare_groups(seed: int, num_ops: int, usable: int, spec: str, env: Path, retention: str = "0") -> dict:
+    ops = make_groups_stream(seed, num_ops, usable, spec, retention)
+    ours = run_paged_kv_groups(ops, usable, spec, retention)
+    theirs = run_vllm(ops, usable, env, GROUPS_DRIVER, str(GROUP_BLOCK), spec, retention)
     admits = [line.split() for line in ours if line.split()[1] == "admit"]
     hit_tokens = sum(int(w[4]) for w in admits if w[4] != "None")
     # Reclaims seen: appends after which a window table gained a null entry.
@@ -266,8 +277,9 @@ def compare_groups(seed: int, num_ops: int, usable: int, spec: str, env: Path) -
     if first_diff is None and len(ours) != len(theirs):
         first_diff = min(len(ours), len(theirs))
     return {
-        "seed": seed, "groups": spec, "ops": len(ops), "admissions": len(admits), "hit_tokens": hit_tokens,
-        "appends": sum(op[0] == "append" for op in ops), "null_entries_seen": nulls,
+        "seed": seed, "groups": spec, "retention": retention, "ops": len(ops), "admissions": len(admits),
+        "hit_tokens": hit_tokens, "appends": sum(op[0] == "append" for op in ops), "null_entries_seen": nulls,
+        "comparisons": min(len(ours), len(theirs)) if first_diff is None else first_diff + 1,
         "equal": first_diff is None,
         "first_difference": None if first_diff is None else {
             "op": ops[first_diff] if first_diff < len(ops) else None,
@@ -282,23 +294,50 @@ def main_groups(args) -> int:
         print(f"needs {GROUPS_DRIVER} and the vLLM environment ({args.vllm_env})", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
+    started, vllm = utc_now(), vllm_version(args.vllm_env)
     results = []
-    for spec in args.group_sets.split(";"):
-        for k in range(args.streams):
-            r = compare_groups(args.seed + k, args.ops, args.usable_blocks, spec, args.vllm_env)
-            results.append(r)
-            print(f"groups {spec} stream {r['seed']}: {r['ops']} ops, {r['admissions']} admissions, "
-                  f"{r['hit_tokens']} hit tokens: "
-                  + ("identical" if r["equal"] else f"DIFFERS at {r['first_difference']}"), flush=True)
+    retentions = args.retention.split(",")
+    for retention in retentions:
+        for spec in args.group_sets.split(";"):
+            for k in range(args.streams):
+                r = compare_groups(args.seed + k, args.ops, args.usable_blocks, spec, args.vllm_env, retention)
+                results.append(r)
+                print(f"retention {retention} groups {spec} stream {r['seed']}: {r['ops']} ops, "
+                      f"{r['admissions']} admissions, {r['hit_tokens']} hit tokens: "
+                      + ("identical" if r["equal"] else f"DIFFERS at {r['first_difference']}"), flush=True)
+    per_setting = {}
+    for retention in retentions:
+        rs = [r for r in results if r["retention"] == retention]
+        per_setting[retention] = {
+            "streams": len(rs), "ops": sum(r["ops"] for r in rs), "comparisons": sum(r["comparisons"] for r in rs),
+            "divergent_streams": sum(not r["equal"] for r in rs), "hit_tokens": sum(r["hit_tokens"] for r in rs)}
     summary = {
         "group_sets": args.group_sets.split(";"), "block_size": GROUP_BLOCK, "streams": len(results),
-        "ops_per_stream": args.ops, "usable_blocks": args.usable_blocks,
+        "ops_per_stream": args.ops, "usable_blocks": args.usable_blocks, "retentions": retentions,
         "identical": sum(r["equal"] for r in results), "hit_tokens": sum(r["hit_tokens"] for r in results),
-        "compared": "after every op: hit tokens of an admission, every group's table of the request, the free queue",
+        "per_retention": per_setting,
+        "compared": "after every op: hit tokens of an admission, every group's table of the request, "
+                    "the free queue, the set of blocks holding a hash",
+        "configuration": "paged-kv ManagerConfig.prefix_cache_retention_interval and vLLM's "
+                         "KVCacheConfig.prefix_cache_retention_interval set alike per stream: 0 (sparse; "
+                         "the default of paged-kv and of a vLLM server's CacheConfig) or none (dense)",
         "seconds": round(time.perf_counter() - t0, 1), "results": results,
-        "command": "python " + " ".join(sys.argv), "run": record(__file__, args),
+        "run": {**record(__file__, args, started=started), "vllm": vllm},
     }
+    for retention, x in per_setting.items():
+        print(f"retention {RETENTION_LABELS.get(retention, retention)}: {x['streams']} streams, {x['ops']} ops, "
+              f"{x['comparisons']} comparisons, {x['divergent_streams']} divergent streams")
     return report(summary, args.out, "grouped streams")
+
+
+def vllm_version(env: Path) -> str:
+    """The vLLM version installed in the reference environment ``env`` ("unknown" without one)."""
+    try:
+        return subprocess.run([str(env / "bin" / "python"), "-c",
+                               "import importlib.metadata as m; print(m.version('vllm'))"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def report(summary: dict, out: Path | None, what: str) -> int:
@@ -322,6 +361,8 @@ def main() -> int:
     ap.add_argument("--groups", action="store_true", help="KV-cache groups against vllm_groups_driver.py")
     ap.add_argument("--group-sets", default=";".join(GROUP_SETS),
                     help="with --groups: ';'-separated group lists, each like 'full,w6'")
+    ap.add_argument("--retention", default=",".join(RETENTIONS),
+                    help="with --groups: ','-separated prefix_cache_retention_interval settings, 0 and/or none")
     args = ap.parse_args()
     if args.groups:
         if args.usable_blocks == 12:  # the single-group default is too small for several groups

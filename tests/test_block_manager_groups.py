@@ -2,8 +2,10 @@
 intersection, fork/select over a reclaimed prefix, and a seeded random run against the
 plain-Python ``GroupedReference`` with the invariants checked after every call."""
 
+import dataclasses
 import random
 
+import chex
 import hypothesis.strategies as st
 import jax
 import numpy as np
@@ -20,9 +22,12 @@ BS = 4
 HYBRID = (Group("full"), Group("window", 5))
 
 
-def manager(groups=HYBRID, num_blocks=24, max_seqs=4) -> pk.BlockManager:
+def manager(groups=HYBRID, num_blocks=24, max_seqs=4, retention=None) -> pk.BlockManager:
+    """The worked examples of dense retention (``retention=None``: every full window block
+    cached) unless told otherwise."""
     return pk.BlockManager(pk.ManagerConfig(num_blocks=num_blocks, block_size=BS, max_seqs=max_seqs,
-                                            max_blocks_per_seq=8, groups=groups))
+                                            max_blocks_per_seq=8, groups=groups,
+                                            prefix_cache_retention_interval=retention))
 
 
 def test_group_validation():
@@ -34,6 +39,111 @@ def test_group_validation():
         pk.ManagerConfig(num_blocks=8, groups=())
     assert not pk.ManagerConfig(num_blocks=8).grouped
     assert pk.ManagerConfig(num_blocks=8, groups=[Group("window", 3)]).grouped
+
+
+def test_retention_validation():
+    assert pk.ManagerConfig(num_blocks=8).prefix_cache_retention_interval == 0  # vLLM's engine default
+    for bad in (16, -1, True, 0.0, "0"):
+        with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
+            pk.ManagerConfig(num_blocks=8, prefix_cache_retention_interval=bad)
+    cfg = pk.ManagerConfig(num_blocks=8, groups=(Group("full"), Group("window", 9)))
+    assert cfg.sparse(cfg.groups[1]) and not cfg.sparse(cfg.groups[0])
+    assert not dataclasses.replace(cfg, prefix_cache_retention_interval=None).sparse(cfg.groups[1])
+    assert hash(cfg) != hash(dataclasses.replace(cfg, prefix_cache_retention_interval=None))
+
+
+A64 = list(range(1, 65))
+
+
+@pytest.mark.parametrize("retention, hit, table, cached", [
+    # vLLM 0.33's KVCacheManager (scripts/vllm_groups_driver.py, KVCacheConfig built with the
+    # retention) on the same two admissions printed these, id for id.
+    (0, 48, [1, 2, 3, 5, 6, 7, 8], [1, 2, 3, 5, 6, 7]),
+    (None, 64, [0, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6]),
+])
+def test_issue_repro_equals_vllm(retention, hit, table, cached):
+    """One ``Group("window", 48)``, block 16. ``r0``: 64 tokens ``A``; ``r1``: ``A`` + 41 tokens.
+    Sparse retention hashes, of ``r0``'s four full blocks, only the ``cdiv(47, 16) = 3`` before
+    its prompt boundary (block ``63 // 16 = 3``), so ``r1``'s hit is 3 blocks; dense hashes all
+    four, and ``r1`` hits 4, the first out of its window (null)."""
+    bm = pk.BlockManager(pk.ManagerConfig(num_blocks=21, block_size=16, max_seqs=4, max_blocks_per_seq=8,
+                                          groups=(Group("window", 48),), prefix_cache_retention_interval=retention))
+    bm.admit([0], [A64])
+    assert bm.tables(0) == [[1, 2, 3, 4]]
+    assert bm.cached_blocks() == ([1, 2, 3] if retention == 0 else [1, 2, 3, 4])
+    res = bm.admit([1], [A64 + list(range(100, 141))])
+    assert int(res.cached_tokens[0]) == hit
+    assert bm.tables(1) == [table]
+    assert bm.cached_blocks() == cached
+    assert bm.free_queue() == list(range(table[-1] + 1, 21))
+    check_invariants(bm.config, bm.state)
+
+
+def test_sparse_retention_caches_at_a_shared_prefix_junction():
+    """Full group and a window of 8, block 4. ``r0`` (32 tokens) hashes, in the window group,
+    only blocks 6 and 7's predecessors before its boundary (positions 5, 6: ids 14, 15); ``r1``
+    shares 21 tokens with it: the full group's own hit is 5 blocks (the junction) but the window
+    group has none of positions 3, 4, so the hybrid hit is 0. Sparse retention then hashes ``r1``'s
+    window blocks before the junction (positions 3, 4: ids 22, 23) as well as before its prompt
+    boundary (positions 5, 6: ids 24, 25); ``r2``, a third request sharing the same 21 tokens,
+    hits 20 tokens through them. Expected lines: vLLM 0.33, retention 0, the same ops."""
+    bm = manager(groups=(Group("full"), Group("window", 8)), num_blocks=31, retention=0)
+    doc = list(range(1, 33))
+    bm.admit([0], [doc])
+    assert bm.cached_blocks() == [1, 2, 3, 4, 5, 6, 7, 8, 14, 15]
+    bm.free([0])
+    assert int(bm.admit([1], [doc[:21] + list(range(80, 90))]).cached_tokens[0]) == 0
+    assert bm.tables(1) == [[16, 13, 12, 11, 10, 9, 17, 18], [19, 20, 21, 22, 23, 24, 25, 26]]
+    assert bm.cached_blocks() == [*range(1, 18), 22, 23, 24, 25]
+    bm.free([1])
+    # Hashless window blocks freed go to the front (21, 20, 19, and 26 the partly full one).
+    assert bm.free_queue() == [26, 21, 20, 19, 18, 27, 28, 29, 30, 8, 7, 6, 5, 4, 3, 2, 1, 15, 14, 17,
+                               9, 10, 11, 12, 13, 16, 25, 24, 23, 22]
+    assert int(bm.admit([2], [doc[:21] + [95]]).cached_tokens[0]) == 20
+    assert bm.tables(2) == [[1, 2, 3, 4, 5, 26], [0, 0, 0, 22, 23, 21]]
+    check_invariants(bm.config, bm.state)
+
+
+def test_sparse_retention_same_on_both_targets():
+    """Groups have one form for every platform; the parts it shares with the single-group path
+    (``release``, ``evict``) take ``ManagerConfig.target``. The junction stream above, with
+    appends that reclaim hashless blocks to the front, gives the same state bit for bit traced
+    for ``"cpu"`` and for ``"gpu"``."""
+    doc = list(range(1, 33))
+    states = []
+    for target in ("cpu", "gpu"):
+        cfg = pk.ManagerConfig(num_blocks=31, block_size=BS, max_seqs=4, max_blocks_per_seq=8, target=target,
+                               groups=(Group("full"), Group("window", 8)))
+        bm = pk.BlockManager(cfg)
+        bm.admit([0, 1], [doc[:21] + list(range(80, 90)), doc[:23]])
+        for t in range(6):
+            bm.append([0, 1], [t, t])
+        bm.free([0])
+        bm.admit([2], [doc[:21] + [95]])
+        states.append(jax.tree.map(np.asarray, bm.state))
+    chex.assert_trees_all_equal(*states, strict=True)
+
+
+@pytest.mark.parametrize("retention", [0, None])
+def test_failed_append_still_reclaims_out_of_window_blocks(retention):
+    """The documented exception to "a row that did not succeed leaves the state unchanged"
+    (docs/design.md, section 4): a grouped ``append`` that returns ``TABLE_FULL`` still frees the
+    row's out-of-window blocks, as vLLM's ``allocate_slots`` frees them before it checks capacity.
+    Windows 8 and 8 and a full group, block 4, four blocks per table: 16 tokens fill the table;
+    the 17th token does not fit, and the blocks of tokens 0..7 leave both windows."""
+    groups = (Group("window", 8), Group("window", 8), Group("full"))
+    bm = pk.BlockManager(pk.ManagerConfig(num_blocks=16, block_size=BS, max_seqs=2, max_blocks_per_seq=4,
+                                          groups=groups, prefix_cache_retention_interval=retention))
+    bm.admit([0], [list(range(16))])
+    assert bm.tables(0) == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    res = bm.append([0], [16])
+    assert int(res.status[0]) == pk.Status.TABLE_FULL
+    assert bm.tables(0) == [[0, 0, 3, 4], [0, 0, 7, 8], [9, 10, 11, 12]]
+    assert bm.num_tokens(0) == 16  # the token was not added
+    # Released tail first, group by group: dense keeps every hash (to the back); sparse hashed
+    # only positions 1 and 2 (before the prompt boundary 15 // 4 = 3), so blocks 1 and 5 go to the front.
+    assert bm.free_queue() == ([5, 1, 13, 14, 15, 2, 6] if retention == 0 else [13, 14, 15, 2, 1, 6, 5])
+    check_invariants(bm.config, bm.state)
 
 
 def test_reclaim_timing_tail_first_back_of_queue():
@@ -120,13 +230,14 @@ def test_fork_and_select_share_a_reclaimed_prefix():
     assert bm.usage()["used"] == 0
 
 
-def _snapshot(bm: pk.BlockManager) -> dict:
-    return {s: bm.tables(s) for s in sorted(bm.running())}, bm.free_queue(), np.asarray(bm.state.ref_count).tolist()
+def _snapshot(bm: pk.BlockManager) -> tuple:
+    return ({s: bm.tables(s) for s in sorted(bm.running())}, bm.free_queue(),
+            np.asarray(bm.state.ref_count).tolist(), bm.cached_blocks())
 
 
-def _reference_snapshot(ref: GroupedReference) -> dict:
+def _reference_snapshot(ref: GroupedReference) -> tuple:
     counts = list(ref.ref_count)
-    return {s: ref.tables[s] for s in sorted(ref.tables)}, ref.queue_order(), counts
+    return {s: ref.tables[s] for s in sorted(ref.tables)}, ref.queue_order(), counts, sorted(ref.cached_blocks())
 
 
 def _admit_both(bm: pk.BlockManager, ref: GroupedReference, ids: list[int], prompts: list[list[int]]) -> None:
@@ -142,9 +253,11 @@ def _append_both(bm: pk.BlockManager, ref: GroupedReference, ids: list[int], tok
     assert got.slots.tolist() == slots and got.copy_src.tolist() == src and got.copy_dst.tolist() == dst
 
 
-@pytest.mark.parametrize("groups", [HYBRID, (Group("full"), Group("window", 2), Group("window", 9))])
-def test_random_ops_equal_reference(groups):
-    cfg = pk.ManagerConfig(num_blocks=20, block_size=BS, max_seqs=4, max_blocks_per_seq=8, groups=groups)
+@pytest.mark.parametrize("groups, retention", [
+    (HYBRID, None), ((Group("full"), Group("window", 2), Group("window", 9)), 0)])
+def test_random_ops_equal_reference(groups, retention):
+    cfg = pk.ManagerConfig(num_blocks=20, block_size=BS, max_seqs=4, max_blocks_per_seq=8, groups=groups,
+                           prefix_cache_retention_interval=retention)
     bm, ref = pk.BlockManager(cfg), GroupedReference(cfg)
     rng = random.Random(0)
     doc = [rng.randrange(3) for _ in range(32)]
@@ -178,9 +291,10 @@ DOC = [1, 2, 0, 1] * 8  # prompts are prefixes of this (plus a tail), so blocks 
 
 class GroupedMachine(RuleBasedStateMachine):
     """admit / append / fork / beam select / free drawn by hypothesis on a hybrid manager (one
-    full group, two window groups, one smaller than a block); after every step the jitted manager
-    equals ``GroupedReference`` (tables per group, free queue order, counts), the invariants hold,
-    and no window table's null prefix shrank for a row that is still the same sequence."""
+    full group, two window groups, one smaller than a block) with sparse retention (the default);
+    after every step the jitted manager equals ``GroupedReference`` (tables per group, free queue
+    order, counts, cached blocks), the invariants hold, and no window table's null prefix shrank
+    for a row that is still the same sequence. ``DenseGroupedMachine``: the same, dense."""
 
     config = pk.ManagerConfig(num_blocks=22, block_size=BS, max_seqs=4, max_blocks_per_seq=8,
                               groups=(Group("full"), Group("window", 6), Group("window", 3)))
@@ -267,6 +381,12 @@ class GroupedMachine(RuleBasedStateMachine):
         assert self.bm.usage()["used"] == 0
 
 
+class DenseGroupedMachine(GroupedMachine):
+    config = dataclasses.replace(GroupedMachine.config, prefix_cache_retention_interval=None)
+
+
 GroupedMachine.TestCase.settings = settings(max_examples=5, stateful_step_count=20, deadline=None,
                                             suppress_health_check=list(HealthCheck))
+DenseGroupedMachine.TestCase.settings = settings(GroupedMachine.TestCase.settings, max_examples=3)
 TestGroupedManager = GroupedMachine.TestCase
+TestDenseGroupedManager = DenseGroupedMachine.TestCase

@@ -1,6 +1,7 @@
 """paged-kv's block manager against vLLM 0.33's own KVCacheManager, on random request streams rich
 in duplicate full blocks (``scripts/diff_vllm.py``): hit tokens of every admission, tables, append
-outcomes and the free queue after every free must be identical, id for id.
+outcomes and the free queue after every free must be identical, id for id; with KV-cache groups,
+under both prefix-cache retention settings, the cached set too.
 
 Runs where vLLM's CPU environment exists (``../shared/tools/vllm_ref/setup.sh`` builds it in
 ``~/.cache/vllm-ref-env``, or set ``VLLM_ENV``); skipped elsewhere."""
@@ -21,9 +22,11 @@ def test_identical_to_vllm_on_random_streams(seed):
 
 @pytest.mark.skipif(not (diff_vllm.DEFAULT_ENV / "bin" / "python").exists(),
                     reason="vLLM 0.33 reference environment not built (../shared/tools/vllm_ref/setup.sh)")
-def test_groups_identical_to_vllm():
-    """A full group and a sliding window of 5 tokens (block size 4): hits, every group's table
-    and the free queue equal vLLM's hybrid ``KVCacheManager``'s after every op."""
-    r = diff_vllm.compare_groups(7, 120, 40, "full,w5", diff_vllm.DEFAULT_ENV)
+@pytest.mark.parametrize("retention", diff_vllm.RETENTIONS)
+def test_groups_identical_to_vllm(retention):
+    """A full group and a sliding window of 5 tokens (block size 4), under sparse (``0``) and
+    dense (``none``) prefix-cache retention, set alike on both sides: hits, every group's table,
+    the free queue and the cached set equal vLLM's hybrid ``KVCacheManager``'s after every op."""
+    r = diff_vllm.compare_groups(7, 120, 40, "full,w5", diff_vllm.DEFAULT_ENV, retention)
     assert r["hit_tokens"] > 0 and r["null_entries_seen"] > 0
     assert r["equal"], r["first_difference"]
