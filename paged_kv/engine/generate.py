@@ -26,7 +26,15 @@ from numpy.typing import ArrayLike
 
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
-from paged_kv.engine.sampling import SamplingParams, derive_seeds, is_eos, root_key, sample_keys, sample_tokens
+from paged_kv.engine.sampling import (
+    SamplingParams,
+    derive_seeds,
+    is_eos,
+    root_key,
+    sample_keys,
+    sample_tokens,
+    with_model_eos,
+)
 from paged_kv.engine.steps import block_counts, decode, prefill
 from paged_kv.models.llama import in_vocab
 from paged_kv.reclaim import free
@@ -315,6 +323,7 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     key = call_setup.check_key(key)
     graphdef, weights, facts, pages, mesh = call_setup.place(model, pages, mesh)
+    params = with_model_eos(params, facts.eos_token_ids)  # None: the model's EOS ids, before tracing
     layout = call_setup.group_layout((graphdef, weights), manager)
     req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,

@@ -203,7 +203,8 @@ class ServingEngine:
                                                   kv_dtype=config.kv_dtype)
         self.device = DeviceStep(config, graphdef, weights, pages, state, self.key, mesh)
         self.scheduler = Scheduler(config, self.device, vocab_size=model_config.vocab_size,
-                                   max_positions=model_config.max_positions, seed=seed)
+                                   max_positions=model_config.max_positions,
+                                   eos_token_ids=model_config.eos_token_ids, seed=seed)
         self.compile_table: list[dict] = []  # per program: compile seconds and why (``compile``)
 
     # ------------------------------------------------------------------ the scheduler's API
