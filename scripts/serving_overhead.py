@@ -45,6 +45,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT, NEW = 16, 32
 
 
+def fixed_length(params_cls, **kw):
+    """Sampling parameters that generate ``max_new_tokens`` whatever is sampled: ``ignore_eos``
+    where the tree has it (its engines stop at the model's EOS by default), the plain ones in
+    older trees (which never stopped without EOS ids)."""
+    try:
+        return params_cls(ignore_eos=True, **kw)
+    except TypeError:
+        return params_cls(**kw)
+
+
 def workload(r: int):
     # Distinct prompts (no prefix-cache hits between them), bytes of the built-in tokenizer.
     return [[(7 * i + 3 * j) % 250 + 3 for j in range(PROMPT)] for i in range(r)]
@@ -68,7 +78,7 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
     mgr = pk.ManagerConfig(num_blocks=blocks, block_size=16, max_seqs=r, max_blocks_per_seq=8)
     extra = {"decode_steps": decode_steps} if decode_steps > 1 else {}  # older trees lack the field
     cfg = serving.ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(rows, r), **extra)
-    reqs = [serving.Request(p, SamplingParams(max_new_tokens=NEW)) for p in workload(requests or r)]
+    reqs = [serving.Request(p, fixed_length(SamplingParams, max_new_tokens=NEW)) for p in workload(requests or r)]
 
     def run(engine):
         return list(engine.run(reqs))
@@ -158,7 +168,7 @@ def timed_generate(model, r: int, repeats: int, requests: int | None = None) -> 
     blocks = r * -(-(PROMPT + NEW) // 16) + 1
     mgr = pk.ManagerConfig(num_blocks=blocks, block_size=16, max_seqs=r, max_blocks_per_seq=8)
     toks, lens = eng.pad_prompts(workload(r), width=PROMPT)
-    params = eng.SamplingParams(max_new_tokens=NEW)
+    params = fixed_length(eng.SamplingParams, max_new_tokens=NEW)
     best, outs = None, None
     for i in range(repeats + 1):
         pages = allocate_pages(page_spec(model, mgr.num_blocks, mgr.block_size))

@@ -9,7 +9,7 @@ request family's block tables, in the terminal and as a PNG. The files (the repo
 the PNG) go to an output folder, ``paged-kv-out/`` by default (``--out-dir``), created if missing.
 
     python -m paged_kv                       # the built-in checkpoints/tiny-llama
-    python -m paged_kv --checkpoint DIR      # a Hugging Face Llama / Qwen2 / Qwen3 / Mistral directory
+    python -m paged_kv --checkpoint DIR      # a Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 folder
     python -m paged_kv --checkpoint DIR --prompt "Once upon a time" --prompt "The cow says" --n 2
                                              # your prompts instead of the workload, streamed as generated
     python -m paged_kv --out-dir runs/a      # write report.json and block_tables.png there
@@ -220,10 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter)
     g = p.add_argument_group("model and workload")
     g.add_argument("--checkpoint", metavar="DIR", default=None,
-                   help="Hugging Face checkpoint directory (config.json + safetensors) of a llama, qwen2, qwen3 or "
-                        "mistral model; its tokenizer.json (with tokenizer_config.json and generation_config.json "
-                        "for the special tokens) tokenizes the prompts; without one, prompts are UTF-8 bytes (the "
-                        "vocabulary then needs >= 259 ids) and answers that are not bytes print as token ids. "
+                   help="Hugging Face checkpoint directory (config.json + safetensors) of a llama, qwen2, qwen3, "
+                        "mistral, gemma2 or gemma3_text (Gemma3ForCausalLM) model; its tokenizer.json (with "
+                        "tokenizer_config.json and generation_config.json for the special tokens) tokenizes the "
+                        "prompts; without one, prompts are UTF-8 bytes (the vocabulary then needs >= 259 ids) and "
+                        "answers that are not bytes print as token ids. "
                         "Default: the built-in checkpoints/tiny-llama")
     g.add_argument("--requests", type=_positive, default=24, metavar="N",
                    help="requests in the workload (the 12 templates repeat)")
@@ -562,9 +563,10 @@ def _prompt_requests(args, prompts, eos_ids):
     return [Request(ids, params, arrival=0, request_id=i) for i, (_, ids) in enumerate(prompts)]
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if chr(c) not in "\n\t"}
-"""C0 controls and DEL (bar newline and tab) -> a visible escape: generated text never moves the
-terminal's cursor or starts an escape sequence."""
+_CONTROL = {c: "\\n" if chr(c) == "\n" else f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if chr(c) != "\t"}
+"""C0 controls and DEL (bar tab) -> a visible escape, newline as ``\\n``: generated text never moves
+the terminal's cursor or starts an escape sequence, and each answer stays on its own line (a run
+of newlines shows as ``\\n\\n...``, not as blank lines)."""
 
 
 def printable(text: str) -> str:

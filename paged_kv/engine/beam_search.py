@@ -35,6 +35,7 @@ from paged_kv.engine import call_setup
 from paged_kv.engine.generate import BlockStats, bad_prompts
 from paged_kv.engine.sampling import BeamParams, is_eos, with_model_eos
 from paged_kv.engine.steps import block_counts, decode, prefill
+from paged_kv.models.protocol import model_facts
 from paged_kv.pallas_kernels.invariant import log_softmax as invariant_log_softmax
 from paged_kv.reclaim import free
 from paged_kv.share import select
@@ -170,6 +171,7 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
     """The traceable body of ``beam_search`` (arguments already checked; ``budgets``: optional
     int32 ``[B]`` per-prompt ``max_new_tokens``). Returns ``(BeamOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
+    params = with_model_eos(params, model_facts(model).eos_token_ids)  # for direct callers (``beam_search`` did)
     b = prompt_tokens.shape[0]
     k, steps = params.beam_width, params.max_new_tokens
     rows = jnp.arange(b * k, dtype=jnp.int32)

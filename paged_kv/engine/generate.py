@@ -37,6 +37,7 @@ from paged_kv.engine.sampling import (
 )
 from paged_kv.engine.steps import block_counts, decode, prefill
 from paged_kv.models.llama import in_vocab
+from paged_kv.models.protocol import model_facts
 from paged_kv.reclaim import free
 from paged_kv.share import fork
 from paged_kv.state import BlockManagerState
@@ -187,6 +188,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     """The traceable body of ``generate`` (arguments already checked; ``seeds`` int32 ``[B]`` or
     None: ``derive_seeds(key, B)``). Returns ``(GenerateOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
+    params = with_model_eos(params, model_facts(model).eos_token_ids)  # for direct callers (``generate`` did)
     b = prompt_tokens.shape[0]
     n, steps = params.n, params.max_new_tokens
     r = b * n

@@ -197,7 +197,8 @@ class Scheduler:
         self.host.stats.rejected += 1
         return RequestOutput(request_id=request.request_id, request=request, tokens=[], logprobs=None, scores=None,
                              finish_reasons=[], stats=RequestStats(prompt_tokens=len(request.prompt),
-                                                                   arrival_step=self.step_count), error=error)
+                                                                   arrival_step=self.step_count), error=error,
+                             rejected=True)
 
     @property
     def idle(self) -> bool:
