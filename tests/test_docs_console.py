@@ -1,7 +1,8 @@
 """The documentation's console sessions (```console blocks of the README and docs/) print what they
 show: each ``$ `` command runs in a fresh folder (with ``scripts/`` of this checkout beside it, on
 the CPU, with its own compile cache), and every output line the page shows is a line the command
-printed, in the page's order; a line ``...`` stands for lines left out (timings, versions).
+printed, in the page's order; a line ``...`` stands for lines left out (timings, versions). A
+```python block followed by "It prints ...:" and a ```text block prints exactly that text.
 
 Not a smoke test: each session builds a checkpoint and compiles the serving step (about half a
 minute each). The answers are those of this JAX version on a CPU; when a change of sampling or
@@ -17,6 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
+       "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+ENV.pop("XLA_FLAGS", None)
 
 
 def console_blocks(page: Path) -> list[str]:
@@ -74,9 +78,7 @@ def test_missing_lines_keeps_order():
 @pytest.mark.parametrize("page, index", BLOCKS, ids=lambda v: v.name if isinstance(v, Path) else str(v))
 def test_console_block_prints_what_it_shows(page, index, tmp_path):
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    env.pop("XLA_FLAGS", None)
+    env = {**ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     for command, shown in sessions(console_blocks(page)[index]):
         assert command.startswith("python "), f"{page.name}: a console command runs python: {command!r}"
         proc = subprocess.run(f"{sys.executable} {command[len('python '):]}", shell=True, cwd=tmp_path, env=env,
@@ -86,3 +88,33 @@ def test_console_block_prints_what_it_shows(page, index, tmp_path):
         missing = missing_lines(shown, printed)
         assert not missing, (f"{page.name}: {command!r} did not print, in this order:\n" + "\n".join(missing)
                              + "\n--- it printed:\n" + proc.stdout[-4000:])
+
+
+def printed_examples(page: Path) -> list[tuple[str, str]]:
+    """``(python block, the text it prints)`` for each ```python block the page follows with
+    "It prints ...:" and a ```text block."""
+    text = page.read_text()
+    out = []
+    for block in re.finditer(r"^```python\n(.*?)^```\n", text, flags=re.S | re.M):
+        shown = re.compile(r"\nIt prints[^\n]*:\n\n```text\n(.*?)^```$", re.S | re.M).match(text, block.end())
+        if shown:
+            out.append((block.group(1), shown.group(1)))
+    return out
+
+
+EXAMPLES = [(page, k) for page in PAGES for k in range(len(printed_examples(page)))]
+
+
+def test_printed_examples_are_found():
+    assert (ROOT / "README.md", 0) in EXAMPLES  # generate's two prompts, two samples each
+
+
+@pytest.mark.parametrize("page, index", EXAMPLES, ids=lambda v: v.name if isinstance(v, Path) else str(v))
+def test_example_prints_what_the_page_shows(page, index, tmp_path):
+    block, shown = printed_examples(page)[index]
+    script = tmp_path / "example.py"
+    script.write_text(block)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=ENV, text=True, capture_output=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == shown, f"{page.name}: the example printed\n{proc.stdout}"
