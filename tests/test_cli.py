@@ -4,12 +4,14 @@ folder, so the tests never write into the repository."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ OPTIONS = ["--checkpoint", "--requests", "--max-new-tokens", "--arrival-gap", "-
            "--no-prefix-caching", "--tp", "--impl", "--batch-invariant", "--kv-dtype", "--show", "--out-dir", "--png",
            "--json", "--color",
            "--no-progress", "--compile-cache", "--no-compile-cache", "--walkthrough", "--prompt", "--prompts-file",
+           "--overwrite", "--decode-steps",
            "--chat", "--n", "--beam-width", "--temperature", "--top-p", "--top-k", "--verbose"]
 # The CLI's persistent compilation cache goes to a folder of this test session, not the user's.
 _CACHE_HOME = tempfile.mkdtemp(prefix="paged-kv-test-cache-")
@@ -94,12 +97,19 @@ def test_output_paths_default_to_the_output_folder():
     (["--prompt", "hi", "--n", "1000"], "--n 1000 needs 1000 sequences running at once; --max-seqs is 32 (raise "
                                         "--max-seqs to 1000 or more, or lower --n)"),
     (["--prompt", "hi", "--beam-width", "40"], "--beam-width 40 needs 40 sequences running at once; --max-seqs is 32"),
+    (["--batch-invariant", "--kv-dtype", "int8"], "--batch-invariant does not support --kv-dtype int8"),
+    (["--decode-steps", "100000"], "--decode-steps 100000 must be <= "),  # the library's check, in the option's terms
+    # Needs the backend (the reference kernels' limit): still before the model loads.
+    (["--batch-invariant", "--block-size", "256"], "--batch-invariant on the reference kernels (--impl auto on cpu) "
+                                                   "needs a --block-size that divides 128"),
 ])
-def test_bad_option_is_one_line(args, message):
-    r = _run(*args)
+def test_bad_option_is_one_line(args, message, tmp_path):
+    r = _run(*args, *([] if "--out-dir" in args else ["--out-dir", str(tmp_path / "out")]))
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("paged-kv: error:") and message in lines[0], r.stderr
+    assert lines[0].endswith("(see --help)") and not re.search(r"[a-z_]=", lines[0]), lines[0]  # no library names
+    assert r.stdout == "" and not (tmp_path / "out").exists()
 
 
 def test_missing_checkpoint_is_one_line(tmp_path):
@@ -122,11 +132,12 @@ def test_missing_checkpoint_is_one_line(tmp_path):
 
 
 def test_tensor_parallel_degree_that_fits_no_head_layout_is_one_line(tmp_path):
+    """Checked against the checkpoint's config.json, before the weights load; named as the option."""
     r = _run("--tp", "3", "--requests", "2", "--out-dir", str(tmp_path))
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
-        "paged-kv: error: tensor-parallel degree tp=3 fits no head layout: 3 does not divide num_heads=4; "
-        "degrees that work for this model: [1, 2, 4]"]
+        "paged-kv: error: tensor-parallel degree --tp 3 fits no head layout: 3 does not divide num_heads=4; "
+        "degrees that work for this model: [1, 2, 4] (see --help)"]
 
 
 @pytest.mark.skipif(os.environ.get("PAGED_KV_MESH_TESTS") != "1",
@@ -183,6 +194,21 @@ def test_small_end_to_end_run(small_run):
     assert rep["sharing"]["parallel_sampling"]["saved_fraction"] > 0
     assert rep["prefix_cache"]["hit_tokens"] > 0  # the shared preamble
     assert rep["block_tables"]["saved_blocks"] > 0
+    # How it was made: the command, every option, the versions, the device and the times.
+    run = rep["run"]
+    assert rep["partial"] is False and run["argv"] == [*SMALL_RUN, "--compile-cache", str(small_run[2]),
+                                                       "--out-dir", str(out_dir)]
+    assert run["command"].startswith("python -m paged_kv --requests 6 ")
+    assert {k: run["options"][k] for k in ("kv_dtype", "batch_invariant", "impl", "tp", "decode_steps",
+                                            "temperature", "max_new_tokens")} == {
+        "kv_dtype": "int8", "batch_invariant": False, "impl": "auto", "tp": 1, "decode_steps": 8,
+        "temperature": 0.0, "max_new_tokens": 12}
+    assert set(run["versions"]) == {"paged_kv", "paged_kv_commit", "jax", "jaxlib", "flax", "python"}
+    assert run["versions"]["jax"] and run["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert run["backend"] == "cpu" and run["device_kind"]
+    assert datetime.fromisoformat(run["started"]) <= datetime.fromisoformat(run["ended"])
+    # Request order (they finish in another: the beams last).
+    assert [q["id"] for q in rep["per_request"]] == [str(i) for i in range(6)]
     # Every answer's token ids and log-probabilities (beam hypotheses: their score) are recorded.
     for req in rep["per_request"]:
         assert len(req["answers"]) == req["width"], req["id"]
@@ -211,11 +237,32 @@ def test_pallas_on_a_cpu_is_one_line_before_loading_anything(tmp_path):
     assert not (tmp_path / "out").exists()  # the output folder is created only when files are written
 
 
+def test_earlier_report_is_kept_unless_overwrite(tmp_path):
+    """An output folder (or --json / --png path) that holds an earlier run's files is refused at
+    once, naming --overwrite; nothing is touched."""
+    (tmp_path / "report.json").write_text("{}")
+    r = _run("--requests", "2", "--out-dir", str(tmp_path))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"paged-kv: error: --out-dir '{tmp_path}' already holds an earlier run's report (report.json): pass "
+        "--overwrite to replace that run's files, or choose another --out-dir (see --help)"]
+    png = tmp_path / "t.png"
+    png.write_bytes(b"x")
+    r = _run("--requests", "2", "--png", str(png), "--out-dir", str(tmp_path / "new"))
+    assert r.returncode == 2 and f"--png '{png}' already holds an earlier run's block-table picture" in r.stderr
+    assert (tmp_path / "report.json").read_text() == "{}" and png.read_bytes() == b"x"
+    assert not (tmp_path / "new").exists()
+
+
 def test_every_request_rejected_exits_1_and_prints_dashes(tmp_path):
     """Two blocks (one allocatable) fit no prompt: the report still comes (no step ran, so no
-    throughput, first-token time, sharing or hit rate: "–"), then a one-line reason and exit 1."""
+    throughput, first-token time, sharing or hit rate: "–"), then a one-line reason and exit 1.
+    The folder holds an earlier run's files: --overwrite replaces the report and removes the
+    picture this run does not draw."""
     js = tmp_path / "report.json"
-    r = _run("--num-blocks", "2", "--requests", "3", "--no-progress", "--out-dir", str(tmp_path))
+    js.write_text("{}")
+    (tmp_path / "block_tables.png").write_bytes(b"an earlier run's")
+    r = _run("--num-blocks", "2", "--requests", "3", "--no-progress", "--out-dir", str(tmp_path), "--overwrite")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
         "paged-kv: error: every request was rejected (3 of 3), e.g. request 0: prompt has 29 tokens = 2 blocks; "
@@ -226,21 +273,21 @@ def test_every_request_rejected_exits_1_and_prints_dashes(tmp_path):
                  "time to first token median –\n", "parallel sampling: – of block-steps",
                  "prefix cache        hit rate – (0 of 0 prompt tokens)"):
         assert line in out, line
-    assert not (tmp_path / "block_tables.png").exists()  # no request family ran: no picture
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # no request family ran: no picture
     rep = json.loads(js.read_text())
     assert rep["requests"]["rejected"] == 3 and rep["throughput"]["tokens_per_s"] is None
     assert rep["throughput"]["time_to_first_token_median_s"] is None and rep["prefix_cache"]["hit_rate"] is None
 
 
 def test_answers_that_are_not_bytes_print_as_token_ids():
-    from paged_kv.apps.cli import _shown_tokens
+    from paged_kv.apps.workload import shown_tokens
     from paged_kv.models.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    assert _shown_tokens(tok, [72, 105, 258, 300], 90) == "'Hi'"  # stops at EOS before the bad id
-    assert _shown_tokens(tok, [72, 300, 105], 90) == "token ids [72 300 105]"
-    assert _shown_tokens(tok, [72, 105, 258, 7], 90, as_text=False) == "token ids [72 105]"
-    assert _shown_tokens(None, list(range(1000, 1100)), 20) == "token ids [1000 1001 1002 10...]"
+    assert shown_tokens(tok, [72, 105, 258, 300], 90) == "'Hi'"  # stops at EOS before the bad id
+    assert shown_tokens(tok, [72, 300, 105], 90) == "token ids [72 300 105]"
+    assert shown_tokens(tok, [72, 105, 258, 7], 90, as_text=False) == "token ids [72 105]"
+    assert shown_tokens(None, list(range(1000, 1100)), 20) == "token ids [1000 1001 1002 10...]"
 
 
 def test_model_without_a_byte_level_vocabulary_serves_and_reports(tmp_path):
@@ -301,9 +348,11 @@ def _interrupt_at(phase, *args, delay=0.0, cache=False):
     return p.returncode, before[-1], out, err, took
 
 
-def _assert_interrupted(rc, err, took):
+def _assert_interrupted(rc, err, took, partial=None):
+    """Exit 130 within seconds, with the one line; ``partial``: the report a partial run wrote."""
     assert rc == 130, (rc, err[-3000:])
-    assert err.strip().splitlines() == ["paged-kv: interrupted"], err[-3000:]
+    assert err.strip().splitlines() == ["paged-kv: interrupted"] + (
+        [f"paged-kv: partial report ({partial[0]} finished requests): {partial[1]}"] if partial else []), err[-3000:]
     assert took < 10
 
 
@@ -327,8 +376,9 @@ def test_ctrl_c_while_the_report_renders(tmp_path):
     # programs are in the session's cache.
     rc, _, out, err, took = _interrupt_at("report:wait", "--num-blocks", "2", "--requests", "3", "--no-progress",
                                           "--out-dir", str(tmp_path), cache=True)
-    _assert_interrupted(rc, err, took)
+    _assert_interrupted(rc, err, took, partial=(3, tmp_path / "report.json"))  # before its files: a partial one
     assert "serving report" not in out
+    assert json.loads((tmp_path / "report.json").read_text())["partial"] is True
 
 
 def test_compilation_cache_is_filled_once_and_reused(small_run, tmp_path):
@@ -352,6 +402,48 @@ def test_compilation_cache_is_filled_once_and_reused(small_run, tmp_path):
                "--out-dir", str(tmp_path / "c"))
     assert off.returncode == 1 and "cannot load checkpoint" in off.stderr, off.stderr
     assert not (tmp_path / "unused").exists()
+
+
+def test_ctrl_c_while_serving_writes_a_partial_report(small_run, tmp_path):
+    """SIGINT once the first request has finished (the small run's programs, loaded from its
+    cache): the report of the requests that finished, marked partial, with how the run was
+    made; the earlier run's picture is removed (--overwrite), so nothing stale stays beside it."""
+    _, _, cache = small_run
+    (tmp_path / "report.json").write_text("{}")
+    (tmp_path / "block_tables.png").write_bytes(b"an earlier run's")
+    rc, _, out, err, took = _interrupt_at("served:wait", *SMALL_RUN, "--compile-cache", str(cache), "--overwrite",
+                                          "--out-dir", str(tmp_path), cache=True)
+    _assert_interrupted(rc, err, took, partial=(1, tmp_path / "report.json"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["partial"] is True and rep["requests"]["total"] == 1 and len(rep["per_request"]) == 1
+    assert rep["per_request"][0]["answers"][0]["tokens"] and rep["run"]["ended"] and rep["run"]["options"]["overwrite"]
+
+
+def test_a_prompt_samples_the_same_bits_wherever_it_stands(tmp_path):
+    """A prompt's default seed comes from its token ids and --seed, not its place in the list:
+    moved from first of two to last of three, among other prompts, "The cow says" samples the
+    same tokens and log-probabilities, bit for bit. Under --batch-invariant, so that its logits do
+    not depend on its batchmates either (without it they may differ in the last bits, and a
+    sample with them); the seed itself is checked alone in tests/test_cli_report.py."""
+    from paged_kv.apps.cli import prompt_seed
+    from paged_kv.models.tokenizer import ByteTokenizer
+
+    common = ("--temperature", "1.0", "--max-new-tokens", "6", "--batch-invariant", "--seed", "5", "--num-blocks",
+              "16", "--max-seqs", "4", "--max-seq-len", "64", "--chunk-size", "16", "--max-prefill-rows", "4",
+              "--no-progress", "--show", "0")
+    first = _run("--prompt", "The cow says", "--prompt", "Once upon a time", *common, "--out-dir", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = _run("--prompt", "3 plus 4 is", "--prompt", "After Monday comes", "--prompt", "The cow says", *common,
+                "--out-dir", str(tmp_path / "b"))
+    assert last.returncode == 0, last.stderr[-3000:]
+    a = json.loads((tmp_path / "a" / "report.json").read_text())["answers"]
+    b = json.loads((tmp_path / "b" / "report.json").read_text())["answers"]
+    assert a[0]["prompt"] == b[2]["prompt"] == "The cow says"
+    assert a[0]["seed"] == b[2]["seed"] == prompt_seed(5, ByteTokenizer().encode("The cow says", add_bos=True))
+    assert a[0]["answers"] == b[2]["answers"]  # tokens, log-probabilities, text and finish reason
+    assert len(a[0]["answers"][0]["logprobs"]) == len(a[0]["answers"][0]["tokens"]) > 0
+    assert len({e["seed"] for e in a + b}) == 4  # four different prompts, four seeds
 
 
 def test_default_compile_cache_follows_xdg(monkeypatch, tmp_path):
@@ -393,7 +485,7 @@ def test_your_prompts_stream_through_the_checkpoint_tokenizer(bpe_ckpt, tmp_path
     answers each: the header names the tokenizer, the answers stream one after another in prompt
     order, and the streamed text of every answer is the decode of its tokens (the report JSON
     records them)."""
-    from paged_kv.apps.cli import printable
+    from paged_kv.apps.prompts import printable
     from paged_kv.models.hf_tokenizer import HFTokenizer
 
     prompts = tmp_path / "prompts.txt"
@@ -417,6 +509,7 @@ def test_your_prompts_stream_through_the_checkpoint_tokenizer(bpe_ckpt, tmp_path
     for i, entry in enumerate(rep["answers"]):
         for j, a in enumerate(entry["answers"]):
             assert a["text"] == tok.decode(a["tokens"], stop_at_eos=True)
+            assert len(a["logprobs"]) == len(a["tokens"]) and all(x <= 0 for x in a["logprobs"])
             head = f"[prompt {i}, sample {j}] {entry['prompt']!r} ->"
             expected.append(f"{head} {printable(a['text'])} [{a['finish_reason']}]")
     # One answer after the other, in order, each on its own line (a newline in an answer prints as \n).
@@ -436,9 +529,9 @@ def test_chat_without_a_template_is_one_line(bpe_ckpt, tmp_path):
     del cfg["chat_template"]
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     r = _run("--checkpoint", str(d), "--prompt", "hi", "--chat", "--out-dir", str(tmp_path / "o"))
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["paged-kv: error: --chat: the checkpoint has no chat template "
-                                             "(tokenizer_config.json's chat_template)"], r.stderr
+                                             "(tokenizer_config.json's chat_template) (see --help)"], r.stderr
 
 
 def test_stream_printer_holds_later_answers_until_their_turn():
@@ -447,7 +540,7 @@ def test_stream_printer_holds_later_answers_until_their_turn():
     request prints its error; EOS ids print nothing; a character split over two deltas prints once."""
     import io
 
-    from paged_kv.apps.cli import _StreamPrinter
+    from paged_kv.apps.prompts import StreamPrinter
     from paged_kv.engine import BeamParams, SamplingParams
     from paged_kv.engine.serving import Request, TokenDelta
     from paged_kv.models.tokenizer import ByteTokenizer
@@ -456,7 +549,7 @@ def test_stream_printer_holds_later_answers_until_their_turn():
     reqs = [Request([1], SamplingParams(n=2), request_id=0), Request([1], BeamParams(beam_width=2), request_id=1),
             Request([1], SamplingParams(), request_id=2)]
     out = io.StringIO()
-    pr = _StreamPrinter(tok, reqs, [("a", [1]), ("b", [1]), ("c", [1])], out=out)
+    pr = StreamPrinter(tok, reqs, [("a", [1]), ("b", [1]), ("c", [1])], out=out)
     e = list("é".encode())
     pr.on_token(TokenDelta(0, 1, (ord("y"),)))             # held: sample 1 is not on screen yet
     pr.on_token(TokenDelta(0, 0, (ord("x"), e[0])))        # live; half a character: nothing yet
@@ -500,17 +593,21 @@ def test_unwritable_output_folder_is_refused_first(tmp_path):
         assert r.stderr.strip().splitlines() == [f"paged-kv: error: --out-dir '{out_dir}': {why} (see --help)"]
         assert time.monotonic() - t0 < 30
     r = _run_patched(prelude, "--json", str(ro / "r.json"), "--png", str(tmp_path / "t.png"))
-    assert r.returncode == 2 and f"directory of '{ro / 'r.json'}' is not writable" in r.stderr
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"paged-kv: error: --json '{ro / 'r.json'}': its folder '{ro}' is not "
+                                             "writable (see --help)"]
 
 
-def test_missing_cli_extra_is_one_line():
+def test_missing_cli_extra_is_one_line(tmp_path):
+    """Every missing package named, and the command that installs them from a checkout too."""
     for hidden in (["tqdm"], ["tqdm", "matplotlib"]):
         prelude = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in hidden)
-        r = _run_patched(prelude, "--requests", "2")
+        r = _run_patched(prelude, "--requests", "2", "--out-dir", str(tmp_path))
         assert r.returncode == 1 and r.stdout == ""
         assert r.stderr.strip().splitlines() == [
             f"paged-kv: error: the command line needs {' and '.join(hidden)}, which "
-            f"{'is' if len(hidden) == 1 else 'are'} not installed: pip install 'paged-kv[cli]'"], r.stderr
+            f"{'is' if len(hidden) == 1 else 'are'} not installed: pip install 'paged-kv[cli]' (from a checkout of "
+            "the repository: pip install -e '.[cli]')"], r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -519,12 +616,17 @@ def test_missing_cli_extra_is_one_line():
     (["--prompt", "hi", "--n", "4", "--num-blocks", "8", "--max-new-tokens", "100"],
      "prompt 0 ('hi'): 4 answers of up to 102 tokens need up to 28 blocks of 16 tokens; --num-blocks 8 gives 7 "
      "(raise --num-blocks, or lower --max-new-tokens or --n/--beam-width)"),
+    # The model's 512-token context caps --max-seq-len first: 32 blocks an answer, not 251.
+    (["--prompt", "hi", "--n", "4", "--num-blocks", "100", "--max-seq-len", "5000", "--max-new-tokens", "4000"],
+     "prompt 0 ('hi'): 4 answers of up to 512 tokens (the model's context (max_position_embeddings=512, under "
+     "--max-seq-len 5000) caps them) need up to 128 blocks of 16 tokens; --num-blocks 100 gives 99"),
 ])
 def test_prompts_that_cannot_run_are_refused_before_loading(args, message, tmp_path):
     t0 = time.monotonic()
     r = _run(*args, "--out-dir", str(tmp_path / "o"))
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines() == [f"paged-kv: error: {message}"]
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"paged-kv: error: {message}"), r.stderr
     assert "compiling" not in r.stdout and time.monotonic() - t0 < 60  # nothing loaded, nothing compiled
 
 
@@ -541,3 +643,9 @@ def test_answers_cut_by_the_sequence_length_are_announced_before_compiling(tmp_p
     assert rc == 130, err
     assert "note: 10 of 24 requests have prompts longer than the 48 tokens a sequence holds (--max-seq-len 48): " \
            "they will be rejected" in out
+    # A --max-seq-len past the model's context (512) serves that context: accepted, and said.
+    rc, _, out, err, _ = _interrupt_at("compile:wait", "--prompt", "hi", "--max-seq-len", "5000",
+                                       "--max-new-tokens", "4000", "--out-dir", str(tmp_path))
+    assert rc == 130, err
+    assert ("note: the model's context (max_position_embeddings=512, under --max-seq-len 5000) leaves prompt 0 "
+            "fewer than --max-new-tokens 4000 new tokens") in out

@@ -65,6 +65,18 @@ class CompileProgress:
             self._write(f"\r{self._label} ... {seconds:.1f} s\x1b[K")
         else:
             self._write(f" {seconds:.1f} s")
+        self._label = ""  # the line is ended
+
+    def end_line(self) -> None:
+        """Ends the line of a program still compiling (an error or an interrupt stopped it), so
+        what is printed next starts on a line of its own; nothing when no line is open."""
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+            self._stop = self._thread = None
+        if self._label:
+            self._write("")
+            self._label = ""
 
     def _ticker(self, stop: threading.Event) -> None:
         while not stop.wait(self.tick):

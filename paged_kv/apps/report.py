@@ -22,6 +22,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from paged_kv.apps.provenance import write_atomic
 from paged_kv.engine.serving import EngineStats, RequestOutput, ServingEngine, TableSnapshot
 
 SHARING_DEFINITION = (
@@ -56,9 +57,9 @@ def _kib(nbytes: float | None) -> str:
     return f"{nbytes / 1024:.1f} KiB"
 
 
-def _answers(o: RequestOutput) -> list[dict]:
-    """The answers of one output: token ids, log-probabilities (samples) or score (beams), and
-    finish reason each (``build_report``)."""
+def answer_entries(o: RequestOutput) -> list[dict]:
+    """The answers of one output: token ids, log-probabilities (samples; None for beams) or score
+    (beams), and finish reason each (``build_report``)."""
     out = []
     for j, toks in enumerate(o.tokens):
         entry = {"tokens": [int(t) for t in toks],
@@ -72,7 +73,8 @@ def _answers(o: RequestOutput) -> list[dict]:
 
 def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, extra: dict | None = None) -> dict:
     """A JSON-able summary of a finished run: configuration, engine statistics, sharing, prefix
-    cache, preemptions, per-request statistics and answers, and the block-table snapshot.
+    cache, preemptions, per-request statistics and answers (``per_request``, in the order of
+    ``outputs``), and the block-table snapshot.
 
     Each ``per_request`` entry records its answers (``answers``: per sample, or per beam
     hypothesis best first, the generated ``tokens`` (ids), their ``logprobs`` (float32 values
@@ -93,7 +95,7 @@ def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, ext
             "preemptions": s.preemptions, "generated_tokens": s.generated_tokens,
             "arrival_step": s.arrival_step, "first_token_step": s.first_token_step, "finish_step": s.finish_step,
             "time_to_first_token_s": s.time_to_first_token_s, "latency_s": s.latency_s, "error": o.error,
-            "seed": o.seed, "answers": _answers(o)})
+            "seed": o.seed, "answers": answer_entries(o)})
     ttft = sorted(o.stats.time_to_first_token_s for o in ok if o.stats.time_to_first_token_s is not None)
     timed_s = st.wall_s - st.compile_s
     report = {
@@ -221,20 +223,20 @@ def _make_parent(path: str | os.PathLike) -> None:
 
 
 def save_report_json(report: dict, path: str | os.PathLike) -> str:
-    """Writes ``report`` (from ``build_report``) as indented JSON, creating its folder if missing.
-    Returns the path."""
+    """Writes ``report`` (from ``build_report``) as indented JSON, creating its folder if missing,
+    atomically (``provenance.write_atomic``: never a truncated file). Returns the path."""
     text = json.dumps(report, indent=2)  # before opening: a report that cannot be encoded writes nothing
     _make_parent(path)
-    with open(path, "w") as fh:
-        fh.write(text)
-    return str(path)
+    return write_atomic(path, text + "\n")
 
 
 def save_block_tables_png(snap: TableSnapshot, path: str | os.PathLike, *, title: str | None = None) -> str:
     """PNG of the same picture: a grid of (sequence x logical block), each cell coloured by its
     block's reference count and labelled with the physical block id; its folder is created if
-    missing. Returns the path."""
-    _make_parent(path)
+    missing; written atomically (``provenance.write_atomic``: never a 0-byte or truncated PNG).
+    Returns the path."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,10 +265,14 @@ def save_block_tables_png(snap: TableSnapshot, path: str | os.PathLike, *, title
     bar = fig.colorbar(im, ax=ax, ticks=range(1, top + 1), fraction=0.04)
     bar.set_label("reference count (tables holding the block)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    _make_parent(path)
+    return write_atomic(path, png.getvalue())
 
 
-__all__ = ["SHARING_DEFINITION", "build_report", "format_report", "render_block_tables", "save_block_tables_png",
-           "save_report_json"]
+__all__ = ["SHARING_DEFINITION", "answer_entries", "build_report", "format_report", "render_block_tables",
+           "save_block_tables_png", "save_report_json"]
