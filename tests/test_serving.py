@@ -179,8 +179,10 @@ def test_readmission_hits_cache(model):
     those of a run alone."""
     long_prompt = TOK.encode("Once upon a time there was a happy cat named Rosa. Rosa lived near the "
                              "river and liked to")
-    reqs = [Request(TOK.encode("Let us count: 1, 2,"), SamplingParams(max_new_tokens=230), request_id="x"),
-            Request(long_prompt, SamplingParams(max_new_tokens=150), arrival=5, request_id="y")]
+    # Both run to their budgets (past the model's EOS), so that together they outgrow the pool.
+    reqs = [Request(TOK.encode("Let us count: 1, 2,"), SamplingParams(max_new_tokens=230, ignore_eos=True),
+                    request_id="x"),
+            Request(long_prompt, SamplingParams(max_new_tokens=150, ignore_eos=True), arrival=5, request_id="y")]
     eng, outs = _run(model, reqs)
     y = {o.request_id: o for o in outs}["y"]
     assert y.stats.preemptions >= 1
