@@ -176,9 +176,9 @@ def test_serving_preempted_and_cached(model, alone):
     two blocks) and is preempted and recomputed (10 blocks): still the bits of the probe alone."""
     cfg = _serving_config(4, 16, 10)
     rs = np.random.RandomState(11)
-    reqs = [Request(list(PROBE[:32]) + rs.randint(0, 256, 20).tolist(), SamplingParams(max_new_tokens=30),
-                    request_id="m0"),
-            Request(rs.randint(0, 256, 60).tolist(), SamplingParams(max_new_tokens=30), request_id="m1"),
+    mates = SamplingParams(max_new_tokens=30, ignore_eos=True)  # past EOS: they hold their blocks
+    reqs = [Request(list(PROBE[:32]) + rs.randint(0, 256, 20).tolist(), mates, request_id="m0"),
+            Request(rs.randint(0, 256, 60).tolist(), mates, request_id="m1"),
             Request(PROBE, SamplingParams(max_new_tokens=N_NEW), arrival=3, request_id="probe")]
     probe = {o.request_id: o for o in ServingEngine(model, cfg).run(reqs)}["probe"]
     assert probe.stats.preemptions >= 1 and probe.stats.cached_prompt_tokens >= 32
