@@ -1,6 +1,7 @@
 """The Hugging Face checkpoint format, as both loaders read it: file names, the tensor list of a
-Llama-family model (`hf_tensors`), `read_hf_config` and `check_checkpoint` (every tensor's
-presence, shape and dtype, before anything is read), and `CheckpointError`.
+Llama-family model (`hf_tensors`), `read_hf_config`, `checkpoint_config` (the model config with
+the EOS ids a generation stops on, `checkpoint_token_ids`) and `check_checkpoint` (every
+tensor's presence, shape and dtype, before anything is read), and `CheckpointError`.
 
 Its own module so that `paged_kv.models.hf_io` (single-process load and save) and `paged_kv.models.sharding`
 (tensor-parallel load) both import it and neither imports the other's internals: the import
@@ -13,6 +14,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from flax import nnx
 from safetensors import safe_open
@@ -22,6 +24,7 @@ from paged_kv.models.config import LlamaConfig
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class CheckpointError(ValueError):
@@ -92,6 +95,56 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         raise FileNotFoundError(f"missing {CONFIG_FILE} in checkpoint directory {str(path)!r}")
     with open(cfg_file) as fh:
         return json.load(fh)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from `path`, {} when the file is absent; ValueError naming the file otherwise."""
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{str(path)!r} is not readable JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
+def _ids(value: Any, field: str, vocab_size: int) -> tuple[int, ...]:
+    """An id or a list of ids (generation_config's `eos_token_id`), each checked to be in the vocabulary."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab_size:
+            raise ValueError(f"{field}={value!r}: every id must be an int in [0, vocab_size={vocab_size})")
+        out.append(int(v))
+    return tuple(dict.fromkeys(out))
+
+
+def checkpoint_token_ids(path: str | os.PathLike, field: str, vocab_size: int) -> tuple[int, ...]:
+    """A checkpoint's special token ids `field` ("eos_token_id", "bos_token_id"): those of
+    `generation_config.json` when it sets them (what `transformers.generate` stops on), else
+    `config.json`'s; () when neither does. An id or a list (every id of the list ends a
+    generation), each checked to be in `[0, vocab_size)` (ValueError naming the file)."""
+    path = Path(path)
+    for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
+        ids = _ids(read_json_object(path / name).get(field), f"{name} {field}", vocab_size)
+        if ids:
+            return ids
+    return ()
+
+
+def checkpoint_config(path: str | os.PathLike, dtype: str | None = None) -> tuple[dict, LlamaConfig]:
+    """`config.json` of the checkpoint directory `path` (`read_hf_config`) and the `LlamaConfig` it
+    gives (`dtype` overriding the checkpoint's), whose `eos_token_ids` are the ones a generation
+    stops on (`checkpoint_token_ids`: `generation_config.json` first). The engines stop there by
+    default (`SamplingParams.eos_token_ids`)."""
+    hf = read_hf_config(path)
+    config = LlamaConfig.from_hf_config(hf, dtype=dtype)
+    return hf, config.replace(eos_token_ids=checkpoint_token_ids(path, "eos_token_id", config.vocab_size))
 
 
 def _weight_map(path: Path) -> dict[str, Path]:

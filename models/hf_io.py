@@ -24,8 +24,8 @@ from paged_kv.models.hf_format import (
     SINGLE_FILE,
     CheckpointError,
     check_checkpoint,
+    checkpoint_config,
     hf_tensors as _hf_tensors,
-    read_hf_config,
     state_node,
 )
 from paged_kv.models.llama import Llama, abstract_model, is_per_layer, stacked
@@ -84,8 +84,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
     if mesh is not None:
         return load_sharded(path, mesh, dtype=dtype)
     path = Path(path)
-    hf = read_hf_config(path)
-    config = LlamaConfig.from_hf_config(hf, dtype=dtype)
+    hf, config = checkpoint_config(path, dtype)
     files = check_checkpoint(path, config, hf)
     model = abstract_model(config)
     graphdef, state = nnx.split(model)

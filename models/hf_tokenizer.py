@@ -32,28 +32,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from paged_kv.models.hf_format import checkpoint_token_ids, read_json_object as _read_json
 from paged_kv.models.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
 if TYPE_CHECKING:  # tokenizers loads on first use (HFTokenizer.load)
     import tokenizers
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
-MODEL_CONFIG_FILE = "config.json"
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON object from `path`, {} when the file is absent; ValueError naming the file otherwise."""
-    if not path.is_file():
-        return {}
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{str(path)!r} is not readable JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{str(path)!r} holds a {type(data).__name__}, not a JSON object")
-    return data
 
 
 def _token_text(value: Any) -> str | None:
@@ -61,19 +46,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _ids(value: Any, field: str, vocab_size: int) -> tuple[int, ...]:
-    """An id or a list of ids (generation_config's `eos_token_id`), each checked to be in the vocabulary."""
-    if value is None:
-        return ()
-    values = value if isinstance(value, (list, tuple)) else [value]
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab_size:
-            raise ValueError(f"{field}={value!r}: every id must be an int in [0, vocab_size={vocab_size})")
-        out.append(int(v))
-    return tuple(dict.fromkeys(out))
 
 
 class StreamDecoder:
@@ -224,8 +196,6 @@ class HFTokenizer:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(f"{str(path / TOKENIZER_FILE)!r} is not a tokenizers file: {first}") from None
         tcfg = _read_json(path / TOKENIZER_CONFIG_FILE)
-        gen = _read_json(path / GENERATION_CONFIG_FILE)
-        model = _read_json(path / MODEL_CONFIG_FILE)
         vocab = int(backend.get_vocab_size(with_added_tokens=True))
         special = {k: t for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                    if (t := _token_text(tcfg.get(k))) is not None}
@@ -239,12 +209,10 @@ class HFTokenizer:
                 raise ValueError(f"{TOKENIZER_CONFIG_FILE}: {name}={text!r} is not a token of {TOKENIZER_FILE}")
             return (tid,)
 
-        # generation_config.json first (what transformers.generate stops on), then config.json,
-        # then the tokenizer's own strings.
-        eos = (_ids(gen.get("eos_token_id"), f"{GENERATION_CONFIG_FILE} eos_token_id", vocab)
-               or _ids(model.get("eos_token_id"), f"{MODEL_CONFIG_FILE} eos_token_id", vocab) or by_text("eos_token"))
-        bos = (_ids(gen.get("bos_token_id"), f"{GENERATION_CONFIG_FILE} bos_token_id", vocab)
-               or _ids(model.get("bos_token_id"), f"{MODEL_CONFIG_FILE} bos_token_id", vocab) or by_text("bos_token"))
+        # generation_config.json first (what transformers.generate stops on), then config.json
+        # (`checkpoint_token_ids`, as the model's loader reads them), then the tokenizer's strings.
+        eos = checkpoint_token_ids(path, "eos_token_id", vocab) or by_text("eos_token")
+        bos = checkpoint_token_ids(path, "bos_token_id", vocab) or by_text("bos_token")
         add_bos = tcfg.get("add_bos_token")
         if add_bos is not None and not isinstance(add_bos, bool):
             raise ValueError(f"{TOKENIZER_CONFIG_FILE}: add_bos_token={add_bos!r} must be true, false or absent")

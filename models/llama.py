@@ -393,6 +393,10 @@ class Llama(nnx.Module):
     def dtype(self) -> str:
         return self.config.dtype
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
     def partition_specs(self, weights: nnx.State, tp: int) -> nnx.State:
         """PartitionSpecs of `weights` (this model's state) over the "tp" mesh axis."""
         return weight_specs(weights, self.config, tp)

@@ -33,6 +33,9 @@ FACTS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_positions"
 
 REQUIRED = ("__call__", "logits") + FACTS
 
+OPTIONAL_FACTS = ("eos_token_ids",)
+"""Facts a model may state (``PagedModel``); absent, they take their ``ModelFacts`` defaults."""
+
 
 class LayerMatmul(Protocol):
     """A projection that reads one layer of a stacked weight in place.
@@ -145,6 +148,12 @@ class PagedModel(Protocol):
       given layer at every step (they are part of the compiled program).
     ``logits(hidden[..., ...]) -> float32[..., V]``: the output head on what ``__call__`` returned.
 
+    Optional: ``eos_token_ids``, a tuple of ints in ``[0, vocab_size)``: the tokens that end an
+      answer when the caller's ``SamplingParams`` / ``BeamParams`` leave ``eos_token_ids`` None
+      (the default); absent or ``()``, answers run to ``max_new_tokens``. ``paged_kv.models.Llama``
+      gives its config's (``load_hf_checkpoint``: ``generation_config.json``'s ``eos_token_id``,
+      else ``config.json``'s).
+
     Optional, for tensor parallelism (``paged_kv.models.sharding``, a ``mesh=`` argument):
       ``partition_specs(weights: nnx.State, tp: int) -> PartitionSpec tree`` (same structure as
       ``weights``) over the mesh axis ``paged_kv.models.sharding.AXIS``, with q heads and KV heads split
@@ -167,7 +176,8 @@ class PagedModel(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ModelFacts:
-    """The checked facts of a ``PagedModel`` (hashable; ``dtype`` is a dtype name)."""
+    """The checked facts of a ``PagedModel`` (hashable; ``dtype`` is a dtype name;
+    ``eos_token_ids`` the optional one, ``()`` when the model states none)."""
 
     num_layers: int
     num_kv_heads: int
@@ -175,6 +185,7 @@ class ModelFacts:
     vocab_size: int
     max_positions: int
     dtype: str
+    eos_token_ids: tuple[int, ...] = ()
 
 
 _FLOATS = ("float32", "bfloat16", "float16")
@@ -199,7 +210,7 @@ def model_facts(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts 
     from paged_kv.models.config import LlamaConfig  # a Llama's config states the same facts
     if isinstance(model, LlamaConfig):
         return ModelFacts(model.num_layers, model.num_kv_heads, model.head_dim, model.vocab_size,
-                          model.max_position_embeddings, str(jnp.dtype(model.dtype)))
+                          model.max_position_embeddings, str(jnp.dtype(model.dtype)), model.eos_token_ids)
     model = _as_module(model)
     name = type(model).__name__
     missing = [m for m in REQUIRED if not (callable(model) if m == "__call__" else hasattr(model, m))]
@@ -220,7 +231,12 @@ def model_facts(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts 
         dtype = None
     if dtype not in _FLOATS:
         raise ValueError(f"model {name}: dtype={model.dtype!r} must be one of {_FLOATS}")
-    return ModelFacts(dtype=dtype, **values)
+    eos = getattr(model, "eos_token_ids", ())
+    ids = eos if isinstance(eos, (tuple, list)) else ()
+    if not isinstance(eos, (tuple, list)) or not all(is_int(t) and 0 <= t < values["vocab_size"] for t in ids):
+        raise ValueError(f"model {name}: eos_token_ids={eos!r} must be a tuple of ints in "
+                         f"[0, vocab_size={values['vocab_size']})")
+    return ModelFacts(dtype=dtype, eos_token_ids=tuple(int(t) for t in ids), **values)
 
 
 def check_model(model: nnx.Module | tuple[nnx.GraphDef, nnx.State]) -> nnx.Module:
@@ -263,5 +279,6 @@ def attend_options(options: dict) -> dict:
     return options
 
 
-__all__ = ["ATTEND_OPTIONS", "FACTS", "AttentionBackend", "LayerMatmul", "ModelFacts", "PagedModel", "as_backend",
-           "attend_options", "check_model", "check_partition_specs", "in_vocab", "model_facts", "partition_specs"]
+__all__ = ["ATTEND_OPTIONS", "FACTS", "OPTIONAL_FACTS", "AttentionBackend", "LayerMatmul", "ModelFacts", "PagedModel",
+           "as_backend", "attend_options", "check_model", "check_partition_specs", "in_vocab", "model_facts",
+           "partition_specs"]

@@ -341,8 +341,7 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = Non
     from safetensors import safe_open
 
     path = Path(path)
-    hf = hf_format.read_hf_config(path)
-    config = LlamaConfig.from_hf_config(hf, dtype=dtype)
+    hf, config = hf_format.checkpoint_config(path, dtype)
     tp = tp_degree(mesh)
     kvh = kv_heads_for(config, tp)
     placed = config.replace(num_kv_heads=kvh)

@@ -83,7 +83,15 @@ class BlockManager:
         bm = BlockManager(ManagerConfig(num_blocks=1024, block_size=16, max_seqs=8))
         bm.admit([0], [list(range(40))])      # 3 blocks
         bm.fork(0, [1])                        # a second sample shares them
-        result = bm.append([0, 1])             # copy-on-write of the partly full last block
+        result = bm.append([0, 1], [7, 8])     # copy-on-write of the partly full last block
+
+    Compilation: each operation is a ``jax.jit`` program, compiled on its first call for each
+    config and padded size (the number of sequence ids rounded up to a power of two from 8, and
+    for ``admit`` the longest prompt likewise), so that first call takes seconds on a CPU
+    (``admit`` and ``append``, which reach the prefix cache, the longest) and later calls of the
+    same sizes take milliseconds. The programs are shared by every ``BlockManager`` of the
+    process, and JAX's persistent compilation cache (``jax_compilation_cache_dir``) keeps them
+    across processes.
     """
 
     def __init__(self, config: ManagerConfig):

@@ -257,8 +257,8 @@ def tiny_accuracy(windows: int, chunk: int, prompts: int, new_tokens: int) -> di
     outs = {}
     for kd in TINY_KV_DTYPES:
         pages = allocate_pages(page_spec(model, mgr.num_blocks, bs, kv_dtype=kd))
-        out, _, _ = generate(model, pages, toks, lens, 0, SamplingParams(max_new_tokens=new_tokens), manager=mgr,
-                             impl="reference")
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)  # every row runs new_tokens
+        out, _, _ = generate(model, pages, toks, lens, 0, params, manager=mgr, impl="reference")
         outs[kd] = np.asarray(out.tokens)[:, 0, :new_tokens]
     # Plain pages' greedy sequences teacher-forced through each dtype's pages: every token's
     # log-prob at each generated position, float32 [prompts, new_tokens, V]. Stepwise agreement

@@ -195,7 +195,7 @@ class Runner:
         pool = self.pool(MICRO, num_blocks, len(reqs) * n)
         toks, lens = self._prompts(reqs, 1)
         budgets = np.array([r.output_len for r in reqs], np.int32)
-        params = engine.SamplingParams(max_new_tokens=self.max_new, temperature=1.0, n=n)
+        params = engine.SamplingParams(max_new_tokens=self.max_new, temperature=1.0, n=n, ignore_eos=True)
         self.compiles.add(("generate", pool.manager, n, len(reqs)))
         out, pool.pages, pool.state = engine.generate(self.micro, pool.pages, toks, lens, key, params,
                                                       manager=pool.manager, state=pool.state,
@@ -217,7 +217,7 @@ class Runner:
         pool = self.pool(self.beam_model.config, num_blocks, len(reqs) * k)
         toks, lens = self._prompts(reqs, 1)
         outs = np.array([r.output_len for r in reqs], np.int32)
-        params = engine.BeamParams(beam_width=k, max_new_tokens=self.max_new)
+        params = engine.BeamParams(beam_width=k, max_new_tokens=self.max_new, ignore_eos=True)  # trace lengths
         req = call_setup.check_call(self.beam_model.config, pool.manager, pool.pages, pool.state, toks, lens,
                                             rows_per_prompt=k, what="beam_width", chunk_size=CHUNK,
                                             vocab_needed=2 * k)

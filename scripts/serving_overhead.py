@@ -67,7 +67,7 @@ def timed_serving(model, r: int, repeats: int, chunk: int, rows: int, decode_ste
     blocks = r * -(-(PROMPT + NEW) // 16) + 1
     mgr = pk.ManagerConfig(num_blocks=blocks, block_size=16, max_seqs=r, max_blocks_per_seq=8)
     cfg = ServingConfig(mgr, chunk_size=chunk, max_prefill_rows=min(rows, r), decode_steps=decode_steps)
-    reqs = [Request(p, SamplingParams(max_new_tokens=NEW)) for p in workload(requests or r)]
+    reqs = [Request(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in workload(requests or r)]
     list(ServingEngine(model, cfg).run(reqs))  # compiles every program (jit's cache serves the next engine)
 
     def measure() -> dict:
@@ -109,7 +109,7 @@ def timed_generate(model, r: int, repeats: int, requests: int | None = None) -> 
     blocks = r * -(-(PROMPT + NEW) // 16) + 1
     mgr = pk.ManagerConfig(num_blocks=blocks, block_size=16, max_seqs=r, max_blocks_per_seq=8)
     toks, lens = eng.pad_prompts(workload(r), width=PROMPT)
-    params = eng.SamplingParams(max_new_tokens=NEW)
+    params = eng.SamplingParams(max_new_tokens=NEW, ignore_eos=True)  # every row runs NEW tokens
     best, outs = None, None
     for i in range(repeats + 1):
         pages = allocate_pages(page_spec(model, mgr.num_blocks, mgr.block_size))

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from paged_kv.models import LlamaConfig, abstract_model, llama31_8b, page_spec, sharding
-from paged_kv.models.hf_io import read_hf_config
+from paged_kv.models.hf_format import read_hf_config
 from paged_kv.models.paged import PagedBatch, paged_decode_step
 from scripts.run_record import record, utc_now
 

@@ -27,6 +27,7 @@ BI = True  # the mode under test (False: the mutation check, every engine test b
 BS = 16
 N_NEW = 16
 PROBE = tuple(int(t) for t in np.random.RandomState(7).randint(0, 256, 40))
+GREEDY = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)  # all N_NEW tokens, past the model's EOS
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def _generate(model, prompts, row_of_probe, chunk_size, max_seqs=64):
     mgr = pk.ManagerConfig(num_blocks=256, block_size=BS, max_seqs=max_seqs, max_blocks_per_seq=16)
     toks, lens = engine.pad_prompts(prompts)
     pages = allocate_pages(page_spec(model.config, mgr.num_blocks, mgr.block_size))
-    out, _, _ = engine.generate(model, pages, toks, lens, jax.random.key(0), SamplingParams(max_new_tokens=N_NEW),
+    out, _, _ = engine.generate(model, pages, toks, lens, jax.random.key(0), GREEDY,
                                 manager=mgr, impl="reference", chunk_size=chunk_size, batch_invariant=BI)
     return (np.asarray(out.tokens[row_of_probe, 0]).tolist(),
             np.asarray(out.logprobs[row_of_probe, 0]).astype(np.float64).tolist())
@@ -118,7 +119,7 @@ def test_beam_search_invariant(model):
     assert outs[0] == outs[1]
 
 
-SAMPLED = SamplingParams(max_new_tokens=N_NEW, temperature=0.8, n=2)
+SAMPLED = SamplingParams(max_new_tokens=N_NEW, temperature=0.8, n=2, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +157,7 @@ def test_serving_invariant(model, alone, alone_sampled, config, mates, probe_arr
     its own seed (two samples) the same samples and log-probs as alone in the engine."""
     cfg = _serving_config(*config)
     rs = np.random.RandomState(len(mates) * 131 + shared_prefix)
-    reqs = [Request(PROBE, SamplingParams(max_new_tokens=N_NEW), arrival=probe_arrival, request_id="probe"),
+    reqs = [Request(PROBE, GREEDY, arrival=probe_arrival, request_id="probe"),
             Request(PROBE[::-1], SAMPLED, arrival=probe_arrival + 1, request_id="sampled", seed=123)]
     for i, (length, arrival, budget, sampled) in enumerate(mates):
         prompt = rs.randint(0, 256, length).tolist()
@@ -176,10 +177,10 @@ def test_serving_preempted_and_cached(model, alone):
     two blocks) and is preempted and recomputed (10 blocks): still the bits of the probe alone."""
     cfg = _serving_config(4, 16, 10)
     rs = np.random.RandomState(11)
-    reqs = [Request(list(PROBE[:32]) + rs.randint(0, 256, 20).tolist(), SamplingParams(max_new_tokens=30),
-                    request_id="m0"),
-            Request(rs.randint(0, 256, 60).tolist(), SamplingParams(max_new_tokens=30), request_id="m1"),
-            Request(PROBE, SamplingParams(max_new_tokens=N_NEW), arrival=3, request_id="probe")]
+    mates = SamplingParams(max_new_tokens=30, ignore_eos=True)  # past EOS: they hold their blocks
+    reqs = [Request(list(PROBE[:32]) + rs.randint(0, 256, 20).tolist(), mates, request_id="m0"),
+            Request(rs.randint(0, 256, 60).tolist(), mates, request_id="m1"),
+            Request(PROBE, GREEDY, arrival=3, request_id="probe")]
     probe = {o.request_id: o for o in ServingEngine(model, cfg).run(reqs)}["probe"]
     assert probe.stats.preemptions >= 1 and probe.stats.cached_prompt_tokens >= 32
     assert (probe.tokens[0], probe.logprobs[0]) == alone

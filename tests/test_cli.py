@@ -57,6 +57,18 @@ def test_help_shows_each_default_once():
     assert "(default: paged-kv-out)" in text and "docs/design.md" in text
 
 
+def test_help_names_every_model_family():
+    from paged_kv.apps import cli
+    from paged_kv.models.config import FAMILIES
+
+    text = " ".join(cli.build_parser().format_help().split())
+    start = text.index("--checkpoint DIR ")
+    checkpoint_help = text[start: text.index("--requests N ", start)]
+    for family in FAMILIES:  # llama ... gemma3_text: the families the loader takes
+        assert family in checkpoint_help, family
+    assert "Gemma 3" in cli.__doc__
+
+
 def test_output_paths_default_to_the_output_folder():
     from paged_kv.apps.cli import build_parser, output_paths
 
@@ -506,10 +518,11 @@ def test_your_prompts_stream_through_the_checkpoint_tokenizer(bpe_ckpt, tmp_path
             assert len(a["logprobs"]) == len(a["tokens"]) and all(x <= 0 for x in a["logprobs"])
             head = f"[prompt {i}, sample {j}] {entry['prompt']!r} ->"
             expected.append(f"{head} {printable(a['text'])} [{a['finish_reason']}]")
-    # One answer after the other, in order (an answer may itself hold a newline: compare the text).
+    # One answer after the other, in order, each on its own line (a newline in an answer prints as \n).
     assert "\n".join(expected) + "\n\n== paged-kv serving report ==" in out
     assert "tokenization: encode" in out and "ms per engine step" in out
-    assert printable("a\x1b[2J\tb\nc\x7f") == "a\\x1b[2J\tb\nc\\x7f"  # no escape sequence reaches the terminal
+    # No escape sequence reaches the terminal, and a run of newlines shows as \n\n, not blank lines.
+    assert printable("a\x1b[2J\tb\n\nc\x7f") == "a\\x1b[2J\tb\\n\\nc\\x7f"
     assert rep["tokenizer"]["streamed_tokens"] == sum(len(a["tokens"]) for e in rep["answers"] for a in e["answers"])
 
 

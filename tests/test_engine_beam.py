@@ -146,6 +146,27 @@ def test_too_many_beams_raise_before_compiling(model):
     assert engine.beam_search_jit._cache_size() == before
 
 
+def test_beam_search_takes_the_models_eos_by_default(model, monkeypatch):
+    """``BeamParams()`` leaves ``eos_token_ids`` None: ``beam_search`` fills in the model's ids on
+    the host, before the loop is traced (the loop receives them as static parameters); explicit ids
+    and ``ignore_eos=True`` are passed on as given."""
+    import dataclasses
+    import importlib
+
+    seen = []
+    module = importlib.import_module("paged_kv.engine.beam_search")  # the module, not the function
+    monkeypatch.setattr(module, "beam_search_jit", lambda *a, params, **kw: seen.append(params))
+    with_eos = nnx.merge(*nnx.split(model))
+    with_eos.config = dataclasses.replace(model.config, eos_token_ids=(3, 9))
+    mgr = pk.ManagerConfig(num_blocks=16, block_size=BS, max_seqs=4, max_blocks_per_seq=4)
+    pages = allocate_pages(page_spec(model.config, mgr.num_blocks, mgr.block_size))
+    toks, lens = engine.pad_prompts([[1, 2, 3]])
+    for params in (BeamParams(beam_width=2), BeamParams(beam_width=2, eos_token_ids=4),
+                   BeamParams(beam_width=2, ignore_eos=True)):
+        engine.beam_search(with_eos, pages, toks, lens, params, manager=mgr, impl="reference")
+    assert [p.eos_token_ids for p in seen] == [(3, 9), (4,), ()]
+
+
 def test_beam_search_out_of_blocks(model):
     """3 allocatable blocks: the 30-token prompt (4 blocks) is not admitted; the 8-token prompt's
     two beams fit until both need a third block at position 16, where the prompt stops with its

@@ -250,3 +250,72 @@ def test_traceable_inside_callers_jit(model):
     assert "while" in str(jaxpr)
     jaxpr = jax.make_jaxpr(beams)(weights, pages, toks, lens)
     assert jaxpr.out_avals[0].shape == (2, 2, 4)
+
+
+# ---------------------------------------------------------------------------- EOS by default
+def test_stops_at_the_models_eos_by_default(model):
+    """``SamplingParams()`` stops at the model's EOS ids (``LlamaConfig.eos_token_ids``), resolved on
+    the host before tracing, so it shares one compiled loop with the same ids given explicitly;
+    ``ignore_eos=True`` runs to ``max_new_tokens``, as a model without EOS ids does. The parameters
+    stay hashable with either form."""
+    n_new = 8
+    mgr = _manager()
+    toks, lens = engine.pad_prompts([np.random.RandomState(11).randint(0, 256, 6).tolist()])
+
+    def run(model, params):
+        out, _, _ = engine.generate(model, _pages(model, mgr), toks, lens, 0, params, manager=mgr, impl="reference")
+        return out.tokens[0, 0].tolist(), out.finish_reason_names()[0][0]
+
+    row, reason = run(model, SamplingParams(max_new_tokens=n_new))  # tiny() states no EOS ids
+    assert reason == "LENGTH" and -1 not in row
+    eos = row[3]
+    stop = row.index(eos) + 1
+    with_eos = init_model(tiny(eos_token_ids=(eos,)), seed=3, init_std=0.2)  # the same weights
+    assert hash(SamplingParams()) == hash(SamplingParams()) and SamplingParams().eos_token_ids is None
+    tokens, reason = run(with_eos, SamplingParams(max_new_tokens=n_new))
+    assert (tokens[:stop], reason) == (row[:stop], "EOS") and set(tokens[stop:]) == {-1}
+    compiled = engine.generate_jit._cache_size()
+    assert run(with_eos, SamplingParams(max_new_tokens=n_new, eos_token_ids=(eos,))) == (tokens, reason)
+    assert engine.generate_jit._cache_size() == compiled  # the default resolved to the same static params
+    assert run(with_eos, SamplingParams(max_new_tokens=n_new, ignore_eos=True)) == (row, "LENGTH")
+    assert engine.with_model_eos(SamplingParams(), (eos, 7)).eos_token_ids == (eos, 7)
+    assert engine.with_model_eos(SamplingParams(eos_token_ids=()), (eos,)).eos_token_ids == ()
+    assert engine.with_model_eos(SamplingParams(ignore_eos=True), (eos,)).eos_token_ids == ()
+    with pytest.raises(ValueError, match="ignore_eos=True with eos_token_ids=\\(5,\\)"):
+        SamplingParams(ignore_eos=True, eos_token_ids=5)
+    with pytest.raises(ValueError, match="ignore_eos=1 must be a bool"):
+        engine.BeamParams(ignore_eos=1)
+
+
+# ---------------------------------------------------------------------------- one compile per bucket
+def test_pad_prompts_buckets():
+    """Widths are powers of two from 16 (``bucket_width``), rounded up to ``multiple``, capped at
+    ``max_width``; ``width=`` is taken as given."""
+    widths = [engine.pad_prompts([[1] * n])[0].shape[1] for n in (1, 5, 16, 17, 32, 33, 100, 129)]
+    assert widths == [16, 16, 16, 32, 32, 64, 128, 256]
+    assert engine.pad_prompts([[1] * 20], multiple=24)[0].shape == (1, 48)
+    assert engine.pad_prompts([[1] * 70], max_width=100)[0].shape == (1, 100)
+    assert engine.pad_prompts([[1] * 5, [2] * 9], width=9)[0].shape == (2, 9)
+    with pytest.raises(ValueError, match="a prompt has 101 tokens; max_width=100"):
+        engine.pad_prompts([[1] * 101], max_width=100)
+    with pytest.raises(ValueError, match="max_width=0 must be an int >= 1"):
+        engine.pad_prompts([[1]], max_width=0)
+
+
+def test_a_sweep_of_prompt_lengths_compiles_once_per_bucket(model):
+    """Prompts of 3 to 31 tokens, padded by ``pad_prompts``' default, fall in two buckets (16 and 32
+    tokens): ``generate`` compiles its loop at most twice for the whole sweep, not once per longest
+    length."""
+    lengths = (3, 5, 9, 16, 17, 20, 31)
+    mgr = _manager()
+    params = SamplingParams(max_new_tokens=2, eos_token_ids=())
+    rs = np.random.RandomState(5)
+    before = engine.generate_jit._cache_size()
+    widths = set()
+    for n in lengths:
+        toks, lens = engine.pad_prompts([rs.randint(0, 256, n).tolist(), [1, 2]])
+        widths.add(toks.shape[1])
+        out, _, _ = engine.generate(model, _pages(model, mgr), toks, lens, 0, params, manager=mgr, impl="reference")
+        assert out.lengths.tolist() == [[2], [2]]
+    assert widths == {16, 32}
+    assert engine.generate_jit._cache_size() - before <= len(widths)

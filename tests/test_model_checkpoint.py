@@ -57,6 +57,24 @@ def test_sharded_round_trip(model, tmp_path):
     _assert_same_weights(load_hf_checkpoint(tmp_path), model)
 
 
+def test_eos_ids_from_generation_config_first(ckpt):
+    """The loaded model's EOS ids (what the engines stop at by default) are generation_config.json's
+    when it sets them, as transformers.generate reads them, else config.json's; both loaders agree."""
+    from paged_kv.models.hf_format import checkpoint_config
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["eos_token_id"] = 7
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert load_hf_checkpoint(ckpt).eos_token_ids == (7,)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7, 9]}))
+    assert load_hf_checkpoint(ckpt).config.eos_token_ids == (9, 7)
+    assert checkpoint_config(ckpt)[1].eos_token_ids == (9, 7)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": 300}))
+    with pytest.raises(ValueError, match=r"generation_config.json eos_token_id=300: every id must be an int in "
+                                         r"\[0, vocab_size=256\)"):
+        load_hf_checkpoint(ckpt)
+
+
 def test_load_with_dtype_override(ckpt, model):
     m16 = load_hf_checkpoint(ckpt, dtype="bfloat16")
     assert m16.config.dtype == "bfloat16"

@@ -4,6 +4,7 @@ Each ```python block of the README runs as a file of its own in a fresh Python p
 repository root (the examples load `checkpoints/tiny-llama` by a relative path), on the CPU. The
 processes run side by side, so the test takes about as long as the slowest example."""
 
+import ast
 import os
 import re
 import subprocess
@@ -43,14 +44,17 @@ def test_readme_python_blocks_run_as_printed(tmp_path):
 
 
 USAGE = ROOT / "docs" / "usage.md"
+KERNELS = ROOT / "pallas_kernels" / "README.md"
+RUN_PAGES = [USAGE, KERNELS]
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks(USAGE))))
-def test_usage_python_blocks_run_as_printed(index, tmp_path):
+@pytest.mark.parametrize("page, index", [(p, i) for p in RUN_PAGES for i in range(len(python_blocks(p)))],
+                         ids=lambda v: v.parent.name + "/" + v.name if isinstance(v, Path) else str(v))
+def test_usage_python_blocks_run_as_printed(page, index, tmp_path):
     """docs/usage.md's examples (beam search, streaming, tensor parallelism on 4 CPU devices, ...)
-    run as printed too, each in a fresh process: the tensor-parallel one sets
-    ``jax_num_cpu_devices`` itself, as a library user must."""
-    block = python_blocks(USAGE)[index]
+    and the kernels' page's run as printed too, each in a fresh process: the tensor-parallel one
+    sets ``jax_num_cpu_devices`` itself, as a library user must."""
+    block = python_blocks(page)[index]
     script = tmp_path / f"usage_example_{index}.py"
     script.write_text(block)
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
@@ -59,8 +63,18 @@ def test_usage_python_blocks_run_as_printed(index, tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, text=True, capture_output=True,
                           timeout=900)
     first = block.strip().splitlines()[0]
-    assert proc.returncode == 0, f"usage.md example {index} ({first!r}) failed:\n{proc.stderr[-3000:]}"
-    assert proc.stdout.strip(), f"usage.md example {index} ({first!r}) printed nothing"
+    assert proc.returncode == 0, f"{page.name} example {index} ({first!r}) failed:\n{proc.stderr[-3000:]}"
+    assert proc.stdout.strip(), f"{page.name} example {index} ({first!r}) printed nothing"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_blocks_are_python(page):
+    """Every ```python block of the pages is valid Python (signatures and outlines are ```text)."""
+    for i, block in enumerate(python_blocks(page)):
+        try:
+            ast.parse(block)
+        except SyntaxError as e:
+            raise AssertionError(f"{page.relative_to(ROOT)}: python block {i} is not Python: {e}") from None
 
 
 def _slug(heading: str) -> str:

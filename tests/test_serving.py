@@ -173,14 +173,46 @@ def test_readmission_hits_cache(model):
     those of a run alone."""
     long_prompt = TOK.encode("Once upon a time there was a happy cat named Rosa. Rosa lived near the "
                              "river and liked to")
-    reqs = [Request(TOK.encode("Let us count: 1, 2,"), SamplingParams(max_new_tokens=230), request_id="x"),
-            Request(long_prompt, SamplingParams(max_new_tokens=150), arrival=5, request_id="y")]
+    # Both run to their budgets (past the model's EOS), so that together they outgrow the pool.
+    reqs = [Request(TOK.encode("Let us count: 1, 2,"), SamplingParams(max_new_tokens=230, ignore_eos=True),
+                    request_id="x"),
+            Request(long_prompt, SamplingParams(max_new_tokens=150, ignore_eos=True), arrival=5, request_id="y")]
     eng, outs = _run(model, reqs)
     y = {o.request_id: o for o in outs}["y"]
     assert y.stats.preemptions >= 1
     assert y.stats.cached_prompt_tokens >= 64
     _, alone = _run(model, [reqs[1]])
     assert alone[0].tokens == y.tokens
+
+
+def test_requests_stop_at_the_models_eos_by_default(model, alone):
+    """Requests whose parameters leave ``eos_token_ids`` None get the checkpoint's EOS id (258, from
+    its config.json) at submission: their outputs carry the resolved parameters, and an answer that
+    samples it ends there with ``"eos"``, the EOS kept as its last token."""
+    eng, outs = alone
+    assert model.config.eos_token_ids == (258,) and eng.scheduler.eos_token_ids == (258,)
+    for o in outs:
+        assert o.request.params.eos_token_ids == (258,), o.request_id
+        for toks, why in zip(o.tokens, o.finish_reasons):
+            assert (why == "eos") == (toks[-1] == 258), (o.request_id, why)
+            assert 258 not in toks[:-1]
+    assert any("eos" in o.finish_reasons for o in outs)
+    # Greedy, this prompt's answer is " 4, 5, ..., 12." and EOS; ignoring EOS runs past it.
+    ignored = Request(TOK.encode("Let us count: 1, 2, 3,"), SamplingParams(max_new_tokens=40, ignore_eos=True))
+    [out] = list(ServingEngine(model, CFG).run([ignored]))
+    assert out.finish_reasons == ["length"] and len(out.tokens[0]) == 40 and 258 in out.tokens[0]
+
+
+def test_max_prefill_rows_defaults_to_at_most_max_seqs():
+    """``ServingConfig``'s default ``max_prefill_rows`` is ``min(8, manager.max_seqs)``: a pool of
+    fewer than 8 rows needs no explicit value; an explicit one above ``max_seqs`` is refused."""
+    small = pk.ManagerConfig(num_blocks=16, block_size=16, max_seqs=4, max_blocks_per_seq=4)
+    assert ServingConfig(small).max_prefill_rows == 4
+    assert ServingConfig(MGR).max_prefill_rows == 8
+    assert ServingConfig(small, max_prefill_rows=2).max_prefill_rows == 2
+    assert hash(ServingConfig(small)) == hash(ServingConfig(small, max_prefill_rows=4))
+    with pytest.raises(ValueError, match="max_prefill_rows=5 must be <= manager.max_seqs=4"):
+        ServingConfig(small, max_prefill_rows=5)
 
 
 def test_rejects_requests_that_never_fit(model):

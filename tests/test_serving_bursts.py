@@ -103,8 +103,8 @@ def test_a_burst_gives_the_bits_of_one_call_per_step(model, monkeypatch):
 def test_a_tight_pool_runs_single_steps_and_preempts_as_before(model):
     # 12 usable blocks for 4 rows that want up to 3 each and more: appends fail, rows are preempted.
     tight = pk.ManagerConfig(num_blocks=13, block_size=16, max_seqs=4, max_blocks_per_seq=4)
-    reqs = [Request(TOK.encode(f"Story {i}: once upon a time"), SamplingParams(max_new_tokens=30), request_id=i)
-            for i in range(4)]
+    reqs = [Request(TOK.encode(f"Story {i}: once upon a time"), SamplingParams(max_new_tokens=30, ignore_eos=True),
+                    request_id=i) for i in range(4)]  # past EOS: every row wants its blocks
     one, one_stats, *_ = _run(model, _cfg(1, tight), reqs)
     burst, burst_stats, *_ = _run(model, _cfg(8, tight), reqs)
     _same(burst, one)

@@ -122,6 +122,13 @@ def test_streaming_recipe_with_a_duplicate_id_does_not_mix_answers(model):
     assert len(bad) == 1 and "request id 'pet' is already in use" in bad[0].error and bad[0].tokens == []
     assert len(good) == 1 and good[0].request.prompt == tuple(TOK.encode("The dog says"))
     assert texts == {("pet", 0): TOK.decode(good[0].tokens[0])}
+    # The rejection says so (``rejected``), and comes out when the duplicate arrives, before the
+    # live request's own output: keyed by id, the live request's output is the one kept.
+    assert bad[0].rejected and bad[0].finish_reasons == [] and not good[0].rejected
+    assert outs.index(bad[0]) < outs.index(good[0])
+    assert {o.request_id: o for o in outs} == {"pet": good[0]}
+    assert {o.request_id: o for o in outs if not o.rejected} == {"pet": good[0]}
+    assert eng.stats().rejected == 1
 
 
 # ---------------------------------------------------------------------------- abort

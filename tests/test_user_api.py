@@ -74,3 +74,21 @@ def test_a_mesh_wider_than_the_devices_says_how_to_get_cpu_devices():
     with pytest.raises(ValueError, match=rf"tp={n} needs {n} devices; JAX has {n - 1} .*"
                                          rf"jax.config.update\(\"jax_num_cpu_devices\", {n}\)"):
         sharding.make_mesh(n)
+
+
+def test_block_manager_compiles_once_per_padded_size():
+    """What ``BlockManager``'s docstring says of compiling: ``admit`` compiles on the first call of
+    a padded size (sequence ids to a power of two from 8, the longest prompt likewise), and later
+    calls that pad to the same sizes, from any ``BlockManager`` of the config, reuse the program."""
+    from paged_kv import manager
+
+    cfg = pk.ManagerConfig(num_blocks=29, block_size=4, max_seqs=8, max_blocks_per_seq=8)  # this test's own
+    assert "compiled on its first call" in " ".join(pk.BlockManager.__doc__.split())
+    bm = pk.BlockManager(cfg)
+    bm.admit([0], [[1, 2, 3]])
+    compiled = manager._admit._cache_size()
+    bm.admit([1, 2], [[4, 5], [6, 7, 8, 9, 10]])  # 2 ids and 5 tokens pad to 8 and 8: same program
+    pk.BlockManager(cfg).admit([3], [[1] * 8])
+    assert manager._admit._cache_size() == compiled
+    bm.admit([4], [[2] * 9])  # 9 tokens pad to 16: a new program
+    assert manager._admit._cache_size() == compiled + 1

@@ -11,7 +11,7 @@ the report records how the run was made (``paged_kv.apps.provenance``). A run re
 an earlier run's files unless ``--overwrite``; Ctrl-C while serving writes a partial report.
 
     python -m paged_kv                       # the built-in checkpoints/tiny-llama
-    python -m paged_kv --checkpoint DIR      # a Hugging Face Llama / Qwen2 / Qwen3 / Mistral directory
+    python -m paged_kv --checkpoint DIR      # a Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 folder
     python -m paged_kv --checkpoint DIR --prompt "Once upon a time" --prompt "The cow says" --n 2
                                              # your prompts instead of the workload, streamed as generated
     python -m paged_kv --out-dir runs/a      # write report.json and block_tables.png there

@@ -96,10 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter)
     g = p.add_argument_group("model and workload")
     g.add_argument("--checkpoint", metavar="DIR", default=None,
-                   help="Hugging Face checkpoint directory (config.json + safetensors) of a llama, qwen2, qwen3 or "
-                        "mistral model; its tokenizer.json (with tokenizer_config.json and generation_config.json "
-                        "for the special tokens) tokenizes the prompts; without one, prompts are UTF-8 bytes (the "
-                        "vocabulary then needs >= 259 ids) and answers that are not bytes print as token ids. "
+                   help="Hugging Face checkpoint directory (config.json + safetensors) of a llama, qwen2, qwen3, "
+                        "mistral, gemma2 or gemma3_text (Gemma3ForCausalLM) model; its tokenizer.json (with "
+                        "tokenizer_config.json and generation_config.json for the special tokens) tokenizes the "
+                        "prompts; without one, prompts are UTF-8 bytes (the vocabulary then needs >= 259 ids) and "
+                        "answers that are not bytes print as token ids. "
                         "Default: the built-in checkpoints/tiny-llama")
     g.add_argument("--requests", type=_positive, default=24, metavar="N",
                    help="requests in the workload (the 12 templates repeat)")

@@ -78,9 +78,10 @@ def prompt_requests(args: argparse.Namespace, prompts: Sequence[tuple[str, list[
             for i, (_, ids) in enumerate(prompts)]
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if chr(c) not in "\n\t"}
-"""C0 controls and DEL (bar newline and tab) -> a visible escape: generated text never moves the
-terminal's cursor or starts an escape sequence."""
+_CONTROL = {c: "\\n" if chr(c) == "\n" else f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if chr(c) != "\t"}
+"""C0 controls and DEL (bar tab) -> a visible escape, newline as ``\\n``: generated text never moves
+the terminal's cursor or starts an escape sequence, and each answer stays on its own line (a run
+of newlines shows as ``\\n\\n...``, not as blank lines)."""
 
 
 def printable(text: str) -> str:

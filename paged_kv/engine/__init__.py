@@ -23,7 +23,10 @@ Example::
                                              manager=mgr, state=state)
 
 Both donate ``pages`` and ``state``; pass them back in for the next call (new prompts of the
-same padded shape reuse the compiled loop). Both can be called inside the caller's own ``jit``.
+same padded shape reuse the compiled loop: ``pad_prompts`` pads to power-of-two buckets,
+``bucket_width``). Both can be called inside the caller's own ``jit``. Answers end at the model's
+EOS ids unless the parameters name others (``eos_token_ids``) or none (``ignore_eos=True``):
+``with_model_eos`` fills them in on the host, before tracing.
 
 Tensor parallel: pass ``mesh=paged_kv.models.sharding.make_mesh(tp)`` (a ``jax.sharding.Mesh`` with a
 "tp" axis, possibly spanning processes); the model and pages are placed on it (or place them once
@@ -39,14 +42,14 @@ their block-manager side), ``generate``, ``beam_search``, ``call_setup`` (a call
 """
 
 from paged_kv.engine.beam_search import BeamOutput, beam_search, beam_search_jit, beam_search_loop
-from paged_kv.engine.call_setup import kv_cache_groups, pad_prompts
+from paged_kv.engine.call_setup import bucket_width, kv_cache_groups, pad_prompts
 from paged_kv.engine.generate import BlockStats, FinishReason, GenerateOutput, generate, generate_jit, generate_loop
-from paged_kv.engine.sampling import BeamParams, SamplingParams, filter_logits, sample_tokens
+from paged_kv.engine.sampling import BeamParams, SamplingParams, filter_logits, sample_tokens, with_model_eos
 from paged_kv.engine.serving import Request, RequestOutput, ServingConfig, ServingEngine, TokenDelta
 
 __all__ = [
     "BeamOutput", "BeamParams", "BlockStats", "FinishReason", "GenerateOutput", "SamplingParams", "beam_search",
     "beam_search_jit", "beam_search_loop", "filter_logits", "generate", "generate_jit", "generate_loop",
-    "kv_cache_groups", "pad_prompts", "sample_tokens",
+    "bucket_width", "kv_cache_groups", "pad_prompts", "sample_tokens", "with_model_eos",
     "Request", "RequestOutput", "ServingConfig", "ServingEngine", "TokenDelta",
 ]

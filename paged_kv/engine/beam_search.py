@@ -33,8 +33,9 @@ from numpy.typing import ArrayLike
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
 from paged_kv.engine.generate import BlockStats, bad_prompts
-from paged_kv.engine.sampling import BeamParams, is_eos
+from paged_kv.engine.sampling import BeamParams, is_eos, with_model_eos
 from paged_kv.engine.steps import block_counts, decode, prefill
+from paged_kv.models.protocol import model_facts
 from paged_kv.pallas_kernels.invariant import log_softmax as invariant_log_softmax
 from paged_kv.reclaim import free
 from paged_kv.share import select
@@ -170,6 +171,7 @@ def beam_search_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Arra
     """The traceable body of ``beam_search`` (arguments already checked; ``budgets``: optional
     int32 ``[B]`` per-prompt ``max_new_tokens``). Returns ``(BeamOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
+    params = with_model_eos(params, model_facts(model).eos_token_ids)  # for direct callers (``beam_search`` did)
     b = prompt_tokens.shape[0]
     k, steps = params.beam_width, params.max_new_tokens
     rows = jnp.arange(b * k, dtype=jnp.int32)
@@ -258,6 +260,7 @@ def beam_search(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.A
     if not isinstance(params, BeamParams):
         raise ValueError(f"params must be a BeamParams, got {type(params).__name__}")
     graphdef, weights, facts, pages, mesh = call_setup.place(model, pages, mesh)
+    params = with_model_eos(params, facts.eos_token_ids)  # None: the model's EOS ids, before tracing
     layout = call_setup.group_layout((graphdef, weights), manager)
     k = params.beam_width
     req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,

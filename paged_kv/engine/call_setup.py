@@ -25,6 +25,7 @@ from paged_kv.engine.input_checks import (
     SEED_LIMIT,
     TOKEN_LIMIT,
     _concrete,
+    bucket_width,
     check_int_dtype,
     check_key,
     check_padded_tokens,
@@ -134,7 +135,8 @@ def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, stat
     if width > manager.max_tokens_per_seq:
         raise ValueError(f"prompt_tokens width {width} exceeds the {manager.max_tokens_per_seq} tokens a "
                          f"sequence can hold (max_blocks_per_seq={manager.max_blocks_per_seq} x "
-                         f"block_size={manager.block_size})")
+                         f"block_size={manager.block_size}); pad with pad_prompts(..., "
+                         f"max_width={manager.max_tokens_per_seq})")
     lens = _concrete(prompt_lens)
     if lens is not None:
         for i, n in enumerate(lens.tolist()):
@@ -173,7 +175,7 @@ def initial_state(manager: ManagerConfig, state: BlockManagerState | None) -> Bl
     return init_state(manager) if state is None else state
 
 __all__ = [
-    "SEED_LIMIT", "TOKEN_LIMIT", "CallShape", "check_call", "check_int_dtype", "check_key", "check_kv_pages",
+    "SEED_LIMIT", "TOKEN_LIMIT", "CallShape", "bucket_width", "check_call", "check_int_dtype", "check_key", "check_kv_pages",
     "check_padded_tokens", "check_seeds", "group_layout", "initial_state", "kv_cache_groups", "layer_layout",
     "layout_groups", "pad_prompts", "place", "replicate_inputs", "split_model", "token_ids",
 ]

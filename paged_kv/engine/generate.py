@@ -26,9 +26,17 @@ from numpy.typing import ArrayLike
 
 from paged_kv.config import ManagerConfig
 from paged_kv.engine import call_setup
-from paged_kv.engine.sampling import SamplingParams, derive_seeds, is_eos, root_key, sample_keys, sample_tokens
+from paged_kv.engine.sampling import (
+    SamplingParams,
+    derive_seeds,
+    is_eos,
+    root_key,
+    sample_keys,
+    sample_tokens,
+    with_model_eos,
+)
 from paged_kv.engine.steps import block_counts, decode, prefill
-from paged_kv.models.protocol import in_vocab
+from paged_kv.models.protocol import in_vocab, model_facts
 from paged_kv.reclaim import free
 from paged_kv.share import fork
 from paged_kv.state import BlockManagerState
@@ -179,6 +187,7 @@ def generate_loop(graphdef: nnx.GraphDef, weights: nnx.State, pages: jax.Array, 
     """The traceable body of ``generate`` (arguments already checked; ``seeds`` int32 ``[B]`` or
     None: ``derive_seeds(key, B)``). Returns ``(GenerateOutput, pages, state)``."""
     model = nnx.merge(graphdef, weights)
+    params = with_model_eos(params, model_facts(model).eos_token_ids)  # for direct callers (``generate`` did)
     b = prompt_tokens.shape[0]
     n, steps = params.n, params.max_new_tokens
     r = b * n
@@ -315,6 +324,7 @@ def generate(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], pages: jax.Arra
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     key = call_setup.check_key(key)
     graphdef, weights, facts, pages, mesh = call_setup.place(model, pages, mesh)
+    params = with_model_eos(params, facts.eos_token_ids)  # None: the model's EOS ids, before tracing
     layout = call_setup.group_layout((graphdef, weights), manager)
     req = call_setup.check_call(facts, manager, pages, state, prompt_tokens, prompt_lens,
                                  rows_per_prompt=params.n, what="n", budgets=max_new_tokens,

@@ -175,21 +175,43 @@ def check_seeds(seeds: ArrayLike | None, num_prompts: int) -> jax.Array | None:
 
 
 
+MIN_BUCKET = 16
+"""The narrowest width ``pad_prompts`` pads to by default (one block of the usual size)."""
+
+
+def bucket_width(longest: int, multiple: int = 1, max_width: int | None = None) -> int:
+    """The padded width for a longest prompt of ``longest`` tokens: the smallest power of two
+    ``>= max(longest, MIN_BUCKET)``, rounded up to ``multiple``, at most ``max_width``.
+
+    Why powers of two: the width is a static shape of ``generate`` / ``beam_search``, so every
+    distinct width compiles the loop anew; powers of two make that one compile per bucket
+    (``log2`` of the context: 6 buckets up to 512 tokens) while a prompt's padding stays below
+    its own length (the prefill forward computes the padded width at most twice over; it skips
+    chunks past the longest prompt). Multiples of the block size would pad less but compile up
+    to ``context / block_size`` programs (32 for 512 tokens in blocks of 16)."""
+    w = max(MIN_BUCKET, 1 << max(int(longest) - 1, 0).bit_length())
+    w = -(-w // multiple) * multiple
+    return w if max_width is None else max(int(longest), min(w, int(max_width)))
+
+
 def pad_prompts(prompts: Sequence[ArrayLike], width: int | None = None, multiple: int = 1, *,
-                vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                vocab_size: int | None = None, max_width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token lists -> (int32 ``[B, W]`` zero-padded tokens, int32 ``[B]`` lengths).
 
-    ``W`` is ``width`` or the longest prompt rounded up to ``multiple``; keeping ``W`` fixed
-    across calls keeps the compiled loop. Each prompt is checked by ``token_ids``: ints (not
-    bools or floats) in ``[0, vocab_size)`` (``[0, 2**31)`` when ``vocab_size`` is None; ``generate``
-    and ``beam_search`` check against the model's vocabulary again); a bad id raises ``ValueError``
-    naming the prompt, the id, its position and the limit.
+    ``W`` is ``width`` when given; by default the longest prompt's bucket (``bucket_width``: the
+    next power of two from ``MIN_BUCKET`` = 16 on, rounded up to ``multiple``, capped at
+    ``max_width``), so that calls with prompts of different lengths share one compiled loop per
+    bucket. Pass ``max_width=manager.max_tokens_per_seq`` when that is not a power of two (a
+    width beyond what a sequence holds is refused). Each prompt is checked by ``token_ids``: ints
+    (not bools or floats) in ``[0, vocab_size)`` (``[0, 2**31)`` when ``vocab_size`` is None;
+    ``generate`` and ``beam_search`` check against the model's vocabulary again); a bad id raises
+    ``ValueError`` naming the prompt, the id, its position and the limit.
     """
     if prompts is None or isinstance(prompts, (str, bytes)) or np.isscalar(prompts):
         raise ValueError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
-    for name, v, lo in (("width", width, 1), ("multiple", multiple, 1)):
-        if v is not None and (not is_int(v) or v < lo):
-            raise ValueError(f"{name}={v!r} must be an int >= {lo}")
+    for name, v in (("width", width), ("multiple", multiple), ("max_width", max_width)):
+        if v is not None and (not is_int(v) or v < 1):
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
     if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
         raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 1")
     try:
@@ -199,7 +221,9 @@ def pad_prompts(prompts: Sequence[ArrayLike], width: int | None = None, multiple
     if not prompts:
         raise ValueError("no prompts")
     longest = max(len(p) for p in prompts)
-    w = -(-longest // multiple) * multiple if width is None else int(width)
+    if max_width is not None and longest > max_width:
+        raise ValueError(f"a prompt has {longest} tokens; max_width={max_width}")
+    w = bucket_width(longest, multiple, max_width) if width is None else int(width)
     if longest > w:
         raise ValueError(f"a prompt has {longest} tokens; width={w}")
     out = np.zeros((len(prompts), w), np.int32)

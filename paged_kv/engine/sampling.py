@@ -58,7 +58,9 @@ def _check_count(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name}={value!r} must be an int in [{minimum}, 2**31)")
 
 
-def _eos_tuple(value) -> tuple[int, ...]:
+def _eos_tuple(value) -> tuple[int, ...] | None:
+    if value is None:  # the model's (``with_model_eos``)
+        return None
     if is_int(value):
         value = (value,)
     try:
@@ -87,7 +89,12 @@ class SamplingParams:
       n: answers per prompt (int >= 1, not a bool or float). The prompt is prefilled once and its
         blocks are shared.
       eos_token_ids: an answer ends after sampling any of these tokens (the EOS is kept); ints
-        >= 0 (``< vocab_size`` checked where the model is known).
+        >= 0 (``< vocab_size`` checked where the model is known). None (the default): the
+        model's own EOS ids (``PagedModel.eos_token_ids``: a checkpoint's
+        ``generation_config.json``, else its ``config.json``), filled in by every engine before
+        anything is traced (``with_model_eos``); ``()`` stops at no token.
+      ignore_eos: True: generate ``max_new_tokens`` whatever is sampled (as vLLM's
+        ``ignore_eos``); ``eos_token_ids`` must then be None or empty.
     """
 
     max_new_tokens: int = 16
@@ -95,7 +102,8 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     n: int = 1
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self):
         _check_count("max_new_tokens", self.max_new_tokens, 1)
@@ -113,7 +121,7 @@ class SamplingParams:
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "top_k", int(self.top_k))
         object.__setattr__(self, "n", int(self.n))
-        object.__setattr__(self, "eos_token_ids", _eos_tuple(self.eos_token_ids))
+        _check_eos(self)
 
     @property
     def greedy(self) -> bool:
@@ -129,13 +137,16 @@ class BeamParams:
       max_new_tokens: generated tokens per hypothesis at most (>= 1).
       length_penalty: a finished hypothesis of ``length`` generated tokens (EOS included) scores
         ``sum_logprobs / length ** length_penalty`` (finite float).
-      eos_token_ids: a candidate that samples one of these is finished.
+      eos_token_ids: a candidate that samples one of these is finished; None (the default): the
+        model's EOS ids, as ``SamplingParams.eos_token_ids``.
+      ignore_eos: True: no token finishes a candidate (``eos_token_ids`` None or empty).
     """
 
     beam_width: int = 4
     max_new_tokens: int = 16
     length_penalty: float = 1.0
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self):
         _check_count("beam_width", self.beam_width, 1)
@@ -145,7 +156,27 @@ class BeamParams:
         object.__setattr__(self, "beam_width", int(self.beam_width))
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "length_penalty", float(self.length_penalty))
-        object.__setattr__(self, "eos_token_ids", _eos_tuple(self.eos_token_ids))
+        _check_eos(self)
+
+
+def _check_eos(params: SamplingParams | BeamParams) -> None:
+    """Normalises ``eos_token_ids`` (a tuple of ints, or None) and checks ``ignore_eos``."""
+    eos = _eos_tuple(params.eos_token_ids)
+    if not isinstance(params.ignore_eos, bool):
+        raise ValueError(f"ignore_eos={params.ignore_eos!r} must be a bool")
+    if params.ignore_eos and eos:
+        raise ValueError(f"ignore_eos=True with eos_token_ids={eos!r}: give one or the other")
+    object.__setattr__(params, "eos_token_ids", () if params.ignore_eos else eos)
+
+
+def with_model_eos(params: SamplingParams | BeamParams, model_eos: tuple[int, ...]) -> SamplingParams | BeamParams:
+    """``params`` with ``eos_token_ids`` filled in: the model's ids (``model_eos``) when None, as
+    given otherwise (``()`` with ``ignore_eos``). Every engine calls it once, on the host, before
+    tracing, so the compiled loops only ever see a tuple, and ``SamplingParams()`` and
+    ``SamplingParams(eos_token_ids=<the model's ids>)`` share one compiled program."""
+    if params.eos_token_ids is not None:
+        return params
+    return dataclasses.replace(params, eos_token_ids=tuple(model_eos))
 
 
 def check_vocab(eos_token_ids: tuple[int, ...], top_k: int, vocab_size: int) -> None:

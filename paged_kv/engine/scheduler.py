@@ -30,7 +30,7 @@ import numpy as np
 from paged_kv.engine import families as F
 from paged_kv.engine.families import CohortRow, Family, HostState, Phase, Sample
 from paged_kv.engine.outcomes import Outcomes
-from paged_kv.engine.sampling import default_seed
+from paged_kv.engine.sampling import default_seed, with_model_eos
 from paged_kv.engine.serving_step import DeviceStep, build_inputs
 from paged_kv.engine.serving_types import (
     EngineStats,
@@ -51,13 +51,16 @@ class Scheduler:
       config: the ``ServingConfig``.
       device: the device side (``DeviceStep`` or a fake with the same methods).
       vocab_size, max_positions: the model's facts (request checks, beam tie breaking).
+      eos_token_ids: the model's EOS ids, for requests whose parameters leave theirs None
+        (``resolve``).
       seed: the engine's sampling seed, which fixes the seeds of requests submitted without one.
     """
 
     def __init__(self, config: ServingConfig, device: DeviceStep, *, vocab_size: int, max_positions: int,
-                 seed: int = 0):
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0):
         mgr = config.manager
         self.seed = seed
+        self.eos_token_ids = tuple(eos_token_ids)
         self.config, self.manager, self.device = config, mgr, device
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.context = min(mgr.max_tokens_per_seq, max_positions)
@@ -105,13 +108,19 @@ class Scheduler:
         return self._admit_width
 
     # ------------------------------------------------------------------ submission
+    def resolve(self, request: Request) -> Request:
+        """``request`` with its parameters' EOS ids filled in: the model's when they are None (the
+        default; ``sampling.with_model_eos``). The engine keeps, and outputs, the resolved one."""
+        params = with_model_eos(request.params, self.eos_token_ids)
+        return request if params is request.params else dataclasses.replace(request, params=params)
+
     def check(self, request: Request) -> None:
         """``ValueError`` when ``request`` can never run on this engine (the message names the
         value and the limit): a prompt token id outside ``[0, vocab_size)`` (e.g. "prompt token id
         259 at position 16 is out of range: ids must be in [0, vocab_size=259)"), a prompt longer
         than the context or the pool, EOS ids or ``top_k`` beyond the vocabulary, a family too wide
         or too large for the pool."""
-        F.check_request(request, self.config, context=self.context, vocab_size=self.vocab_size,
+        F.check_request(self.resolve(request), self.config, context=self.context, vocab_size=self.vocab_size,
                         max_positions=self.max_positions)
 
     def submit(self, request: Request) -> object:
@@ -129,6 +138,7 @@ class Scheduler:
         """Queues ``request`` without checking it against the model and pool (``submit`` checks
         first); returns its id. ``ValueError`` naming the id, and nothing changed, when a request
         of that id is waiting or running (``duplicate_id``)."""
+        request = self.resolve(request)
         rid = self._submitted if request.request_id is None else request.request_id
         problem = self.duplicate_id(request)
         if problem:
@@ -187,7 +197,8 @@ class Scheduler:
         self.host.stats.rejected += 1
         return RequestOutput(request_id=request.request_id, request=request, tokens=[], logprobs=None, scores=None,
                              finish_reasons=[], stats=RequestStats(prompt_tokens=len(request.prompt),
-                                                                   arrival_step=self.step_count), error=error)
+                                                                   arrival_step=self.step_count), error=error,
+                             rejected=True)
 
     @property
     def idle(self) -> bool:

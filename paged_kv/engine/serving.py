@@ -89,8 +89,9 @@ finishes.
 
 Request identity and lifecycle. A request's id (``Request.request_id``, default its submission
 number) is unique among the requests waiting or running: ``submit`` refuses a duplicate with a
-``ValueError`` naming it (``run``: a rejected output), and the id is free again once its request
-has finished or been aborted. ``abort(request_id)`` ends a waiting or running request and all
+``ValueError`` naming it (``run``: an output with ``rejected`` True, yielded when the duplicate
+arrives, so before the live request's own), and the id is free again once its request has
+finished or been aborted. ``abort(request_id)`` ends a waiting or running request and all
 its samples or beams (False for an id no such request has): its rows are freed by the next step's
 jitted ``free``, as a finished request's (a prompt in the middle of its prefill is prefilled to
 the end of its cohort first, because ``admit`` cached its full blocks before their K/V was
@@ -203,7 +204,8 @@ class ServingEngine:
                                                   kv_dtype=config.kv_dtype)
         self.device = DeviceStep(config, graphdef, weights, pages, state, self.key, mesh)
         self.scheduler = Scheduler(config, self.device, vocab_size=model_config.vocab_size,
-                                   max_positions=model_config.max_positions, seed=seed)
+                                   max_positions=model_config.max_positions,
+                                   eos_token_ids=model_config.eos_token_ids, seed=seed)
         self.compile_table: list[dict] = []  # per program: compile seconds and why (``compile``)
 
     # ------------------------------------------------------------------ the scheduler's API

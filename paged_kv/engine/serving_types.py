@@ -20,6 +20,7 @@ from paged_kv.pallas_kernels import IMPLS
 from paged_kv.pallas_kernels.validate import check_kv_options
 
 MAX_DECODE_STEPS = 256  # a burst's outputs are K steps' worth; this bounds that buffer
+DEFAULT_PREFILL_ROWS = 8  # ServingConfig.max_prefill_rows when not given (at most max_seqs)
 
 FINISH_REASONS = ("eos", "length", "length_capped", "aborted")
 """Why a sample or beam hypothesis of a serving request ended (``RequestOutput.finish_reasons``,
@@ -36,6 +37,7 @@ class ServingConfig:
       max_prefill_rows: prompts per admission (cohort) at most: the ``P`` of the prefill batch
         of a step that runs a chunk (0 otherwise), and the shape of every ``admit`` call. Also the
         widest ``n`` / beam width a request may have (a preempted one is re-admitted as a unit).
+        At most ``manager.max_seqs``; None (the default): ``min(8, manager.max_seqs)``.
       top_candidates: log-probabilities returned per row for beam search; a beam request needs
         ``k * (1 + max(#EOS ids, 1)) <= top_candidates``.
       impl: kernel implementation (``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``).
@@ -66,7 +68,7 @@ class ServingConfig:
 
     manager: ManagerConfig
     chunk_size: int = 64
-    max_prefill_rows: int = 8
+    max_prefill_rows: int | None = None
     top_candidates: int = 8
     impl: str = "auto"
     record_tables: bool = True
@@ -77,6 +79,8 @@ class ServingConfig:
     def __post_init__(self):
         if not isinstance(self.manager, ManagerConfig):
             raise ValueError(f"manager must be a ManagerConfig, got {type(self.manager).__name__}")
+        if self.max_prefill_rows is None:
+            object.__setattr__(self, "max_prefill_rows", min(DEFAULT_PREFILL_ROWS, self.manager.max_seqs))
         for name, lo in (("chunk_size", 1), ("max_prefill_rows", 1), ("top_candidates", 2), ("decode_steps", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -182,10 +186,13 @@ class RequestStats:
 @dataclasses.dataclass
 class RequestOutput:
     """A finished, aborted (``ServingEngine.abort``: its finish reasons say ``"aborted"``) or
-    rejected (``error`` set) request.
+    rejected (``rejected`` True, ``error`` set) request.
 
     Attributes:
-      request_id: the request's id.
+      request_id: the request's id. A rejected request keeps the id it was submitted with, which
+        may be that of a live request (a duplicate id, refused): ``run`` yields the rejection when
+        the duplicate arrives, before the live request's own output, and ``rejected`` tells the
+        two apart (``{o.request_id: o for o in outputs if not o.rejected}``).
       request: the request itself.
       tokens: generated tokens: ``n`` samples in sample order, or the beam hypotheses best first.
       logprobs: per sample, each token's log-probability under the model (sampling), or None.
@@ -196,6 +203,9 @@ class RequestOutput:
         (``ServingEngine.abort``; a sample that had already ended keeps its own reason).
       stats: ``RequestStats``.
       error: why the request was rejected (then nothing was generated), else None.
+      rejected: True for a request that was not accepted (``ServingEngine.reject``; ``run``
+        rejects a request that ``submit`` refuses): no tokens, no finish reasons, ``error``
+        says why. False for every request that ran.
       seed: the sampling seed used (``Request.seed`` or the default derived from the engine's
         seed and the request id; module ``sampling``): the same request with ``seed=`` this value
         gives the same samples on a fresh engine. Beam search and greedy decoding draw nothing.
@@ -211,10 +221,12 @@ class RequestOutput:
     stats: RequestStats
     error: str | None = None
     seed: int | None = None
+    rejected: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        """The request ran (not ``rejected``)."""
+        return not self.rejected
 
 
 @dataclasses.dataclass(frozen=True)

@@ -235,7 +235,7 @@ def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict
                       max_blocks_per_seq=per_seq, prefix_caching=True)
   pages = allocate_pages(page_spec(cfg, mgr.num_blocks, bs))
   rng = np.random.default_rng(0)
-  params = SamplingParams(max_new_tokens=new)
+  params = SamplingParams(max_new_tokens=new, ignore_eos=True)  # every row generates `new` tokens
 
   def call(pages, seed):
     toks = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, prompt)), jnp.int32)
@@ -257,7 +257,7 @@ def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict
   scfg = ServingConfig(manager=mgr, chunk_size=256, max_prefill_rows=min(8, batch), impl=impl, record_tables=False)
   eng = ServingEngine(model, scfg)
   reqs = [Request(tuple(int(x) for x in rng.integers(0, cfg.vocab_size, prompt)),
-                  SamplingParams(max_new_tokens=new), arrival=i // 8) for i in range(batch)]
+                  SamplingParams(max_new_tokens=new, ignore_eos=True), arrival=i // 8) for i in range(batch)]
   t = time.perf_counter()
   done = list(eng.run(reqs))
   wall = time.perf_counter() - t

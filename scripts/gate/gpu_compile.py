@@ -622,11 +622,14 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
   prompts, plen = _sds((16, 1024), i32, rep), _sds((16,), i32, rep)
   progs["generate_loop"] = (eg.generate_jit, (graphdef, w, pages, state, prompts, plen, plen, key),
                             dict(manager=mgr, params=SamplingParams(max_new_tokens=256, temperature=0.8, top_p=0.9,
-                                                                    n=4),
+                                                                    n=4, eos_token_ids=()),
                                  impl="pallas", chunk_size=512, context=LLAMA_CONTEXT), "decode")
   bprompts, bplen = _sds((16, 1024), i32, rep), _sds((16,), i32, rep)
   progs["beam_search_loop"] = (eb.beam_search_jit, (graphdef, w, pages, state, bprompts, bplen),
-                               dict(manager=mgr, params=BeamParams(beam_width=4, max_new_tokens=256), impl="pallas",
+                               # No EOS ids, as the recorded gate runs compiled them (the model's three
+                               # would widen beam search to k x 4 candidates a step).
+                               dict(manager=mgr, params=BeamParams(beam_width=4, max_new_tokens=256, eos_token_ids=()),
+                                    impl="pallas",
                                     chunk_size=512, context=LLAMA_CONTEXT), "decode")
   adm = 4
   progs["admit"] = (ss.admit_jit, (mgr, state, _sds((r,), i32, rep), _sds((adm,), i32, rep),
