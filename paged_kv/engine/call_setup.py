@@ -176,6 +176,6 @@ def initial_state(manager: ManagerConfig, state: BlockManagerState | None) -> Bl
 
 __all__ = [
     "SEED_LIMIT", "TOKEN_LIMIT", "CallShape", "bucket_width", "check_call", "check_int_dtype", "check_key",
-    "check_kv_pages", "check_padded_tokens", "check_seeds", "group_layout", "initial_state", "kv_cache_groups", "layer_layout",
-    "layout_groups", "pad_prompts", "place", "replicate_inputs", "split_model", "token_ids",
+    "check_kv_pages", "check_padded_tokens", "check_seeds", "group_layout", "initial_state", "kv_cache_groups",
+    "layer_layout", "layout_groups", "pad_prompts", "place", "replicate_inputs", "split_model", "token_ids",
 ]
