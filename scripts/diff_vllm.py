@@ -46,6 +46,11 @@ from scripts.run_record import record, utc_now
 
 BLOCK = 16  # vllm_driver.py's block size
 DEFAULT_ENV = Path(os.environ.get("VLLM_ENV", Path.home() / ".cache" / "vllm-ref-env"))
+
+
+def env_built(env: Path = DEFAULT_ENV) -> bool:
+    """Whether the vLLM 0.33 reference environment ``env`` exists (../shared/tools/vllm_ref/setup.sh)."""
+    return (env / "bin" / "python").exists()
 DRIVER_CANDIDATES = [ROOT.parent / "shared" / "tools" / "vllm_ref" / "vllm_driver.py",
                      ROOT / "shared" / "tools" / "vllm_ref" / "vllm_driver.py"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import run_record
+from scripts import diff_vllm, run_record
 from scripts.extras import missing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,12 +259,7 @@ def test_sharding_report(tmp_path):
     assert {c["device_gb"] for c in data["kv_capacity"]} == {80, 141}
 
 
-def _vllm_env() -> bool:
-    from scripts import diff_vllm
-    return (diff_vllm.DEFAULT_ENV / "bin" / "python").exists()
-
-
-@pytest.mark.skipif(not _vllm_env(), reason="vLLM 0.33 reference environment not built "
+@pytest.mark.skipif(not diff_vllm.env_built(), reason="vLLM 0.33 reference environment not built "
                                             "(../shared/tools/vllm_ref/setup.sh)")
 def test_diff_vllm(tmp_path):
     """Single-group streams where ../shared's vllm_driver.py is found, else grouped streams (their

@@ -11,7 +11,7 @@ import pytest
 from scripts import diff_vllm
 
 
-@pytest.mark.skipif(diff_vllm.find_driver() is None or not (diff_vllm.DEFAULT_ENV / "bin" / "python").exists(),
+@pytest.mark.skipif(diff_vllm.find_driver() is None or not diff_vllm.env_built(),
                     reason="vLLM 0.33 reference environment not built (../shared/tools/vllm_ref/setup.sh)")
 @pytest.mark.parametrize("seed", [101, 202])
 def test_identical_to_vllm_on_random_streams(seed):
@@ -20,7 +20,7 @@ def test_identical_to_vllm_on_random_streams(seed):
     assert r["equal"], r["first_difference"]
 
 
-@pytest.mark.skipif(not (diff_vllm.DEFAULT_ENV / "bin" / "python").exists(),
+@pytest.mark.skipif(not diff_vllm.env_built(),
                     reason="vLLM 0.33 reference environment not built (../shared/tools/vllm_ref/setup.sh)")
 @pytest.mark.parametrize("retention", diff_vllm.RETENTIONS)
 def test_groups_identical_to_vllm(retention):
