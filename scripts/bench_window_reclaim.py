@@ -50,7 +50,8 @@ Usage::
 
     pip install -e '.[bench]'
     python scripts/bench_window_reclaim.py            # full run (writes results/bench_window_reclaim.{json,png})
-    python scripts/bench_window_reclaim.py --quick    # smoke run: small contexts, written under /tmp
+    python scripts/bench_window_reclaim.py --quick    # small contexts, written under /tmp
+    python scripts/bench_window_reclaim.py --smoke    # every path in seconds (windows scaled down): the suite's run
     python scripts/bench_window_reclaim.py --parts capacity,prefix --out results/bench_window_retention.json
 """
 
@@ -347,6 +348,9 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small contexts; writes under a temporary folder")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smallest run that takes every path (Gemma 3's windows scaled to 64 tokens, "
+                         "contexts of a few hundred tokens): for the test suite; writes under a temporary folder")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/bench_window_reclaim.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", default=",".join(PARTS),
@@ -357,8 +361,14 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
     # One generator per measurement, so that running only some (--parts) draws the same requests.
     rng, cap_rng, pre_rng = (np.random.default_rng([args.seed, k]) for k in range(3))
-    if args.quick:
-        global PROMPT
+    global PROMPT, SHAPES
+    if args.smoke:
+        PROMPT = 32
+        SHAPES = {**SHAPES, "gemma3": ("gemma3_text", (64,) * 5 + (0,))}
+        settings = [("gemma3", 256, True)]
+        cap = ("gemma3", 160, 3, 1)
+        pre = ("gemma3", 96, 2)
+    elif args.quick:
         PROMPT = 64
         settings = [("gemma3", 2048, True)]
         cap = ("gemma3", 1024, 4, 1)
@@ -368,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
                     ("mistral", 8192, True), ("mistral", 32768, False)]
         cap = ("gemma3", 4096, 12, 4)
         pre = ("gemma3", 4096, 6)
-    out = args.out or (Path(tempfile.gettempdir()) / "bench_window_reclaim.json" if args.quick
+    out = args.out or (Path(tempfile.gettempdir()) / "bench_window_reclaim.json" if args.quick or args.smoke
                        else REPO / "results" / "bench_window_reclaim.json")
     t0 = time.perf_counter()
     commit = _commit()  # before the run: the checkout it ran on
@@ -377,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
     # A long prompt: admission takes blocks for the whole prompt in every group at once (no
     # allocation per prefill chunk yet), so the peak is the prompt's, reclaimed at the first decode.
     long_prompt = [one_request("gemma3", settings[1][1], rng, engine_check=False,
-                               prompt_len=settings[1][1] - 1024)] if not args.quick and "per_request" in parts else []
+                               prompt_len=settings[1][1] - 1024)] if not (args.quick or args.smoke) and "per_request" in parts else []
     result = {
         "run": record(__file__, args, argv),
         "meta": {

@@ -202,7 +202,7 @@ def test_reproduce_sharing(tmp_path):
 
 @pytest.mark.skipif(bool(missing("tqdm", "matplotlib")), reason="needs the 'cli' extra (tqdm, matplotlib)")
 def test_bench_window_reclaim(tmp_path):
-    out, argv = tmp_path / "wr.json", ["--quick"]
+    out, argv = tmp_path / "wr.json", ["--smoke"]
     argv += ["--out", str(out)]
     in_process("bench_window_reclaim", argv)
     data = read(out, "bench_window_reclaim", argv)
