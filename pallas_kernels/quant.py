@@ -254,7 +254,7 @@ _KIND_CAPABILITY = (("GH200", (9, 0)), ("H100", (9, 0)), ("H200", (9, 0)), ("H80
                     ("A100", (8, 0)), ("A800", (8, 0)), ("A30", (8, 0)), ("A10", (8, 6)), ("A40", (8, 6)))
 
 
-def _abstract_device_kind() -> str | None:
+def abstract_device_kind() -> str | None:
   """The GPU device kind an enclosing abstract mesh names (``jax_compat.cuda_lowering``), else None."""
   try:
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
@@ -269,7 +269,7 @@ def default_target() -> tuple[int, int] | None:
   """The compute capability the Pallas kernels are lowered for here: the GPU an enclosing abstract
   mesh names (a deviceless lowering; None for a device kind not in the table), else JAX's first
   device when the default backend is a GPU, else None (a CPU: nothing is compiled by Triton)."""
-  kind = _abstract_device_kind()
+  kind = abstract_device_kind()
   if kind is not None:
     return next((cc for name, cc in _KIND_CAPABILITY if name in kind), None)
   if jax.default_backend() != "gpu":
@@ -294,9 +294,9 @@ def check_kv_dtype(dtype: DTypeLike, target: Any = "auto") -> jnp.dtype:
     ValueError: one line naming the dtype and the target, for float8_e4m3fn below compute
       capability 8.9 (Triton converts e4m3 only from Ada / Hopper on).
   """
+  from paged_kv.pallas_kernels import plan  # the refusal is a row of the plan's table; plan imports this module
   dt = jnp.dtype(dtype)
   cc = default_target() if isinstance(target, str) and target == "auto" else parse_target(target)
-  if dt == jnp.dtype(jnp.float8_e4m3fn) and cc is not None and cc < FP8_MIN_CAPABILITY:
-    raise ValueError(f"KV dtype float8_e4m3fn needs compute capability >= 8.9 (sm_89 / sm_90), "
-                     f"target is sm_{cc[0]}{cc[1]}; use int8")
+  if cc is not None and dt in KV_DTYPES:
+    plan.make_plan("pallas", target=cc, kv_dtype=dt)
   return dt
