@@ -347,10 +347,10 @@ def _kernel_program(spec: dict):
     # Batch-invariant mode: one kernel for both forms (decode: one token per sequence), a
     # traced sliding window (an operand: the same kernel with or without one).
     knob = KNOBS.get(spec.get("knob"), {})
-    kw = dict(impl="pallas", batch_invariant=True, soft_cap=knob.get("soft_cap"))
+    kw = dict(impl="pallas", batch_invariant=True, soft_cap=knob.get("soft_cap"), window=knob.get("window"))
     if spec["form"] == "prefill":
       batch = min(batch, 4)
-    pages = _sds((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d), dt, sh)
+    pages = page_arg((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d))  # quantized: the plan refuses it
     bt, vec = _sds((batch, max_blocks), i32, sh), _sds((batch,), i32, sh)
     slopes = (_sds((KV_HEADS * g,), jnp.float32, sh),) if knob.get("alibi") else ()
     if spec["form"] == "decode":
