@@ -31,13 +31,16 @@ import it from here. Everything is static Python, run outside ``jit``.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from paged_kv.pallas_kernels import quant
+IMPLS = ("auto", "pallas", "interpret", "reference")
+"""The accepted ``impl`` values (the other layers import them from here, through ``validate``)."""
 
 KINDS = ("full", "window", "chunked")
 """Attention kinds a plan may be asked about: full causal, sliding window, chunked-local."""
@@ -52,6 +55,85 @@ KV_CLASSES = ("plain", "int8", "fp8")
 # KEY_TILE; restated, not imported, to keep this module free of the kernels' JAX code).
 INVARIANT_KEY_TILE = 128
 MATMUL_MIN_DIM = 16  # Triton's smallest dot: the Pallas layer_matmul takes K, N multiples of it
+
+
+# ``paged_kv.inputs.is_int`` is the same check for the core and the engine: this package imports
+# nothing from the rest of the repository (models import it from here, through ``validate``), so
+# each side keeps one definition (tests/test_module_layout.py checks they agree).
+def is_int(v: Any) -> bool:
+  """A Python or NumPy integer scalar; bools (Python or NumPy) are not ints here."""
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_impl(impl: Any) -> str:
+  if not isinstance(impl, str) or impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  return impl
+
+
+# The GPU targets (the compute capability Triton lowers for). Here rather than in ``quant`` (which
+# refuses float8_e4m3fn below sm_89 through this module's table) so that the plan sits below every
+# kernel module and imports none of them.
+# The lowest compute capability whose Triton converts float8_e4m3fn (sm_89, Ada; Hopper is 9.0).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def parse_target(target: Any) -> tuple[int, int] | None:
+  """A GPU target as ``(major, minor)`` compute capability: ``"sm_90a"``, ``"sm_80"``, ``"9.0"``,
+  ``(8, 0)`` or a ``jax.Device`` with a ``compute_capability``; None for a CPU (or any target
+  without one: nothing is compiled by Triton there).
+
+  Raises:
+    ValueError: for a string that is none of these forms.
+  """
+  if target is None:
+    return None
+  if isinstance(target, tuple) and len(target) == 2:
+    return int(target[0]), int(target[1])
+  cc = getattr(target, "compute_capability", None)
+  if cc is not None:
+    target = str(cc)
+  elif not isinstance(target, str):
+    return None
+  text = target.strip().lower()
+  if text in ("cpu", "tpu", ""):
+    return None
+  m = re.fullmatch(r"sm_(\d+)(\d)a?", text) or re.fullmatch(r"(\d+)\.(\d+)", text)
+  if not m:
+    raise ValueError(f"target {target!r} is neither 'sm_XY[a]', 'X.Y', a (major, minor) pair nor a device")
+  return int(m.group(1)), int(m.group(2))
+
+
+# Compute capability of the NVIDIA parts a lowering may name by device kind (an abstract mesh, as
+# the deviceless GPU gate and the tests use): the first matching substring wins.
+_KIND_CAPABILITY = (("GH200", (9, 0)), ("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)),
+                    ("B200", (10, 0)), ("L40", (8, 9)), ("L4", (8, 9)), ("RTX 40", (8, 9)),
+                    ("A100", (8, 0)), ("A800", (8, 0)), ("A30", (8, 0)), ("A10", (8, 6)), ("A40", (8, 6)))
+
+
+def abstract_device_kind() -> str | None:
+  """The GPU device kind an enclosing abstract mesh names (``jax_compat.cuda_lowering``), else None."""
+  try:
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  except AttributeError:  # a JAX without abstract meshes
+    return None
+  if device is None or getattr(device, "platform", None) != "gpu":
+    return None
+  return getattr(device, "device_kind", None)
+
+
+def default_target() -> tuple[int, int] | None:
+  """The compute capability the Pallas kernels are lowered for here: the GPU an enclosing abstract
+  mesh names (a deviceless lowering; None for a device kind not in the table), else JAX's first
+  device when the default backend is a GPU, else None (a CPU: nothing is compiled by Triton)."""
+  kind = abstract_device_kind()
+  if kind is not None:
+    return next((cc for name, cc in _KIND_CAPABILITY if name in kind), None)
+  if jax.default_backend() != "gpu":
+    return None
+  return parse_target(jax.devices()[0])
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +172,7 @@ class Switches:
 
   @property
   def capability(self) -> tuple[int, int] | None:
-    return quant.parse_target(self.target) if self.target.startswith("sm_") else None
+    return parse_target(self.target) if self.target.startswith("sm_") else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +236,7 @@ def _kv_name(s: Switches) -> str:
 
 def _fp8_below_89(s: Switches) -> bool:
   cc = s.capability
-  return s.kv == "fp8" and s.runs_pallas and cc is not None and cc < quant.FP8_MIN_CAPABILITY
+  return s.kv == "fp8" and s.runs_pallas and cc is not None and cc < FP8_MIN_CAPABILITY
 
 
 _COLUMNS = ("impl", "target", "batch_invariant", "kv_dtype", "kinds", "tp", "head_dim / block_size")
@@ -218,16 +300,16 @@ def resolve_target(target: Any = "auto", backend: bool = True) -> str:
   if isinstance(target, str) and target in ("cpu", "gpu", "none"):
     return target
   if isinstance(target, str) and target == "auto" and not backend:
-    kind = quant.abstract_device_kind()
-    cc = None if kind is None else quant.default_target()
+    kind = abstract_device_kind()
+    cc = None if kind is None else default_target()
     if cc is None:
       return "gpu" if kind else "none"
   elif isinstance(target, str) and target == "auto":
-    cc = quant.default_target()
+    cc = default_target()
     if cc is None:
-      return "gpu" if jax.default_backend() == "gpu" or quant.abstract_device_kind() else "none"
+      return "gpu" if jax.default_backend() == "gpu" or abstract_device_kind() else "none"
   else:
-    cc = quant.parse_target(target)
+    cc = parse_target(target)
     if cc is None:
       return "cpu"
   return f"sm_{cc[0]}{cc[1]}"
@@ -257,7 +339,6 @@ def switches(impl: str = "auto", *, target: Any = "auto", batch_invariant: bool 
              block_size: int | None = None, backend: bool = True) -> Switches:
   """The checked :class:`Switches` (``ValueError`` naming a bad value and what is accepted).
   ``backend=False``: JAX's backend is not consulted (nor started): ``gpu_backend`` is None."""
-  from paged_kv.pallas_kernels.validate import check_impl, is_int  # validate imports this module
   check_impl(impl)
   if not isinstance(batch_invariant, bool):
     raise ValueError(f"batch_invariant={batch_invariant!r} must be a bool")

@@ -19,30 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_kv.pallas_kernels import plan as execution_plan, quant, tiling
+
+# Defined with the execution plan (which sits below this module); the other layers import them from here.
+from paged_kv.pallas_kernels.plan import IMPLS, check_impl, is_int  # noqa: F401 (IMPLS: re-exported)
 from paged_kv.pallas_kernels.reference import NULL_BLOCK
 
-IMPLS = ("auto", "pallas", "interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _INT32 = jnp.dtype(jnp.int32)
 PAGES_LAYOUT = "[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]"
 
 
-# ``paged_kv.inputs.is_int`` is the same check for the core and the engine: this package imports
-# nothing from the rest of the repository (models import it from here), so each side keeps one
-# definition (tests/test_module_layout.py checks they agree).
-def is_int(v: Any) -> bool:
-  """A Python or NumPy integer scalar; bools (Python or NumPy) are not ints here."""
-  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
 def is_power_of_two(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
-
-
-def check_impl(impl: Any) -> str:
-  if not isinstance(impl, str) or impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  return impl
 
 
 def check_pages(pages: Any) -> tuple[int, int, int, int, int]:
