@@ -112,3 +112,20 @@ def test_kernel_entry_points_run_their_plan():
                                                        batch_invariant=True)).trace(q, pages)
     _, _, p, _ = pk.dispatch.validate.check_decode(q, pages, 0, bt, ln, None, "auto")
     assert p.impl == pk.resolve_impl("auto", 16) and p.attention == "paged"
+
+
+def test_engines_make_the_plan_before_anything_is_built():
+    import paged_kv as pkv
+    from paged_kv.engine import call_setup
+    from paged_kv.engine.serving import ServingConfig
+
+    mgr = pkv.ManagerConfig(num_blocks=8, block_size=256, max_seqs=2, max_blocks_per_seq=2)
+    with pytest.raises(ValueError, match="block size dividing 128"):
+        ServingConfig(mgr, impl="reference", batch_invariant=True)
+    ServingConfig(mgr, batch_invariant=True)  # "auto": the backend decides, later (`plan`)
+    cfg = ServingConfig(dataclasses.replace(mgr, block_size=16), impl="reference", kv_dtype="int8")
+    assert (cfg.plan.impl, cfg.plan.switches.kv, cfg.plan.row) == ("reference", "int8", "reference")
+    pages = jax.ShapeDtypeStruct((1, 2, 1, 8, 256, 16), jnp.float32)
+    with pytest.raises(ValueError, match="block size dividing 128"):
+        call_setup.check_kv_pages(pages, "reference", batch_invariant=True)
+    assert call_setup.check_kv_pages(pages, "reference").attention == "paged"
