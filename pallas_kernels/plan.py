@@ -4,8 +4,8 @@ The switches are ``impl`` ("auto" | "pallas" | "interpret" | "reference"), ``tar
 Pallas kernels are compiled for: "auto", "cpu", or a GPU as ``"sm_XY"``), ``batch_invariant``,
 the KV pages' dtype (plain float pages, int8 or float8_e4m3fn), the attention kinds the model's
 layers use (an opaque static tuple of names, :data:`KINDS`: this module does not depend on how a
-kernel represents them), the tensor-parallel degree ``tp`` and, where the caller knows them, the
-model's ``head_dim`` and the pages' ``block_size``. :func:`make_plan` walks :data:`ROWS` in order;
+kernel represents them), the tensor-parallel mesh ``tp`` (None: one device) and, where the caller
+knows them, the model's ``head_dim`` and the pages' ``block_size``. :func:`make_plan` walks :data:`ROWS` in order;
 the first row whose conditions hold decides: either an :class:`ExecutionPlan` (the resolved
 ``impl``, the attention kernel family, how the layers loop and how the projections run) or a
 refusal, one-line ``ValueError`` naming the combination and what is supported.
@@ -21,6 +21,13 @@ reader (and docs/design.md's table, generated from :func:`table_markdown`) sees 
   projections (GSPMD partitions them) instead of the in-place ``layer_matmul`` scan;
 * batch-invariant mode on the XLA reference needs a block size dividing the invariant key tile
   (it was refused only while compiling).
+
+The refusals that were spread over the kernels' checks (``validate``: a head_dim the Pallas
+kernels cannot take, quantized pages with ``batch_invariant``), ``quant`` (float8_e4m3fn below
+sm_89), the engines (``call_setup.check_kv_pages``, ``ServingConfig``), the command line
+(``--impl pallas`` without a GPU, ``--batch-invariant`` with ``--kv-dtype`` or a block size the
+reference cannot step over) and the reference kernel (that block size, while compiling) are
+rows here; those callers ask this module (the command line words the answer in its options).
 
 Why in ``pallas_kernels/``: the kernels' dispatch and input checks (``dispatch.py``,
 ``validate.py``) must consult it, and this package imports nothing from the rest of the
@@ -66,15 +73,16 @@ def is_int(v: Any) -> bool:
 
 
 def check_impl(impl: Any) -> str:
+  """``impl`` when it is one of :data:`IMPLS`, else ``ValueError`` naming it and them."""
   if not isinstance(impl, str) or impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   return impl
 
 
-# The GPU targets (the compute capability Triton lowers for). Here rather than in ``quant`` (which
-# refuses float8_e4m3fn below sm_89 through this module's table) so that the plan sits below every
-# kernel module and imports none of them.
-# The lowest compute capability whose Triton converts float8_e4m3fn (sm_89, Ada; Hopper is 9.0).
+# The GPU targets (the compute capability Triton lowers for) live here rather than in ``quant``
+# (which refuses float8_e4m3fn below sm_89 through this module's table), so that the plan sits
+# below every kernel module and imports none of them. FP8_MIN_CAPABILITY: the lowest compute
+# capability whose Triton converts float8_e4m3fn (sm_89, Ada; Hopper is 9.0).
 FP8_MIN_CAPABILITY = (8, 9)
 
 
@@ -132,8 +140,6 @@ def default_target() -> tuple[int, int] | None:
   if jax.default_backend() != "gpu":
     return None
   return parse_target(jax.devices()[0])
-
-
 
 
 @dataclasses.dataclass(frozen=True)
