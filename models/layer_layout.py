@@ -1,5 +1,6 @@
-"""How a model runs its layers over the paged cache, decided in one place from the kernels'
-`impl` and the mesh: stacked and scanned (the XLA reference, or the Pallas projection that reads
+"""How a model runs its layers over the paged cache, decided by the execution plan
+(`paged_kv.pallas_kernels.plan`: its `layers` and `projections` columns) from the kernels' `impl`
+and the mesh: stacked and scanned (the XLA reference, or the Pallas projection that reads
 a stacked weight's layer in place on one GPU) or unrolled on per-layer weights (the Pallas
 kernels over a tensor-parallel mesh). `layout_for_impl` has the table; the paged
 `AttentionBackend`'s plan (`static_layer`, `layer_matmul`) comes from the functions here.
@@ -77,10 +78,10 @@ def layout_for_impl(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], impl: st
     `paged_kv.engine.call_setup.layer_layout`; the backend's plan comes from
     `paged_kv.models.paged_attention`):
 
-      impl resolves to   mesh   layout      loop      projections
-      "reference" (CPU)  any    stacked     scan      XLA einsums on the scan's weight slices
-      Pallas             none   stacked     scan      `layer_matmul_for`: in place on the stacked weights
-      Pallas             tp     per_layer   unrolled  XLA einsums (GSPMD partitions them)
+      impl resolves to   mesh   layout      loop      projections                               plan row
+      "reference" (CPU)  any    stacked     scan      XLA einsums on the scan's weight slices   reference
+      Pallas             none   stacked     scan      `layer_matmul_for`: in place               pallas
+      Pallas             tp     per_layer   unrolled  XLA einsums (GSPMD partitions them)       pallas_mesh
 
     So a stacked Llama becomes `paged_kv.models.llama.per_layer` exactly when `static_layer_impl`
     holds; anything else is returned as is (other models have their own layout).
