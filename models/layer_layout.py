@@ -28,13 +28,14 @@ def static_layer_impl(impl: str, head_dim: int | None = None, mesh: Mesh | None 
     projections stay XLA matmuls, which GSPMD partitions, and an unrolled forward on per-layer
     arrays is the layout in which XLA:GPU copies no weight. On one device the Pallas kernels scan
     over stacked weights instead (`layer_matmul_for`)."""
-    return _plan(impl, head_dim, mesh).layers == "unrolled"
+    return plan_for(impl, head_dim, mesh).layers == "unrolled"
 
 
-def _plan(impl: str, head_dim: int | None, mesh: Mesh | None,
-          batch_invariant: bool = False) -> execution_plan.ExecutionPlan:
-    """The execution plan's layout columns for `impl` on `mesh` (`paged_kv.pallas_kernels.plan`;
-    the refusals of the other switches are the engines' and the kernels' to raise)."""
+def plan_for(impl: str, head_dim: int | None = None, mesh: Mesh | None = None,
+             batch_invariant: bool = False) -> execution_plan.ExecutionPlan:
+    """The execution plan (`paged_kv.pallas_kernels.plan.make_plan`) whose `layers` and `projections`
+    columns lay a model out for `impl` on `mesh` (its `tp`: the mesh's size; the refusals of the
+    other switches are the engines' and the kernels' to raise)."""
     tp = None if mesh is None else int(getattr(mesh, "size", 1))
     return execution_plan.make_plan(impl, tp=tp, head_dim=head_dim, batch_invariant=batch_invariant)
 
@@ -48,10 +49,15 @@ def layer_matmul_for(impl: str, head_dim: int | None = None, mesh: Mesh | None =
     XLA's slices, which XLA:CPU reads in place or copies cheaply; a mesh unrolls instead,
     `static_layer_impl`). `batch_invariant`: the kernel's fixed-tile plan (a row's bits independent
     of the batch: `paged_kv.pallas_kernels.stacked_matmul.invariant_plan`)."""
-    plan = _plan(impl, head_dim, mesh, batch_invariant)
+    return layer_matmul_of(plan_for(impl, head_dim, mesh, batch_invariant))
+
+
+def layer_matmul_of(plan: execution_plan.ExecutionPlan) -> LayerMatmul | None:
+    """`layer_matmul_for` from a made plan: the in-place `layer_matmul` where its projections column
+    says so, else None."""
     if plan.projections != "layer_matmul":
         return None
-    if batch_invariant:
+    if plan.batch_invariant:
         return functools.partial(_layer_matmul, plan=plan, batch_invariant=True)
     return functools.partial(_layer_matmul, plan=plan)
 
