@@ -1,5 +1,6 @@
-"""How a model runs its layers over the paged cache, decided in one place from the kernels'
-`impl` and the mesh: stacked and scanned (the XLA reference, or the Pallas projection that reads
+"""How a model runs its layers over the paged cache, decided by the execution plan
+(`paged_kv.pallas_kernels.plan`: its `layers` and `projections` columns) from the kernels' `impl`
+and the mesh: stacked and scanned (the XLA reference, or the Pallas projection that reads
 a stacked weight's layer in place on one GPU) or unrolled on per-layer weights (the Pallas
 kernels over a tensor-parallel mesh). `layout_for_impl` has the table; the paged
 `AttentionBackend`'s plan (`static_layer`, `layer_matmul`) comes from the functions here.
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 from paged_kv import pallas_kernels as pk
 from paged_kv.models.llama import Llama, is_per_layer, per_layer
 from paged_kv.models.protocol import LayerMatmul
+from paged_kv.pallas_kernels import plan as execution_plan
 from paged_kv.pallas_kernels.reference import Projections, StackedBiases, StackedWeights
 
 
@@ -26,7 +28,16 @@ def static_layer_impl(impl: str, head_dim: int | None = None, mesh: Mesh | None 
     projections stay XLA matmuls, which GSPMD partitions, and an unrolled forward on per-layer
     arrays is the layout in which XLA:GPU copies no weight. On one device the Pallas kernels scan
     over stacked weights instead (`layer_matmul_for`)."""
-    return mesh is not None and pk.resolve_impl(impl, head_dim) != "reference"
+    return plan_for(impl, head_dim, mesh).layers == "unrolled"
+
+
+def plan_for(impl: str, head_dim: int | None = None, mesh: Mesh | None = None,
+             batch_invariant: bool = False) -> execution_plan.ExecutionPlan:
+    """The execution plan (`paged_kv.pallas_kernels.plan.make_plan`) whose `layers` and `projections`
+    columns lay a model out for `impl` on `mesh` (its `tp`: the mesh's size; the refusals of the
+    other switches are the engines' and the kernels' to raise)."""
+    tp = None if mesh is None else int(getattr(mesh, "size", 1))
+    return execution_plan.make_plan(impl, tp=tp, head_dim=head_dim, batch_invariant=batch_invariant)
 
 
 def layer_matmul_for(impl: str, head_dim: int | None = None, mesh: Mesh | None = None,
@@ -38,22 +49,29 @@ def layer_matmul_for(impl: str, head_dim: int | None = None, mesh: Mesh | None =
     XLA's slices, which XLA:CPU reads in place or copies cheaply; a mesh unrolls instead,
     `static_layer_impl`). `batch_invariant`: the kernel's fixed-tile plan (a row's bits independent
     of the batch: `paged_kv.pallas_kernels.stacked_matmul.invariant_plan`)."""
-    resolved = pk.resolve_impl(impl, head_dim)
-    if mesh is not None or resolved == "reference":
+    return layer_matmul_of(plan_for(impl, head_dim, mesh, batch_invariant))
+
+
+def layer_matmul_of(plan: execution_plan.ExecutionPlan) -> LayerMatmul | None:
+    """`layer_matmul_for` from a made plan: the in-place `layer_matmul` where its projections column
+    says so, else None."""
+    if plan.projections != "layer_matmul":
         return None
-    if batch_invariant:
-        return functools.partial(_layer_matmul, impl=resolved, batch_invariant=True)
-    return functools.partial(_layer_matmul, impl=resolved)
+    if plan.batch_invariant:
+        return functools.partial(_layer_matmul, plan=plan, batch_invariant=True)
+    return functools.partial(_layer_matmul, plan=plan)
 
 
 def _layer_matmul(x: jax.Array, w: StackedWeights, layer: int | jax.Array, *, scale: jax.Array | None = None,
-                  bias: StackedBiases = None, impl: str, batch_invariant: bool = False) -> Projections:
-    """`paged_kv.pallas_kernels.layer_matmul` in `impl` (one weight, or a group: a tuple), or its XLA
-    reference for a weight (a group with one) whose K or N is not a multiple of 16 (the kernel's
-    smallest tile; such a weight's slice is then copied on a GPU, as any scan's would be)."""
-    from paged_kv.pallas_kernels.stacked_matmul import supported  # the Pallas modules load on first use
+                  bias: StackedBiases = None, plan: execution_plan.ExecutionPlan,
+                  batch_invariant: bool = False) -> Projections:
+    """`paged_kv.pallas_kernels.layer_matmul` in the plan's impl (one weight, or a group: a tuple), or
+    its XLA reference for a weight (a group with one) whose K or N is not a multiple of 16 (the
+    kernel's smallest tile; such a weight's slice is then copied on a GPU, as any scan's would be):
+    `ExecutionPlan.matmul_impl`, a row of the plan's table."""
     ws = w if isinstance(w, (tuple, list)) else (w,)
-    use = impl if all(supported(wi.shape[1], wi.shape[2]) for wi in ws) else "reference"
+    impls = {plan.matmul_impl(wi.shape[1], wi.shape[2]) for wi in ws}
+    use = plan.impl if impls == {plan.impl} else "reference"
     knobs = {"batch_invariant": True} if batch_invariant else {}
     return pk.layer_matmul(x, w, layer, scale=scale, bias=bias, impl=use, **knobs)
 
@@ -66,10 +84,10 @@ def layout_for_impl(model: nnx.Module | tuple[nnx.GraphDef, nnx.State], impl: st
     `paged_kv.engine.call_setup.layer_layout`; the backend's plan comes from
     `paged_kv.models.paged_attention`):
 
-      impl resolves to   mesh   layout      loop      projections
-      "reference" (CPU)  any    stacked     scan      XLA einsums on the scan's weight slices
-      Pallas             none   stacked     scan      `layer_matmul_for`: in place on the stacked weights
-      Pallas             tp     per_layer   unrolled  XLA einsums (GSPMD partitions them)
+      impl resolves to   mesh   layout      loop      projections                               plan row
+      "reference" (CPU)  any    stacked     scan      XLA einsums on the scan's weight slices   reference
+      Pallas             none   stacked     scan      `layer_matmul_for`: in place               pallas
+      Pallas             tp     per_layer   unrolled  XLA einsums (GSPMD partitions them)       pallas_mesh
 
     So a stacked Llama becomes `paged_kv.models.llama.per_layer` exactly when `static_layer_impl`
     holds; anything else is returned as is (other models have their own layout).

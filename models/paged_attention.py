@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from paged_kv import pallas_kernels as pk
 from paged_kv.models.kv_groups import KVGroupLayout
-from paged_kv.models.layer_layout import layer_matmul_for, static_layer_impl
+from paged_kv.models.layer_layout import layer_matmul_of, plan_for
 from paged_kv.models.paged_batch import PagedBatch
 from paged_kv.models.protocol import AttentionBackend, attend_options
 from paged_kv.models.tp_layout import AXIS, pages_spec
@@ -30,18 +30,19 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
     attention with the call's options (scale, soft_cap, alibi_slopes, window; anything else raises
     ValueError naming it).
 
-    Its plan: `layer_matmul` is `layer_matmul_for(impl, head_dim, mesh)` (the Pallas projection
-    that reads a stacked weight's layer in place, on one GPU), `static_layer` is
-    `static_layer_impl(impl, head_dim, mesh)` (the Pallas kernels over a mesh); `layout_for_impl`
-    names the layout each gives the Llama. The kernels take the layer as an int32 operand either
+    Its plan comes from the execution plan (`layer_layout.plan_for(impl, head_dim, mesh,
+    batch_invariant)`, made once): `layer_matmul` where its projections column says
+    "layer_matmul" (the Pallas projection that reads a stacked weight's layer in place, on one
+    GPU), `static_layer` where its layers column says "unrolled" (the Pallas kernels over a mesh);
+    `layout_for_impl` names the layout each gives the Llama. The kernels take the layer as an int32 operand either
     way, so every layer calls one compiled kernel per kind. `batch_invariant`: the plan's
     `batch_invariant`, and the attention's (`paged_kv.pallas_kernels.invariant`).
 
     `layout` (a grouped `batch`): layer `l` writes and attends in page slot `layout.layer_slot[l]`
     with group `layout.layer_group[l]`'s tables and slots; a traced layer (the scan's int32) looks
     both up in small constant int32 arrays."""
-    plan = dict(static_layer=static_layer_impl(impl, head_dim, mesh),
-                layer_matmul=layer_matmul_for(impl, head_dim, mesh, batch_invariant))
+    execution = plan_for(impl, head_dim, mesh, batch_invariant)
+    plan = dict(static_layer=execution.layers == "unrolled", layer_matmul=layer_matmul_of(execution))
     if batch_invariant:
         plan["batch_invariant"] = True
 

@@ -9,24 +9,24 @@
 * ``"reference"``: the pure-``jnp`` reference in :mod:`paged_kv.pallas_kernels.reference`.
 
 All checks in :mod:`paged_kv.pallas_kernels.validate` run before anything is traced, so bad shapes
-and dtypes raise ``ValueError`` naming the value and the limit.
+and dtypes raise ``ValueError`` naming the value and the limit. Which implementation and kernel
+family a call runs is its :class:`paged_kv.pallas_kernels.plan.ExecutionPlan` (the checks return
+it), so every choice and refusal is a row of that module's table.
 """
 
 from __future__ import annotations
 
 import jax
 
-from paged_kv.pallas_kernels import reference, validate
+from paged_kv.pallas_kernels import plan as execution_plan, reference, validate
 from paged_kv.pallas_kernels.reference import PagesLike
 
 
 def resolve_impl(impl: str, head_dim: int | None = None) -> str:
   """Maps "auto" to "pallas" on a GPU backend and to "reference" elsewhere (or when
-  ``head_dim`` is not a power of two >= 16, which the Triton kernels need)."""
-  if impl == "auto":
-    ok = head_dim is None or (validate.is_power_of_two(head_dim) and head_dim >= 16)
-    return "pallas" if ok and jax.default_backend() == "gpu" else "reference"
-  return impl
+  ``head_dim`` is not a power of two >= 16, which the Triton kernels need): the execution plan's
+  rows (:func:`paged_kv.pallas_kernels.plan.resolve_impl`)."""
+  return execution_plan.resolve_impl(impl, head_dim)
 
 
 def paged_decode_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Array, block_tables: jax.Array,
@@ -75,19 +75,19 @@ def paged_decode_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Arra
     ``h // (num_q_heads // num_kv_heads)``.
   """
   window = validate.check_window(window)
-  layer, scale, impl, soft_cap = validate.check_decode(
+  layer, scale, plan, soft_cap = validate.check_decode(
       q, pages, layer, block_tables, lengths, scale, impl, soft_cap, alibi_slopes, window, batch_invariant)
-  impl = resolve_impl(impl, pages.shape[-1])
+  impl = plan.impl
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
     knobs["alibi_slopes"] = alibi_slopes
   if window is not None:
     knobs["window"] = window
-  if batch_invariant and impl != "reference":
+  if plan.attention == "invariant" and impl != "reference":
     from paged_kv.pallas_kernels import invariant_attention
     return invariant_attention.paged_decode_invariant_pallas(
         q, pages, layer, block_tables, lengths, scale=scale, interpret=impl == "interpret", **knobs)
-  if batch_invariant:
+  if plan.attention == "invariant":
     knobs["batch_invariant"] = True
   if impl == "reference":
     return reference.paged_decode_attention_reference(
@@ -124,20 +124,20 @@ def paged_prefill_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Arr
     ``[B, T, num_q_heads, head_dim]`` in ``q.dtype``.
   """
   window = validate.check_window(window)
-  layer, scale, impl, soft_cap = validate.check_prefill(
+  layer, scale, plan, soft_cap = validate.check_prefill(
       q, pages, layer, block_tables, q_start, q_lens, scale, impl, soft_cap, alibi_slopes, window, batch_invariant)
-  impl = resolve_impl(impl, pages.shape[-1])
+  impl = plan.impl
   # Knobs are passed only when set, so the default call is exactly the program without them.
   knobs = {} if soft_cap is None else {"soft_cap": soft_cap}
   if alibi_slopes is not None:
     knobs["alibi_slopes"] = alibi_slopes
   if window is not None:
     knobs["window"] = window
-  if batch_invariant and impl != "reference":
+  if plan.attention == "invariant" and impl != "reference":
     from paged_kv.pallas_kernels import invariant_attention
     return invariant_attention.paged_invariant_attention_pallas(
         q, pages, layer, block_tables, q_start, q_lens, scale=scale, interpret=impl == "interpret", **knobs)
-  if batch_invariant:
+  if plan.attention == "invariant":
     knobs["batch_invariant"] = True
   if impl == "reference":
     return reference.paged_prefill_attention_reference(
@@ -166,8 +166,8 @@ def write_kv(pages: PagesLike, layer: int | jax.Array, k: jax.Array, v: jax.Arra
   Returns:
     The updated pages, of the type given.
   """
-  layer, impl = validate.check_write_kv(pages, layer, k, v, slots, impl)
-  impl = resolve_impl(impl, pages.shape[-1])
+  layer, plan = validate.check_write_kv(pages, layer, k, v, slots, impl)
+  impl = plan.impl
   if impl == "reference":
     return reference.write_kv_reference(pages, layer, k, v, slots)
   from paged_kv.pallas_kernels import kv_write
@@ -200,8 +200,7 @@ def copy_blocks(pages: PagesLike, src: jax.Array, dst: jax.Array, *, impl: str =
       traced and the caller guarantees the contract: the block manager's ``append`` copies from
       shared blocks to blocks it has just allocated, never to a source or twice to one block.
   """
-  impl = validate.check_copy_blocks(pages, src, dst, impl)
-  impl = resolve_impl(impl, pages.shape[-1])
+  impl = validate.check_copy_blocks(pages, src, dst, impl).impl
   if impl == "reference":
     return reference.copy_blocks_reference(pages, src, dst)
   from paged_kv.pallas_kernels import block_copy

@@ -32,13 +32,20 @@ refuses float8_e4m3fn for an older target (an A100, sm_80) before anything is tr
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
+
+from paged_kv.pallas_kernels import plan
+from paged_kv.pallas_kernels.plan import (  # noqa: F401 (this module's names before the plan held them)
+    FP8_MIN_CAPABILITY,
+    abstract_device_kind,
+    default_target,
+    parse_target,
+)
 
 # The page dtypes accepted besides the model's own (float32 / bfloat16 / float16).
 KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
@@ -47,8 +54,6 @@ KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 # float8_e4m3fn pages keep their values as these bit patterns (module docstring).
 BITS_DTYPE = jnp.dtype(jnp.uint8)
-# The lowest compute capability whose Triton converts float8_e4m3fn (sm_89, Ada; Hopper is 9.0).
-FP8_MIN_CAPABILITY = (8, 9)
 
 
 def check_quant_dtype(dtype: DTypeLike) -> jnp.dtype:
@@ -221,62 +226,6 @@ def dequantize_pages(pages: QuantPages, dtype: DTypeLike = jnp.float32) -> jax.A
   return dequantize(bits_to_float32(pages.values), pages.scales, dtype)
 
 
-def parse_target(target: Any) -> tuple[int, int] | None:
-  """A GPU target as ``(major, minor)`` compute capability: ``"sm_90a"``, ``"sm_80"``, ``"9.0"``,
-  ``(8, 0)`` or a ``jax.Device`` with a ``compute_capability``; None for a CPU (or any target
-  without one: nothing is compiled by Triton there).
-
-  Raises:
-    ValueError: for a string that is none of these forms.
-  """
-  if target is None:
-    return None
-  if isinstance(target, tuple) and len(target) == 2:
-    return int(target[0]), int(target[1])
-  cc = getattr(target, "compute_capability", None)
-  if cc is not None:
-    target = str(cc)
-  elif not isinstance(target, str):
-    return None
-  text = target.strip().lower()
-  if text in ("cpu", "tpu", ""):
-    return None
-  m = re.fullmatch(r"sm_(\d+)(\d)a?", text) or re.fullmatch(r"(\d+)\.(\d+)", text)
-  if not m:
-    raise ValueError(f"target {target!r} is neither 'sm_XY[a]', 'X.Y', a (major, minor) pair nor a device")
-  return int(m.group(1)), int(m.group(2))
-
-
-# Compute capability of the NVIDIA parts a lowering may name by device kind (an abstract mesh, as
-# the deviceless GPU gate and the tests use): the first matching substring wins.
-_KIND_CAPABILITY = (("GH200", (9, 0)), ("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)),
-                    ("B200", (10, 0)), ("L40", (8, 9)), ("L4", (8, 9)), ("RTX 40", (8, 9)),
-                    ("A100", (8, 0)), ("A800", (8, 0)), ("A30", (8, 0)), ("A10", (8, 6)), ("A40", (8, 6)))
-
-
-def _abstract_device_kind() -> str | None:
-  """The GPU device kind an enclosing abstract mesh names (``jax_compat.cuda_lowering``), else None."""
-  try:
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  except AttributeError:  # a JAX without abstract meshes
-    return None
-  if device is None or getattr(device, "platform", None) != "gpu":
-    return None
-  return getattr(device, "device_kind", None)
-
-
-def default_target() -> tuple[int, int] | None:
-  """The compute capability the Pallas kernels are lowered for here: the GPU an enclosing abstract
-  mesh names (a deviceless lowering; None for a device kind not in the table), else JAX's first
-  device when the default backend is a GPU, else None (a CPU: nothing is compiled by Triton)."""
-  kind = _abstract_device_kind()
-  if kind is not None:
-    return next((cc for name, cc in _KIND_CAPABILITY if name in kind), None)
-  if jax.default_backend() != "gpu":
-    return None
-  return parse_target(jax.devices()[0])
-
-
 def check_kv_dtype(dtype: DTypeLike, target: Any = "auto") -> jnp.dtype:
   """Refuses a KV page dtype the target cannot compute, before anything is traced.
 
@@ -296,7 +245,6 @@ def check_kv_dtype(dtype: DTypeLike, target: Any = "auto") -> jnp.dtype:
   """
   dt = jnp.dtype(dtype)
   cc = default_target() if isinstance(target, str) and target == "auto" else parse_target(target)
-  if dt == jnp.dtype(jnp.float8_e4m3fn) and cc is not None and cc < FP8_MIN_CAPABILITY:
-    raise ValueError(f"KV dtype float8_e4m3fn needs compute capability >= 8.9 (sm_89 / sm_90), "
-                     f"target is sm_{cc[0]}{cc[1]}; use int8")
+  if cc is not None and dt in KV_DTYPES:  # the refusal is the plan's fp8_target row
+    plan.make_plan("pallas", target=cc, kv_dtype=dt)
   return dt

@@ -87,6 +87,8 @@ def _paged_attention(q, pages, layer, block_tables, last_pos, valid, scale, soft
   g = hq // hkv
   chunk = max(1, 128 // block_size)
   if invariant:
+    # The entry points refuse this before tracing (the execution plan's invariant_reference_block
+    # row); kept for direct callers of the reference.
     if invariant_ops.KEY_TILE % block_size:
       raise ValueError(f"batch-invariant attention needs a block size dividing {invariant_ops.KEY_TILE}, "
                        f"got {block_size}")

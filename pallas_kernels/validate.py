@@ -18,31 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_kv.pallas_kernels import quant, tiling
+from paged_kv.pallas_kernels import plan as execution_plan, quant, tiling
+
+# Defined with the execution plan (which sits below this module); the other layers import them from here.
+from paged_kv.pallas_kernels.plan import IMPLS, check_impl, is_int  # noqa: F401 (IMPLS: re-exported)
 from paged_kv.pallas_kernels.reference import NULL_BLOCK
 
-IMPLS = ("auto", "pallas", "interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _INT32 = jnp.dtype(jnp.int32)
 PAGES_LAYOUT = "[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]"
 
 
-# ``paged_kv.inputs.is_int`` is the same check for the core and the engine: this package imports
-# nothing from the rest of the repository (models import it from here), so each side keeps one
-# definition (tests/test_module_layout.py checks they agree).
-def is_int(v: Any) -> bool:
-  """A Python or NumPy integer scalar; bools (Python or NumPy) are not ints here."""
-  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
 def is_power_of_two(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
-
-
-def check_impl(impl: Any) -> str:
-  if not isinstance(impl, str) or impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  return impl
 
 
 def check_pages(pages: Any) -> tuple[int, int, int, int, int]:
@@ -108,14 +96,9 @@ def check_kv_options(kv_dtype: Any, impl: str | None, batch_invariant: bool = Fa
   Raises:
     ValueError: one line naming the KV dtype and ``batch_invariant``, or the dtype and the target.
   """
-  dt = jnp.dtype(kv_dtype)
-  if dt not in quant.KV_DTYPES:
-    return
-  if batch_invariant:
-    raise ValueError(f"batch_invariant=True does not support quantized KV pages (kv dtype {dt}); "
-                     "use plain pages (kv_dtype 'auto') or batch_invariant=False")
-  if impl in ("pallas", "auto"):
-    quant.check_kv_dtype(dt, "auto")
+  # The refusals are rows of the execution plan's table (pallas_kernels/plan.py); interpret mode
+  # stands in for "no target yet", which compiles nothing for a GPU.
+  execution_plan.make_plan(impl or "interpret", batch_invariant=batch_invariant, kv_dtype=kv_dtype)
 
 
 def check_layer(layer: Any, num_layers: int) -> int | jax.Array:
@@ -210,23 +193,22 @@ def _check_int32(name: str, x: Any, shape: tuple[int, ...] | None = None, ndim: 
   return xshape
 
 
-def _check_pallas_shapes(impl: str, head_dim: int):
-  if impl in ("pallas", "interpret") and not (is_power_of_two(head_dim) and head_dim >= 16):
-    raise ValueError(
-        f"head_dim={head_dim}: the Pallas (Triton) kernels need a power-of-two head_dim >= 16; "
-        "use impl='reference'")
+def _plan(impl: str, pages: Any, batch_invariant: bool = False, window: Any = None) -> execution_plan.ExecutionPlan:
+  """The execution plan of a kernel call on ``pages`` (its refusals: a head_dim the Pallas kernels
+  cannot take, quantized pages with ``batch_invariant``, float8_e4m3fn below sm_89, the invariant
+  reference's block sizes; :mod:`paged_kv.pallas_kernels.plan`)."""
+  *_, block_size, head_dim = pages.shape
+  return execution_plan.make_plan(impl, batch_invariant=batch_invariant, kv_dtype=pages.dtype,
+                                  kinds=("full",) if window is None else ("window",), head_dim=head_dim,
+                                  block_size=block_size)
 
 
-def _check_tiling(kernel: str, impl: str, dtype, head_dim: int, block_size: int, group: int,
-                  knobs: tiling.Knobs = tiling.NO_KNOBS):
+def _check_tiling(kernel: str, plan: execution_plan.ExecutionPlan, dtype, head_dim: int, block_size: int,
+                  group: int, knobs: tiling.Knobs = tiling.NO_KNOBS):
   """Refuses an attention configuration no checked tile serves (see
-  :mod:`paged_kv.pallas_kernels.tiling`; the knobs may select a smaller row): on the Pallas paths, and
-  for ``impl="auto"`` where it would resolve to Pallas (a GPU backend, a power-of-two head_dim
-  >= 16)."""
-  pallas = impl in ("pallas", "interpret") or (
-      impl == "auto" and jax.default_backend() == "gpu" and is_power_of_two(head_dim)
-      and head_dim >= 16)
-  if pallas:
+  :mod:`paged_kv.pallas_kernels.tiling`; the knobs may select a smaller row) where the plan runs
+  the Pallas kernels."""
+  if plan.pallas:
     tiling.check_attention_fits(kernel, dtype, head_dim, block_size, group, knobs)
 
 
@@ -250,7 +232,10 @@ def _check_query(q: Any, ndim: int, pages: Any, num_kv_heads: int, head_dim: int
 
 def check_decode(q: Any, pages: Any, layer: Any, block_tables: Any, lengths: Any, scale: Any, impl: Any,
                  soft_cap: Any = None, alibi_slopes: Any = None,
-                 window: Any = None, batch_invariant: bool = False) -> tuple[int | jax.Array, float, str, float | None]:
+                 window: Any = None, batch_invariant: bool = False
+                 ) -> tuple[int | jax.Array, float, execution_plan.ExecutionPlan, float | None]:
+  """Checks :func:`paged_kv.pallas_kernels.paged_decode_attention`'s arguments; returns ``(layer,
+  scale, plan, soft_cap)``, ``plan`` the call's :class:`paged_kv.pallas_kernels.plan.ExecutionPlan`."""
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -261,18 +246,19 @@ def check_decode(q: Any, pages: Any, layer: Any, block_tables: Any, lengths: Any
   if bt_shape[1] < 1:
     raise ValueError(f"block_tables must have at least one column, got shape {bt_shape}")
   _check_int32("lengths", lengths, shape=(b,))
-  _check_pallas_shapes(impl, head_dim)
+  plan = _plan(impl, pages, batch_invariant, window)
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
   soft_cap = check_soft_cap(soft_cap)
-  check_kv_options(pages.dtype, impl, batch_invariant)
-  _check_tiling("decode", impl, compute_dtype(pages, q), head_dim, block_size, num_q_heads // num_kv_heads,
+  _check_tiling("decode", plan, compute_dtype(pages, q), head_dim, block_size, num_q_heads // num_kv_heads,
                 tiling.Knobs.of(soft_cap, alibi_slopes, check_window(window)))
-  return layer, check_scale(scale, head_dim), impl, soft_cap
+  return layer, check_scale(scale, head_dim), plan, soft_cap
 
 
 def check_prefill(q: Any, pages: Any, layer: Any, block_tables: Any, q_start: Any, q_lens: Any, scale: Any, impl: Any,
                   soft_cap: Any = None, alibi_slopes: Any = None,
-                 window: Any = None, batch_invariant: bool = False) -> tuple[int | jax.Array, float, str, float | None]:
+                 window: Any = None, batch_invariant: bool = False
+                 ) -> tuple[int | jax.Array, float, execution_plan.ExecutionPlan, float | None]:
+  """:func:`check_decode` for :func:`paged_kv.pallas_kernels.paged_prefill_attention`."""
   impl = check_impl(impl)
   num_layers, num_kv_heads, num_blocks, block_size, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -287,16 +273,17 @@ def check_prefill(q: Any, pages: Any, layer: Any, block_tables: Any, q_start: An
     raise ValueError(f"block_tables must have at least one column, got shape {bt_shape}")
   _check_int32("q_start", q_start, shape=(b,))
   _check_int32("q_lens", q_lens, shape=(b,))
-  _check_pallas_shapes(impl, head_dim)
+  plan = _plan(impl, pages, batch_invariant, window)
   check_alibi_slopes(alibi_slopes, np.shape(q)[-2])
   soft_cap = check_soft_cap(soft_cap)
-  check_kv_options(pages.dtype, impl, batch_invariant)
-  _check_tiling("prefill", impl, compute_dtype(pages, q), head_dim, block_size, num_q_heads // num_kv_heads,
+  _check_tiling("prefill", plan, compute_dtype(pages, q), head_dim, block_size, num_q_heads // num_kv_heads,
                 tiling.Knobs.of(soft_cap, alibi_slopes, check_window(window)))
-  return layer, check_scale(scale, head_dim), impl, soft_cap
+  return layer, check_scale(scale, head_dim), plan, soft_cap
 
 
-def check_write_kv(pages: Any, layer: Any, k: Any, v: Any, slots: Any, impl: Any) -> tuple[int | jax.Array, str]:
+def check_write_kv(pages: Any, layer: Any, k: Any, v: Any, slots: Any, impl: Any
+                   ) -> tuple[int | jax.Array, execution_plan.ExecutionPlan]:
+  """Checks :func:`paged_kv.pallas_kernels.write_kv`'s arguments; returns ``(layer, plan)``."""
   impl = check_impl(impl)
   num_layers, num_kv_heads, _, _, head_dim = check_pages(pages)
   layer = check_layer(layer, num_layers)
@@ -314,20 +301,18 @@ def check_write_kv(pages: Any, layer: Any, k: Any, v: Any, slots: Any, impl: Any
       raise ValueError(f"{name} dtype {x.dtype} must equal pages dtype {pages.dtype}")
   if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
     raise ValueError(f"k dtype {k.dtype} must equal v dtype {v.dtype}")
-  _check_pallas_shapes(impl, head_dim)
-  check_kv_options(pages.dtype, impl)
-  return layer, impl
+  return layer, _plan(impl, pages)
 
 
-def check_copy_blocks(pages: Any, src: Any, dst: Any, impl: Any) -> str:
+def check_copy_blocks(pages: Any, src: Any, dst: Any, impl: Any) -> execution_plan.ExecutionPlan:
+  """Checks :func:`paged_kv.pallas_kernels.copy_blocks`'s arguments; returns the call's plan."""
   impl = check_impl(impl)
   _, _, num_blocks, _, head_dim = check_pages(pages)
   c = _check_int32("src", src, ndim=1)
   _check_int32("dst", dst, shape=c)
-  _check_pallas_shapes(impl, head_dim)
-  check_kv_options(pages.dtype, impl)
+  plan = _plan(impl, pages)
   check_copy_lists(src, dst, num_blocks)
-  return impl
+  return plan
 
 
 def _concrete_values(x: Any) -> np.ndarray | None:

@@ -160,6 +160,40 @@ def test_gate_matrix_covers_the_issue_axes_and_every_table_row():
   json.dumps(groups)  # picklable / plain data for the worker processes
 
 
+def test_gate_configurations_follow_the_execution_plan():
+  """Issue 41: every combination of the plan's switches (target, KV dtype, batch-invariant mode,
+  attention kind) the plan accepts has compiled configurations of the kernel family the plan names;
+  every combination it refuses has a configuration that must be refused before tracing; and a
+  configuration's purpose agrees with the plan (compiled where it accepts, a refusal where it refuses)."""
+  specs = gpu_compile_plan.kernel_specs(quick=False)
+  refusals = ("table_refusal", "quant_refusal", "plan_refusal")
+
+  def combo(s):
+    sw = gpu_compile_plan.spec_switches(s)
+    return (sw["target"], sw["kv_dtype"], sw["batch_invariant"], sw["kinds"])
+
+  compiled = {(combo(s), s["kernel"]) for s in specs if s["purpose"] not in refusals and s["kernel"] != "layer_matmul"}
+  refused = {combo(s) for s in specs if s["purpose"] in ("quant_refusal", "plan_refusal")}
+  family = {"paged": {"decode", "prefill"}, "invariant": {"invariant_attention"}}
+  combos = gpu_compile_plan.plan_combinations()
+  assert len(combos) == 2 * 3 * 2 * 2
+  for c in combos:
+    key = (c["target"], c["kv_dtype"], c["batch_invariant"], c["kinds"])
+    if c["attention"] is None:
+      assert key in refused, (key, c["row"])
+    else:
+      for kernel in family[c["attention"]]:
+        assert (key, kernel) in compiled, (key, kernel)
+  for s in specs:
+    if s["kernel"] == "layer_matmul":
+      continue
+    verdict = gpu_compile_plan.plan_refusal(s)
+    if s["purpose"] in ("quant_refusal", "plan_refusal"):
+      assert verdict is not None, s
+    elif s["purpose"] != "table_refusal":
+      assert verdict is None, (s, verdict)
+
+
 def test_gate_compiles_every_knob_on_the_table_rows():
   """Issue 18: soft_cap, ALiBi and both, decode and prefill, every dtype at head_dim 64/128/256,
   both targets, at block size 16, the row's largest and smallest block (decode at the row's

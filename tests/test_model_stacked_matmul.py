@@ -26,6 +26,7 @@ from paged_kv.models import (
 )
 from paged_kv.models.config import tiny
 from paged_kv.pallas_kernels import stacked_matmul
+from paged_kv.pallas_kernels.plan import make_plan
 from tests import test_model_scan as scan_tests, tolerances as tol
 
 BLOCK = 16
@@ -119,14 +120,17 @@ def test_layer_matmul_only_without_a_mesh_and_for_pallas():
 
 def test_unsupported_widths_fall_back_to_the_reference():
     """A weight whose K or N is not a multiple of 16 goes through the XLA reference (its slice is
-    copied on a GPU, as any scan's), not a refusal: any model width runs."""
+    copied on a GPU, as any scan's), not a refusal: any model width runs. The execution plan's
+    `pallas` row says so (`ExecutionPlan.matmul_impl`)."""
+    plan = make_plan("interpret")
+    assert plan.matmul_impl(24, 40) == "reference" and plan.matmul_impl(32, 48) == "interpret"
     x = jnp.ones((3, 24), jnp.float32)
     w = jnp.asarray(np.random.RandomState(0).randn(2, 24, 40), jnp.float32)
-    got = layer_layout._layer_matmul(x, w, 1, impl="interpret")
+    got = layer_layout._layer_matmul(x, w, 1, plan=plan)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(pk.layer_matmul(x, w, 1, impl="reference")))
     # A group with one such weight goes through the reference as a whole.
     w2 = jnp.asarray(np.random.RandomState(1).randn(2, 24, 32), jnp.float32)
-    got = layer_layout._layer_matmul(x, (w2, w), 1, impl="interpret")
+    got = layer_layout._layer_matmul(x, (w2, w), 1, plan=plan)
     want = pk.layer_matmul(x, (w2, w), 1, impl="reference")
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -220,9 +220,10 @@ def test_serving_names_still_importable_from_serving_and_engine():
 
 
 def test_one_definition_of_the_shared_checks():
-    """``IMPLS`` is defined once (pallas_kernels/validate.py; the other layers import it) and
-    ``is_int`` once per side of the import rule: paged_kv/inputs.py for the core and the engine,
-    pallas_kernels/validate.py for the kernels and models. The two ``is_int`` agree."""
+    """``IMPLS`` is defined once (pallas_kernels/plan.py, the execution plan, below every kernel
+    module; the other layers import it through pallas_kernels/validate.py) and ``is_int`` once per
+    side of the import rule: paged_kv/inputs.py for the core and the engine, pallas_kernels/plan.py
+    for the kernels and models. The two ``is_int`` agree."""
     defs = {"IMPLS": [], "is_int": [], "_is_int": []}
     for folder in ("paged_kv", "models", "pallas_kernels"):
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -233,8 +234,8 @@ def test_one_definition_of_the_shared_checks():
                     for target in node.targets:
                         if isinstance(target, ast.Name) and target.id == "IMPLS":
                             defs["IMPLS"].append(str(path.relative_to(ROOT)))
-    assert defs == {"IMPLS": ["pallas_kernels/validate.py"], "_is_int": [],
-                    "is_int": ["paged_kv/inputs.py", "pallas_kernels/validate.py"]}, defs
+    assert defs == {"IMPLS": ["pallas_kernels/plan.py"], "_is_int": [],
+                    "is_int": ["paged_kv/inputs.py", "pallas_kernels/plan.py"]}, defs
 
     import numpy as np
 

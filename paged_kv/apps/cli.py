@@ -105,19 +105,24 @@ def _start_jax(args):
     _enable_compile_cache(jax, args)
     if args.tp > 1:  # host devices to shard over when JAX runs on the CPU (before it starts)
         jax.config.update("jax_num_cpu_devices", args.tp)
+    from paged_kv.pallas_kernels import plan
+
     backend = jax.default_backend()
-    if args.impl == "pallas" and backend != "gpu":
+    # The execution plan's refusals that need the backend, in the options' terms (a row of its table:
+    # pallas_kernels/plan.py; "cpu" names this process's platform when it has no GPU).
+    refused = plan.refusal(args.impl, target="auto" if backend == "gpu" else "cpu",
+                           batch_invariant=args.batch_invariant, block_size=args.block_size)
+    if refused is not None and refused[0] == "pallas_on_cpu":
         raise UsageError(f"--impl pallas needs a GPU (the Pallas kernels compile through Triton); JAX runs on "
                           f"{backend} here: use --impl auto, reference or interpret")
-    if args.batch_invariant and (args.impl == "reference" or (args.impl == "auto" and backend != "gpu")):
-        # The reference kernels' invariant attention steps over KEY_TILE keys, whole blocks at a
-        # time (pallas_kernels/reference.py refuses other block sizes, but only while compiling).
-        from paged_kv.pallas_kernels.invariant import KEY_TILE
-
-        if KEY_TILE % args.block_size:
-            raise UsageError(f"--batch-invariant on the reference kernels (--impl {args.impl} on {backend}) needs "
-                              f"a --block-size that divides {KEY_TILE} (a power of two up to {KEY_TILE}), got "
-                              f"{args.block_size}")
+    if refused is not None and refused[0] == "invariant_reference_block":
+        # The reference kernels' invariant attention steps over KEY_TILE keys, whole blocks at a time.
+        tile = plan.INVARIANT_KEY_TILE
+        raise UsageError(f"--batch-invariant on the reference kernels (--impl {args.impl} on {backend}) needs "
+                          f"a --block-size that divides {tile} (a power of two up to {tile}), got "
+                          f"{args.block_size}")
+    if refused is not None:
+        raise UsageError(refused[1])
     return jax
 
 

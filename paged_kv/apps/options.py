@@ -420,7 +420,10 @@ def check_options(args: argparse.Namespace) -> None:
     if args.max_new_tokens >= args.max_seq_len:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} does not fit --max-seq-len {args.max_seq_len} "
                           f"(prompt + answer, and a prompt has at least one token): at most {args.max_seq_len - 1}")
-    if args.batch_invariant and args.kv_dtype != "auto":
+    from paged_kv.pallas_kernels import plan  # the execution plan's table decides (its refusals, in option terms)
+
+    refused = plan.refusal(args.impl, backend=False, batch_invariant=args.batch_invariant, kv_dtype=args.kv_dtype)
+    if refused is not None and refused[0] == "invariant_quant":
         raise UsageError(f"--batch-invariant does not support --kv-dtype {args.kv_dtype} (the batch-invariant "
                           "kernels read plain pages, with no scales): use --kv-dtype auto, or drop --batch-invariant")
     with OptionCheck():  # the pool's and the engine's own checks (sizes, int32 slot indices, ...)

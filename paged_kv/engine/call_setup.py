@@ -40,8 +40,8 @@ from paged_kv.models.kv_groups import KVGroupLayout
 from paged_kv.models.page_sizing import page_spec
 from paged_kv.models.protocol import ModelFacts, model_facts
 from paged_kv.pallas_kernels import IMPLS
+from paged_kv.pallas_kernels.plan import ExecutionPlan, make_plan
 from paged_kv.pallas_kernels.quant import QuantPages, is_quant
-from paged_kv.pallas_kernels.validate import check_kv_options
 from paged_kv.state import BlockManagerState, init_state
 
 
@@ -61,15 +61,16 @@ class CallShape:
         return self.num_prompts * self.rows_per_prompt
 
 
-def check_kv_pages(pages: jax.Array | QuantPages, impl: str, batch_invariant: bool = False) -> None:
-    """The engines' check of their pages before tracing
-    (``paged_kv.pallas_kernels.validate.check_kv_options``): quantized pages with
-    ``batch_invariant=True``, or in a dtype a Pallas ``impl``'s target cannot compute, are refused.
+def check_kv_pages(pages: jax.Array | QuantPages, impl: str, batch_invariant: bool = False) -> ExecutionPlan:
+    """The engines' execution plan for their pages, made before tracing
+    (``paged_kv.pallas_kernels.plan.make_plan`` with the pages' dtype and block size): quantized
+    pages with ``batch_invariant=True``, a dtype a Pallas ``impl``'s target cannot compute, or a
+    block size the batch-invariant reference cannot step over are refused.
 
     Raises:
-      ValueError: naming the pages' dtype and ``batch_invariant``, or the dtype and the target.
+      ValueError: one line naming the combination and what is supported (a row of the plan's table).
     """
-    check_kv_options(pages.dtype, impl, batch_invariant)
+    return make_plan(impl, batch_invariant=batch_invariant, kv_dtype=pages.dtype, block_size=pages.shape[4])
 
 
 def check_call(facts: ModelFacts, manager: ManagerConfig, pages: jax.Array, state: BlockManagerState | None,

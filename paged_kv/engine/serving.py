@@ -187,8 +187,9 @@ class ServingEngine:
         self.page_spec = page_spec(base_config, mgr.num_blocks, mgr.block_size, layout=self.layout,
                                    kv_dtype=config.kv_dtype)
         pages = allocate_pages(self.page_spec)
-        # Refused before anything is traced: fp8 on a target that cannot compute it.
-        call_setup.check_kv_pages(pages, config.impl, config.batch_invariant)
+        # The execution plan (paged_kv.pallas_kernels.plan), made before anything is traced: it refuses
+        # e.g. fp8 on a target that cannot compute it.
+        self.plan = call_setup.check_kv_pages(pages, config.impl, config.batch_invariant)
         if mesh is None:
             model_config = base_config
         else:

@@ -17,7 +17,7 @@ from paged_kv.engine.sampling import BeamParams, SamplingParams
 from paged_kv.inputs import is_int
 from paged_kv.models.page_sizing import resolve_kv_dtype
 from paged_kv.pallas_kernels import IMPLS
-from paged_kv.pallas_kernels.validate import check_kv_options
+from paged_kv.pallas_kernels.plan import ExecutionPlan, check_early, make_plan
 
 MAX_DECODE_STEPS = 256  # a burst's outputs are K steps' worth; this bounds that buffer
 DEFAULT_PREFILL_ROWS = 8  # ServingConfig.max_prefill_rows when not given (at most max_seqs)
@@ -97,7 +97,18 @@ class ServingConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if not isinstance(self.kv_dtype, str):
             raise ValueError(f"kv_dtype={self.kv_dtype!r} must be a string: 'auto', 'int8' or 'fp8'")
-        check_kv_options(resolve_kv_dtype(self.kv_dtype, "float32"), self.impl, self.batch_invariant)
+        # The execution plan's refusals, before anything is built; those that need JAX's backend
+        # (which the command line starts after building this config) follow in `plan`.
+        check_early(self.impl, batch_invariant=self.batch_invariant,
+                    kv_dtype=resolve_kv_dtype(self.kv_dtype, "float32"), block_size=self.manager.block_size)
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        """The execution plan of this configuration (``paged_kv.pallas_kernels.plan.make_plan``):
+        ``impl``, ``batch_invariant``, the KV dtype and the manager's block size. ``ValueError`` for
+        a combination the plan's table refuses."""
+        return make_plan(self.impl, batch_invariant=self.batch_invariant,
+                         kv_dtype=resolve_kv_dtype(self.kv_dtype, "float32"), block_size=self.manager.block_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,10 @@ What is compiled:
 * ``layer_matmul`` (the scan's stacked-weight projection): Llama 3.1 8B's four projection shapes
   x dtype x rows (1, 64, 512) for sm_90, with the norm-weight prologue and the bias epilogue;
   bfloat16 at 64 rows for sm_80; the refusal of K = 4100 (not a multiple of 16).
+* the execution plan (``pallas_kernels/plan.py``; ``gpu_compile_plan.plan_combinations``): every
+  combination of target, KV dtype, batch-invariant mode and attention kind it accepts has
+  configurations of the kernel family it names, and every one it refuses one configuration that
+  must be refused before tracing (``quant_refusal``, ``plan_refusal``).
 * whole programs at Llama 3.1 8B shapes in bfloat16 for sm_90: ``engine.generate``'s loop,
   ``beam_search``'s loop, the serving step without and with a prefill chunk, the serving
   engine's ``admit`` and ``free`` programs and the block manager's ``append``, and the serving
@@ -49,7 +53,7 @@ group and per program, what docs/gpu-gate.md's tables show) beside it, ``gpu_com
 --update-docs`` rewrites docs/gpu-gate.md's tables from it.
 
 Exit status 0 when everything the input checks accept compiled without spills and every refusal
-the table promises happened; 1 otherwise (the failures are printed and in the report).
+the tiling table and the execution plan promise happened; 1 otherwise (the failures are printed and in the report).
 """
 
 from __future__ import annotations
@@ -347,10 +351,10 @@ def _kernel_program(spec: dict):
     # Batch-invariant mode: one kernel for both forms (decode: one token per sequence), a
     # traced sliding window (an operand: the same kernel with or without one).
     knob = KNOBS.get(spec.get("knob"), {})
-    kw = dict(impl="pallas", batch_invariant=True, soft_cap=knob.get("soft_cap"))
+    kw = dict(impl="pallas", batch_invariant=True, soft_cap=knob.get("soft_cap"), window=knob.get("window"))
     if spec["form"] == "prefill":
       batch = min(batch, 4)
-    pages = _sds((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d), dt, sh)
+    pages = page_arg((2, 2, KV_HEADS, batch * max_blocks + 1, bs, d))  # quantized: the plan refuses it
     bt, vec = _sds((batch, max_blocks), i32, sh), _sds((batch,), i32, sh)
     slopes = (_sds((KV_HEADS * g,), jnp.float32, sh),) if knob.get("alibi") else ()
     if spec["form"] == "decode":

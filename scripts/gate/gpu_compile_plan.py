@@ -135,6 +135,58 @@ def kernel_specs(quick: bool) -> list[dict]:
   specs += matmul_specs(quick)
   specs += invariant_specs()
   specs += quant_specs()
+  specs += plan_refusal_specs()
+  return specs
+
+
+# ------------------------------------------------------------------------------ the execution plan
+# The gate compiles what the execution plan (paged_kv.pallas_kernels.plan) runs on a GPU: every
+# combination of its switches the attention kernels see (target, KV dtype, batch-invariant mode,
+# attention kind) that the plan accepts has configurations above of the kernel family the plan
+# names (tests/test_gpu_report.py checks it), and every combination the plan refuses has one
+# configuration that must be refused before tracing (purpose plan_refusal / quant_refusal), which
+# costs no compilation.
+PLAN_TARGETS = ("sm_90", "sm_80")
+PLAN_KV_DTYPES = (None, "int8", "float8_e4m3fn")
+PLAN_KINDS = ("full", "window")
+
+
+def spec_switches(spec: dict) -> dict:
+  """The execution plan's switches of a kernel configuration (``plan.make_plan``'s arguments)."""
+  knob = KNOBS.get(spec.get("knob"), {}) if spec.get("knob") else {}
+  return dict(target=spec["target"], batch_invariant=spec["kernel"] == "invariant_attention" or bool(
+      spec.get("invariant")), kv_dtype=spec.get("kv_dtype"), kinds=("window",) if knob.get("window") else ("full",),
+      head_dim=spec.get("head_dim"), block_size=spec.get("block_size"))
+
+
+def plan_refusal(spec: dict) -> tuple[str, str] | None:
+  """``(row, message)`` when the execution plan refuses a configuration (``impl="pallas"``), else None."""
+  from paged_kv.pallas_kernels import plan
+  return plan.refusal("pallas", **spec_switches(spec))
+
+
+def plan_combinations() -> list[dict]:
+  """Every combination of the plan's switches the attention kernels see, with the plan's verdict:
+  ``row`` (the deciding row), ``attention`` ("paged" / "invariant", or None when refused)."""
+  from paged_kv.pallas_kernels import plan
+  out = []
+  for target, kv, inv, kind in itertools.product(PLAN_TARGETS, PLAN_KV_DTYPES, (False, True), PLAN_KINDS):
+    sw = dict(target=target, kv_dtype=kv, batch_invariant=inv, kinds=(kind,))
+    refused = plan.refusal("pallas", **sw)
+    attention = None if refused else plan.make_plan("pallas", **sw).attention
+    out.append(dict(sw, row=refused[0] if refused else plan.make_plan("pallas", **sw).row, attention=attention))
+  return out
+
+
+def plan_refusal_specs() -> list[dict]:
+  """One configuration per combination the plan refuses that no other list already checks: the
+  batch-invariant kernel on quantized pages (both targets, both kinds)."""
+  specs = []
+  for c in plan_combinations():
+    if c["attention"] is None and c["batch_invariant"]:
+      specs.append(dict(target=c["target"], kernel="invariant_attention", dtype="bfloat16", kv_dtype=c["kv_dtype"],
+                        head_dim=128, block_size=16, group=4, size="small", form="prefill",
+                        purpose="plan_refusal", **({"knob": "window"} if c["kinds"] == ("window",) else {})))
   return specs
 
 
@@ -168,8 +220,14 @@ def quant_specs() -> list[dict]:
             for k, kv, d in itertools.product(("decode", "prefill"), QUANT_KV_DTYPES, (128, 256))]
   specs += [dict(base, target="sm_80", kernel=k, dtype="bfloat16", kv_dtype="int8", head_dim=d, block_size=16)
             for k, d in itertools.product(KERNELS, QUANT_HEAD_DIMS)]
+  specs += [dict(base, target="sm_80", kernel=k, dtype="bfloat16", kv_dtype=kv, head_dim=128, block_size=16,
+                 knob="soft_cap+window") for k, kv in itertools.product(("decode", "prefill"), QUANT_KV_DTYPES)]
+  # float8_e4m3fn on sm_80: what the execution plan says (its fp8_target row: refused before tracing).
   specs += [dict(base, target="sm_80", kernel=k, dtype="bfloat16", kv_dtype="float8_e4m3fn", head_dim=128,
-                 block_size=16, purpose="quant_refusal") for k in KERNELS]
+                 block_size=16) for k in KERNELS]
+  for spec in specs:
+    if plan_refusal(spec) is not None:
+      spec["purpose"] = "quant_refusal"
   return specs
 
 
@@ -198,6 +256,9 @@ def invariant_specs() -> list[dict]:
               for knob in (None, "soft_cap+alibi")]
   specs += [dict(base, target="sm_90", dtype="bfloat16", head_dim=128, block_size=bs, form="decode")
             for bs in (8, 32)]
+  # A sliding window (the plan's "window" kind; an int32 operand of the same kernel) on both targets.
+  specs += [dict(base, target=t, dtype="bfloat16", head_dim=128, block_size=16, form="prefill", knob="window")
+            for t in PLAN_TARGETS]
   mm = dict(kernel="layer_matmul", purpose="invariant", invariant=True)
   specs += [dict(mm, target="sm_90", dtype="bfloat16", m=m, k=k, n=n, extras="scale" if k in (4096, 2048) else "none")
             for (k, n), m in itertools.product(MATMUL_SHAPES + MATMUL_SHAPES_1B, (1, 64))]
@@ -354,7 +415,7 @@ def judge(res: dict) -> str | None:
   spec = res.get("spec", {})
   purpose = spec.get("purpose")
   status = res.get("status")
-  if purpose in ("table_refusal", "quant_refusal"):
+  if purpose in ("table_refusal", "quant_refusal", "plan_refusal"):
     return None if status == "refused" else f"expected a ValueError refusal, got {status}"
   if status in ("same_kernel_as",):
     return None
