@@ -1,5 +1,6 @@
 """Suite-wide fixtures."""
 
+import collections
 import gc
 
 import jax
@@ -40,3 +41,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     place after them, and the tests of a file keep their order (a stable sort by file)."""
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# Seconds per test file (setup, call and teardown of its tests, summed on whichever worker ran
+# them), printed after the run: the suite's time budget is kept per file (issue-level goal: the
+# whole suite within 15 minutes on two cores), and --durations alone names tests, not files.
+_FILE_SECONDS: collections.Counter[str] = collections.Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _FILE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.section("seconds per test file (slowest 25)")
+    for path, secs in _FILE_SECONDS.most_common(25):
+        terminalreporter.write_line(f"{secs:8.1f} s  {100 * secs / total:5.1f} %  {path}")
+    terminalreporter.write_line(f"{total:8.1f} s  in all, over {len(_FILE_SECONDS)} files (summed over workers)")
