@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_kv.attention_spec import AttentionSpec
 from paged_kv.pallas_kernels import quant, tiling
 from paged_kv.pallas_kernels.reference import NULL_BLOCK
 
@@ -162,15 +163,19 @@ def check_soft_cap(soft_cap: Any) -> float | None:
 
 
 def check_window(window: Any) -> int | jax.Array | None:
-  """The sliding window of an attention call: a query at position ``p`` sees key ``k`` iff
-  ``p - window < k <= p``.
+  """The attention kind of a call, as the kernels take it (an ``AttentionSpec.code``).
 
-  None (full causal attention); a static Python int ``>= 1``; or an integer scalar array (e.g. a
-  per-layer window traced inside a scan over layers; returned as int32), where a value ``<= 0``
-  means full attention, so one scan serves local and global layers. Arrays are never read here
-  (they may be tracers)."""
+  None (full causal attention); a static Python int ``>= 1``, a sliding window (a query at ``p``
+  sees key ``k`` iff ``p - window < k <= p``); an ``AttentionSpec`` (``paged_kv.attention_spec``:
+  ``Full()`` is None, ``SlidingWindow(W)`` is ``W``, ``ChunkedLocal(C)`` is ``-C``, keys of the
+  query's chunk only); or an integer scalar array (e.g. a per-layer code traced inside a scan
+  over layers; returned as int32): ``W > 0`` a window, ``-C < 0`` a chunk of ``C``, 0 full
+  attention, so one scan serves local and global layers. Arrays are never read here (they may
+  be tracers)."""
   if window is None:
     return None
+  if isinstance(window, AttentionSpec):
+    return None if window.is_full else window.code
   if isinstance(window, (jax.Array, np.ndarray)):
     if window.shape != () or not jnp.issubdtype(window.dtype, jnp.integer):
       raise ValueError(f"window must be an integer scalar, got {window.dtype} shape {window.shape}")

@@ -10,13 +10,13 @@ from typing import Any
 from flax import nnx
 
 from paged_kv.config import DEFAULT_GROUPS, Group, ManagerConfig
-from paged_kv.models.kv_groups import KVGroupLayout, kv_group_layout, layer_windows
+from paged_kv.models.kv_groups import KVGroupLayout, kv_group_layout, layer_specs
 
 
 def layout_groups(layout: KVGroupLayout) -> tuple[Group, ...]:
-    """The ``ManagerConfig.groups`` of a ``KVGroupLayout``: ``Group("window", w)`` for a group
-    window ``w >= 1``, ``Group("full")`` for 0."""
-    return tuple(Group("window", w) if w else Group("full") for w in layout.group_windows)
+    """The ``ManagerConfig.groups`` of a ``KVGroupLayout``: ``Group.of(spec)`` for each group's
+    ``AttentionSpec`` (``Group("window", W)``, ``Group("chunked", chunk=C)``, ``Group("full")``)."""
+    return tuple(Group.of(spec) for spec in layout.group_specs)
 
 
 def kv_cache_groups(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any) -> tuple[Group, ...]:
@@ -38,10 +38,10 @@ def group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any, manag
         raise ValueError(f"manager must be a ManagerConfig, got {type(manager).__name__}")
     if manager.groups == DEFAULT_GROUPS:
         return None
-    windows = layer_windows(model)
-    layout = kv_group_layout(windows)
+    specs = layer_specs(model)
+    layout = kv_group_layout(specs)
     if layout_groups(layout) != manager.groups:
         raise ValueError(f"manager groups={manager.groups!r} differ from the model's KV-cache groups "
-                         f"{layout_groups(layout)!r} (paged_kv.engine.kv_cache_groups(model); layer windows "
-                         f"{windows})")
+                         f"{layout_groups(layout)!r} (paged_kv.engine.kv_cache_groups(model); layer kinds "
+                         f"{specs})")
     return layout
