@@ -166,7 +166,7 @@ def check_window(window: Any) -> int | jax.Array | None:
   """The attention kind of a call, as the kernels take it (an ``AttentionSpec.code``).
 
   None (full causal attention); a static Python int ``>= 1``, a sliding window (a query at ``p``
-  sees key ``k`` iff ``p - window < k <= p``); an ``AttentionSpec`` (``paged_kv.attention_spec``:
+  sees key ``k`` iff ``p - window < k <= p``), or ``-C <= -1``, a chunk's code; an ``AttentionSpec`` (``paged_kv.attention_spec``:
   ``Full()`` is None, ``SlidingWindow(W)`` is ``W``, ``ChunkedLocal(C)`` is ``-C``, keys of the
   query's chunk only); or an integer scalar array (e.g. a per-layer code traced inside a scan
   over layers; returned as int32): ``W > 0`` a window, ``-C < 0`` a chunk of ``C``, 0 full
@@ -181,11 +181,11 @@ def check_window(window: Any) -> int | jax.Array | None:
       raise ValueError(f"window must be an integer scalar, got {window.dtype} shape {window.shape}")
     return jnp.asarray(window, jnp.int32)
   if not is_int(window):
-    raise ValueError(f"window must be None, a Python int >= 1 or an integer scalar array, got "
-                     f"{type(window).__name__} {window!r}")
-  if int(window) < 1:
-    raise ValueError(f"window={window} must be >= 1 (None for full attention; a traced window <= 0 "
-                     "also means full attention)")
+    raise ValueError(f"window must be None, an AttentionSpec, a Python int != 0 or an integer scalar array, "
+                     f"got {type(window).__name__} {window!r}")
+  if int(window) == 0:
+    raise ValueError("window=0 must be >= 1 (a window) or <= -1 (a chunk's code, ChunkedLocal(C).code); None "
+                     "is full attention (a traced code 0 also is)")
   return int(window)
 
 
