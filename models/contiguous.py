@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from paged_kv.attention_spec import AttentionSpec, first_visible_code
+from paged_kv.attention_spec import first_visible_code
 from paged_kv.models.protocol import AttentionBackend, ModelFacts, attend_options, check_model, model_facts
 
 if TYPE_CHECKING:
@@ -65,8 +65,7 @@ def _make_attend(q_start, q_lens) -> AttentionBackend:
         window = options.get("window")
         if window is not None:  # the attention kind's first key (paged_kv.attention_spec): a
             # window's pos - W + 1, a chunk's pos // C * C; an AttentionSpec or its (traced) code
-            code = window.code if isinstance(window, AttentionSpec) else window
-            first = first_visible_code(pos, code)
+            first = first_visible_code(pos, window)
             mask = mask & (jnp.arange(max_len)[None, None, :] >= first[:, :, None])
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)

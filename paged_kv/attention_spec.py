@@ -198,9 +198,9 @@ def as_spec(value: Any) -> AttentionSpec:
 
 def first_visible_code(pos: Any, code: Any) -> Any:
     """int32 ``pos``'s shape: the first key a query at ``pos`` sees under the kind ``code`` (a
-    Python int or a traced int32 scalar: one kernel or scan for every kind). Each kind's rule is
-    its ``first_visible``; this selects among them."""
-    c = jnp.asarray(code, jnp.int32)
+    Python int or a traced int32 scalar: one kernel or scan for every kind; an ``AttentionSpec``
+    is taken as its code). Each kind's rule is its ``first_visible``; this selects among them."""
+    c = jnp.asarray(code.code if isinstance(code, AttentionSpec) else code, jnp.int32)
     pos = jnp.asarray(pos, jnp.int32)
     window = SlidingWindow.first_visible(_Sized(c), pos)
     chunk = ChunkedLocal.first_visible(_Sized(jnp.maximum(-c, 1)), pos)

@@ -165,13 +165,13 @@ def check_soft_cap(soft_cap: Any) -> float | None:
 def check_window(window: Any) -> int | jax.Array | None:
   """The attention kind of a call, as the kernels take it (an ``AttentionSpec.code``).
 
-  None (full causal attention); a static Python int ``>= 1``, a sliding window (a query at ``p``
-  sees key ``k`` iff ``p - window < k <= p``), or ``-C <= -1``, a chunk's code; an ``AttentionSpec`` (``paged_kv.attention_spec``:
-  ``Full()`` is None, ``SlidingWindow(W)`` is ``W``, ``ChunkedLocal(C)`` is ``-C``, keys of the
-  query's chunk only); or an integer scalar array (e.g. a per-layer code traced inside a scan
-  over layers; returned as int32): ``W > 0`` a window, ``-C < 0`` a chunk of ``C``, 0 full
-  attention, so one scan serves local and global layers. Arrays are never read here (they may
-  be tracers)."""
+  None: full causal attention. A static Python int: ``W >= 1`` a sliding window (a query at
+  ``p`` sees key ``k`` iff ``p - W < k <= p``), ``-C <= -1`` a chunk's code (keys of ``p``'s
+  chunk of ``C`` up to ``p``). An ``AttentionSpec`` (``paged_kv.attention_spec``): ``Full()``
+  is None, ``SlidingWindow(W)`` is ``W``, ``ChunkedLocal(C)`` is ``-C``. An integer scalar array
+  (a per-layer code traced in a scan over layers; returned as int32): ``W > 0``, ``-C < 0`` or
+  0 for full attention, so one scan serves every kind. Arrays are never read here (they may be
+  tracers)."""
   if window is None:
     return None
   if isinstance(window, AttentionSpec):
