@@ -254,7 +254,10 @@ def _append_both(bm: pk.BlockManager, ref: GroupedReference, ids: list[int], tok
 
 
 @pytest.mark.parametrize("groups, retention", [
-    (HYBRID, None), ((Group("full"), Group("window", 2), Group("window", 9)), 0)])
+    (HYBRID, None), ((Group("full"), Group("window", 2), Group("window", 9)), 0),
+    # Chunked local groups (Llama 4): a chunk not a multiple of the block, one of 2 blocks, beside
+    # a full and a sparse window group, and alone.
+    ((Group("full"), Group("chunked", chunk=6), Group("window", 5)), 0), ((Group("chunked", chunk=8),), 0)])
 def test_random_ops_equal_reference(groups, retention):
     cfg = pk.ManagerConfig(num_blocks=20, block_size=BS, max_seqs=4, max_blocks_per_seq=8, groups=groups,
                            prefix_cache_retention_interval=retention)
