@@ -14,7 +14,7 @@ import pytest
 import paged_kv as pk
 from paged_kv.attention_spec import ChunkedLocal, Full, SlidingWindow, as_spec, first_visible_code, from_code
 from paged_kv.config import Group
-from paged_kv.engine import SamplingParams, generate, kv_cache_groups
+from paged_kv.engine import SamplingParams, generate, kv_cache_groups, manager_config
 from paged_kv.engine.call_setup import group_layout, pad_prompts
 from paged_kv.invariants import check_invariants
 from paged_kv.models import allocate_pages, greedy_generate_contiguous, init_model, kv_group_layout, page_spec
@@ -184,8 +184,11 @@ def test_llama_config_states_each_layer_once():
 def test_chunked_model_generates_the_contiguous_reference(kinds):
     model = init_model(tiny(num_layers=len(kinds), layer_attention=kinds), seed=1)
     groups = kv_cache_groups(model)
-    mgr = pk.ManagerConfig(num_blocks=1 + 48 * len(groups), block_size=BS, max_seqs=8, max_blocks_per_seq=16,
-                           groups=groups)
+    # The groups come from the model: stated once, in its config.
+    mgr = manager_config(model, num_blocks=1 + 48 * len(groups), block_size=BS, max_seqs=8, max_blocks_per_seq=16)
+    assert mgr.groups == groups and group_layout(model, mgr) == kv_group_layout(model)
+    with pytest.raises(ValueError, match="manager_config takes the groups from the model"):
+        manager_config(model, num_blocks=8, groups=groups)
     pages = allocate_pages(page_spec(model, mgr.num_blocks, BS, layout=group_layout(model, mgr)))
     out, _, state = generate(model, pages, *pad_prompts(PROMPTS), 0, SamplingParams(max_new_tokens=NEW),
                              manager=mgr, impl="reference")

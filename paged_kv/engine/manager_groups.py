@@ -28,6 +28,17 @@ def kv_cache_groups(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any) ->
     return layout_groups(model if isinstance(model, KVGroupLayout) else kv_group_layout(model))
 
 
+def manager_config(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any, **fields: Any) -> ManagerConfig:
+    """A ``ManagerConfig`` for ``model`` whose groups come from the model
+    (``kv_cache_groups(model)``: each layer's ``AttentionSpec`` stated once, in its config);
+    ``fields`` are the other ``ManagerConfig`` fields (``num_blocks``, ``block_size``, ...). Passing
+    ``groups`` too raises ``ValueError``: the model states them."""
+    if "groups" in fields:
+        raise ValueError(f"groups={fields['groups']!r}: manager_config takes the groups from the model "
+                         "(build ManagerConfig(groups=...) directly to state them)")
+    return ManagerConfig(groups=kv_cache_groups(model), **fields)
+
+
 def group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | Any, manager: ManagerConfig
                  ) -> KVGroupLayout | None:
     """The pages' ``KVGroupLayout`` for a grouped ``manager``: ``kv_group_layout(model)``, whose
