@@ -96,6 +96,7 @@ def _kernel(layer_ref: Any, window_ref: Any, start_ref: Any, qlen_ref: Any, bt_r
   # (skipping a fully masked step is exact, see the module docstring).
   first = window_start(q_start + first_row // group, window) // keys
   first = jnp.minimum(first, steps)
+  first_pos = window_start(q_pos, window)  # [rows, keys], once: the kind's rule divides for a chunk
 
   q = q_ref[...]
   slope = slope_ref[...][:, None] if has_bias else None  # [rows, 1] float32
@@ -107,7 +108,7 @@ def _kernel(layer_ref: Any, window_ref: Any, start_ref: Any, qlen_ref: Any, bt_r
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
     pos = step * keys + lax.broadcasted_iota(jnp.int32, (rows, keys), 1)
     s = score_knobs(s, soft_cap, slope, pos, q_pos)
-    mask = (pos <= q_pos) & valid & (pos >= window_start(q_pos, window))
+    mask = (pos <= q_pos) & valid & (pos >= first_pos)
     return online_softmax_step(carry, s, v, mask)
 
   o, _, denom = lax.fori_loop(first, steps, body, online_softmax_init(rows, head_dim))
