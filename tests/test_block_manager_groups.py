@@ -393,3 +393,14 @@ GroupedMachine.TestCase.settings = settings(max_examples=5, stateful_step_count=
 DenseGroupedMachine.TestCase.settings = settings(GroupedMachine.TestCase.settings, max_examples=3)
 TestGroupedManager = GroupedMachine.TestCase
 TestDenseGroupedManager = DenseGroupedMachine.TestCase
+
+
+class ChunkedGroupedMachine(GroupedMachine):
+    """The same with a chunked local group (a chunk of 6 tokens, not a multiple of the block) in
+    place of the larger window group."""
+    config = dataclasses.replace(GroupedMachine.config, groups=(Group("full"), Group("chunked", chunk=6),
+                                                                Group("window", 3)))
+
+
+ChunkedGroupedMachine.TestCase.settings = settings(GroupedMachine.TestCase.settings, max_examples=3)
+TestChunkedGroupedManager = ChunkedGroupedMachine.TestCase
