@@ -140,6 +140,29 @@ def test_chunked_local_matches_float64(impl, block_size, group, chunks):
                        _atol(qp, case, scale, ctx, spec, impl), f"small tiles chunk={c}")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_local_batch_invariant_matches_float64(impl):
+  """The batch-invariant kernels (Pallas fixed tiles, the invariant jnp steps) with a chunk of 5
+  (blocks of 4), static and traced, decode and prefill."""
+  rng = np.random.default_rng(11)
+  lengths = np.array([3, 23, 41], np.int32)
+  case = kt.make_paged_case(rng, lengths, block_size=4, head_dim=D, num_kv_heads=2)
+  q = kt.random_queries(rng, (3, 4, D))
+  q_lens = np.array([3, 6, 5], np.int32)
+  q_start = lengths - q_lens
+  qp = kt.random_queries(rng, (3, 6, 4, D))
+  spec, scale, ctx = ChunkedLocal(5), 0.4, int(lengths.max())
+  for window in (spec, jnp.int32(-5)):
+    got = pk.paged_decode_attention(q, case.pages, case.layer, case.block_tables, jnp.asarray(lengths), scale=scale,
+                                    impl=impl, batch_invariant=True, window=window)
+    tol.assert_close(got, _decode_want(q, case, lengths, scale, spec), _atol(q, case, scale, ctx, spec, impl),
+                     f"{impl} invariant decode")
+    got = pk.paged_prefill_attention(qp, case.pages, case.layer, case.block_tables, jnp.asarray(q_start),
+                                     jnp.asarray(q_lens), scale=scale, impl=impl, batch_invariant=True, window=window)
+    tol.assert_close(got, _prefill_want(qp, case, q_start, q_lens, scale, spec),
+                     _atol(qp, case, scale, ctx, spec, impl), f"{impl} invariant prefill")
+
+
 PREFILL_CASES = [
     (jnp.float32, 4, 1, "none", (1, 3, 6, 500)),
     (jnp.float32, 8, 3, "cap", (5, 13)),  # GQA group 3 (rows of a token straddle row tiles), soft cap
