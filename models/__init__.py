@@ -36,7 +36,7 @@ from paged_kv.models.contiguous import (
 )
 from paged_kv.models.generate import greedy_generate_contiguous, greedy_generate_paged
 from paged_kv.models.hf_io import CheckpointError, hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
-from paged_kv.models.kv_groups import KVGroupLayout, kv_group_layout, layer_windows
+from paged_kv.models.kv_groups import KVGroupLayout, kv_group_layout, layer_specs, layer_windows
 from paged_kv.models.layer_layout import layout_for_impl
 from paged_kv.models.llama import (
     Llama,
@@ -65,8 +65,8 @@ __all__ = [
     "Llama3RopeScaling", "LlamaConfig", "ModelFacts", "PagedBatch", "PagedModel", "model_facts",
     "abstract_model", "allocate_pages", "compute_slots", "contiguous_forward", "contiguous_step",
     "greedy_generate_contiguous", "greedy_generate_paged", "hf_state_dict", "in_vocab", "init_contiguous_cache",
-    "init_model", "is_per_layer", "kv_bytes_per_block", "kv_group_layout", "layer_windows", "layout_for_impl",
-    "kv_bytes_per_token", "llama31_8b", "llama32_1b",
+    "init_model", "is_per_layer", "kv_bytes_per_block", "kv_group_layout", "layer_specs", "layer_windows",
+    "layout_for_impl", "kv_bytes_per_token", "llama31_8b", "llama32_1b",
     "load_hf_checkpoint", "make_paged_batch", "page_spec", "page_spec_for_budget",
     "paged_decode_step", "paged_forward", "paged_prefill_step", "per_layer", "plain_forward", "rope_inv_freq",
     "safe_tokens", "save_hf_checkpoint", "score_tokens",

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from paged_kv.attention_spec import AttentionSpec, ChunkedLocal, Full, SlidingWindow
 from paged_kv.pallas_kernels.validate import is_int
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
@@ -98,9 +99,14 @@ class LlamaConfig:
     `mlp_bias` (on gate/up/down), `qk_norm` (RMSNorm with a `head_dim` scale over each head of q
     and of k, before RoPE).
 
-    Sliding windows: `layer_windows`, one int per layer (0: full causal attention; W >= 1: the
-    query at position p sees keys p - W < k <= p). Empty means full attention everywhere (and is
-    what a config without any window stores); `windows` is the per-layer tuple either way.
+    Attention kinds: `layer_attention`, one `paged_kv.attention_spec.AttentionSpec` per layer
+    (`Full()`, `SlidingWindow(W)`: the query at position p sees keys p - W < k <= p,
+    `ChunkedLocal(C)`: keys of p's chunk of C tokens up to p), the one statement of each layer's
+    kind that the page layout, the manager's groups and the kernels derive from (`attention`,
+    `attend_specs`). `layer_windows`, one int per layer (0: not a sliding window), is the same for
+    the windows, kept as an input (checkpoints, older callers): give either (a config with both
+    must have them agree); each is stored normalised from the other. Empty means full attention
+    everywhere (and is what a config without a window or chunk stores).
 
     Gemma switches (`gemma_switches` gives a family's): `hidden_act` ("silu": SwiGLU;
     "gelu_pytorch_tanh": GeGLU), `norm_offset` (every RMSNorm scales by `1 + w`, in float32 before
@@ -133,6 +139,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     layer_windows: tuple[int, ...] = ()
+    layer_attention: tuple[AttentionSpec, ...] = ()
     hidden_act: str = "silu"
     norm_offset: bool = False
     sandwich_norm: bool = False
@@ -185,9 +192,22 @@ class LlamaConfig:
         if len(windows) != self.num_layers or not all(is_int(w) and w >= 0 for w in windows):
             raise ValueError(f"layer_windows={self.layer_windows!r} must hold num_layers={self.num_layers} ints >= 0 "
                              "(0: full attention)")
-        # No window anywhere is stored as (), so such a config equals one built without the field
-        # and `replace(num_layers=...)` keeps working; `windows` gives the per-layer tuple either way.
-        object.__setattr__(self, "layer_windows", tuple(int(w) for w in windows) if any(windows) else ())
+        specs = tuple(self.layer_attention)
+        if specs and (len(specs) != self.num_layers or not all(isinstance(s, AttentionSpec) for s in specs)):
+            raise ValueError(f"layer_attention={self.layer_attention!r} must hold num_layers={self.num_layers} "
+                             "AttentionSpec (Full(), SlidingWindow(W), ChunkedLocal(C))")
+        from_windows = tuple(SlidingWindow(int(w)) if w else Full() for w in windows)
+        if not specs:
+            specs = from_windows
+        elif any(self.layer_windows) and tuple(_window_of(s) for s in specs) != tuple(int(w) for w in windows):
+            raise ValueError(f"layer_windows={self.layer_windows!r} disagrees with layer_attention="
+                             f"{self.layer_attention!r}: give one, or both alike")
+        # No window or chunk anywhere is stored as (), so such a config equals one built without
+        # the fields and `replace(num_layers=...)` keeps working; `windows` and `attention` give the
+        # per-layer tuples either way.
+        windows = tuple(_window_of(s) for s in specs)
+        object.__setattr__(self, "layer_windows", windows if any(windows) else ())
+        object.__setattr__(self, "layer_attention", specs if not all(s.is_full for s in specs) else ())
         eos = self.eos_token_ids
         if isinstance(eos, (int, np.integer)):
             eos = (int(eos),)
@@ -209,15 +229,34 @@ class LlamaConfig:
 
     @property
     def windows(self) -> tuple[int, ...]:
-        """Each layer's window (`layer_windows`, or num_layers zeros when it is empty)."""
+        """Each layer's sliding window (`layer_windows`, or num_layers zeros when it is empty; 0
+        for a full or chunked layer)."""
         return self.layer_windows or (0,) * self.num_layers
 
     @property
+    def attention(self) -> tuple[AttentionSpec, ...]:
+        """Each layer's `AttentionSpec` (`layer_attention`, or `Full()` for every layer)."""
+        return self.layer_attention or (Full(),) * self.num_layers
+
+    @property
+    def attend_specs(self) -> tuple[AttentionSpec, ...]:
+        """The kind each layer's attention applies: `attention` with a window or chunk that covers
+        `max_position_embeddings` (no sequence is longer) as `Full()`, which computes the same and
+        skips the mask. The page layout and the manager's groups derive from it
+        (`paged_kv.models.kv_group_layout`)."""
+        return tuple(Full() if s.span >= self.max_position_embeddings else s for s in self.attention)
+
+    @property
     def attend_windows(self) -> tuple[int, ...]:
-        """The window each layer's attention applies: `layer_windows` with a window that covers
-        `max_position_embeddings` (no sequence is longer) as 0, full attention, which computes the
-        same and skips the window's mask."""
-        return tuple(0 if w >= self.max_position_embeddings else w for w in self.windows)
+        """The sliding window each layer's attention applies (`attend_specs`' windows; 0 for a
+        full or chunked layer)."""
+        return tuple(_window_of(s) for s in self.attend_specs)
+
+    @property
+    def attend_codes(self) -> tuple[int, ...]:
+        """`attend_specs` as the kernels' int per layer (`AttentionSpec.code`: W a window, -C a
+        chunk, 0 full attention)."""
+        return tuple(s.code for s in self.attend_specs)
 
     @property
     def local_rope(self) -> tuple[bool, ...]:
@@ -466,9 +505,19 @@ def hf_layer_windows(hf: Mapping[str, Any], model_type: str, num_layers: int) ->
     return tuple(int(window) if s else 0 for s in sliding)
 
 
+def _window_of(spec: AttentionSpec) -> int:
+    """A layer's `layer_windows` entry: its window, 0 when it is not a sliding window."""
+    return spec.window if isinstance(spec, SlidingWindow) else 0
+
+
 def _hf_window_fields(config: LlamaConfig) -> dict[str, Any]:
     """The `config.json` fields that make transformers' class of `config.model_type` derive
-    `config.layer_windows` (`hf_layer_windows` inverted); ValueError when it cannot."""
+    `config.layer_windows` (`hf_layer_windows` inverted); ValueError when it cannot (a chunked
+    layer: none of these families has chunked local attention)."""
+    chunked = [i for i, s in enumerate(config.attention) if isinstance(s, ChunkedLocal)]
+    if chunked:
+        raise ValueError(f"layers {chunked} are ChunkedLocal: transformers' {FAMILIES[config.model_type]} "
+                         f"has no chunked local attention (layer_attention={config.layer_attention})")
     windows = config.windows
     sizes = sorted(set(windows) - {0})
     if config.model_type == "llama":

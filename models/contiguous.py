@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from paged_kv.attention_spec import first_visible_code
 from paged_kv.models.protocol import AttentionBackend, ModelFacts, attend_options, check_model, model_facts
 
 if TYPE_CHECKING:
@@ -62,9 +63,9 @@ def _make_attend(q_start, q_lens) -> AttentionBackend:
             s = s + slopes * dist[:, None, None].astype(jnp.float32)
         mask = jnp.arange(max_len)[None, None, :] <= pos[:, :, None]  # [B, T, S]
         window = options.get("window")
-        if window is not None:  # sliding window: pos - W < key <= pos; a (traced) W <= 0 is none
-            w = jnp.asarray(window, jnp.int32)
-            first = jnp.where(w > 0, pos - w + 1, 0)
+        if window is not None:  # the attention kind's first key (paged_kv.attention_spec): a
+            # window's pos - W + 1, a chunk's pos // C * C; an AttentionSpec or its (traced) code
+            first = first_visible_code(pos, window)
             mask = mask & (jnp.arange(max_len)[None, None, :] >= first[:, :, None])
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)

@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 from flax import nnx
 
+from paged_kv.attention_spec import AttentionSpec, Full, SlidingWindow, as_spec
 from paged_kv.models.config import LlamaConfig
 from paged_kv.models.protocol import ModelFacts, model_facts
 
@@ -23,7 +24,8 @@ class KVGroupLayout:
     """Which KV-cache group and which page slot each layer of a model uses (hashable, static).
 
     vLLM 0.33's rule for layers of one page size (`_get_kv_cache_groups_uniform_page_size`):
-    layers with the same attention (full, or a window of W tokens) form a kind, kinds in the order
+    layers with the same attention (`AttentionSpec`: full, a window of W tokens, a chunk of C)
+    form a kind, kinds in the order
     of their first layer; every group holds the same number of layers, `slots`: the smallest
     kind's layer count, or the largest's when that is under 1.5 times the smallest. A kind of `n`
     layers splits into `ceil(n / slots)` groups, group `i` taking the kind's layers `i`,
@@ -35,26 +37,27 @@ class KVGroupLayout:
     `l` writes and reads `pages[layer_slot[l]]` at the slots of `tables[layer_group[l]]`.
 
     Attributes:
-      group_windows: per group, its window in tokens (0: full attention); the manager's groups
-        are `paged_kv.engine.kv_cache_groups(model)` (`Group("window", w)` or `Group("full")`
-        each; the models layer does not import the block manager's types).
+      group_specs: per group, its `AttentionSpec` (an int is taken as its code: W a window, -C a
+        chunk, 0 full); the manager's groups are `paged_kv.engine.kv_cache_groups(model)`
+        (`Group.of(spec)` each; the models layer does not import the block manager's types).
       layer_group: per layer, the index of its group.
       layer_slot: per layer, its slot (0 <= slot < `slots`) in its group's blocks.
       slots: layers per group, the leading axis of the pages.
     """
 
-    group_windows: tuple[int, ...]
+    group_specs: tuple[AttentionSpec, ...]
     layer_group: tuple[int, ...]
     layer_slot: tuple[int, ...]
     slots: int
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "group_specs", tuple(as_spec(s) for s in self.group_specs))
         if len(self.layer_group) != len(self.layer_slot) or not self.layer_group:
             raise ValueError(f"layer_group ({len(self.layer_group)} layers) and layer_slot "
                              f"({len(self.layer_slot)}) must name the same layers, at least one")
         if sorted(set(zip(self.layer_group, self.layer_slot))) != sorted(zip(self.layer_group, self.layer_slot)):
             raise ValueError("two layers share a (group, slot)")
-        for name, vals, hi in (("layer_group", self.layer_group, len(self.group_windows)),
+        for name, vals, hi in (("layer_group", self.layer_group, len(self.group_specs)),
                                ("layer_slot", self.layer_slot, self.slots)):
             if any(v < 0 or v >= hi for v in vals):
                 raise ValueError(f"{name}={vals} must lie in [0, {hi})")
@@ -65,13 +68,18 @@ class KVGroupLayout:
 
     @property
     def num_groups(self) -> int:
-        return len(self.group_windows)
+        return len(self.group_specs)
+
+    @property
+    def group_windows(self) -> tuple[int, ...]:
+        """Per group, its sliding window in tokens (0: full or chunked attention)."""
+        return tuple(s.window if isinstance(s, SlidingWindow) else 0 for s in self.group_specs)
 
     @property
     def grouped(self) -> bool:
         """Whether the manager runs its grouped forms (`ManagerConfig.grouped`): any layout but
         one full group."""
-        return self.group_windows != (0,)
+        return self.group_specs != (Full(),)
 
     def group_layers(self, g: int) -> tuple[int, ...]:
         """The layers of group `g`, in slot order (padding slots left out)."""
@@ -82,53 +90,60 @@ class KVGroupLayout:
     def single(cls, num_layers: int) -> KVGroupLayout:
         """One full group of `num_layers` layers, layer `l` in slot `l` (the pages and tables of
         a manager without groups)."""
-        return cls((0,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+        return cls((Full(),), (0,) * num_layers, tuple(range(num_layers)), num_layers)
 
 
-def layer_windows(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig
-                  | tuple[int, ...]) -> tuple[int, ...]:
-    """Each layer's attention window (0: full) as the model attends: a `LlamaConfig`'s (or a
-    module's `config`'s) `attend_windows`; a tuple of ints as given; every layer full for a model
-    or `ModelFacts` that states no windows."""
-    if isinstance(model, (tuple, list)) and all(isinstance(w, (int, np.integer)) for w in model):
-        windows = tuple(int(w) for w in model)
-        if not windows or any(w < 0 for w in windows):
-            raise ValueError(f"windows={windows} must be one int >= 0 per layer (0: full attention)")
-        return windows
+ModelLike = nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig | tuple[int | AttentionSpec, ...]
+"""What `layer_specs` and `kv_group_layout` take."""
+
+
+def layer_specs(model: ModelLike) -> tuple[AttentionSpec, ...]:
+    """Each layer's `AttentionSpec` as the model attends: a `LlamaConfig`'s (or a module's
+    `config`'s) `attend_specs`; a tuple of specs, or of ints (a window W >= 1, 0 full attention;
+    a negative int is a chunk's code, -C), as given; every layer full for a model or `ModelFacts`
+    that states no kinds."""
+    if isinstance(model, (tuple, list)) and all(isinstance(w, (int, np.integer, AttentionSpec)) for w in model):
+        if not model:
+            raise ValueError("per-layer attention kinds must name at least one layer, got ()")
+        return tuple(as_spec(w) for w in model)
     if isinstance(model, ModelFacts):
-        return (0,) * model.num_layers
+        return (Full(),) * model.num_layers
     if isinstance(model, LlamaConfig):
-        return tuple(model.attend_windows)
+        return tuple(model.attend_specs)
     module = nnx.merge(*model) if isinstance(model, tuple) else model
     cfg = getattr(module, "config", None)
-    if cfg is not None and hasattr(cfg, "attend_windows"):
-        return tuple(int(w) for w in cfg.attend_windows)
-    return (0,) * model_facts(module).num_layers
+    if cfg is not None and hasattr(cfg, "attend_specs"):
+        return tuple(cfg.attend_specs)
+    return (Full(),) * model_facts(module).num_layers
 
 
-def kv_group_layout(model: nnx.Module | tuple[nnx.GraphDef, nnx.State] | ModelFacts | LlamaConfig
-                    | tuple[int, ...]) -> KVGroupLayout:
-    """The `KVGroupLayout` of `model` (anything `layer_windows` takes), by vLLM 0.33's rule (see
+def layer_windows(model: ModelLike) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full or chunked) as the model attends (`layer_specs`)."""
+    return tuple(s.window if isinstance(s, SlidingWindow) else 0 for s in layer_specs(model))
+
+
+def kv_group_layout(model: ModelLike) -> KVGroupLayout:
+    """The `KVGroupLayout` of `model` (anything `layer_specs` takes), by vLLM 0.33's rule (see
     `KVGroupLayout`). Gemma 3-shaped, 5 local : 1 global, 6 layers: 6 groups of 1 layer (5 window
     groups, then the full one), pages `[1, 2, kvh, nb, bs, hd]`; Gemma 2, 4 alternating layers: a
     window group of layers (0, 2) and a full group of (1, 3); Mistral (a window on every layer):
     one window group of every layer; no window: `KVGroupLayout.single(num_layers)`."""
-    windows = layer_windows(model)
-    kinds: dict[int, list[int]] = {}
-    for layer, w in enumerate(windows):
-        kinds.setdefault(w, []).append(layer)
+    specs = layer_specs(model)
+    kinds: dict[AttentionSpec, list[int]] = {}
+    for layer, spec in enumerate(specs):
+        kinds.setdefault(spec, []).append(layer)
     counts = [len(v) for v in kinds.values()]
     slots = min(counts)
     if max(counts) < 1.5 * min(counts):  # few padding slots: one group per kind
         slots = max(counts)
-    groups: list[int] = []
-    layer_group = [0] * len(windows)
-    layer_slot = [0] * len(windows)
-    for w, layers in kinds.items():
+    groups: list[AttentionSpec] = []
+    layer_group = [0] * len(specs)
+    layer_slot = [0] * len(specs)
+    for spec, layers in kinds.items():
         n = -(-len(layers) // slots)
         for i in range(n):
             for s, layer in enumerate(layers[i::n]):
                 layer_group[layer], layer_slot[layer] = len(groups), s
-            groups.append(w)
+            groups.append(spec)
     return KVGroupLayout(tuple(groups), tuple(layer_group), tuple(layer_slot), slots)
 

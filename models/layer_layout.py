@@ -32,12 +32,13 @@ def static_layer_impl(impl: str, head_dim: int | None = None, mesh: Mesh | None 
 
 
 def plan_for(impl: str, head_dim: int | None = None, mesh: Mesh | None = None,
-             batch_invariant: bool = False) -> execution_plan.ExecutionPlan:
+             batch_invariant: bool = False, kinds: tuple[str, ...] = ("full",)) -> execution_plan.ExecutionPlan:
     """The execution plan (`paged_kv.pallas_kernels.plan.make_plan`) whose `layers` and `projections`
     columns lay a model out for `impl` on `mesh` (its `tp`: the mesh's size; the refusals of the
-    other switches are the engines' and the kernels' to raise)."""
+    other switches are the engines' and the kernels' to raise), for layers of attention `kinds`
+    (`AttentionSpec.kind` names)."""
     tp = None if mesh is None else int(getattr(mesh, "size", 1))
-    return execution_plan.make_plan(impl, tp=tp, head_dim=head_dim, batch_invariant=batch_invariant)
+    return execution_plan.make_plan(impl, tp=tp, head_dim=head_dim, batch_invariant=batch_invariant, kinds=kinds)
 
 
 def layer_matmul_for(impl: str, head_dim: int | None = None, mesh: Mesh | None = None,

@@ -50,9 +50,9 @@ Family switches (`LlamaConfig`; each parameter exists only when its switch is on
                                                               post_attn_norm is then ...pre_feedforward_layernorm)
 Gemma's other switches have no parameters: `norm_offset` (every norm scales by 1 + w), GeGLU
 (`hidden_act`), `embed_scale`, the attend options (`query_pre_attn_scalar`'s scale, `attn_soft_cap`),
-`final_soft_cap` in `logits`. Per layer, `LlamaConfig.attend_windows[i]` goes to `attend` as its
-`window` option (a Python int unrolled; in the scan an int32 per layer, <= 0 for full attention;
-never passed when no layer has a window), and the layers of `LlamaConfig.local_rope` rotate with
+`final_soft_cap` in `logits`. Per layer, `LlamaConfig.attend_specs[i]` goes to `attend` as its
+`window` option (the `AttentionSpec` unrolled, None for a full layer; in the scan its int32
+`code` per layer, 0 for full attention; never passed when every layer is full), and the layers of `LlamaConfig.local_rope` rotate with
 the local base (Gemma 3).
 """  # noqa: E501 (a table row)
 
@@ -67,6 +67,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from paged_kv.attention_spec import AttentionSpec, SlidingWindow
 from paged_kv.models.config import LlamaConfig, rope_inv_freq
 from paged_kv.models.protocol import AttentionBackend, LayerMatmul, as_backend, in_vocab
 from paged_kv.models.tp_layout import weight_specs
@@ -78,6 +79,14 @@ Array = jax.Array
 def _normal(rngs: nnx.Rngs, shape, dtype, std: float):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
+
+
+def _window_option(spec: AttentionSpec) -> int | AttentionSpec | None:
+    """A layer's static `window` option for `attend`: None (full), a sliding window's int (as
+    before attention kinds had a type), or the spec itself (a chunk)."""
+    if spec.is_full:
+        return None
+    return spec.window if isinstance(spec, SlidingWindow) else spec
 
 class RMSNorm(nnx.Module):
     """y = scale * x / sqrt(mean(x^2) + eps); statistics in float32, as in HF.
@@ -259,11 +268,12 @@ class Attention(nnx.Module):
         self.attend_options = tuple(options)
 
     def __call__(self, x: Array, norm_scale: Array | None, positions: Array, inv_freq: Array, cache,
-                 attend: AttentionBackend, access: LayerAccess, window: int | Array | None = None):
+                 attend: AttentionBackend, access: LayerAccess, window: int | AttentionSpec | Array | None = None):
         """x[B, T, d] (after the input norm; `norm_scale` its weight when the projections apply it,
         `LayerAccess.norm`) -> (out[B, T, d] in x's dtype, cache): q/k/v, RoPE, `attend` at layer
-        `access.layer`, the output projection. `window`: the layer's sliding window for `attend`
-        (None: no window option; a Python int >= 1, or a traced int32 where <= 0 is full attention)."""
+        `access.layer`, the output projection. `window`: the layer's attention kind for `attend`
+        (None: no window option; a Python int >= 1, a window; an `AttentionSpec`; or a traced int32
+        code: W a window, -C a chunk, 0 full attention)."""
         bias = (lambda name: getattr(self, name)[...]) if self.qkv_bias else (lambda name: None)
         # Named scopes only label the HLO (scripts/profile_decode.py attributes time by them).
         with jax.named_scope("qkv_proj"):
@@ -333,7 +343,7 @@ class DecoderLayer(nnx.Module):
             self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, off)
 
     def __call__(self, x: Array, positions: Array, inv_freq: Array, cache, attend: AttentionBackend,
-                 access: LayerAccess, window: int | Array | None = None):
+                 access: LayerAccess, window: int | AttentionSpec | Array | None = None):
         """x[B, T, d] -> (x[B, T, d], cache) for layer `access.layer`, its weights read as `access`
         says (its own, or the stacked ones in place); `window` as in `Attention.__call__`."""
         h, scale = access.norm(self.input_norm, x)
@@ -430,7 +440,7 @@ class Llama(nnx.Module):
         cfg = self.config
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
         local_freq = jnp.asarray(rope_inv_freq(cfg, local=True)) if any(cfg.local_rope) else None
-        windows = cfg.attend_windows
+        specs, codes = cfg.attend_specs, cfg.attend_codes
         x = jnp.take(self.embed[...], safe_tokens(tokens, cfg.vocab_size), axis=0)
         if cfg.embed_scale:  # Gemma: sqrt(d) rounded to the model dtype first, as transformers does
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
@@ -440,7 +450,7 @@ class Llama(nnx.Module):
             # callers the per-layer layout instead, which has nothing to slice.
             for i in range(cfg.num_layers):
                 x, cache = self.layer(i)(x, positions, local_freq if cfg.local_rope[i] else inv_freq, cache, attend,
-                                         LayerAccess(i, invariant=invariant), windows[i] or None)
+                                         LayerAccess(i, invariant=invariant), _window_option(specs[i]))
             return self.final_norm(x, invariant), cache
         layer_def, stacked = nnx.split(self.layers)
         matmul = attend.layer_matmul
@@ -448,9 +458,10 @@ class Llama(nnx.Module):
         # invariants of the scan that XLA:GPU never copies. Else the scan slices them (its xs).
         whole = None if matmul is None else nnx.merge(layer_def, stacked)
 
-        # Per-layer differences that a scan carries as data: the window (an int32, <= 0 full) and
-        # the RoPE frequencies (Gemma 3's local base); a model without them passes neither.
-        window_of = jnp.asarray(windows, jnp.int32) if any(windows) else None
+        # Per-layer differences that a scan carries as data: the attention kind (its int32 code:
+        # W a window, -C a chunk, 0 full) and the RoPE frequencies (Gemma 3's local base); a model
+        # without them passes neither.
+        window_of = jnp.asarray(codes, jnp.int32) if any(codes) else None
         is_local = jnp.asarray(cfg.local_rope) if local_freq is not None else None
 
         def body(carry, xs):

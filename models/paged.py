@@ -79,7 +79,7 @@ def _batch_layout(model: nnx.Module, pages: jax.Array, batch: PagedBatch) -> KVG
     if batch.block_tables.shape[0] != layout.num_groups or pages.shape[0] != layout.slots:
         raise ValueError(f"a batch of {batch.block_tables.shape[0]} KV-cache groups and pages of {pages.shape[0]} "
                          f"layer slots; the model's layout has {layout.num_groups} groups of {layout.slots} slots "
-                         f"(group windows {layout.group_windows})")
+                         f"(group kinds {layout.group_specs})")
     return layout
 
 

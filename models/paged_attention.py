@@ -41,7 +41,10 @@ def _make_attend(batch: PagedBatch, impl: str, decode: bool, mesh=None,
     `layout` (a grouped `batch`): layer `l` writes and attends in page slot `layout.layer_slot[l]`
     with group `layout.layer_group[l]`'s tables and slots; a traced layer (the scan's int32) looks
     both up in small constant int32 arrays."""
-    execution = plan_for(impl, head_dim, mesh, batch_invariant)
+    # The layers' kinds where the page layout states them (a grouped batch); otherwise the
+    # kernel-level plan sees each call's kind.
+    kinds = tuple(sorted({spec.kind for spec in layout.group_specs})) if layout is not None else ("full",)
+    execution = plan_for(impl, head_dim, mesh, batch_invariant, kinds)
     plan = dict(static_layer=execution.layers == "unrolled", layer_matmul=layer_matmul_of(execution))
     if batch_invariant:
         plan["batch_invariant"] = True

@@ -142,8 +142,10 @@ class PagedModel(Protocol):
           (Gemma 2), applied before the bias and the causal mask;
         alibi_slopes: float ``[QH]``, adds ``slope[h] * (key_pos - query_pos)`` (<= 0) to head ``h``'s
           scores (ALiBi);
-        window: sliding-window attention, the query at ``p`` sees keys ``p - window < k <= p``: a
-          Python int >= 1, or an int32 scalar (traced per layer) where ``<= 0`` means full attention.
+        window: the layer's attention kind (``paged_kv.attention_spec``): a Python int >= 1 (a
+          sliding window, the query at ``p`` sees keys ``p - window < k <= p``), an
+          ``AttentionSpec``, or its int32 ``code`` traced per layer (``W > 0`` a window, ``-C`` a
+          local chunk of ``C``: keys of ``p``'s chunk up to ``p``; 0 full attention).
       Any other option raises ``ValueError`` naming it. Every call must pass the same options for a
       given layer at every step (they are part of the compiled program).
     ``logits(hidden[..., ...]) -> float32[..., V]``: the output head on what ``__call__`` returned.

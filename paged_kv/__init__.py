@@ -25,6 +25,10 @@ _EXPORTS = {
     "admit": "paged_kv.admission",
     "AppendResult": "paged_kv.results",
     "append": "paged_kv.allocate",
+    "AttentionSpec": "paged_kv.attention_spec",
+    "ChunkedLocal": "paged_kv.attention_spec",
+    "Full": "paged_kv.attention_spec",
+    "SlidingWindow": "paged_kv.attention_spec",
     "NULL_BLOCK": "paged_kv.config",
     "Group": "paged_kv.config",
     "ManagerConfig": "paged_kv.config",
@@ -52,6 +56,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from paged_kv.admission import admit
     from paged_kv.allocate import append
+    from paged_kv.attention_spec import AttentionSpec, ChunkedLocal, Full, SlidingWindow
     from paged_kv.config import NULL_BLOCK, Group, ManagerConfig
     from paged_kv.manager import BlockManager
     from paged_kv.prefix_cache import is_cached, reset_prefix_cache

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from paged_kv.attention_spec import AttentionSpec, ChunkedLocal, Full, SlidingWindow
+
 # Slot indices (block_id * block_size + offset) are int32 on the device.
 _INT32_MAX = 2**31 - 1
 
@@ -20,64 +22,102 @@ block-table entries hold it."""
 TARGETS = ("auto", "cpu", "gpu")
 """Values of ``ManagerConfig.target``."""
 
-GROUP_KINDS = ("full", "window")
-"""Values of ``Group.kind``."""
+GROUP_KINDS = ("full", "window", "chunked")
+"""Values of ``Group.kind`` (``AttentionSpec.kind`` of ``paged_kv.attention_spec``)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Group:
     """One KV-cache group: the layers of a model that share an attention type (vLLM's
     ``KVCacheGroupSpec``). Every group of a manager has its own block table per sequence; all
-    share one block size, one pool, one free queue and one prefix cache.
+    share one block size, one pool, one free queue and one prefix cache. The attention rules
+    (which blocks are skipped, what a hit needs) are its ``spec``'s
+    (``paged_kv.attention_spec``); ``Group.of(spec)`` builds one from a spec.
 
     Attributes:
-      kind: ``"full"`` (every earlier token is attended) or ``"window"`` (sliding window: a
-        query at position ``p`` attends keys ``p - window < k <= p``).
-      window: tokens in the window (>= 1) for ``"window"``; 0 for ``"full"``.
+      kind: ``"full"`` (every earlier token is attended), ``"window"`` (sliding window: a
+        query at position ``p`` attends keys ``p - window < k <= p``) or ``"chunked"`` (chunked
+        local: keys ``k`` with ``k // chunk == p // chunk``, ``k <= p``).
+      window: tokens in the window (>= 1) for ``"window"``; else 0.
+      chunk: tokens per chunk (>= 1) for ``"chunked"``; else 0.
     """
 
     kind: str
     window: int = 0
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
             raise ValueError(f"Group.kind must be one of {GROUP_KINDS}, got {self.kind!r}")
-        if self.kind == "full":
-            if self.window != 0:
-                raise ValueError(f"Group('full') takes no window, got window={self.window!r}")
-        else:
+        if self.kind != "window" and self.window != 0:
+            raise ValueError(f"Group({self.kind!r}) takes no window, got window={self.window!r}")
+        if self.kind != "chunked" and self.chunk != 0:
+            raise ValueError(f"Group({self.kind!r}) takes no chunk, got chunk={self.chunk!r}")
+        if self.kind == "window":
             _check_int("Group.window", self.window, 1)
             if self.window > _INT32_MAX:
                 raise ValueError(f"Group.window must be <= {_INT32_MAX}, got {self.window}")
+        if self.kind == "chunked":
+            _check_int("Group.chunk", self.chunk, 1)
+            if self.chunk > _INT32_MAX:
+                raise ValueError(f"Group.chunk must be <= {_INT32_MAX}, got {self.chunk}")
+
+    @classmethod
+    def of(cls, spec: AttentionSpec) -> Group:
+        """The group of an ``AttentionSpec`` (``Full()``, ``SlidingWindow(W)``, ``ChunkedLocal(C)``)."""
+        if isinstance(spec, SlidingWindow):
+            return cls("window", spec.window)
+        if isinstance(spec, ChunkedLocal):
+            return cls("chunked", chunk=spec.chunk)
+        if isinstance(spec, Full):
+            return cls("full")
+        raise ValueError(f"spec must be an AttentionSpec, got {type(spec).__name__} {spec!r}")
+
+    @property
+    def spec(self) -> AttentionSpec:
+        """The group's ``AttentionSpec``, which holds its rules."""
+        if self.kind == "window":
+            return SlidingWindow(self.window)
+        return ChunkedLocal(self.chunk) if self.kind == "chunked" else Full()
 
     @property
     def is_window(self) -> bool:
+        """A sliding-window group (the only kind with sparse retention, ``reach_blocks``)."""
         return self.kind == "window"
 
+    @property
+    def is_full(self) -> bool:
+        """Full attention: never reclaims, its hit needs every block (a verified chain)."""
+        return self.kind == "full"
+
     def skipped_blocks(self, computed: int, block_size: int) -> int:
-        """Leading blocks that no query after ``computed`` tokens reads: those whose tokens all
-        lie before ``computed - window + 1`` (0 for a full group). Plain-Python form of
-        ``groups.skipped_blocks``."""
-        if not self.is_window:
-            return 0
-        return max(0, computed - self.window + 1) // block_size
+        """Leading blocks that no query after ``computed`` tokens reads (``spec.skipped_blocks``:
+        a window's before ``computed - window + 1``, a chunk's before ``computed // chunk *
+        chunk``; 0 for a full group). Plain-Python form of ``groups.skipped_blocks``."""
+        return self.spec.skipped_blocks(computed, block_size)
+
+    def hit_start(self, h: int, block_size: int) -> int:
+        """First block of the cached run a prefix hit of ``h`` blocks needs (``spec.hit_start``)."""
+        return self.spec.hit_start(h, block_size)
 
     @property
     def caches_blocks(self) -> bool:
-        """Whether the group's full blocks are cached. Not for a window of 1 token: a query
-        then reads only its own token, no prefix hit needs a cached block of the group, and
-        vLLM 0.33 keeps no hash for them either (its ``reachable_block_mask`` is all False)."""
-        return self.window != 1
+        """Whether the group's full blocks are cached (``spec.caches_blocks``). Not for a window
+        of 1 token: a query then reads only its own token, no prefix hit needs a cached block of
+        the group, and vLLM 0.33 keeps no hash for them either (its ``reachable_block_mask`` is
+        all False)."""
+        return self.spec.caches_blocks
 
     def hit_blocks(self, block_size: int) -> int:
-        """Trailing cached blocks a prefix hit of this group needs (vLLM's
-        ``cdiv(window - 1, block_size)``, at least 1); 0 for a full group (it needs all)."""
+        """Trailing cached blocks a prefix hit of this window group needs (vLLM's
+        ``cdiv(window - 1, block_size)``, at least 1); 0 for a full group (it needs all). A
+        chunked group's depends on the hit (``hit_start``)."""
         return max(1, self.reach_blocks(block_size)) if self.is_window else 0
 
     def reach_blocks(self, block_size: int) -> int:
         """Blocks a sparse-retention window group keeps cached before each reachable boundary:
         vLLM's ``cdiv(window - 1, block_size)`` (0 for a window of 1 token, which caches
-        nothing); 0 for a full group."""
+        nothing); 0 for any other group."""
         return -(-(self.window - 1) // block_size) if self.is_window else 0
 
 
@@ -113,9 +153,10 @@ class ManagerConfig:
         last block) can never be a hit, so it joins the *front* of the free queue and is reused
         before any cached block (vLLM 0.33 does the same). False puts every freed block at
         the back, for comparing eviction policies.
-      groups: the KV-cache groups (``Group``), default one full-attention group. With more
-        than one group, or a window group, every operation keeps one table per group
-        (``BlockManagerState.tables``), reclaims a window group's blocks as they leave its window,
+      groups: the KV-cache groups (``Group``, or an ``AttentionSpec`` that stands for
+        ``Group.of(spec)``), default one full-attention group. With more
+        than one group, or a local group, every operation keeps one table per group
+        (``BlockManagerState.tables``), reclaims a local group's blocks as no later query reads them,
         and runs its sequential grouped form (``paged_kv.groups``) on every platform; the default
         runs the same programs as before groups existed.
       target: which form of each operation is traced (``scan.per_platform``): ``"cpu"`` (skips
@@ -149,6 +190,9 @@ class ManagerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.groups, list):
             object.__setattr__(self, "groups", tuple(self.groups))
+        if isinstance(self.groups, tuple):  # an AttentionSpec stands for its Group
+            object.__setattr__(self, "groups", tuple(
+                Group.of(g) if isinstance(g, AttentionSpec) else g for g in self.groups))
         if not isinstance(self.groups, tuple) or not self.groups:
             raise ValueError(f"groups must be a non-empty tuple of Group, got {self.groups!r}")
         for i, g in enumerate(self.groups):
@@ -195,7 +239,7 @@ class ManagerConfig:
         as ``longest_hit_length`` (where a sparse window group's shared-prefix junction lies):
         every full group (vLLM looks up full attention first, groups of equal specs together),
         or, without one, every group equal to the first."""
-        first = next((g for g in self.groups if not g.is_window), self.groups[0])
+        first = next((g for g in self.groups if g.is_full), self.groups[0])
         return tuple(i for i, g in enumerate(self.groups) if g == first)
 
     @property

@@ -90,11 +90,11 @@ def group_chains(chains: jax.Array, g: int) -> jax.Array:
 
 def skipped_blocks(group: Group, computed: jax.Array, block_size: int) -> jax.Array:
     """int32 ``[...]``: leading blocks of a table that no query after ``computed`` (int32
-    ``[...]``) tokens reads: those whose tokens all lie before ``computed - window + 1``; 0 for
-    a full group."""
-    if not group.is_window:
+    ``[...]``) tokens reads (``group.spec.skipped_blocks``: a window's before ``computed - window
+    + 1``, a chunk's before the current chunk); 0 for a full group."""
+    if group.is_full:
         return jnp.zeros_like(computed)
-    return jnp.maximum(computed - group.window + 1, 0) // block_size
+    return jnp.asarray(group.spec.skipped_blocks(computed, block_size), jnp.int32)
 
 
 def _salt_bits(salt: jax.Array) -> jax.Array:
@@ -207,10 +207,10 @@ def _append_row(config: ManagerConfig, state: BlockManagerState, tables: jax.Arr
     j = jnp.arange(m, dtype=jnp.int32)
     ref_count, queue, null_prefix = state.ref_count, state.queue, state.null_prefix
 
-    # 1. Reclaim what left each window group's window (computed = the n tokens held).
+    # 1. Reclaim what left each local group's reach (computed = the n tokens held).
     slots = cache_slots(config, state)
     for g, group in enumerate(config.groups):
-        if not group.is_window:
+        if group.is_full:
             continue
         lo = null_prefix[g, s]
         hi = jnp.where(valid, jnp.clip(skipped_blocks(group, n, bs), lo, held), lo)
@@ -339,10 +339,11 @@ def _hit_length(config: ManagerConfig, state: BlockManagerState, c: int, ok0: ja
             & (state.block_group[cc] == g) & jnp.all(cache.tokens[cc] == block_tokens, axis=-1)
         )
         klass = meta[:, CLASS:CLASS_GENERATION + 1]
-        if group.is_window:
-            # All of blocks [max(0, h - c_g), h) cached; the prefix before is trusted on the keys.
+        if not group.is_full:
+            # All of blocks [hit_start(h), h) cached (a window's last max(1, c_g), a chunk's
+            # current chunk); the prefix before is trusted on the keys.
             counts = jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sum(good)])
-            lo = jnp.maximum(hh - group.hit_blocks(config.block_size), 0)
+            lo = group.hit_start(hh, config.block_size)
             accepts.append(within & ((counts[hh] - counts[lo]) == (hh - lo)))
         else:
             prev = jnp.concatenate([root, klass[:-1]], axis=0)
@@ -469,7 +470,7 @@ def _admit_row(config: ManagerConfig, c: int, state: BlockManagerState, tables: 
         block_class = jnp.where((j[None] < h)[..., None], hit_class, own)
         registered = fresh & (j[None] < n_full)
         for g, group in enumerate(config.groups):
-            if not group.is_window:
+            if group.is_full:
                 block_class = block_class.at[g].set(_joined_classes(
                     cache, g, h, chains, block_tokens, salt, state.block_group, block_class[g], registered[g]))
         parent_class = jnp.concatenate([root, block_class[:, :-1]], axis=1)

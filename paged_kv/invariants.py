@@ -158,7 +158,7 @@ def _check_cache(config, state, tables, nulls, tokens, active) -> None:
     window_blocks = set()
     if config.grouped:  # a window group's parent may be gone: its chain is not checked here
         owner = np.asarray(state.block_group)
-        window_blocks = {b for b in cached.tolist() if config.groups[owner[b]].is_window}
+        window_blocks = {b for b in cached.tolist() if not config.groups[owner[b]].is_full}
 
     # Classes: one prefix per class, a live parent class for every child.
     klass = [tuple(x) for x in np.asarray(cache.klass).tolist()]

@@ -325,7 +325,7 @@ class GroupedReference(ReferenceBlockManager):
 
         def accepts(g: int, h: int) -> bool:
             group = cfg.groups[g]
-            lo = max(0, h - group.hit_blocks(bs)) if group.is_window else 0
+            lo = group.hit_start(h, bs)
             return all(c is not None for c in cands[g][lo:h])
 
         def best(gs) -> int:

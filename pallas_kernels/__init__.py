@@ -36,7 +36,9 @@ Public API (``__all__``; the kernels' full docs are in :mod:`paged_kv.pallas_ker
 ``interpret=True``, used in tests) or "reference". The attention knobs (``soft_cap``,
 ``alibi_slopes``, ``window``) and ``batch_invariant`` (the fixed-tile kernels: a query's bits do
 not depend on the batch; :mod:`paged_kv.pallas_kernels.invariant`) are off by default, and a
-kernel compiles exactly as without them when they are.
+kernel compiles exactly as without them when they are. ``window`` is the attention kind
+(``paged_kv.attention_spec``: a sliding window ``W``, a local chunk ``ChunkedLocal(C)`` as its
+code ``-C``, or the spec itself; traced per layer, 0 is full attention).
 
 Quantized pages (:mod:`paged_kv.pallas_kernels.quant`): the attention, ``write_kv`` and
 ``copy_blocks`` entry points also take a :class:`~paged_kv.pallas_kernels.quant.QuantPages`: ``values`` int8 or

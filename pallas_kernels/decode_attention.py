@@ -47,7 +47,7 @@ from jax.typing import DTypeLike
 
 from paged_kv.pallas_kernels import gpu_figures, quant, tiling
 from paged_kv.pallas_kernels.reference import NULL_BLOCK, PagesLike
-from paged_kv.pallas_kernels.score_rules import score_knobs
+from paged_kv.pallas_kernels.score_rules import score_knobs, window_start
 
 # A finite "minus infinity": exp(MASK - m) is 0, and MASK - MASK is 0, never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -110,12 +110,11 @@ def _decode_kernel(layer_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale
   length = jnp.clip(len_ref[0], 0, max_blocks * block_size)
   num_tiles = pl.cdiv(pl.cdiv(length, block_size), blocks_per_tile)
   if has_window:
-    # Sliding window: the query (at length - 1) sees positions >= first_pos. The tiles from the
-    # one holding first_pos to the last are cut among the splits (not the whole table): tiles
-    # wholly before the window, and the null blocks a sliding-window manager puts there, are
-    # never read. A window <= 0 (a traced per-layer window) is full attention.
-    window = window_ref[0]
-    first_pos = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)
+    # Sliding window or local chunk (the attention code, `window_start`): the query (at
+    # length - 1) sees positions >= first_pos. The tiles from the one holding first_pos to the
+    # last are cut among the splits (not the whole table): tiles wholly before it, and the null
+    # blocks a local-attention manager puts there, are never read. A code of 0 is full attention.
+    first_pos = window_start(length - 1, window_ref[0])
     window_tile = first_pos // tile_keys
     per_split = pl.cdiv(num_tiles - window_tile, pl.num_programs(2))
     first_tile = window_tile + split * per_split

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 
+from paged_kv.attention_spec import AttentionSpec
 from paged_kv.pallas_kernels import plan as execution_plan, reference, validate
 from paged_kv.pallas_kernels.reference import PagesLike
 
@@ -32,7 +33,8 @@ def resolve_impl(impl: str, head_dim: int | None = None) -> str:
 def paged_decode_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Array, block_tables: jax.Array,
                            lengths: jax.Array, *, scale: float | None = None, impl: str = "auto",
                            soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
-                           batch_invariant: bool = False, window: int | jax.Array | None = None) -> jax.Array:
+                           batch_invariant: bool = False,
+                           window: int | AttentionSpec | jax.Array | None = None) -> jax.Array:
   """Attention of one new query token per sequence over its paged K/V.
 
   Args:
@@ -63,12 +65,15 @@ def paged_decode_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Arra
       (:mod:`paged_kv.pallas_kernels.invariant` on the reference; with a Pallas ``impl`` the fixed-tile
       kernel :mod:`paged_kv.pallas_kernels.invariant_attention`, which serves prefill and decode).
       Not with quantized pages (ValueError).
-    window: sliding-window attention: the query at position ``p = lengths - 1`` sees key ``k``
-      iff ``p - window < k <= p``. None (full attention), a Python int >= 1, or an integer scalar
-      array (e.g. a per-layer window traced inside a scan over layers) where a value <= 0 means
-      full attention (:func:`paged_kv.pallas_kernels.validate.check_window`). Key tiles wholly
-      before the window are neither read nor computed, so the null-block entries a
-      sliding-window block manager leaves there are never read.
+    window: the attention kind (``paged_kv.attention_spec``): sliding-window attention, the
+      query at position ``p = lengths - 1`` sees key ``k`` iff ``p - window < k <= p``, or a
+      local chunk of ``C`` (``ChunkedLocal(C)``, code ``-C``: keys ``k // C == p // C``, ``k <=
+      p``). None (full attention), a Python int >= 1 (a window), an ``AttentionSpec``, or an
+      integer scalar array (e.g. a per-layer code traced inside a scan over layers: ``W > 0`` a
+      window, ``-C`` a chunk, 0 full attention;
+      :func:`paged_kv.pallas_kernels.validate.check_window`). Key tiles wholly before the
+      query's range are neither read nor computed, so the null-block entries a local-attention
+      block manager leaves there are never read.
 
   Returns:
     ``[B, num_q_heads, head_dim]`` in ``q.dtype``. Query head ``h`` reads KV head
@@ -93,8 +98,8 @@ def paged_decode_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Arra
     return reference.paged_decode_attention_reference(
         q, pages, layer, block_tables, lengths, scale=scale, **knobs)
   from paged_kv.pallas_kernels import decode_attention
-  if isinstance(window, int):  # a static window: the split rule sizes the launch for it
-    knobs["window_bound"] = window
+  if isinstance(window, int):  # a static window or chunk: the split rule sizes the launch for it
+    knobs["window_bound"] = abs(window)
   return decode_attention.paged_decode_attention_pallas(
       q, pages, layer, block_tables, lengths, scale=scale, interpret=impl == "interpret", **knobs)
 
@@ -102,7 +107,8 @@ def paged_decode_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Arra
 def paged_prefill_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Array, block_tables: jax.Array,
                             q_start: jax.Array, q_lens: jax.Array, *, scale: float | None = None, impl: str = "auto",
                             soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
-                            batch_invariant: bool = False, window: int | jax.Array | None = None) -> jax.Array:
+                            batch_invariant: bool = False,
+                            window: int | AttentionSpec | jax.Array | None = None) -> jax.Array:
   """Causal attention of a chunk of query tokens per sequence over its paged K/V.
 
   Query ``t`` of sequence ``b`` sits at absolute position ``q_start[b] + t``, is valid for
@@ -117,8 +123,8 @@ def paged_prefill_attention(q: jax.Array, pages: PagesLike, layer: int | jax.Arr
     q_start: int32 ``[B]`` absolute position of each sequence's first query token.
     q_lens: int32 ``[B]`` valid query tokens per sequence (``<= T``).
     batch_invariant: as in :func:`paged_decode_attention`.
-    window: as in :func:`paged_decode_attention`: query ``t`` sees only positions
-      ``q_start + t - window < k <= q_start + t``.
+    window: as in :func:`paged_decode_attention`: query ``t`` (at ``p = q_start + t``) sees
+      only positions ``p - window < k <= p`` (a window), or its chunk's up to ``p`` (a chunk).
 
   Returns:
     ``[B, T, num_q_heads, head_dim]`` in ``q.dtype``.

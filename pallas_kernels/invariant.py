@@ -197,7 +197,8 @@ def contiguous_attention(q: jax.Array, k: jax.Array, v: jax.Array, last_pos: jax
                          window: int | jax.Array | None = None) -> jax.Array:
   """Causal attention over contiguous K/V with the invariant steps: q ``[B, T, QH, D]``, k, v
   ``[B, S, KVH, D]`` (key ``s`` at position ``s``), last_pos/valid ``[B, T]``; slopes None or
-  float ``[QH]``; window None, an int >= 1 or an int32 scalar (<= 0: none), as
+  float ``[QH]``; window None, an attention code (an int or int32 scalar: W a window, -C a chunk, 0
+  none) or an ``AttentionSpec``, as
   :func:`paged_kv.pallas_kernels.score_rules.window_start`. Returns ``[B, T, QH, D]`` in q's dtype;
   the same bits per query as the paged reference in invariant mode (same key tiles, same steps;
   tiles wholly before every query's window are skipped, which leaves a carry's bits unchanged)."""

@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from paged_kv.pallas_kernels.decode_attention import layer_operand, online_softmax_init, online_softmax_step
 from paged_kv.pallas_kernels.reference import sanitize_block_tables
-from paged_kv.pallas_kernels.score_rules import score_knobs
+from paged_kv.pallas_kernels.score_rules import score_knobs, window_start
 
 ROW_TILE = 16
 """Query rows (token x query head of one KV head) per program: Triton's smallest dot edge."""
@@ -94,9 +94,9 @@ def _kernel(layer_ref: Any, window_ref: Any, start_ref: Any, qlen_ref: Any, bt_r
   steps = pl.cdiv(jnp.clip(kv_len, 0, max_positions), keys)
   # With a window, steps before the first row's window are all masked for every row: skipped
   # (skipping a fully masked step is exact, see the module docstring).
-  lowest = q_start + first_row // group - window + 1
-  first = jnp.where(window > 0, jnp.maximum(lowest, 0) // keys, 0)
+  first = window_start(q_start + first_row // group, window) // keys
   first = jnp.minimum(first, steps)
+  first_pos = window_start(q_pos, window)  # [rows, keys], once: the kind's rule divides for a chunk
 
   q = q_ref[...]
   slope = slope_ref[...][:, None] if has_bias else None  # [rows, 1] float32
@@ -108,7 +108,7 @@ def _kernel(layer_ref: Any, window_ref: Any, start_ref: Any, qlen_ref: Any, bt_r
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
     pos = step * keys + lax.broadcasted_iota(jnp.int32, (rows, keys), 1)
     s = score_knobs(s, soft_cap, slope, pos, q_pos)
-    mask = (pos <= q_pos) & valid & ((window <= 0) | (pos > q_pos - window))
+    mask = (pos <= q_pos) & valid & (pos >= first_pos)
     return online_softmax_step(carry, s, v, mask)
 
   o, _, denom = lax.fori_loop(first, steps, body, online_softmax_init(rows, head_dim))

@@ -52,8 +52,9 @@ IMPLS = ("auto", "pallas", "interpret", "reference")
 KINDS = ("full", "window", "chunked")
 """Attention kinds a plan may be asked about: full causal, sliding window, chunked-local."""
 
-KERNEL_KINDS = ("full", "window")
-"""The kinds the attention kernels implement (a window is one more int32 operand)."""
+KERNEL_KINDS = ("full", "window", "chunked")
+"""The kinds the attention kernels implement (a window or a chunk is one more int32 operand; the
+chunked-local Triton build is not compiled by the GPU gate yet: rows ``chunked_pallas``, ``auto_chunked``)."""
 
 KV_CLASSES = ("plain", "int8", "fp8")
 """The pages' dtype as the plan sees it: float pages (the model's dtype), int8, float8_e4m3fn."""
@@ -168,7 +169,8 @@ class Switches:
   @property
   def runs_pallas(self) -> bool:
     """Whether the kernels compile through Triton for ``target`` (not interpret mode)."""
-    return self.impl == "pallas" or (self.impl == "auto" and self.gpu_backend is True and self.pallas_head_dim)
+    return self.impl == "pallas" or (self.impl == "auto" and self.gpu_backend is True and self.pallas_head_dim
+                                      and "chunked" not in self.kinds)
 
   @property
   def runs_reference(self) -> bool:
@@ -255,10 +257,12 @@ ROWS: tuple[Row, ...] = (
         refuse=lambda s: "impl='pallas' on target 'cpu': the Pallas kernels compile through Triton for a GPU; "
                          "supported there: impl 'auto', 'reference' or 'interpret'",
         note="Triton compiles for a GPU; auto, reference or interpret run there"),
-    Row("chunked", dict(kinds="has chunked"), lambda s: "chunked" in s.kinds,
-        refuse=lambda s: f"attention kinds {s.kinds}: no kernel implements 'chunked' (chunked-local) attention; "
-                         f"supported kinds: {KERNEL_KINDS}",
-        note="no kernel implements chunked-local attention; full and window are supported"),
+    Row("chunked_pallas", dict(impl="pallas", kinds="has chunked"),
+        lambda s: s.impl == "pallas" and "chunked" in s.kinds,
+        refuse=lambda s: f"impl='pallas' with attention kinds {s.kinds}: the chunked-local kernels run in "
+                         "interpret mode and on the reference, and the GPU gate does not compile them yet; "
+                         "supported: impl 'auto' (the reference on a GPU), 'reference' or 'interpret'",
+        note="the chunked-local Triton build is not compiled by the GPU gate yet"),
     Row("pallas_head_dim", {"impl": "pallas, interpret", _SHAPE: "head_dim not a power of two >= 16"},
         lambda s: s.impl in ("pallas", "interpret") and not s.pallas_head_dim,
         refuse=lambda s: f"head_dim={s.head_dim}: the Pallas (Triton) kernels need a power-of-two head_dim >= 16; "
@@ -284,6 +288,9 @@ ROWS: tuple[Row, ...] = (
     Row("auto_head_dim", {"impl": "auto", "target": "GPU backend", _SHAPE: "head_dim not a power of two >= 16"},
         lambda s: s.impl == "auto" and s.gpu_backend is True and not s.pallas_head_dim, impl="reference",
         note="formerly a silent fallback: the Triton kernels need a power-of-two head_dim >= 16"),
+    Row("auto_chunked", {"impl": "auto", "target": "GPU backend", "kinds": "has chunked"},
+        lambda s: s.impl == "auto" and s.gpu_backend is True and "chunked" in s.kinds, impl="reference",
+        note="the chunked-local Triton build is not compiled by the GPU gate yet"),
     Row("reference", dict(impl="reference, auto (CPU backend)"), lambda s: s.runs_reference, impl="reference",
         note="the XLA reference; XLA's matmuls on the scan's weight slices"),
     Row("pallas_mesh", dict(impl=_PALLAS, tp="a mesh (any degree)"), lambda s: s.tp is not None,

@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as pltriton
 from paged_kv.pallas_kernels import quant, tiling
 from paged_kv.pallas_kernels.decode_attention import layer_operand, online_softmax_init, online_softmax_step
 from paged_kv.pallas_kernels.reference import PagesLike, sanitize_block_tables
-from paged_kv.pallas_kernels.score_rules import score_knobs
+from paged_kv.pallas_kernels.score_rules import score_knobs, window_start
 
 
 def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float,
@@ -62,13 +62,14 @@ def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref,
   num_tiles = pl.cdiv(pl.cdiv(kv_len, block_size), blocks_per_tile)
   first_tile = 0
   if has_window:
-    # Sliding window: row r sees positions >= q_pos - window + 1. The loop starts at the tile
-    # holding the first position the tile's earliest query sees, so tiles wholly before every
-    # row's window (and the null blocks a sliding-window manager puts there) are never read. A
-    # window <= 0 (a traced per-layer window) is full attention.
+    # Sliding window or local chunk (the attention code, `window_start`): row r sees positions
+    # >= first_pos. The loop starts at the tile holding the first position the tile's earliest
+    # query sees (the rule never decreases with the position), so tiles wholly before every
+    # row's range (and the null blocks a local-attention manager puts there) are never read. A
+    # code of 0 is full attention.
     window = window_ref[0]
-    first_pos = jnp.where(window > 0, jnp.maximum(q_pos - window + 1, 0), 0)  # [rows, keys]
-    earliest = jnp.where(window > 0, jnp.maximum(q_start + first_row // group - window + 1, 0), 0)
+    first_pos = window_start(q_pos, window)  # [rows, keys]
+    earliest = window_start(q_start + first_row // group, window)
     first_tile = earliest // tile_keys
 
   q = q_ref[...]

@@ -1,12 +1,15 @@
 """The rules every attention implementation applies to its scores, written once: the optional
-score transforms (soft cap, ALiBi) and the first key a sliding window lets a query see. The XLA
-references, the batch-invariant steps and the Pallas kernels all import them from here.
+score transforms (soft cap, ALiBi) and the first key a query sees under its attention kind (a
+sliding window, a local chunk: ``paged_kv.attention_spec``, the one place each kind's rule lives).
+The XLA references, the batch-invariant steps and the Pallas kernels all import them from here.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from paged_kv.attention_spec import first_visible_code
 
 
 def score_knobs(s: jax.Array, soft_cap: float | None, slopes: jax.Array | None, key_pos: jax.Array,
@@ -24,9 +27,10 @@ def score_knobs(s: jax.Array, soft_cap: float | None, slopes: jax.Array | None, 
 
 
 def window_start(last_pos: jax.Array, window: int | jax.Array) -> jax.Array:
-  """The first position each query sees under a sliding window: ``max(last_pos - window + 1, 0)``
-  (query at ``last_pos`` sees keys ``last_pos - window < k <= last_pos``), or 0 where the window
-  is ``<= 0`` (a traced per-layer window: full attention). ``last_pos`` int32, any shape; ``window``
-  a Python int >= 1 or an int32 scalar. Returns int32 of ``last_pos``'s shape."""
-  w = jnp.asarray(window, jnp.int32)
-  return jnp.where(w > 0, jnp.maximum(last_pos - w + 1, 0), 0).astype(jnp.int32)
+  """The first position each query sees under the attention kind ``window`` (an
+  ``AttentionSpec.code``: ``W > 0`` a sliding window, ``max(last_pos - W + 1, 0)``; ``-C`` a
+  local chunk, ``last_pos // C * C``; 0 full attention, 0). The query at ``last_pos`` sees keys
+  ``window_start <= k <= last_pos``. ``last_pos`` int32, any shape; ``window`` a Python int or an
+  int32 scalar (traced per layer). Returns int32 of ``last_pos``'s shape
+  (``paged_kv.attention_spec.first_visible_code``)."""
+  return first_visible_code(last_pos, window)

@@ -19,6 +19,8 @@ import numpy as np
 from jax.typing import DTypeLike
 from numpy.typing import ArrayLike
 
+from paged_kv.attention_spec import AttentionSpec, as_spec
+
 # (dtype, block_size, head_dim, group) shared by the decode and prefill kernel tests: every block
 # size, head dim and GQA ratio appears at least once per dtype, without the full product
 # (interpret mode is slow on a CPU).
@@ -84,19 +86,21 @@ def contiguous_kv(pages: ArrayLike, layer: int, table: ArrayLike, length: int
 
 def dense_attention(q: ArrayLike, pages: ArrayLike, layer: int, table: ArrayLike, num_visible: int, scale: float, *,
                     soft_cap: float | None = None, alibi_slopes: ArrayLike | None = None,
-                    window: int | None = None) -> np.ndarray:
+                    window: int | AttentionSpec | None = None) -> np.ndarray:
   """q [Hq, D] of one query over the first ``num_visible`` positions -> float64 [Hq, D].
 
   The query sits at position ``num_visible - 1``. ``soft_cap``: scores become ``cap * tanh(s /
   cap)``; ``alibi_slopes`` [Hq]: ``slope[h] * (key_pos - query_pos)`` is added (in that order).
-  ``window`` (an int; None or <= 0: none): only the last ``window`` positions are visible, the
-  earlier ones are dropped (whatever their table entries hold)."""
+  ``window``: the attention kind, an ``AttentionSpec`` or its int code (None or 0: full; ``W >
+  0``: only the last ``W`` positions are visible; ``-C``: only those of the query's chunk of
+  ``C``, ``paged_kv.attention_spec.ChunkedLocal``); the others are dropped (whatever their table
+  entries hold)."""
   q = np.asarray(q, np.float64)
   num_q_heads, head_dim = q.shape
   if num_visible <= 0:
     return np.zeros((num_q_heads, head_dim))
   k, v = contiguous_kv(pages, layer, table, num_visible)
-  first = max(num_visible - window, 0) if window is not None and window > 0 else 0
+  first = 0 if window is None else int(as_spec(window).first_visible(num_visible - 1))
   k, v = k[:, first:], v[:, first:]
   group = num_q_heads // k.shape[0]
   out = np.zeros((num_q_heads, head_dim))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_kv.attention_spec import AttentionSpec
 from paged_kv.pallas_kernels import plan as execution_plan, quant, tiling
 
 # Defined with the execution plan (which sits below this module); the other layers import them from here.
@@ -145,25 +146,29 @@ def check_soft_cap(soft_cap: Any) -> float | None:
 
 
 def check_window(window: Any) -> int | jax.Array | None:
-  """The sliding window of an attention call: a query at position ``p`` sees key ``k`` iff
-  ``p - window < k <= p``.
+  """The attention kind of a call, as the kernels take it (an ``AttentionSpec.code``).
 
-  None (full causal attention); a static Python int ``>= 1``; or an integer scalar array (e.g. a
-  per-layer window traced inside a scan over layers; returned as int32), where a value ``<= 0``
-  means full attention, so one scan serves local and global layers. Arrays are never read here
-  (they may be tracers)."""
+  None: full causal attention. A static Python int: ``W >= 1`` a sliding window (a query at
+  ``p`` sees key ``k`` iff ``p - W < k <= p``), ``-C <= -1`` a chunk's code (keys of ``p``'s
+  chunk of ``C`` up to ``p``). An ``AttentionSpec`` (``paged_kv.attention_spec``): ``Full()``
+  is None, ``SlidingWindow(W)`` is ``W``, ``ChunkedLocal(C)`` is ``-C``. An integer scalar array
+  (a per-layer code traced in a scan over layers; returned as int32): ``W > 0``, ``-C < 0`` or
+  0 for full attention, so one scan serves every kind. Arrays are never read here (they may be
+  tracers)."""
   if window is None:
     return None
+  if isinstance(window, AttentionSpec):
+    return None if window.is_full else window.code
   if isinstance(window, (jax.Array, np.ndarray)):
     if window.shape != () or not jnp.issubdtype(window.dtype, jnp.integer):
       raise ValueError(f"window must be an integer scalar, got {window.dtype} shape {window.shape}")
     return jnp.asarray(window, jnp.int32)
   if not is_int(window):
-    raise ValueError(f"window must be None, a Python int >= 1 or an integer scalar array, got "
-                     f"{type(window).__name__} {window!r}")
-  if int(window) < 1:
-    raise ValueError(f"window={window} must be >= 1 (None for full attention; a traced window <= 0 "
-                     "also means full attention)")
+    raise ValueError(f"window must be None, an AttentionSpec, a Python int != 0 or an integer scalar array, "
+                     f"got {type(window).__name__} {window!r}")
+  if int(window) == 0:
+    raise ValueError("window=0 must be >= 1 (a window) or <= -1 (a chunk's code, ChunkedLocal(C).code); None "
+                     "is full attention (a traced code 0 also is)")
   return int(window)
 
 
@@ -193,13 +198,23 @@ def _check_int32(name: str, x: Any, shape: tuple[int, ...] | None = None, ndim: 
   return xshape
 
 
+def _kind_of(window: Any) -> str:
+  """The plan's name for a call's kind (``check_window``'s input): a traced per-layer code is
+  planned as a window (the layer layout's plan names the kinds it holds)."""
+  if window is None:
+    return "full"
+  if isinstance(window, AttentionSpec):
+    return window.kind
+  return "chunked" if is_int(window) and int(window) < 0 else "window"
+
+
 def _plan(impl: str, pages: Any, batch_invariant: bool = False, window: Any = None) -> execution_plan.ExecutionPlan:
   """The execution plan of a kernel call on ``pages`` (its refusals: a head_dim the Pallas kernels
   cannot take, quantized pages with ``batch_invariant``, float8_e4m3fn below sm_89, the invariant
   reference's block sizes; :mod:`paged_kv.pallas_kernels.plan`)."""
   *_, block_size, head_dim = pages.shape
   return execution_plan.make_plan(impl, batch_invariant=batch_invariant, kv_dtype=pages.dtype,
-                                  kinds=("full",) if window is None else ("window",), head_dim=head_dim,
+                                  kinds=(_kind_of(window),), head_dim=head_dim,
                                   block_size=block_size)
 
 

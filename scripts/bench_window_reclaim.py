@@ -386,8 +386,9 @@ def main(argv: list[str] | None = None) -> dict:
                    if "per_request" in parts else [])
     # A long prompt: admission takes blocks for the whole prompt in every group at once (no
     # allocation per prefill chunk yet), so the peak is the prompt's, reclaimed at the first decode.
+    full_size = not (args.quick or args.smoke)
     long_prompt = [one_request("gemma3", settings[1][1], rng, engine_check=False,
-                               prompt_len=settings[1][1] - 1024)] if not (args.quick or args.smoke) and "per_request" in parts else []
+                               prompt_len=settings[1][1] - 1024)] if full_size and "per_request" in parts else []
     result = {
         "run": record(__file__, args, argv),
         "meta": {

@@ -254,7 +254,10 @@ def _append_both(bm: pk.BlockManager, ref: GroupedReference, ids: list[int], tok
 
 
 @pytest.mark.parametrize("groups, retention", [
-    (HYBRID, None), ((Group("full"), Group("window", 2), Group("window", 9)), 0)])
+    (HYBRID, None), ((Group("full"), Group("window", 2), Group("window", 9)), 0),
+    # Chunked local groups (Llama 4): a chunk not a multiple of the block, one of 2 blocks, beside
+    # a full and a sparse window group, and alone.
+    ((Group("full"), Group("chunked", chunk=6), Group("window", 5)), 0), ((Group("chunked", chunk=8),), 0)])
 def test_random_ops_equal_reference(groups, retention):
     cfg = pk.ManagerConfig(num_blocks=20, block_size=BS, max_seqs=4, max_blocks_per_seq=8, groups=groups,
                            prefix_cache_retention_interval=retention)
@@ -390,3 +393,14 @@ GroupedMachine.TestCase.settings = settings(max_examples=5, stateful_step_count=
 DenseGroupedMachine.TestCase.settings = settings(GroupedMachine.TestCase.settings, max_examples=3)
 TestGroupedManager = GroupedMachine.TestCase
 TestDenseGroupedManager = DenseGroupedMachine.TestCase
+
+
+class ChunkedGroupedMachine(GroupedMachine):
+    """The same with a chunked local group (a chunk of 6 tokens, not a multiple of the block) in
+    place of the larger window group."""
+    config = dataclasses.replace(GroupedMachine.config, groups=(Group("full"), Group("chunked", chunk=6),
+                                                                Group("window", 3)))
+
+
+ChunkedGroupedMachine.TestCase.settings = settings(GroupedMachine.TestCase.settings, max_examples=3)
+TestChunkedGroupedManager = ChunkedGroupedMachine.TestCase

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from paged_kv import pallas_kernels as pk
+from paged_kv.attention_spec import ChunkedLocal, as_spec
 from paged_kv.pallas_kernels import decode_attention, invariant, prefill_attention, testing as kt, tiling, validate
 from tests import tolerances as tol
 
@@ -25,8 +26,8 @@ D = 16
 
 
 def _visible(window):
-  """The float64 reference's window for a traced one (<= 0: None, full attention)."""
-  return None if window is None or window <= 0 else window
+  """The float64 reference's kind for a traced code (0: None, full attention; -C: a chunk of C)."""
+  return None if window is None or window == 0 else window
 
 
 def _decode_want(q, case, lengths, scale, window, **knobs):
@@ -46,7 +47,7 @@ def _prefill_want(q, case, q_start, q_lens, scale, window, **knobs):
 def _atol(q, case, scale, context, window, impl, **knobs):
   """Against the exact float64 result: the bound between two computations over the keys one query
   sums (at most ``window`` of them), a factor 2 to spare (tests/tolerances.py)."""
-  keys = context if window is None or window <= 0 else min(window, context)
+  keys = context if window is None or as_spec(window).is_full else min(as_spec(window).span, context)
   return tol.paged_attention_atol(q, case.pages, case.layer, scale, keys, roundings=ROUNDINGS[impl], **knobs)
 
 
@@ -96,6 +97,72 @@ def test_decode_window_matches_float64(impl, dtype, block_size, group, which, wi
                      _atol(q, case, scale, int(lengths.max()), w, impl, **knobs), f"split window={w}")
 
 
+# (block_size, group, chunks): chunks smaller than a block, equal, not a multiple, several blocks,
+# larger than every context.
+CHUNK_CASES = [(4, 1, (1, 3, 4, 6, 13, 500)), (8, 3, (5, 16, 20))]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("block_size,group,chunks", CHUNK_CASES)
+def test_chunked_local_matches_float64(impl, block_size, group, chunks):
+  """ChunkedLocal(C) (a query at p sees keys of p's chunk up to p), decode and prefill, static (the
+  spec) and traced (its code -C), against the float64 reference; (Pallas) split-K decode and small
+  prefill tiles."""
+  rng = np.random.default_rng(block_size * 7 + group)
+  lengths = np.array([1, block_size + 3, 0, 21 * block_size - 5, 9 * block_size], np.int32)
+  case = kt.make_paged_case(rng, lengths, block_size=block_size, head_dim=D, num_kv_heads=2)
+  q = kt.random_queries(rng, (len(lengths), 2 * group, D))
+  ln = jnp.asarray(lengths)
+  q_lens = np.array([1, 5, 0, 7, 3], np.int32)
+  q_start = lengths - q_lens
+  qp = kt.random_queries(rng, (len(lengths), 7, 2 * group, D))
+  pargs = (qp, case.pages, case.layer, case.block_tables, jnp.asarray(q_start), jnp.asarray(q_lens))
+  scale, ctx = 0.4, int(lengths.max())
+  for c in chunks:
+    spec = ChunkedLocal(c)
+    for window in (spec, jnp.int32(-c)):
+      got = pk.paged_decode_attention(q, case.pages, case.layer, case.block_tables, ln, scale=scale, impl=impl,
+                                      window=window)
+      tol.assert_close(got, _decode_want(q, case, lengths, scale, spec), _atol(q, case, scale, ctx, spec, impl),
+                       f"{impl} decode chunk={c}")
+      got = pk.paged_prefill_attention(*pargs, scale=scale, impl=impl, window=window)
+      tol.assert_close(got, _prefill_want(qp, case, q_start, q_lens, scale, spec),
+                       _atol(qp, case, scale, ctx, spec, impl), f"{impl} prefill chunk={c}")
+    if impl == "interpret":
+      split = decode_attention.paged_decode_attention_pallas(
+          q, case.pages, case.layer, case.block_tables, ln, scale=scale, interpret=True, blocks_per_tile=1,
+          num_splits=3, window=jnp.int32(-c))
+      tol.assert_close(split, _decode_want(q, case, lengths, scale, spec), _atol(q, case, scale, ctx, spec, impl),
+                       f"split chunk={c}")
+      small = prefill_attention.paged_prefill_attention_pallas(*pargs, scale=scale, interpret=True, rows_per_tile=16,
+                                                               blocks_per_tile=1, window=jnp.int32(-c))
+      tol.assert_close(small, _prefill_want(qp, case, q_start, q_lens, scale, spec),
+                       _atol(qp, case, scale, ctx, spec, impl), f"small tiles chunk={c}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_local_batch_invariant_matches_float64(impl):
+  """The batch-invariant kernels (Pallas fixed tiles, the invariant jnp steps) with a chunk of 5
+  (blocks of 4), static and traced, decode and prefill."""
+  rng = np.random.default_rng(11)
+  lengths = np.array([3, 23, 41], np.int32)
+  case = kt.make_paged_case(rng, lengths, block_size=4, head_dim=D, num_kv_heads=2)
+  q = kt.random_queries(rng, (3, 4, D))
+  q_lens = np.array([3, 6, 5], np.int32)
+  q_start = lengths - q_lens
+  qp = kt.random_queries(rng, (3, 6, 4, D))
+  spec, scale, ctx = ChunkedLocal(5), 0.4, int(lengths.max())
+  for window in (spec, jnp.int32(-5)):
+    got = pk.paged_decode_attention(q, case.pages, case.layer, case.block_tables, jnp.asarray(lengths), scale=scale,
+                                    impl=impl, batch_invariant=True, window=window)
+    tol.assert_close(got, _decode_want(q, case, lengths, scale, spec), _atol(q, case, scale, ctx, spec, impl),
+                     f"{impl} invariant decode")
+    got = pk.paged_prefill_attention(qp, case.pages, case.layer, case.block_tables, jnp.asarray(q_start),
+                                     jnp.asarray(q_lens), scale=scale, impl=impl, batch_invariant=True, window=window)
+    tol.assert_close(got, _prefill_want(qp, case, q_start, q_lens, scale, spec),
+                     _atol(qp, case, scale, ctx, spec, impl), f"{impl} invariant prefill")
+
+
 PREFILL_CASES = [
     (jnp.float32, 4, 1, "none", (1, 3, 6, 500)),
     (jnp.float32, 8, 3, "cap", (5, 13)),  # GQA group 3 (rows of a token straddle row tiles), soft cap
@@ -132,8 +199,8 @@ def test_prefill_window_matches_float64(impl, dtype, block_size, group, which, w
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_traced_per_layer_window_in_scan(impl):
-  """One jitted scan over layers with a per-layer window array (<= 0: a global layer), decode and
-  prefill: each layer's output equals the float64 reference with that layer's window."""
+  """One jitted scan over layers with a per-layer code array (0: a global layer, -2: a chunk of 2),
+  decode and prefill: each layer's output equals the float64 reference with that layer's kind."""
   rng = np.random.default_rng(5)
   block_size, num_layers = 4, 4
   windows = np.array([3, 0, 9, -2], np.int32)
@@ -259,7 +326,7 @@ def test_contiguous_attends_take_window():
   assert np.array_equal(np.asarray(paged), np.asarray(inv[:, -1]))
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "4", np.int32(0), jnp.zeros((2,), jnp.int32),
+@pytest.mark.parametrize("bad", [0, 2.5, True, "4", np.int32(0), jnp.zeros((2,), jnp.int32),
                                  jnp.float32(3.0)])
 def test_check_window_refuses(bad):
   with pytest.raises(ValueError, match="window"):
@@ -269,7 +336,8 @@ def test_check_window_refuses(bad):
 def test_window_knob_and_partition():
   assert validate.check_window(None) is None
   assert validate.check_window(np.int64(7)) == 7 and isinstance(validate.check_window(7), int)
-  assert validate.check_window(jnp.int16(-1)).dtype == jnp.int32  # a traced-style window, <= 0 allowed
+  assert validate.check_window(jnp.int16(-1)).dtype == jnp.int32  # a traced-style code: -1 a chunk of 1
+  assert validate.check_window(ChunkedLocal(3)) == validate.check_window(-3) == -3  # a chunk's code
   assert tiling.Knobs.of(window=jnp.int32(0)) == tiling.Knobs(window=True)
   assert tiling.Knobs.of(soft_cap=1.0, window=4).describe() == " with soft_cap and window"
   # A static window: the split rule sizes the launch for the window's tiles, not the whole table.

@@ -116,14 +116,19 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 # Each layer (a folder of the repository) and the layers of this repository it may import.
+# "spec" is the one leaf module `paged_kv/attention_spec.py` (the attention kinds): every layer
+# imports it, the kernels too, so that each kind's rule (which keys a query sees, which blocks
+# are skipped) is written once; it imports nothing of the repository (test_attention_spec_is_a_leaf).
 LAYERS = {
-    "pallas_kernels": set(),
-    "models": {"pallas_kernels"},
-    "core": set(),
-    "engine": {"core", "models", "pallas_kernels"},
-    "apps": {"core", "engine", "models", "pallas_kernels", "checkpoints"},
+    "spec": set(),
+    "pallas_kernels": {"spec"},
+    "models": {"pallas_kernels", "spec"},
+    "core": {"spec"},
+    "engine": {"core", "models", "pallas_kernels", "spec"},
+    "apps": {"core", "engine", "models", "pallas_kernels", "checkpoints", "spec"},
     "checkpoints": set(),
 }
+SPEC_FILE = Path("paged_kv/attention_spec.py")
 
 
 def layer_of_file(path: Path) -> str:
@@ -131,6 +136,8 @@ def layer_of_file(path: Path) -> str:
     top = rel.parts[0]
     if rel == Path("paged_kv/__main__.py"):  # `python -m paged_kv`: the command line's entry point
         return "apps"
+    if rel == SPEC_FILE:
+        return "spec"
     if top == "paged_kv":
         return rel.parts[1] if rel.parts[1] in ("engine", "apps") else "core"
     return top
@@ -143,6 +150,8 @@ def layer_of_module(name: str) -> str | None:
         return None
     if len(parts) == 1:  # `from paged_kv import x`: x decides (paged_kv/__init__.py imports nothing)
         return None
+    if parts[1] == "attention_spec":
+        return "spec"
     if parts[1] in ("engine", "apps", "models", "pallas_kernels", "checkpoints"):
         return parts[1]
     return "core"
@@ -158,6 +167,13 @@ def test_imports_point_down():
                 if theirs is not None and theirs != mine and theirs not in LAYERS[mine]:
                     wrong.append(f"{path.relative_to(ROOT)} ({mine}) imports {name} ({theirs})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_attention_spec_is_a_leaf():
+    """The one module every layer imports imports nothing of the repository (only NumPy and JAX)."""
+    names = imported_modules(ROOT / SPEC_FILE)
+    assert not [n for n in names if n.split(".")[0] == "paged_kv"], names
+    assert {n.split(".")[0] for n in names} <= {"__future__", "dataclasses", "typing", "jax", "numpy"}, names
 
 
 def test_no_repository_module_under_a_generic_top_level_name():

@@ -34,7 +34,8 @@ def test_restated_limits_agree_with_the_kernels():
 # what is supported).
 REFUSED = [
     ("pallas_on_cpu", dict(impl="pallas", target="cpu"), r"impl='pallas' on target 'cpu'.*supported"),
-    ("chunked", dict(kinds=("full", "chunked")), r"'chunked'.*supported kinds: \('full', 'window'\)"),
+    ("chunked_pallas", dict(impl="pallas", kinds=("full", "chunked")),
+     r"impl='pallas' with attention kinds.*chunked.*supported: impl 'auto'"),
     ("pallas_head_dim", dict(impl="interpret", head_dim=48), r"head_dim=48.*use impl='reference'"),
     ("invariant_quant", dict(batch_invariant=True, kv_dtype="int8"), r"batch_invariant=True .* int8.*plain pages"),
     ("invariant_quant", dict(batch_invariant=True, kv_dtype=jnp.float8_e4m3fn), r"float8_e4m3fn"),
@@ -58,6 +59,7 @@ def test_every_row_is_reached():
                            kinds=("full",), tp=None, head_dim=80, block_size=16)
     reached.add(plan.decide(on_gpu)[0].name)  # auto on a GPU, a head_dim Triton cannot take
     reached.add(plan.decide(dataclasses.replace(on_gpu, head_dim=128))[0].name)
+    reached.add(plan.decide(dataclasses.replace(on_gpu, head_dim=128, kinds=("full", "chunked")))[0].name)
     reached.add(plan.decide(dataclasses.replace(on_gpu, head_dim=128, tp=2))[0].name)
     reached.add(plan.make_plan("reference").row)
     assert reached == {r.name for r in plan.ROWS}
@@ -73,6 +75,12 @@ def test_plans_of_the_supported_combinations():
     assert plan.make_plan("pallas", tp=1).layers == "unrolled"  # a mesh of one device: the mesh's layout
     assert plan.make_plan("pallas", batch_invariant=True, block_size=256).attention == "invariant"
     assert plan.make_plan("pallas", kv_dtype="fp8", target="sm_90").impl == "pallas"
+    # Chunked-local attention: the reference and interpret mode run it; auto on a GPU picks the reference.
+    assert plan.make_plan("interpret", kinds=("chunked",)).impl == "interpret"
+    on_gpu = plan.Switches(impl="auto", target="sm_90", gpu_backend=True, batch_invariant=False, kv="plain",
+                           kinds=("full", "chunked"), tp=None, head_dim=128, block_size=16)
+    row, refused = plan.decide(on_gpu)
+    assert (row.name, row.impl, refused) == ("auto_chunked", "reference", None)
     assert plan.make_plan("auto").impl == jax.default_backend().replace("cpu", "reference").replace("gpu", "pallas")
     hash(plan.make_plan())  # a static argument
     # The projections' row: K or N not a multiple of 16 runs the reference for that weight.

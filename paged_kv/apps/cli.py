@@ -167,6 +167,13 @@ def _model_config(ckpt: Path):
         raise ValueError(f"cannot load checkpoint {str(ckpt)!r}: {first_line(e)}") from None
 
 
+def _kind_name(spec: Any) -> str:
+    """A group's attention kind in the run's header: "full", "window W", "chunk C"."""
+    if spec.kind == "window":
+        return f"window {spec.window}"
+    return f"chunk {spec.chunk}" if spec.kind == "chunked" else "full"
+
+
 def _kv_pool(config: Any, num_blocks: int, block_size: int, kv_dtype: str, layout: Any) -> dict:
     """The pool ``--kv-dtype`` buys: the KV budget is ``num_blocks`` blocks in the model's dtype;
     pages in ``kv_dtype`` (``"auto"``: the same pages) get as many blocks as fit in it
@@ -358,7 +365,7 @@ def _run(args, ckpt: Path, record: dict) -> int:
           f"(--num-blocks {args.num_blocks} in {kv['model_dtype']}) bought {kv['blocks']} blocks = "
           f"{kv['tokens']} tokens", flush=True)
     if layout.grouped:
-        kinds = ", ".join(f"window {w}" if w else "full" for w in layout.group_windows)
+        kinds = ", ".join(_kind_name(s) for s in layout.group_specs)
         print(f"KV-cache groups: {layout.num_groups} of {layout.slots} layer(s) each ({kinds}); out-of-window "
               f"blocks reclaimed; a block holds {layout.slots} of {model.config.num_layers} layers", flush=True)
     print(f"tokenizer: {tok_desc}; EOS ids {', '.join(map(str, eos_ids)) or 'none'}"

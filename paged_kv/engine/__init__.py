@@ -42,7 +42,7 @@ their block-manager side), ``generate``, ``beam_search``, ``call_setup`` (a call
 """
 
 from paged_kv.engine.beam_search import BeamOutput, beam_search, beam_search_jit, beam_search_loop
-from paged_kv.engine.call_setup import bucket_width, kv_cache_groups, pad_prompts
+from paged_kv.engine.call_setup import bucket_width, kv_cache_groups, manager_config, pad_prompts
 from paged_kv.engine.generate import BlockStats, FinishReason, GenerateOutput, generate, generate_jit, generate_loop
 from paged_kv.engine.sampling import BeamParams, SamplingParams, filter_logits, sample_tokens, with_model_eos
 from paged_kv.engine.serving import Request, RequestOutput, ServingConfig, ServingEngine, TokenDelta
@@ -50,6 +50,6 @@ from paged_kv.engine.serving import Request, RequestOutput, ServingConfig, Servi
 __all__ = [
     "BeamOutput", "BeamParams", "BlockStats", "FinishReason", "GenerateOutput", "SamplingParams", "beam_search",
     "beam_search_jit", "beam_search_loop", "filter_logits", "generate", "generate_jit", "generate_loop",
-    "bucket_width", "kv_cache_groups", "pad_prompts", "sample_tokens", "with_model_eos",
+    "bucket_width", "kv_cache_groups", "manager_config", "pad_prompts", "sample_tokens", "with_model_eos",
     "Request", "RequestOutput", "ServingConfig", "ServingEngine", "TokenDelta",
 ]

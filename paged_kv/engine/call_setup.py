@@ -33,7 +33,7 @@ from paged_kv.engine.input_checks import (
     pad_prompts,
     token_ids,
 )
-from paged_kv.engine.manager_groups import group_layout, kv_cache_groups, layout_groups
+from paged_kv.engine.manager_groups import group_layout, kv_cache_groups, layout_groups, manager_config
 from paged_kv.engine.placement import layer_layout, place, replicate_inputs, split_model
 from paged_kv.inputs import is_int
 from paged_kv.models.kv_groups import KVGroupLayout
@@ -178,5 +178,6 @@ def initial_state(manager: ManagerConfig, state: BlockManagerState | None) -> Bl
 __all__ = [
     "SEED_LIMIT", "TOKEN_LIMIT", "CallShape", "bucket_width", "check_call", "check_int_dtype", "check_key",
     "check_kv_pages", "check_padded_tokens", "check_seeds", "group_layout", "initial_state", "kv_cache_groups",
-    "layer_layout", "layout_groups", "pad_prompts", "place", "replicate_inputs", "split_model", "token_ids",
+    "layer_layout", "layout_groups", "manager_config", "pad_prompts", "place", "replicate_inputs", "split_model",
+    "token_ids",
 ]
