@@ -81,7 +81,8 @@ def check_invariants(config: ManagerConfig, state: BlockManagerState) -> None:
                 assert (owner[used] == g).all(), f"group {g} row {s} holds blocks of groups {owner[used]}"
             holders.update(used.tolist())
             # Blocks holding an uncommitted token, and reserved blocks (columns from there on).
-            draft_blocks.update(row[max(lo, int(committed[s]) // config.block_size): held[s]].tolist())
+            first = int(committed[s]) // config.block_size if uncommitted[s] else config.blocks_for(int(tokens[s]))
+            draft_blocks.update(row[max(lo, first): held[s]].tolist())
 
     # Invariant 1: counts equal table references.
     expected = np.zeros_like(ref)
@@ -138,7 +139,7 @@ def _has_draft(config, block, tables, active, tokens, committed, nulls) -> bool:
         for s in np.flatnonzero(active):
             row = tables[g, s]
             for j in np.flatnonzero(row == block):
-                if (j + 1) * bs > committed[s]:
+                if j * bs >= tokens[s] or (committed[s] < tokens[s] and (j + 1) * bs > committed[s]):
                     return True
     return False
 
