@@ -55,8 +55,7 @@ import numpy as np
 from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
-from paged_kv.batch import (blocks_held, check_lengths, check_rows, held_columns, refuse_spans, tail_first,
-                            take_status)
+from paged_kv.batch import blocks_held, check_lengths, check_rows, held_columns, refuse_spans, tail_first, take_status
 from paged_kv.config import NULL_BLOCK, Group, ManagerConfig
 from paged_kv.refcount import cache_slots, release
 from paged_kv.results import AdmitResult, AppendResult

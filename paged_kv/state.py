@@ -188,7 +188,8 @@ class BlockManagerState:
       ref_count: int32 ``[num_blocks]``; how many block-table entries hold each block (0 for the
         null block, which is never counted).
       block_tables: int32 ``[max_seqs, max_blocks_per_seq]``; physical block ids, ``NULL_BLOCK``
-        where unused. Row ``s`` holds exactly ``ceil(num_tokens[s] / block_size)`` blocks.
+        where unused. Row ``s`` holds exactly ``ceil(num_tokens[s] / block_size) + num_reserved[s]``
+        blocks.
       num_tokens: int32 ``[max_seqs]``; tokens of each sequence that have a KV slot.
       active: bool ``[max_seqs]``; which rows hold a running sequence.
       queue: the free queue.

@@ -228,3 +228,22 @@ def test_extend_checks_its_arguments():
         pk.extend(CFG, state, ids(0), jnp.asarray([1.0]), max_new=2)
     with pytest.raises(ValueError, match="token_ids"):
         pk.commit(CFG, state, ids(0), ids(1))
+
+
+def test_block_manager_spans():
+    bm = pk.BlockManager(CFG)
+    bm.admit([0], [list(range(6))])
+    r = bm.extend([0], [[6, 7, 8]])
+    assert r.status.tolist() == [OK] and r.slots.shape == (1, 3)
+    assert (bm.num_tokens(0), bm.num_committed(0)) == (9, 6)
+    assert bm.commit([0], [[6]]).tolist() == [OK]
+    assert bm.truncate([0], [6], keep_reserved=True).tolist() == [BAD_LEN]
+    assert bm.truncate([0], [7], keep_reserved=True).tolist() == [OK]
+    assert bm.append([0], [1]).status.tolist() == [BAD_LEN]  # a reserved block: extend instead
+    r = bm.extend([0], [[1]], commit=True)
+    assert r.status.tolist() == [OK] and bm.num_committed(0) == 8
+    with pytest.raises(ValueError, match="token_ids"):
+        bm.extend([0], [[1], [2]])
+    with pytest.raises(KeyError):
+        bm.commit([1], [[1]])
+    check_invariants(CFG, bm.state)
