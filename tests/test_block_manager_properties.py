@@ -209,7 +209,8 @@ class ManagerMachine(RuleBasedStateMachine):
         drafts = set()
         for r in running:
             c = self.ref.num_tokens[r] - self.ref.uncommitted.get(r, 0)
-            drafts |= set(self.ref.tables[r][c // bs:]) | set(self.ref.reserved.get(r, []))
+            first = c // bs if self.ref.uncommitted.get(r, 0) else len(self.ref.tables[r])
+            drafts |= set(self.ref.tables[r][first:]) | set(self.ref.span_of(r)[1])
         cached = self._admit_one((free[0], toks, 0))
         if free[0] in self.ref.tables:
             hit = np.asarray(self.state.block_tables[free[0]])[: cached // bs]
