@@ -29,6 +29,10 @@ _EXPORTS = {
     "ChunkedLocal": "paged_kv.attention_spec",
     "Full": "paged_kv.attention_spec",
     "SlidingWindow": "paged_kv.attention_spec",
+    "ExtendResult": "paged_kv.results",
+    "extend": "paged_kv.spans",
+    "commit": "paged_kv.spans",
+    "truncate": "paged_kv.spans",
     "NULL_BLOCK": "paged_kv.config",
     "Group": "paged_kv.config",
     "ManagerConfig": "paged_kv.config",
@@ -61,8 +65,9 @@ if TYPE_CHECKING:
     from paged_kv.manager import BlockManager
     from paged_kv.prefix_cache import is_cached, reset_prefix_cache
     from paged_kv.reclaim import free
-    from paged_kv.results import AdmitResult, AppendResult
+    from paged_kv.results import AdmitResult, AppendResult, ExtendResult
     from paged_kv.share import fork, select
+    from paged_kv.spans import commit, extend, truncate
     from paged_kv.state import BlockManagerState, CacheStats, FreeQueue, init_state
     from paged_kv.status import Status, StatusArray
     from paged_kv.views import Usage, num_free_blocks, shared_blocks, slots_for, usage

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from numpy.typing import ArrayLike
 
 from paged_kv import block_hash, free_queue, groups, hash_table, inputs, prefix_cache
-from paged_kv.batch import check_rows, first_come_first_served
+from paged_kv.batch import check_rows, first_come_first_served, refuse_spans
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.results import AppendResult
 from paged_kv.scan import per_platform, prefix_sum, repair
@@ -124,6 +124,7 @@ class _Decision(NamedTuple):
 def _decide(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array) -> _Decision:
     bs, m = config.block_size, config.max_blocks_per_seq
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
+    status = refuse_spans(state, status, sid)
     ok = status == Status.OK
 
     n = state.num_tokens[sid]

@@ -43,6 +43,21 @@ def check_rows(
     return status.astype(jnp.int32), sid
 
 
+def refuse_spans(state: BlockManagerState, status: jax.Array, sid: jax.Array) -> jax.Array:
+    """``status`` (int32 ``[B]``) with ``BAD_LENGTH`` for rows of ``sid`` (int32 ``[B]``) that
+    hold uncommitted tokens or reserved blocks (``BlockManagerState.spans``): ``append`` adds a
+    committed token right after the row's last one, which such a row must do with
+    ``spans.extend`` (and ``commit``) instead."""
+    busy = jnp.any(state.spans[sid] != 0, axis=1)
+    return jnp.where((status == Status.OK) & busy, Status.BAD_LENGTH, status).astype(jnp.int32)
+
+
+def held_columns(config: ManagerConfig, state: BlockManagerState, sid: jax.Array) -> jax.Array:
+    """int32 ``[B]``: table columns rows ``sid`` (int32 ``[B]``) hold in each group: their
+    tokens' blocks plus their reserved ones."""
+    return blocks_held(config, state.num_tokens[sid]) + state.spans[sid, 1]
+
+
 def first_come_first_served(need: jax.Array, num_free: jax.Array) -> jax.Array:
     """bool ``[B]``: rows whose need (int32 ``[B]`` blocks) fits when rows are served in batch
     order without overtaking."""
@@ -88,7 +103,8 @@ def take_status(config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Ar
                 dst_must_be_free: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """fork/select's row checks: ``(dst, src, status)``, the int32 ``[B]`` ids clipped into
     ``[0, max_seqs)`` and the int32 ``[B]`` statuses. Destinations are distinct rows (fork: not
-    running); sources may repeat but must be running; a ``-1`` destination is padding."""
+    running); sources may repeat but must be running, with no uncommitted token; a ``-1``
+    destination is padding."""
     s = config.max_seqs
     dst_ids = dst_ids.astype(jnp.int32)
     src_ids = src_ids.astype(jnp.int32)
@@ -96,7 +112,9 @@ def take_status(config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Ar
     bad_dst = (dst_ids >= s) | ~first_occurrence(dst_ids, s)
     if dst_must_be_free:
         bad_dst |= state.active[dst]
-    bad_src = (src_ids < 0) | (src_ids >= s) | ~state.active[src]
+    # A source with uncommitted tokens (``spans``) is refused: its drafts' blocks stay its own, so
+    # no block holding a draft is ever shared, and none is ever cached.
+    bad_src = (src_ids < 0) | (src_ids >= s) | ~state.active[src] | (state.spans[src, 0] > 0)
     status = jnp.where(
         dst_ids < 0, Status.PADDING, jnp.where(bad_dst | bad_src, Status.BAD_SEQUENCE, Status.OK)
     ).astype(jnp.int32)

@@ -55,7 +55,7 @@ import numpy as np
 from jax import lax
 
 from paged_kv import block_hash, free_queue, hash_table, prefix_cache
-from paged_kv.batch import blocks_held, check_lengths, check_rows, tail_first, take_status
+from paged_kv.batch import blocks_held, check_lengths, check_rows, held_columns, refuse_spans, tail_first, take_status
 from paged_kv.config import NULL_BLOCK, Group, ManagerConfig
 from paged_kv.refcount import cache_slots, release
 from paged_kv.results import AdmitResult, AppendResult
@@ -111,7 +111,7 @@ def free(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array
     statuses."""
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
     ok = status == Status.OK
-    held = jnp.where(ok, blocks_held(config, state.num_tokens[sid]), 0)
+    held = jnp.where(ok, held_columns(config, state, sid), 0)
     tables = state.tables
     slots = cache_slots(config, state)
     ref_count, queue = state.ref_count, state.queue
@@ -126,6 +126,7 @@ def free(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array
         null_prefix=state.null_prefix.at[:, target].set(0, mode="drop"),
         num_tokens=state.num_tokens.at[target].set(0, mode="drop"),
         active=state.active.at[target].set(False, mode="drop"),
+        spans=state.spans.at[target].set(0, mode="drop"),
     )
     return state, status
 
@@ -141,15 +142,17 @@ def take_tables(config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Ar
     ok = status == Status.OK
 
     tables = state.tables
-    src_rows, src_null = tables[:, src], state.null_prefix[:, src]  # [G, B, M], [G, B]
     src_tokens = state.num_tokens[src]
     src_held = jnp.where(ok, blocks_held(config, src_tokens), 0)
+    j = jnp.arange(m, dtype=jnp.int32)[None, None, :]
+    # A source's reserved blocks (``spans``) stay its own: a destination takes its tokens' blocks.
+    src_rows = jnp.where(j < blocks_held(config, src_tokens)[None, :, None], tables[:, src], NULL_BLOCK)
+    src_null = state.null_prefix[:, src]  # [G, B]
     dropping = ok & state.active[dst]
     dst_rows, dst_null = tables[:, dst], state.null_prefix[:, dst]
-    dst_held = jnp.where(dropping, blocks_held(config, state.num_tokens[dst]), 0)
+    dst_held = jnp.where(dropping, held_columns(config, state, dst), 0)
     slots = cache_slots(config, state)
 
-    j = jnp.arange(m, dtype=jnp.int32)[None, None, :]
     gained = (j >= src_null[..., None]) & (j < src_held[None, :, None])
     ref_count = state.ref_count.at[jnp.where(gained, src_rows, n)].add(1, mode="drop")
     queue = state.queue
@@ -168,6 +171,7 @@ def take_tables(config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Ar
         active=state.active.at[target].set(True, mode="drop"),
         seq_chain=state.seq_chain.at[target].set(state.seq_chain[src], mode="drop"),
         seq_salt=state.seq_salt.at[target].set(state.seq_salt[src], mode="drop"),
+        spans=state.spans.at[target].set(0, mode="drop"),
     )
     return state, status
 
@@ -182,6 +186,7 @@ def append(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array,
     Returns the state and an ``allocate.AppendResult`` whose ``slots``, ``copy_src`` and
     ``copy_dst`` are int32 ``[B, G]`` (one slot and one copy-list entry per group)."""
     status0, sid = check_rows(config, state, seq_ids, must_be_active=True)
+    status0 = refuse_spans(state, status0, sid)
     tokens = jnp.zeros_like(sid) if token_ids is None else token_ids.astype(jnp.int32)
     tables = state.tables
 

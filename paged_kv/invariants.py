@@ -33,12 +33,21 @@ def check_invariants(config: ManagerConfig, state: BlockManagerState) -> None:
     prefix; a window group's null prefix never covers a block the window still reads (``<=
     skipped_blocks(tokens)``); and reference counts equal the table entries summed over groups
     and rows. (That a null prefix only grows is a property of a sequence of states:
-    ``check_null_prefix_grows``.)"""
+    ``check_null_prefix_grows``.)
+
+    Spans (``BlockManagerState.spans``): a running row has ``0 <= num_uncommitted < num_tokens``
+    (its prompt is committed) and ``num_reserved >= 0`` blocks past its tokens' ones, every group;
+    a block holding one of its uncommitted tokens, and a reserved block, is held by that row
+    alone and never cached; a row that is not running has both at 0."""
     ref = np.asarray(state.ref_count)
     all_tables = np.asarray(state.tables)  # [G, S, M]
     tokens = np.asarray(state.num_tokens)
     active = np.asarray(state.active)
-    held = np.asarray(blocks_held(config, tokens))
+    spans = np.asarray(state.spans)
+    uncommitted, reserved = spans[:, 0], spans[:, 1]
+    committed = tokens - uncommitted
+    held = np.asarray(blocks_held(config, tokens)) + reserved
+    draft_blocks: set[int] = set()
     m = config.max_blocks_per_seq
     nulls = np.asarray(state.null_prefix) if config.grouped else np.zeros((1, config.max_seqs), np.int32)
     owner = np.asarray(state.block_group) if config.grouped else None
@@ -51,7 +60,10 @@ def check_invariants(config: ManagerConfig, state: BlockManagerState) -> None:
             if not active[s]:
                 assert tokens[s] == 0 and (row == NULL_BLOCK).all(), f"inactive row {s} not cleared"
                 assert nulls[g, s] == 0, f"inactive row {s} has a null prefix in group {g}"
+                assert (spans[s] == 0).all(), f"inactive row {s} has spans {spans[s]}"
                 continue
+            assert 0 <= uncommitted[s] < tokens[s], f"row {s}: {uncommitted[s]} of {tokens[s]} tokens uncommitted"
+            assert reserved[s] >= 0, f"row {s}: {reserved[s]} reserved blocks"
             assert 1 <= tokens[s] <= config.max_tokens_per_seq, f"row {s}: {tokens[s]} tokens"
             assert held[s] <= m, f"row {s} holds {held[s]} blocks > max_blocks_per_seq {m}"
             lo = int(nulls[g, s])
@@ -60,13 +72,17 @@ def check_invariants(config: ManagerConfig, state: BlockManagerState) -> None:
                 f"group {g} row {s}: null prefix {lo} > {limit} blocks out of the window at {tokens[s]} tokens")
             assert (row[:lo] == NULL_BLOCK).all(), f"group {g} row {s}: a block inside the null prefix"
             used, unused = row[lo: held[s]], row[held[s]:]
-            # Invariant 3 (lazy): exactly ceil(num_tokens / block_size) blocks, none beyond.
+            # Invariant 3 (lazy): exactly ceil(num_tokens / block_size) blocks plus the reserved
+            # ones, none beyond.
             assert (used != NULL_BLOCK).all(), f"row {s} has a null block among its {held[s]} blocks"
             assert (unused == NULL_BLOCK).all(), f"row {s} holds blocks beyond ceil(tokens/bs)"
             assert len(set(used.tolist())) == len(used), f"row {s} holds a block twice: {used}"
             if owner is not None:
                 assert (owner[used] == g).all(), f"group {g} row {s} holds blocks of groups {owner[used]}"
             holders.update(used.tolist())
+            # Blocks holding an uncommitted token, and reserved blocks (columns from there on).
+            first = int(committed[s]) // config.block_size if uncommitted[s] else config.blocks_for(int(tokens[s]))
+            draft_blocks.update(row[max(lo, first): held[s]].tolist())
 
     # Invariant 1: counts equal table references.
     expected = np.zeros_like(ref)
@@ -94,9 +110,15 @@ def check_invariants(config: ManagerConfig, state: BlockManagerState) -> None:
     assert (slot[list(zero - set(order))] == -1).all() if zero - set(order) else True
     held_blocks = np.flatnonzero(ref > 0)
     assert (slot[held_blocks] == -1).all(), "a held block has a live queue slot"
+    shared_drafts = [b for b in draft_blocks if ref[b] != 1]
+    assert not shared_drafts, f"blocks {shared_drafts[:8]} hold drafts or are reserved but are shared"
+    if config.prefix_caching:
+        cached_drafts = [b for b in draft_blocks if np.asarray(state.cache.slot)[b] >= 0
+                         and _has_draft(config, b, all_tables, active, tokens, committed, nulls)]
+        assert not cached_drafts, f"blocks {cached_drafts[:8]} hold an uncommitted token but are cached"
 
     if config.prefix_caching:
-        _check_cache(config, state, all_tables, nulls, tokens, active)
+        _check_cache(config, state, all_tables, nulls, tokens, active, committed, reserved)
 
 
 def check_null_prefix_grows(config: ManagerConfig, before: BlockManagerState, after: BlockManagerState,
@@ -110,7 +132,19 @@ def check_null_prefix_grows(config: ManagerConfig, before: BlockManagerState, af
         assert (b[:, s] >= a[:, s]).all(), f"row {s}: null prefix shrank from {a[:, s]} to {b[:, s]}"
 
 
-def _check_cache(config, state, tables, nulls, tokens, active) -> None:
+def _has_draft(config, block, tables, active, tokens, committed, nulls) -> bool:
+    """Whether ``block`` holds an uncommitted token of a row, or is reserved, in some group."""
+    bs = config.block_size
+    for g in range(tables.shape[0]):
+        for s in np.flatnonzero(active):
+            row = tables[g, s]
+            for j in np.flatnonzero(row == block):
+                if j * bs >= tokens[s] or (committed[s] < tokens[s] and (j + 1) * bs > committed[s]):
+                    return True
+    return False
+
+
+def _check_cache(config, state, tables, nulls, tokens, active, committed, reserved) -> None:
     """Invariant 4: every hash entry points at a full block whose stored tokens and chain match,
     every full block in a table is cached, and the classes are consistent (see
     ``state.PrefixCache``): blocks of one class hold one prefix, a block with a parent class has a
@@ -142,10 +176,11 @@ def _check_cache(config, state, tables, nulls, tokens, active) -> None:
     bs = config.block_size
     for g, group in enumerate(config.groups):
         for s in np.flatnonzero(active):
-            held = config.blocks_for(int(tokens[s]))
+            held = config.blocks_for(int(tokens[s])) + int(reserved[s])
             for j in range(int(nulls[g, s]), held):
                 b = tables[g, s, j]
-                full = (j + 1) * bs <= tokens[s] and group.caches_blocks
+                # Full and wholly committed (a reserved block never is).
+                full = (j + 1) * bs <= committed[s] and group.caches_blocks
                 hashed = slot[b] >= 0
                 if config.sparse(group):
                     reach = j < (int(tokens[s]) - 1) // bs

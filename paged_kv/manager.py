@@ -18,11 +18,12 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from paged_kv import admission, allocate, prefix_cache, reclaim, share, views
+from paged_kv import admission, allocate, prefix_cache, reclaim, share, spans, views
 from paged_kv.batch import blocks_held
 from paged_kv.config import ManagerConfig
 from paged_kv.free_queue import live_entries
 from paged_kv.inputs import is_int
+from paged_kv.results import ExtendResult
 from paged_kv.state import init_state
 from paged_kv.status import Status, StatusArray
 
@@ -32,6 +33,9 @@ _append = _jit(allocate.append)
 _fork = _jit(share.fork)
 _select = _jit(share.select)
 _free = _jit(reclaim.free)
+_extend = jax.jit(spans.extend, static_argnums=0, donate_argnums=1, static_argnames=("commit", "max_new"))
+_commit = _jit(spans.commit)
+_truncate = jax.jit(spans.truncate, static_argnums=0, donate_argnums=1, static_argnames="keep_reserved")
 _usage = jax.jit(views.usage, static_argnums=0)
 _queue = jax.jit(live_entries)
 _reset = _jit(prefix_cache.reset_prefix_cache)
@@ -275,7 +279,81 @@ class BlockManager:
         self.state, status = _free(self.config, self.state, _padded(ids, size))
         return StatusArray(np.asarray(status)[: len(ids)])
 
+    def _span_tokens(self, ids: list[int], token_lists, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per-row token lists as a padded int32 ``[size, K]`` array and int32 ``[size]`` counts."""
+        token_lists = _as_list(token_lists, f"{what}: token_ids", "token-id sequences", ndim=2)
+        if len(token_lists) != len(ids):
+            raise ValueError(f"{what}: {len(ids)} sequence ids but {len(token_lists)} token lists")
+        rows = []
+        for sid, toks in zip(ids, token_lists):
+            toks = _as_list(toks, f"{what}: tokens of sequence {sid}", "token ids")
+            if len(toks) > self.config.max_tokens_per_seq:
+                raise ValueError(f"{what}: {len(toks)} tokens for sequence {sid}; a sequence holds at most "
+                                 f"{self.config.max_tokens_per_seq}")
+            rows.append([self._check_token(t, f"{what}: invalid token id {_show(t)} for sequence {sid}")
+                         for t in toks])
+        size = _bucket(len(ids), self.config.max_seqs)
+        width = _bucket(max([len(r) for r in rows] + [1]), self.config.max_tokens_per_seq)
+        tokens = np.zeros((size, width), np.int32)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = r
+        return tokens, _padded([len(r) for r in rows], size)
+
+    def extend(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]], *,
+               commit: bool = False) -> ExtendResult:
+        """Room for the tokens ``token_ids[i]`` after sequence ``seq_ids[i]``'s, uncommitted
+        (drafts) unless ``commit`` (``paged_kv.spans.extend``); returns statuses, slots (``[k,
+        K]``, ``K`` the longest list; ``[k, K, G]`` with groups) and the copy list (numpy)."""
+        ids = self._check_ids(seq_ids, "extend")
+        tokens, counts = self._span_tokens(ids, token_ids, "extend")
+        self._check_running(ids, "extend")
+        k, width = len(ids), max([int(c) for c in counts[: len(ids)]] + [1])
+        size = counts.shape[0]
+        self.state, result = _extend(self.config, self.state, _padded(ids, size), counts, tokens,
+                                     commit=bool(commit))
+        return ExtendResult(
+            status=StatusArray(np.asarray(result.status)[:k]),
+            slots=np.asarray(result.slots)[:k, :width],
+            copy_src=np.asarray(result.copy_src)[:k],
+            copy_dst=np.asarray(result.copy_dst)[:k],
+            num_copies=int(result.num_copies),
+        )
+
+    def commit(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """Commits the next ``len(token_ids[i])`` uncommitted tokens of ``seq_ids[i]``, which are
+        ``token_ids[i]`` (``paged_kv.spans.commit``); ``BAD_LENGTH`` for more than it holds."""
+        ids = self._check_ids(seq_ids, "commit")
+        tokens, counts = self._span_tokens(ids, token_ids, "commit")
+        self._check_running(ids, "commit")
+        self.state, status = _commit(self.config, self.state, _padded(ids, counts.shape[0]), counts, tokens)
+        return StatusArray(np.asarray(status)[: len(ids)])
+
+    def truncate(self, seq_ids: Sequence[int], new_lens: Sequence[int], *, keep_reserved: bool = False
+                 ) -> np.ndarray:
+        """Rolls ``seq_ids[i]`` back to ``new_lens[i]`` tokens, dropping uncommitted ones
+        (``paged_kv.spans.truncate``); ``BAD_LENGTH`` below the committed prefix."""
+        ids = self._check_ids(seq_ids, "truncate")
+        lens = _as_list(new_lens, "truncate: new_lens", "ints")
+        if len(lens) != len(ids):
+            raise ValueError(f"truncate: {len(ids)} sequence ids but {len(lens)} lengths")
+        for sid, n in zip(ids, lens):
+            if not is_int(n) or not 0 <= n <= self.config.max_tokens_per_seq:
+                raise ValueError(f"truncate: length {_show(n)} of sequence {sid} is not an int in "
+                                 f"[0, {self.config.max_tokens_per_seq}]")
+        self._check_running(ids, "truncate")
+        if not ids:
+            return np.zeros((0,), np.int32)
+        size = _bucket(len(ids), self.config.max_seqs)
+        self.state, status = _truncate(self.config, self.state, _padded(ids, size), _padded([int(n) for n in lens],
+                                       size), keep_reserved=bool(keep_reserved))
+        return StatusArray(np.asarray(status)[: len(ids)])
+
     # -- views -----------------------------------------------------------------------------
+
+    def num_committed(self, seq_id: int) -> int:
+        """Committed tokens of sequence ``seq_id`` (its others are drafts, see ``extend``)."""
+        sid = self._check_id(seq_id, "num_committed")
+        return int(self.state.num_committed[sid])
 
     def table(self, seq_id: int) -> list[int]:
         """Physical block ids of a running sequence, first block first (group 0's, with groups)."""

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_kv import groups, inputs
-from paged_kv.batch import blocks_held, by_width, check_rows, tail_first
+from paged_kv.batch import by_width, check_rows, held_columns, tail_first
 from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.refcount import cache_slots, release
 from paged_kv.state import BlockManagerState
@@ -37,7 +37,7 @@ def free(
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
     ok = status == Status.OK
     rows = state.block_tables[sid]
-    held = jnp.where(ok, blocks_held(config, state.num_tokens[sid]), 0)
+    held = jnp.where(ok, held_columns(config, state, sid), 0)
     slots = cache_slots(config, state)
 
     def drop(width, ref_count, queue):
@@ -53,6 +53,7 @@ def free(
         block_tables=state.block_tables.at[target].set(NULL_BLOCK, mode="drop"),
         num_tokens=state.num_tokens.at[target].set(0, mode="drop"),
         active=state.active.at[target].set(False, mode="drop"),
+        spans=state.spans.at[target].set(0, mode="drop"),
     )
     return state, status
 
@@ -64,4 +65,4 @@ def release_bound(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.
     ids = seq_ids.astype(jnp.int32)
     sid = jnp.clip(ids, 0, config.max_seqs - 1)
     named = (ids >= 0) & (ids < config.max_seqs) & state.active[sid]
-    return jnp.sum(jnp.where(named, blocks_held(config, state.num_tokens[sid]), 0), dtype=jnp.int32)
+    return jnp.sum(jnp.where(named, held_columns(config, state, sid), 0), dtype=jnp.int32)

@@ -15,10 +15,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from paged_kv.config import NULL_BLOCK, ManagerConfig
+from paged_kv.reference_spans import SpanOps
 from paged_kv.status import Status
 
 
-class ReferenceBlockManager:
+class ReferenceBlockManager(SpanOps):
     def __init__(self, config: ManagerConfig):
         self.config = config
         n = config.num_blocks
@@ -27,6 +28,8 @@ class ReferenceBlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, n))
         self.tables: dict[int, list[int]] = {}
         self.num_tokens: dict[int, int] = {}
+        self.uncommitted: dict[int, int] = {}  # spans (``reference_spans``)
+        self.reserved: dict[int, list[int]] = {}
         # Prefix cache.
         self.seq_tokens: dict[int, list[int]] = {}
         self.seq_salt: dict[int, int] = {}
@@ -190,6 +193,8 @@ class ReferenceBlockManager:
         for sid, token in zip(seq_ids, token_ids):  # allocation (and eviction) first, every row
             status = self._row_status(sid, seen, must_be_active=True)
             slot, copy = NULL_BLOCK * bs, (NULL_BLOCK, NULL_BLOCK)
+            if status == Status.OK and (self.uncommitted.get(sid) or any(self._reserved(sid))):
+                status = Status.BAD_LENGTH  # a row with a span extends instead
             if status == Status.OK:
                 table, n = self.tables[sid], self.num_tokens[sid]
                 offset = n % bs
@@ -239,7 +244,7 @@ class ReferenceBlockManager:
                 continue
             bad = d >= self.config.max_seqs or d in seen or (dst_must_be_free and d in self.tables)
             seen.add(d)
-            bad = bad or s < 0 or s not in self.tables
+            bad = bad or s < 0 or s not in self.tables or self.uncommitted.get(s, 0) > 0
             statuses.append(Status.BAD_SEQUENCE if bad else Status.OK)
         return statuses, [(d, s) for d, s, st in zip(dst_ids, src_ids, statuses) if st == Status.OK]
 
@@ -251,9 +256,9 @@ class ReferenceBlockManager:
         for d, _ in moves:
             for block in new[d][0]:
                 self.ref_count[block] += 1
-        self._release([self.tables[d] for d, _ in moves if d in self.tables])
+        self._release([self.tables[d] + (self.reserved.pop(d, None) or [[]])[0] for d, _ in moves if d in self.tables])
         for d, (table, n, toks, salt) in new.items():
-            self.tables[d], self.num_tokens[d] = table, n
+            self.tables[d], self.num_tokens[d], self.uncommitted[d] = table, n, 0
             self.seq_tokens[d], self.seq_salt[d] = toks, salt
         return statuses
 
@@ -268,8 +273,9 @@ class ReferenceBlockManager:
         for sid in seq_ids:
             status = self._row_status(sid, seen, must_be_active=True)
             if status == Status.OK:
-                released.append(self.tables.pop(sid))
+                released.append(self.tables.pop(sid) + (self.reserved.pop(sid, None) or [[]])[0])
                 del self.num_tokens[sid]
+                self.uncommitted.pop(sid, None)
                 self.seq_tokens.pop(sid, None)
                 self.seq_salt.pop(sid, None)
             out.append(status)
@@ -312,7 +318,7 @@ class GroupedReference(ReferenceBlockManager):
         self._release([blocks])
 
     def _held(self, sid: int, g: int) -> list[int]:
-        return self.tables[sid][g][self.null_prefix[sid][g]:]
+        return self.tables[sid][g][self.null_prefix[sid][g]:] + self._reserved(sid)[g]
 
     def _hit_length(self, toks: list[int], salt: int) -> tuple[int, int, list[list[int | None]]]:
         """``(h, lead, cands)``: the hybrid hit ``h`` (blocks), the lead groups' own hit ``lead``
@@ -408,6 +414,8 @@ class GroupedReference(ReferenceBlockManager):
         for sid, token in zip(seq_ids, token_ids):
             status = self._row_status(sid, seen, must_be_active=True)
             slot, c_src, c_dst = [NULL_BLOCK * bs] * len(groups), list(nulls), list(nulls)
+            if status == Status.OK and (self.uncommitted.get(sid) or any(self._reserved(sid))):
+                status = Status.BAD_LENGTH  # a row with a span extends instead
             if status == Status.OK:
                 tables, n = self.tables[sid], self.num_tokens[sid]
                 for g, group in enumerate(groups):  # 1. reclaim, tail first
@@ -470,6 +478,7 @@ class GroupedReference(ReferenceBlockManager):
             self._release([self._held(d, g) for d in old])
         for d, (tables, n, toks, salt, nulls) in new.items():
             self.tables[d], self.num_tokens[d], self.null_prefix[d] = tables, n, nulls
+            self.uncommitted[d], self.reserved[d] = 0, []
             self.seq_tokens[d], self.seq_salt[d] = toks, salt
         return statuses
 
@@ -484,6 +493,7 @@ class GroupedReference(ReferenceBlockManager):
             self._release([self._held(sid, g) for sid in released])
         for sid in released:
             del self.tables[sid], self.num_tokens[sid], self.null_prefix[sid]
+            self.uncommitted.pop(sid, None), self.reserved.pop(sid, None)
             self.seq_tokens.pop(sid, None)
             self.seq_salt.pop(sid, None)
         return out

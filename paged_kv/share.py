@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from paged_kv import groups, inputs
-from paged_kv.batch import blocks_held, by_width, start_rows, tail_first, take_status
-from paged_kv.config import ManagerConfig
+from paged_kv.batch import blocks_held, by_width, held_columns, start_rows, tail_first, take_status
+from paged_kv.config import NULL_BLOCK, ManagerConfig
 from paged_kv.refcount import cache_slots, release
 from paged_kv.state import BlockManagerState
 from paged_kv.status import Status
@@ -33,12 +33,15 @@ def _take_tables(
     ok = status == Status.OK
 
     # Everything reads the state before the call: a row can be a source and a destination at once.
-    src_rows = state.block_tables[src]
     src_tokens = state.num_tokens[src]
-    src_held = jnp.where(ok, blocks_held(config, src_tokens), 0)
+    # A source's reserved blocks (``spans``) stay its own: a destination takes its tokens' blocks.
+    src_cols = blocks_held(config, src_tokens)
+    src_rows = jnp.where(jnp.arange(config.max_blocks_per_seq)[None, :] < src_cols[:, None],
+                         state.block_tables[src], NULL_BLOCK)
+    src_held = jnp.where(ok, src_cols, 0)
     dropping = ok & state.active[dst]
     dst_rows = state.block_tables[dst]
-    dst_held = jnp.where(dropping, blocks_held(config, state.num_tokens[dst]), 0)
+    dst_held = jnp.where(dropping, held_columns(config, state, dst), 0)
     slots = cache_slots(config, state)
 
     def recount(width, ref_count, queue):
@@ -58,6 +61,7 @@ def _take_tables(
     target = jnp.where(ok, dst, s)
     state = start_rows(state.replace(ref_count=ref_count, queue=queue), target, src_rows, src_tokens,
                        state.seq_chain[src], state.seq_salt[src])
+    state = state.replace(spans=state.spans.at[target].set(0, mode="drop"))
     return state, status
 
 

@@ -106,6 +106,10 @@ UNLINKED = -2
 so nothing can hit it as a child (a safe default that a correct caller never needs)."""
 
 
+UNCOMMITTED, RESERVED = 0, 1
+"""Columns of ``BlockManagerState.spans``."""
+
+
 def _as_u32(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.uint32)
 
@@ -184,7 +188,8 @@ class BlockManagerState:
       ref_count: int32 ``[num_blocks]``; how many block-table entries hold each block (0 for the
         null block, which is never counted).
       block_tables: int32 ``[max_seqs, max_blocks_per_seq]``; physical block ids, ``NULL_BLOCK``
-        where unused. Row ``s`` holds exactly ``ceil(num_tokens[s] / block_size)`` blocks.
+        where unused. Row ``s`` holds exactly ``ceil(num_tokens[s] / block_size) + num_reserved[s]``
+        blocks.
       num_tokens: int32 ``[max_seqs]``; tokens of each sequence that have a KV slot.
       active: bool ``[max_seqs]``; which rows hold a running sequence.
       queue: the free queue.
@@ -202,6 +207,13 @@ class BlockManagerState:
       block_group: with ``config.grouped``, int32 ``[num_blocks]``: the group whose K/V a block
         holds (set when it is taken from the queue, kept while it is free), so a prefix hit is
         checked to be of the group that asks. None otherwise.
+      spans: int32 ``[max_seqs, 2]``, per row (``paged_kv.spans``): column ``UNCOMMITTED``, how
+        many of its last tokens are not committed yet (drafts: they hold slots and K/V but no
+        block holding one is ever cached); column ``RESERVED``, how many blocks the row holds
+        past ``ceil(num_tokens / block_size)`` in every group (room kept by
+        ``truncate(keep_reserved=True)`` for the next span), at table columns ``ceil(num_tokens
+        / block_size) ..`` (exclusively held unless a ``fork`` shared them). Both 0 for a row
+        that only ``admit`` and ``append`` touched, and for every row that is not running.
     """
 
     ref_count: jax.Array
@@ -215,6 +227,22 @@ class BlockManagerState:
     group_tables: jax.Array | None = None
     null_prefix: jax.Array | None = None
     block_group: jax.Array | None = None
+    spans: jax.Array | None = None
+
+    @property
+    def num_uncommitted(self) -> jax.Array:
+        """int32 ``[max_seqs]``: tokens per row that hold a slot but are not committed."""
+        return self.spans[:, UNCOMMITTED]
+
+    @property
+    def num_committed(self) -> jax.Array:
+        """int32 ``[max_seqs]``: committed tokens per row (a prefix of its ``num_tokens``)."""
+        return self.num_tokens - self.spans[:, UNCOMMITTED]
+
+    @property
+    def num_reserved(self) -> jax.Array:
+        """int32 ``[max_seqs]``: blocks per row (in each group) held past its tokens' blocks."""
+        return self.spans[:, RESERVED]
 
     @property
     def tables(self) -> jax.Array:
@@ -270,6 +298,7 @@ def init_state(config: ManagerConfig) -> BlockManagerState:
         seq_chain=np.zeros((config.max_seqs, 2), np.uint32),
         seq_salt=np.zeros((config.max_seqs,), np.uint32),
         cache=None,
+        spans=np.zeros((config.max_seqs, 2), np.int32),
     )
     if config.grouped:
         g, s = config.num_groups, config.max_seqs

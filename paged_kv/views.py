@@ -37,7 +37,7 @@ class Usage:
 
 
 def usage(config: ManagerConfig, state: BlockManagerState) -> Usage:
-    held = blocks_held(config, state.num_tokens)
+    held = blocks_held(config, state.num_tokens) + state.num_reserved
     if config.grouped:  # every group's table, less its null prefix
         held = jnp.sum(held[None, :] - state.null_prefix, axis=0)
     return Usage(

@@ -55,8 +55,12 @@ def snapshot(config: ManagerConfig, state: BlockManagerState) -> dict:
         int(s): (tables[s, : config.blocks_for(int(tokens[s]))].tolist(), int(tokens[s]))
         for s in np.flatnonzero(active)
     }
+    spans = np.asarray(state.spans)
     out = {
         "running": running,
+        # Spans: (uncommitted tokens, reserved blocks) per running row.
+        "spans": {int(s): (int(spans[s, 0]), tables[s, config.blocks_for(int(tokens[s])):][: spans[s, 1]].tolist())
+                  for s in np.flatnonzero(active)},
         "ref_count": np.asarray(state.ref_count).tolist(),
         "free_queue": free_queue_order(state),
     }
@@ -70,6 +74,7 @@ def snapshot(config: ManagerConfig, state: BlockManagerState) -> dict:
 def reference_snapshot(ref) -> dict:
     out = {
         "running": {s: (list(t), ref.num_tokens[s]) for s, t in ref.tables.items()},
+        "spans": {s: ref.span_of(s) for s in ref.tables},
         "ref_count": list(ref.ref_count),
         "free_queue": ref.queue_order(),
     }

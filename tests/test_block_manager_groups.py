@@ -231,13 +231,18 @@ def test_fork_and_select_share_a_reclaimed_prefix():
 
 
 def _snapshot(bm: pk.BlockManager) -> tuple:
+    spans, tables = np.asarray(bm.state.spans), np.asarray(bm.state.tables)
+    held = {s: bm.config.blocks_for(bm.num_tokens(s)) for s in bm.running()}
+    reserved = {s: (int(spans[s, 0]), tables[:, s, held[s]: held[s] + spans[s, 1]].tolist()) for s in held}
     return ({s: bm.tables(s) for s in sorted(bm.running())}, bm.free_queue(),
-            np.asarray(bm.state.ref_count).tolist(), bm.cached_blocks())
+            np.asarray(bm.state.ref_count).tolist(), bm.cached_blocks(), reserved)
 
 
 def _reference_snapshot(ref: GroupedReference) -> tuple:
     counts = list(ref.ref_count)
-    return {s: ref.tables[s] for s in sorted(ref.tables)}, ref.queue_order(), counts, sorted(ref.cached_blocks())
+    spans = {s: ref.span_of(s) for s in ref.tables}
+    return ({s: ref.tables[s] for s in sorted(ref.tables)}, ref.queue_order(), counts, sorted(ref.cached_blocks()),
+            spans)
 
 
 def _admit_both(bm: pk.BlockManager, ref: GroupedReference, ids: list[int], prompts: list[list[int]]) -> None:
@@ -367,6 +372,42 @@ class GroupedMachine(RuleBasedStateMachine):
         ids = self.some(data, running)
         assert self.bm.free(ids).tolist() == [int(x) for x in self.ref.free(ids)]
         self.same -= set(ids)
+
+    # -- spans ---------------------------------------------------------------------------------
+
+    @rule(data=st.data(), commit=st.booleans())
+    def extend(self, data, commit):
+        running = self.running()
+        if not running:
+            return
+        ids = self.some(data, running)
+        toks = [data.draw(st.lists(st.integers(0, 2), max_size=6)) for _ in ids]
+        got = self.bm.extend(ids, toks, commit=commit)
+        k = max([len(t) for t in toks] + [1])
+        status, slots, src, dst = self.ref.extend(ids, [len(t) for t in toks], toks, k, commit=commit)
+        assert got.status.tolist() == [int(x) for x in status]
+        assert got.slots.tolist() == slots and got.copy_src.tolist() == src and got.copy_dst.tolist() == dst
+
+    @rule(data=st.data())
+    def commit(self, data):
+        running = self.running()
+        if not running:
+            return
+        ids = self.some(data, running)
+        toks = [data.draw(st.lists(st.integers(0, 2), max_size=self.ref.uncommitted.get(s, 0) + 1)) for s in ids]
+        got = self.bm.commit(ids, toks)
+        assert got.tolist() == [int(x) for x in self.ref.commit(ids, [len(t) for t in toks], toks, 1 << 20)]
+
+    @rule(data=st.data(), keep=st.booleans())
+    def truncate(self, data, keep):
+        running = self.running()
+        if not running:
+            return
+        ids = self.some(data, running)
+        ends = [(self.ref.num_tokens[s] - self.ref.uncommitted.get(s, 0), self.ref.num_tokens[s]) for s in ids]
+        lens = [data.draw(st.integers(max(0, c - 1), n + 1)) for c, n in ends]
+        got = self.bm.truncate(ids, lens, keep_reserved=keep)
+        assert got.tolist() == [int(x) for x in self.ref.truncate(ids, lens, keep)]
 
     @invariant()
     def agrees_with_reference_and_invariants_hold(self):

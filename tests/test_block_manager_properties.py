@@ -29,9 +29,12 @@ WIDTH = 24  # prompt token array width
 MAX_SEQS = 6
 
 _jit = functools.partial(jax.jit, static_argnums=0)
-ADMIT, APPEND, FORK, SELECT, FREE, RESET = map(
-    _jit, (pk.admit, pk.append, pk.fork, pk.select, pk.free, pk.reset_prefix_cache)
+ADMIT, APPEND, FORK, SELECT, FREE, RESET, COMMIT = map(
+    _jit, (pk.admit, pk.append, pk.fork, pk.select, pk.free, pk.reset_prefix_cache, pk.commit)
 )
+EXTEND = jax.jit(pk.extend, static_argnums=0, static_argnames=("commit", "max_new"))
+TRUNCATE = jax.jit(pk.truncate, static_argnums=0, static_argnames="keep_reserved")
+SPAN = 5  # K: the token width of extend / commit calls
 
 seq_id = st.integers(-1, MAX_SEQS)  # -1 padding, MAX_SEQS out of range
 ids = st.lists(seq_id, min_size=1, max_size=BATCH)
@@ -86,6 +89,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(row=st.tuples(seq_id, prompt, st.integers(0, 1)))
     def admit_one(self, row):
         """A call of exactly one request: the path that skips in-call sharing (shapes [1])."""
+        self._admit_one(row)
+
+    def _admit_one(self, row) -> int:
+        """``admit_one``; returns the cached tokens."""
         sid, p, salt = row[0], row[1][:WIDTH], row[2]
         tokens = np.zeros((1, WIDTH), np.int32)
         tokens[0, : len(p)] = p
@@ -95,6 +102,7 @@ class ManagerMachine(RuleBasedStateMachine):
         (status, cached, shared), = self.ref.admit([sid], [p], [salt], max_len=WIDTH)
         assert int(result.status[0]) == int(status)
         assert (int(result.cached_tokens[0]), int(result.shared_tokens[0])) == (cached, shared)
+        return cached
 
     @rule(sids=ids, tokens=st.lists(token, min_size=BATCH, max_size=BATCH))
     def append_some(self, sids, tokens):
@@ -145,6 +153,68 @@ class ManagerMachine(RuleBasedStateMachine):
     def _select(self, dsts, parents):
         self.state, status = SELECT(self.config, self.state, pad(dsts), pad(parents))
         self.check_status(status, self.ref.select(dsts, parents))
+
+    # -- spans: extend / commit / truncate, mixed with every other operation ------------------
+
+    def _span_counts(self, data, sids, limit):
+        """Per row a count: mostly within ``[0, limit(sid)]``, sometimes out of range."""
+        return [data.draw(st.one_of(st.integers(0, max(0, limit(s))), st.sampled_from([-1, SPAN + 1])))
+                for s in sids]
+
+    @rule(data=st.data(), sids=ids, commit=st.booleans())
+    def extend(self, data, sids, commit):
+        counts = self._span_counts(data, sids, lambda s: SPAN)
+        tokens = data.draw(st.lists(st.lists(token, min_size=SPAN, max_size=SPAN), min_size=BATCH, max_size=BATCH))
+        self.state, result = EXTEND(self.config, self.state, pad(sids), pad(counts, 0), jnp.asarray(tokens, jnp.int32),
+                                    commit=commit)
+        statuses, slots, src, dst = self.ref.extend(sids, counts, tokens, SPAN, commit=commit)
+        self.check_status(result.status, statuses)
+        k = len(sids)
+        assert np.asarray(result.slots)[:k].tolist() == slots
+        assert np.asarray(result.copy_src)[:k].tolist() == src
+        assert np.asarray(result.copy_dst)[:k].tolist() == dst
+
+    @rule(data=st.data(), sids=ids)
+    def commit(self, data, sids):
+        counts = self._span_counts(data, sids, lambda s: self.ref.uncommitted.get(s, 0))
+        tokens = data.draw(st.lists(st.lists(token, min_size=SPAN, max_size=SPAN), min_size=BATCH, max_size=BATCH))
+        self.state, status = COMMIT(self.config, self.state, pad(sids), pad(counts, 0), jnp.asarray(tokens, jnp.int32))
+        self.check_status(status, self.ref.commit(sids, counts, tokens, SPAN))
+
+    @rule(data=st.data(), sids=ids, keep=st.booleans())
+    def truncate(self, data, sids, keep):
+        def length(s):
+            n = self.ref.num_tokens.get(s, 1)
+            c = n - self.ref.uncommitted.get(s, 0)
+            return data.draw(st.one_of(st.integers(c, n), st.just(c), st.sampled_from([c - 1, n + 1])))
+
+        lens = [length(s) for s in sids]
+        self.state, status = TRUNCATE(self.config, self.state, pad(sids), pad(lens, 0), keep_reserved=keep)
+        self.check_status(status, self.ref.truncate(sids, lens, keep))
+
+    @rule(data=st.data())
+    def admit_drafts_as_prompt(self, data):
+        """A prompt equal to a running row's tokens, drafts included: its hit never reaches a
+        block that holds a draft (the reference, keyed by committed prefixes, agrees too)."""
+        running, free = self.running(), [s for s in range(MAX_SEQS) if s not in self.ref.tables]
+        if not running or not free or not self.config.prefix_caching:
+            return
+        s = data.draw(st.sampled_from(running))
+        bs, n = self.config.block_size, self.ref.num_tokens[s]
+        table = np.asarray(self.state.block_tables[s])
+        stored = np.asarray(self.state.cache.tokens)
+        toks = [int(stored[table[p // bs], p % bs]) for p in range(n)] + [0]
+        if len(toks) > WIDTH:
+            return
+        drafts = set()
+        for r in running:
+            c = self.ref.num_tokens[r] - self.ref.uncommitted.get(r, 0)
+            first = c // bs if self.ref.uncommitted.get(r, 0) else len(self.ref.tables[r])
+            drafts |= set(self.ref.tables[r][first:]) | set(self.ref.span_of(r)[1])
+        cached = self._admit_one((free[0], toks, 0))
+        if free[0] in self.ref.tables:
+            hit = np.asarray(self.state.block_tables[free[0]])[: cached // bs]
+            assert not set(hit.tolist()) & drafts, f"a prefix hit on a block holding a draft: {hit} {drafts}"
 
     @rule(sids=ids)
     def free(self, sids):
