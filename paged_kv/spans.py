@@ -140,7 +140,7 @@ def _extend_row(config: ManagerConfig, k_max: int, store: bool, state: BlockMana
         slots = cache_slots(config, state)
         j = jnp.arange(m, dtype=jnp.int32)
         for g, group in enumerate(config.groups):
-            if not group.is_window:
+            if group.is_full:
                 continue
             lo = null_prefix[g, s]
             hi = jnp.where(valid, jnp.clip(skipped_blocks(group, n - unc, bs), lo, held), lo)

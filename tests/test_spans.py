@@ -206,6 +206,19 @@ def test_window_group_reclaims_what_the_span_no_longer_sees():
     check_invariants(cfg, state)
 
 
+def test_chunked_group_reclaims_closed_chunks_on_extend():
+    """A chunk of 4 tokens, blocks of 2: a query at position p reads only p's chunk, so once the span's
+    first new token (position 8) opens chunk 2, chunks 0 and 1 (blocks 0..3) are read no more."""
+    cfg = pk.ManagerConfig(num_blocks=32, block_size=2, max_seqs=2, max_blocks_per_seq=12,
+                           groups=(pk.Group("full"), pk.Group.of(pk.ChunkedLocal(4))))
+    state, _ = admit(cfg, pk.init_state(cfg), 0, [1, 2, 3, 4, 5, 6, 7, 8])
+    state, r = extend(cfg, state, 0, [9, 10, 11])
+    assert int(r.status[0]) == OK
+    assert np.asarray(state.null_prefix)[1, 0] == 4
+    assert np.asarray(state.tables[1, 0])[:4].tolist() == [0, 0, 0, 0]
+    check_invariants(cfg, state)
+
+
 def test_targets_give_the_same_bits():
     out = []
     for target in ("cpu", "gpu"):
