@@ -7,6 +7,8 @@ Throughput: the workload of ``scripts/serving_overhead.py`` (R prompts of 16 tok
 ``generate`` once and every configuration once, alternating in one process (the machine's speed
 drifts between rounds); the ratio is the median of the rounds' ratios of tokens/s, and every
 configuration's greedy tokens must equal ``generate``'s. A first round compiles and is not timed.
+Beside the wall-time ratio, the ratio of process CPU seconds (every thread's work), steadier when
+other processes share the cores.
 Configurations (``--configs``):
 
 * ``defaults``: ``ServingConfig(manager)``: the values it resolved are recorded
@@ -29,6 +31,7 @@ calls are recorded, so that where the gap to ``generate`` comes from can be read
 The load average is recorded: figures from a loaded machine say so (``--label``).
 
     python scripts/bench_serving_defaults.py              # writes results/bench_serving_defaults.json
+    python scripts/bench_serving_defaults.py --rows 256   # redoes R = 256 only; the file keeps R = 32
     python scripts/bench_serving_defaults.py --smoke --out /tmp/smoke.json   # a check that it runs
 """
 
@@ -45,8 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.run_record import record, table, utc_now
-from scripts.serving_overhead import NEW, PROMPT, timed_generate, workload
+from scripts.run_record import merge_parts, record, table, utc_now
+from scripts.serving_overhead import NEW, PROMPT, workload
 
 CONFIGS = ("defaults", "cli_before", "defaults_before")
 
@@ -73,16 +76,36 @@ def manager(r: int):
                             max_blocks_per_seq=8)
 
 
-def serve(model, cfg, requests) -> tuple[float, list, object]:
-    """One timed run on a fresh engine: (wall seconds, outputs in request order, its stats)."""
+def serve(model, cfg, requests) -> tuple[float, float, list, object]:
+    """One timed run on a fresh engine: (wall seconds, process CPU seconds, outputs in request
+    order, its stats)."""
     from paged_kv.engine import ServingEngine
 
     engine = ServingEngine(model, cfg)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     outs = list(engine.run(requests))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     by_id = {o.request_id: o for o in outs}
-    return wall, [by_id[i] for i in range(len(requests))], engine.stats()
+    return wall, cpu, [by_id[i] for i in range(len(requests))], engine.stats()
+
+
+def generate_run(model, r: int) -> tuple[float, float, list]:
+    """``engine.generate`` on the workload, timed: (wall seconds, process CPU seconds, each row's
+    tokens)."""
+    import jax
+
+    from paged_kv import engine as eng
+    from paged_kv.models.paged import allocate_pages, page_spec
+
+    mgr = manager(r)
+    toks, lens = eng.pad_prompts(workload(r), width=PROMPT)
+    params = eng.SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    pages = allocate_pages(page_spec(model, mgr.num_blocks, mgr.block_size))
+    c0, t0 = time.process_time(), time.perf_counter()
+    out, _, _ = eng.generate(model, pages, toks, lens, jax.random.key(0), params, manager=mgr, chunk_size=64)
+    jax.block_until_ready(out.tokens)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return wall, cpu, [row[0][:int(n)].tolist() for row, n in zip(out.tokens, out.lengths[:, 0])]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,18 +140,19 @@ def main(argv: list[str] | None = None) -> None:
         load = os.getloadavg()
         for cfg in cfgs.values():  # compiles every program (jit's cache serves the next engines)
             serve(model, cfg, reqs)
-        timed_generate(model, r, 1)
+            serve(model, cfg, late)
+        generate_run(model, r)
         runs = {name: [] for name in cfgs}
         gen, same = [], True
         for _ in range(args.repeats):
-            g = timed_generate(model, r, 1)
-            gen.append(g["tokens_per_s"])
+            g_wall, g_cpu, g_tokens = generate_run(model, r)
+            gen.append(r * NEW / g_wall)
             for name, cfg in cfgs.items():
-                wall, outs, st = serve(model, cfg, reqs)
-                same &= [o.tokens[0] for o in outs] == g["outputs"]
-                _, louts, _ = serve(model, cfg, late)
+                wall, cpu, outs, st = serve(model, cfg, reqs)
+                same &= [o.tokens[0] for o in outs] == g_tokens
+                _, _, louts, _ = serve(model, cfg, late)
                 ls = louts[-1].stats
-                runs[name].append({"tokens_per_s": r * NEW / wall, "ratio": r * NEW / wall / g["tokens_per_s"],
+                runs[name].append({"tokens_per_s": r * NEW / wall, "ratio": g_wall / wall, "cpu_ratio": g_cpu / cpu,
                                    "ttft_ms": 1000 * ls.time_to_first_token_s,
                                    "ttft_steps": ls.first_token_step - ls.arrival_step,
                                    "stats": st})
@@ -142,6 +166,10 @@ def main(argv: list[str] | None = None) -> None:
                              "decode_steps": cfg.decode_steps},
                 "ratio_to_generate": round(statistics.median(x["ratio"] for x in xs), 3),
                 "ratio_per_round": [round(x["ratio"], 3) for x in xs],
+                # generate's process CPU seconds over serving's: steadier than wall time when other
+                # processes share the cores (both count every thread's work)
+                "cpu_ratio_to_generate": round(statistics.median(x["cpu_ratio"] for x in xs), 3),
+                "cpu_ratio_per_round": [round(x["cpu_ratio"], 3) for x in xs],
                 "tokens_per_s": [round(x["tokens_per_s"], 1) for x in xs],
                 "late_ttft_ms": round(statistics.median(x["ttft_ms"] for x in xs), 2),
                 "late_ttft_ms_per_round": [round(x["ttft_ms"], 2) for x in xs],
@@ -151,21 +179,28 @@ def main(argv: list[str] | None = None) -> None:
                                                                           "process_s", "step_s")}},
             }
             print(f"R={r} {name} (C={cfg.chunk_size}, P={cfg.max_prefill_rows}, K={cfg.decode_steps}): "
-                  f"{out[name]['ratio_to_generate']:.2f}x generate, late arrival's first token "
+                  f"{out[name]['ratio_to_generate']:.2f}x generate ({out[name]['cpu_ratio_to_generate']:.2f}x in CPU "
+                  f"time), late arrival's first token "
                   f"{out[name]['late_ttft_ms']:.1f} ms", flush=True)
         rows[str(r)] = {"configs": out, "generate_tokens_per_s": [round(x, 1) for x in gen],
                         "same_greedy_tokens": same, "loadavg_before": [round(x, 2) for x in load],
                         "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
-    result = {"run": record(__file__, args, argv, started=started), "label": args.label, "jax": jax.__version__,
+    run = record(__file__, args, argv, started=started)
+    result = {"run": run, "label": args.label, "jax": jax.__version__,
               "backend": jax.default_backend(), "cpus": os.cpu_count(),
               "workload": {"prompt_tokens": PROMPT, "new_tokens": NEW, "greedy": True, "arrivals": "all at step 0",
                            "late_request": f"R - 1 at step 0, one at step {args.late_step}"},
               "rows": rows}
+    # A run of some row counts keeps the file's other rows, each with the record of its own run.
+    old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else None
+    result = merge_parts(old, result, [("rows", r) for r in rows],
+                         [("rows", r) for r in (old or {}).get("rows", {})], run)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(table(["R", "config", "C", "P", "K", "x generate", "late TTFT ms", "calls", "schedule s", "inputs s",
+    print(table(["R", "config", "C", "P", "K", "x generate", "x (CPU time)", "late TTFT ms", "calls", "schedule s", "inputs s",
                  "device s", "process s"],
-                [[r, name, *x["resolved"].values(), x["ratio_to_generate"], x["late_ttft_ms"],
+                [[r, name, *x["resolved"].values(), x["ratio_to_generate"], x["cpu_ratio_to_generate"],
+                  x["late_ttft_ms"],
                   x["median_round"]["device_calls"], *(x["median_round"][k] for k in
                                                        ("schedule_s", "inputs_s", "device_s", "process_s"))]
                  for r, row in rows.items() for name, x in row["configs"].items()]))
