@@ -386,7 +386,8 @@ class ServingEngine:
           requests: the workload (any order; submitted by arrival, ties in the given order).
           arrivals: arrival step per request (default: each request's ``arrival``).
           max_steps: stop after this many steps (``RuntimeError`` if work is left).
-          on_step: called after each step (progress reporting).
+          on_step: called after each step (progress reporting); after a burst of decode steps
+            (``ServingConfig.decode_steps``), once for the burst.
           on_token: streaming: called with each ``TokenDelta`` of a step (module docstring), after
             the step and before the outputs of the requests it finished are yielded.
 
