@@ -13,6 +13,9 @@ Configurations (``--configs``):
 
 * ``defaults``: ``ServingConfig(manager)``: the values it resolved are recorded
   (``chunk_size``, ``max_prefill_rows``, ``decode_steps``);
+* ``defaults_k8``: the defaults with ``decode_steps=8`` (a loaded-machine probe found the
+  steps of 16-step bursts slower than those of 8-step ones at R = 256; to be settled on a quiet
+  machine);
 * ``cli_before``: ``chunk_size=16, max_prefill_rows=min(32, R), decode_steps=8`` (the setting the
   issue measured as "CLI-like");
 * ``defaults_before``: ``chunk_size=64, max_prefill_rows=min(8, R), decode_steps=1`` (the
@@ -51,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from scripts.run_record import merge_parts, record, table, utc_now
 from scripts.serving_overhead import NEW, PROMPT, workload
 
-CONFIGS = ("defaults", "cli_before", "defaults_before")
+CONFIGS = ("defaults", "defaults_k8", "cli_before", "defaults_before")
 
 
 def serving_config(name: str, mgr):
@@ -61,6 +64,8 @@ def serving_config(name: str, mgr):
     r = mgr.max_seqs
     if name == "defaults":
         return ServingConfig(mgr)
+    if name == "defaults_k8":
+        return ServingConfig(mgr, decode_steps=8)
     if name == "cli_before":
         return ServingConfig(mgr, chunk_size=16, max_prefill_rows=min(32, r), decode_steps=8)
     if name == "defaults_before":
@@ -197,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
                          [("rows", r) for r in (old or {}).get("rows", {})], run)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(table(["R", "config", "C", "P", "K", "x generate", "x (CPU time)", "late TTFT ms", "calls", "schedule s", "inputs s",
-                 "device s", "process s"],
+    print(table(["R", "config", "C", "P", "K", "x generate", "x (CPU time)", "late TTFT ms", "calls", "schedule s",
+                 "inputs s", "device s", "process s"],
                 [[r, name, *x["resolved"].values(), x["ratio_to_generate"], x["cpu_ratio_to_generate"],
                   x["late_ttft_ms"],
                   x["median_round"]["device_calls"], *(x["median_round"][k] for k in
