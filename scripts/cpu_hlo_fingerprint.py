@@ -58,7 +58,7 @@ def serving_step_programs() -> dict:
     from paged_kv.engine.serving import ServingConfig, ServingEngine
     from paged_kv.models import load_hf_checkpoint
     mgr = pk.ManagerConfig(num_blocks=24, block_size=16, max_seqs=16, max_blocks_per_seq=16)
-    cfg = ServingConfig(mgr, chunk_size=32, max_prefill_rows=4, top_candidates=8, impl="reference")
+    cfg = ServingConfig(mgr, chunk_size=32, max_prefill_rows=4, top_candidates=8, impl="reference", decode_steps=1)
     eng = ServingEngine(load_hf_checkpoint("checkpoints/tiny-llama"), cfg, seed=0)
     return {f"serving_step/prefill_rows={p}": fingerprint(eng.device.lower_step(p).compile().as_text()) for p in (0, 4)}
 

@@ -5,11 +5,12 @@ at step 0, 32 new tokens each), at R = 32 and R = 256 rows, on the built-in mode
 
 The serving engine runs chunks of ``C = 16`` positions in ``P = min(32, R)`` rows (``--chunk-size``,
 ``--prefill-rows``): the prompts' own length, as ``generate`` clips its chunk to the prompt width.
-With the engine's default ``C = 64, P = 8`` three quarters of every prefill row would be padding
+With the engine's former default ``C = 64, P = 8`` three quarters of every prefill row would be padding
 (``--chunk-size 64 --prefill-rows 8`` measures that). A prompt longer than ``C`` takes several of
 the ``P`` rows of a step (``serving_step.prefill_pieces``), so a small ``C`` costs a long prompt
-no extra steps while rows are free. The engine runs bursts of up to ``K = 8`` decode steps per
-device call (``--decode-steps``, ``ServingConfig.decode_steps``; the CLI's default), the way
+no extra steps while rows are free (``scripts/bench_serving_defaults.py`` measures the engine's
+defaults). The engine runs bursts of up to ``K = 8`` decode steps per
+device call (``--decode-steps``, ``ServingConfig.decode_steps``), the way
 ``generate`` runs every step in one call. Serving and generate alternate, one timed run each per round
 (``--repeats`` rounds); the reported ratio is the median of the rounds' ratios.
 
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the serving engine's C (default 16: the prompts' length, as generate clips its chunk)")
     ap.add_argument("--prefill-rows", type=int, default=32, help="the serving engine's P (capped at R)")
     ap.add_argument("--decode-steps", type=int, default=8,
-                    help="the serving engine's decode_steps (K; default 8, the CLI's; 1: one call per step)")
+                    help="the serving engine's decode_steps (K; default 8; 1: one call per step)")
     ap.add_argument("--ab-decode-steps", type=int, nargs=2, metavar=("K1", "K2"),
                     help="instead: serving with decode_steps K1 and K2 and generate, alternated per round")
     ap.add_argument("--requests", type=int, default=None,

@@ -101,6 +101,19 @@ def test_serving_overhead(tmp_path):
     assert 0 < s["host_fraction_of_step"] < 1
 
 
+def test_bench_serving_defaults(tmp_path):
+    out, argv = tmp_path / "sd.json", ["--smoke"]
+    argv += ["--out", str(out)]
+    in_process("bench_serving_defaults", argv)
+    row = read(out, "bench_serving_defaults", argv)["rows"]["2"]
+    assert row["same_greedy_tokens"] is True
+    d = row["configs"]["defaults"]
+    # The values the defaults resolved to, not "auto"; the late arrival's first token is timed.
+    assert d["resolved"] == {"chunk_size": 16, "max_prefill_rows": 2, "decode_steps": 16}
+    assert d["ratio_to_generate"] > 0 and d["late_ttft_ms"] > 0 and d["late_ttft_steps"] >= 1
+    assert 1 <= d["median_round"]["device_calls"] < d["median_round"]["steps"]  # bursts
+
+
 def test_bench_block_manager(tmp_path):
     out = tmp_path / "bm.json"
     argv = ["--batches", "4", "--steps", "2", "--repeats", "1", "--num-blocks", "256", "--workloads", "cow",

@@ -207,8 +207,11 @@ def test_small_end_to_end_run(small_run):
     assert run["command"].startswith("python -m paged_kv --requests 6 ")
     assert {k: run["options"][k] for k in ("kv_dtype", "batch_invariant", "impl", "tp", "decode_steps",
                                             "temperature", "max_new_tokens")} == {
-        "kv_dtype": "int8", "batch_invariant": False, "impl": "auto", "tp": 1, "decode_steps": 8,
+        "kv_dtype": "int8", "batch_invariant": False, "impl": "auto", "tp": 1, "decode_steps": None,
         "temperature": 0.0, "max_new_tokens": 12}
+    # An option left out takes ServingConfig's default; the report gives the values that ran.
+    assert {k: rep["config"][k] for k in ("chunk_size", "max_prefill_rows", "decode_steps")} == {
+        "chunk_size": 32, "max_prefill_rows": 4, "decode_steps": 16}
     assert set(run["versions"]) == {"paged_kv", "paged_kv_commit", "jax", "jaxlib", "flax", "python"}
     assert run["versions"]["jax"] and run["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert run["backend"] == "cpu" and run["device_kind"]

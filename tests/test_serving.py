@@ -203,11 +203,17 @@ def test_requests_stop_at_the_models_eos_by_default(model, alone):
 
 
 def test_max_prefill_rows_defaults_to_at_most_max_seqs():
-    """``ServingConfig``'s default ``max_prefill_rows`` is ``min(8, manager.max_seqs)``: a pool of
-    fewer than 8 rows needs no explicit value; an explicit one above ``max_seqs`` is refused."""
+    """``ServingConfig``'s defaults resolve on construction: ``chunk_size`` 16, ``decode_steps``
+    16, ``max_prefill_rows`` ``min(manager.max_seqs, 4096 // chunk_size)`` (every row of a burst
+    of arrivals in one cohort); an explicit ``max_prefill_rows`` above ``max_seqs`` is refused."""
     small = pk.ManagerConfig(num_blocks=16, block_size=16, max_seqs=4, max_blocks_per_seq=4)
     assert ServingConfig(small).max_prefill_rows == 4
-    assert ServingConfig(MGR).max_prefill_rows == 8
+    assert ServingConfig(MGR).max_prefill_rows == MGR.max_seqs
+    wide = dataclasses.replace(MGR, max_seqs=512)
+    assert ServingConfig(wide).max_prefill_rows == 256 and ServingConfig(wide, chunk_size=64).max_prefill_rows == 64
+    cfg = ServingConfig(small)
+    assert (cfg.chunk_size, cfg.decode_steps) == (16, 16)
+    assert cfg == ServingConfig(small, chunk_size=16, max_prefill_rows=4, decode_steps=16)
     assert ServingConfig(small, max_prefill_rows=2).max_prefill_rows == 2
     assert hash(ServingConfig(small)) == hash(ServingConfig(small, max_prefill_rows=4))
     with pytest.raises(ValueError, match="max_prefill_rows=5 must be <= manager.max_seqs=4"):

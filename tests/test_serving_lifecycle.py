@@ -25,7 +25,9 @@ from paged_kv.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 MGR = pk.ManagerConfig(num_blocks=24, block_size=16, max_seqs=16, max_blocks_per_seq=16)
-CFG = ServingConfig(MGR, chunk_size=32, max_prefill_rows=4, top_candidates=8, impl="reference")
+# One step per call (decode_steps=1): these tests abort and submit at given steps through step()
+# (bursts keep their own tests: tests/test_serving_bursts.py).
+CFG = ServingConfig(MGR, chunk_size=32, max_prefill_rows=4, top_candidates=8, impl="reference", decode_steps=1)
 SYSTEM = "Q: What does the cow say? A: The cow says moo. "
 PROMPTS = ["The cow says", "Let us count: 12, 13,", SYSTEM + "Q: What do bees make? A:",
            SYSTEM + "Q: Where do fish live? A:", "Once upon a time", "The dog says", "The cat says",

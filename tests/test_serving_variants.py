@@ -94,3 +94,43 @@ def test_the_engine_traces_the_cpu_form(model):
     eng = ServingEngine(model, CFG)
     assert eng.device.config.manager.target == "cpu"
     assert {s.config.manager.target for s in eng.device._shapes.values()} == {"cpu"}
+
+
+# Wider than 8 prefill rows: on a CPU the chunk forward runs on 8 or 16 rows, whichever holds the
+# step's pieces (``serving_step.prefill_widths``).
+WIDE = ServingConfig(pk.ManagerConfig(num_blocks=520, block_size=16, max_seqs=16, max_blocks_per_seq=8),
+                     chunk_size=16, max_prefill_rows=16, top_candidates=8, impl="reference")
+
+
+def test_prefill_widths_are_a_ladder_up_to_p():
+    assert serving_step.prefill_widths(1) == (1,) and serving_step.prefill_widths(8) == (8,)
+    assert serving_step.prefill_widths(16) == (8, 16)
+    assert serving_step.prefill_widths(256) == (8, 32, 128, 256)
+    assert serving_step.prefill_widths(300) == (8, 32, 128, 300)
+
+
+def _wide_outputs(model):
+    # 12 prompts at step 0 (one step of 12 pieces: the 16-row forward), then one late arrival
+    # (a step of one piece: the 8-row forward) while the others decode; greedy.
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    reqs = [Request(TOK.encode(f"Prompt number {i}:"), params, request_id=i) for i in range(12)]
+    reqs.append(Request(TOK.encode("The late one"), params, arrival=4, request_id="late"))
+    eng = ServingEngine(model, WIDE)
+    return eng, {o.request_id: o for o in eng.run(reqs)}
+
+
+def test_the_width_ladder_gives_the_tokens_of_the_full_width(model, monkeypatch):
+    """The narrow branch computes the pieces' rows only: the same greedy tokens as two variants
+    (every chunk at the full ``[P, C]``), log-probs within float32 rounding (another batch
+    size), and the pages still updated in place through the switch."""
+    eng, one = _wide_outputs(model)
+    text = eng.device.lower_step(WIDE.max_prefill_rows).compile().as_text()
+    layer_elements = int(np.prod(eng.pages.shape[1:]))
+    assert page_sized_copies(text, layer_elements) == [] and "input_output_alias" in text
+    monkeypatch.setattr(serving_step, "single_step_variant", lambda pages: False)
+    eng2, two = _wide_outputs(model)
+    assert eng2.device.variants() == (0, WIDE.max_prefill_rows)
+    assert one.keys() == two.keys()
+    for rid, o in one.items():
+        assert o.tokens == two[rid].tokens, rid
+        np.testing.assert_allclose(o.logprobs[0], two[rid].logprobs[0], rtol=0, atol=1e-4)

@@ -37,6 +37,7 @@ How the library works: ``docs/design.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -329,9 +330,8 @@ def _run(args, ckpt: Path, record: dict) -> int:
     num_blocks = args.num_blocks if not layout.grouped else 1 + (args.num_blocks - 1) * layout.num_groups
     kv = _kv_pool(model.config, num_blocks, args.block_size, args.kv_dtype, layout if layout.grouped else None)
     num_blocks = kv["blocks"]
-    rows = args.max_prefill_rows
-    if prompts is not None:  # a family of n samples or k beams is (re-)admitted in one admission
-        rows = max(rows, args.n, args.beam_width)
+    rows = args.max_prefill_rows  # None: ServingConfig resolves it
+    width = max(args.n, args.beam_width) if prompts is not None else 1
     # A beam of width k ranks k * (1 + #EOS ids) candidates per row (ServingConfig.top_candidates);
     # the workload's beams have width 4.
     candidates = max(8, (args.beam_width if prompts is not None else 4) * (1 + max(len(eos_ids), 1)))
@@ -339,9 +339,12 @@ def _run(args, ckpt: Path, record: dict) -> int:
         mgr = pk.ManagerConfig(num_blocks=num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                                max_blocks_per_seq=-(-context // args.block_size),
                                prefix_caching=not args.no_prefix_caching, groups=layout_groups(layout))
-        cfg = ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(rows, args.max_seqs),
+        cfg = ServingConfig(mgr, chunk_size=args.chunk_size,
+                            max_prefill_rows=None if rows is None else min(rows, args.max_seqs),
                             top_candidates=candidates, impl=args.impl, decode_steps=args.decode_steps,
                             batch_invariant=args.batch_invariant, kv_dtype=args.kv_dtype)
+        if width > cfg.max_prefill_rows:  # a family of n samples or k beams is (re-)admitted in one admission
+            cfg = dataclasses.replace(cfg, max_prefill_rows=min(width, args.max_seqs))
     mesh = None
     if args.tp > 1:
         from paged_kv.models import sharding
@@ -358,7 +361,8 @@ def _run(args, ckpt: Path, record: dict) -> int:
 
     print(f"paged-kv: {len(reqs)} requests on {ckpt.name} ({model.config.num_params() / 1e6:.2f}M parameters, "
           f"JAX {jax.__version__} on {jax.default_backend()}); pool of {mgr.num_blocks} blocks x "
-          f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size}"
+          f"{mgr.block_size} tokens, {mgr.max_seqs} rows, chunks of {cfg.chunk_size} in up to {cfg.max_prefill_rows} "
+          f"prefill rows, up to {cfg.decode_steps} decode steps per call"
           + (f", tensor-parallel over {args.tp} devices" if mesh is not None else ""), flush=True)
     print(f"KV pages: {kv['kv_dtype']}{' + float32 scales' if kv['quantized'] else ''}, "
           f"{kv['bytes_per_block']:,} bytes per block; a budget of {kv['budget_bytes']:,} bytes "

@@ -143,13 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per sequence at most (prompt + answer), rounded up to whole blocks, then capped by "
                         "the model's context (config.json's max_position_embeddings): a larger value serves the "
                         "model's context, and answers that reach it end early (finish reason 'length_capped')")
-    g.add_argument("--chunk-size", type=_positive, default=64, metavar="TOKENS",
-                   help="prefill positions per step")
-    g.add_argument("--max-prefill-rows", type=_positive, default=8, metavar="N",
-                   help="prompts admitted (and prefilled) together at most")
-    g.add_argument("--decode-steps", type=_positive, default=8, metavar="K",
+    # The three scheduler sizes default to ServingConfig's own (None: it resolves them; the
+    # report prints the values used), so the command line serves as the library does.
+    g.add_argument("--chunk-size", type=_positive, default=None, metavar="TOKENS",
+                   help="prefill positions per piece (default: ServingConfig's, 16)")
+    g.add_argument("--max-prefill-rows", type=_positive, default=None, metavar="N",
+                   help="prompts admitted (and prefilled) together at most (default: ServingConfig's, "
+                        "min(--max-seqs, 4096 / chunk size))")
+    g.add_argument("--decode-steps", type=_positive, default=None, metavar="K",
                    help="decode steps one device call may run while nothing needs the host in between "
-                        "(ServingConfig.decode_steps; 1: one call per step, tokens stream one at a time)")
+                        "(ServingConfig.decode_steps; default 16; 1: one call per step, tokens stream one at a time)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     g.add_argument("--tp", type=_positive, default=1, metavar="N",
                    help="tensor-parallel degree: shard the weights and KV heads over N devices "
@@ -432,7 +435,9 @@ def check_options(args: argparse.Namespace) -> None:
 
         mgr = pk.ManagerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                                max_blocks_per_seq=-(-args.max_seq_len // args.block_size))
-        ServingConfig(mgr, chunk_size=args.chunk_size, max_prefill_rows=min(args.max_prefill_rows, args.max_seqs),
+        ServingConfig(mgr, chunk_size=args.chunk_size,
+                      max_prefill_rows=None if args.max_prefill_rows is None else min(args.max_prefill_rows,
+                                                                                      args.max_seqs),
                       impl=args.impl, decode_steps=args.decode_steps, batch_invariant=args.batch_invariant,
                       kv_dtype=args.kv_dtype)
     with OptionCheck():  # your prompts and their sampling options

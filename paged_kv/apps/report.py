@@ -102,7 +102,7 @@ def build_report(engine: ServingEngine, outputs: Sequence[RequestOutput], *, ext
         "config": {"num_blocks": mgr.num_blocks, "block_size": mgr.block_size, "max_seqs": mgr.max_seqs,
                    "max_blocks_per_seq": mgr.max_blocks_per_seq, "prefix_caching": mgr.prefix_caching,
                    "chunk_size": engine.config.chunk_size, "max_prefill_rows": engine.config.max_prefill_rows,
-                   "kv_bytes_per_block": bpb},
+                   "decode_steps": engine.config.decode_steps, "kv_bytes_per_block": bpb},
         "requests": {"total": len(outputs), "finished": len(ok), "rejected": len(outputs) - len(ok),
                      "sampling_n_gt_1": sum(1 for o in outputs if not o.request.is_beam and o.request.width > 1),
                      "beam": sum(1 for o in outputs if o.request.is_beam)},

@@ -67,6 +67,9 @@ class Scheduler:
         # Every admit call has this fixed width (one compile): the context rounded up to blocks.
         self._admit_width = min(mgr.max_tokens_per_seq, -(-self.context // mgr.block_size) * mgr.block_size)
         self.host = HostState(free_rows=list(range(mgr.max_seqs)))
+        st = self.host.stats  # the sizes that ran, as resolved (``EngineStats``)
+        st.chunk_size, st.max_prefill_rows, st.decode_steps = (config.chunk_size, config.max_prefill_rows,
+                                                               config.decode_steps)
         self.outcomes = Outcomes(self.host, vocab_size)
         self._num_free = mgr.num_blocks - 1
         self._submitted = 0
@@ -388,9 +391,12 @@ class Scheduler:
                 if s.row is None or s.row not in self.host.pending:
                     continue
                 # The cache holds the prompt and every token but the one fed next (at most this
-                # many; one fewer after a re-admission): blocks for k more, one more to copy.
+                # many; one fewer after a re-admission): blocks for k more, one more to copy. A
+                # row stops on the device at its budget, so it appends no more than what is left
+                # of that (a pool sized for the requests' budgets still runs whole bursts).
                 hi = len(fam.req.prompt) + len(s.tokens)
-                need += -(-(hi + k) // bs) - -(-(hi - 1) // bs) + shared
+                steps = max(1, min(k, fam.budget - len(s.tokens)))
+                need += -(-(hi + steps) // bs) - -(-(hi - 1) // bs) + shared
         if need > self._num_free:
             return Burst(1)
         # Waiting requests did not fit now (``_try_admit`` ran first); only a row that finishes

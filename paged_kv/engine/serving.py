@@ -47,7 +47,9 @@ then processes each step's outputs in turn, so tokens, log-probs, step counts an
 are those of one call per step (``tests/test_serving_bursts.py``).
 
 The step (device, one ``jax.jit``, shapes fixed by ``R``, ``P`` (0 when no prefill chunk runs,
-else ``max_prefill_rows``: two compiled variants) and ``C = chunk_size``): ``free`` finished or preempted rows ->
+else ``max_prefill_rows``: two compiled variants; a CPU compiles one, whose chunk forward runs on
+the narrowest of ``serving_step.prefill_widths(P)`` rows that holds the step's pieces) and
+``C = chunk_size``): ``free`` finished or preempted rows ->
 ``select`` (beam reselection) -> paged prefill forward of the chunk batch ``[P, C]`` -> ``append``
 one token per decoding row, ``copy_blocks`` for copy-on-write, paged decode forward ``[R]`` ->
 ``fork`` the samples of prompts whose prefill ended -> per-row sampling (greedy / temperature /
@@ -385,7 +387,8 @@ class ServingEngine:
           requests: the workload (any order; submitted by arrival, ties in the given order).
           arrivals: arrival step per request (default: each request's ``arrival``).
           max_steps: stop after this many steps (``RuntimeError`` if work is left).
-          on_step: called after each step (progress reporting).
+          on_step: called after each step (progress reporting); after a burst of decode steps
+            (``ServingConfig.decode_steps``), once for the burst.
           on_token: streaming: called with each ``TokenDelta`` of a step (module docstring), after
             the step and before the outputs of the requests it finished are yielded.
 

@@ -166,26 +166,45 @@ def _step(graphdef, weights, pages, state: BlockManagerState, key, inp: StepInpu
         q_lens = jnp.where(valid, inp.pf_lens, 0)
         fed = jnp.arange(cfg.chunk_size, dtype=jnp.int32)[None, :] < q_lens[:, None]
         bad_tokens += jnp.sum(~in_vocab(inp.pf_tokens, vocab) & fed, dtype=jnp.int32)
-        batch = make_paged_batch(pf_tables, inp.pf_start, q_lens, cfg.chunk_size, mgr.block_size)
+        p = pr.shape[0]
 
-        def prefill(pages):
-            logits, pages = paged_forward(model, pages, batch, inp.pf_tokens, impl=cfg.impl, last_only=True,
-                                          mesh=shape.mesh, batch_invariant=cfg.batch_invariant)
-            return logits.astype(jnp.float32), pages
+        def prefill(width: int):
+            # The forward of the chunk batch's first ``width`` rows (the pieces come first,
+            # padding after them: ``build_inputs``); the other rows' logits are zeros.
+            def run(pages):
+                tables = pf_tables[:, :width] if pf_tables.ndim == 3 else pf_tables[:width]  # [G, P, M] grouped
+                batch = make_paged_batch(tables, inp.pf_start[:width], q_lens[:width], cfg.chunk_size,
+                                         mgr.block_size)
+                logits, pages = paged_forward(model, pages, batch, inp.pf_tokens[:width], impl=cfg.impl,
+                                              last_only=True, mesh=shape.mesh, batch_invariant=cfg.batch_invariant)
+                logits = logits.astype(jnp.float32)
+                if width < p:
+                    logits = jnp.concatenate([logits, jnp.zeros((p - width, vocab), jnp.float32)])
+                return logits, pages
+            return run
 
         def skipped(pages):
-            return jnp.zeros((pr.shape[0], vocab), jnp.float32), pages
+            return jnp.zeros((p, vocab), jnp.float32), pages
 
         with jax.named_scope("prefill_chunk"):
             if shape.skip_empty_chunk:
                 # One variant serves every step (``single_step_variant``): a step without a chunk
-                # (every ``pf_rows`` -1) skips the forward. The pages pass through the cond in
-                # place (tests/test_serving_variants.py checks the step for page-sized copies).
+                # (every ``pf_rows`` -1) skips the forward, and a step with ``n`` pieces runs it
+                # on the narrowest width of ``prefill_widths(P)`` that holds them (XLA:CPU runs
+                # only the branch taken), so a wide ``P`` costs a lone late arrival a narrow
+                # forward. The pages pass through the switch in place
+                # (tests/test_serving_variants.py checks the step for page-sized copies).
                 # Chosen by a static flag, not ``per_platform``, which would trace the forward
                 # twice (once per form) and cost a warm start about a second.
-                pf_logits, pages = jax.lax.cond(jnp.any(valid), prefill, skipped, pages)
+                widths = prefill_widths(p)
+                if len(widths) == 1:  # P <= 8: the forward or nothing
+                    pf_logits, pages = jax.lax.cond(jnp.any(valid), prefill(p), skipped, pages)
+                else:
+                    n = jnp.sum(valid, dtype=jnp.int32)
+                    branch = jnp.where(n == 0, 0, 1 + jnp.sum(n > jnp.asarray(widths[:-1], jnp.int32)))
+                    pf_logits, pages = jax.lax.switch(branch, [skipped, *(prefill(w) for w in widths)], pages)
             else:
-                pf_logits, pages = prefill(pages)
+                pf_logits, pages = prefill(p)(pages)
 
     state, pages, logits, status, copies = decode_appended(model, pages, mgr, state, rows, inp.dec_tokens, res,
                                                            impl=cfg.impl, mesh=shape.mesh,
@@ -383,6 +402,18 @@ def build_inputs(config: ServingConfig, free_ids: np.ndarray, select_pairs: Sequ
                      token_idx=token_idx, beam=beam, left=left, eos=eos, n_steps=i32(n_steps),
                      stop_on_finish=np.full((r,), stop_on_finish, bool))
     return inp, pf
+
+
+def prefill_widths(prefill_rows: int) -> tuple[int, ...]:
+    """The chunk-batch widths a CPU step chooses from (``_step``): 8, 32, 128, ... (times 4) below
+    ``prefill_rows`` (``P``), then ``P`` itself. Each is one more trace of the forward in the
+    step program (more compile time), so the ladder is geometric: a step's forward runs on at
+    most 4x the rows its pieces need."""
+    widths, w = [], 8
+    while w < prefill_rows:
+        widths.append(w)
+        w *= 4
+    return (*widths, prefill_rows)
 
 
 def single_step_variant(pages: jax.Array | QuantPages) -> bool:

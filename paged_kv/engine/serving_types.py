@@ -20,7 +20,11 @@ from paged_kv.pallas_kernels import IMPLS
 from paged_kv.pallas_kernels.plan import ExecutionPlan, check_early, make_plan
 
 MAX_DECODE_STEPS = 256  # a burst's outputs are K steps' worth; this bounds that buffer
-DEFAULT_PREFILL_ROWS = 8  # ServingConfig.max_prefill_rows when not given (at most max_seqs)
+# The defaults ``ServingConfig`` resolves when a value is left None (docs/benchmarks.md,
+# "Serving engine against the on-device loop", has the measurements behind them).
+DEFAULT_CHUNK_SIZE = 16  # C: short prompts pad little; a long one takes several of a step's P rows
+PREFILL_TOKENS = 4096  # P * C at most: a step's chunk batch when a whole burst of arrivals prefills
+DEFAULT_DECODE_STEPS = 16  # K: decode steps per device call while nothing needs the host
 
 FINISH_REASONS = ("eos", "length", "length_capped", "aborted")
 """Why a sample or beam hypothesis of a serving request ended (``RequestOutput.finish_reasons``,
@@ -33,17 +37,24 @@ class ServingConfig:
 
     Attributes:
       manager: the block manager's config; ``max_seqs`` is the batch ``R`` of every step.
-      chunk_size: prefill positions per step (the ``C`` of the ``[P, C]`` prefill batch).
+      chunk_size: prefill positions per piece (the ``C`` of the ``[P, C]`` prefill batch); a
+        prompt longer than ``C`` takes several of a step's ``P`` rows while rows are free
+        (``serving_step.prefill_pieces``). None (the default): 16.
       max_prefill_rows: prompts per admission (cohort) at most: the ``P`` of the prefill batch
         of a step that runs a chunk (0 otherwise), and the shape of every ``admit`` call. Also the
         widest ``n`` / beam width a request may have (a preempted one is re-admitted as a unit).
-        At most ``manager.max_seqs``; None (the default): ``min(8, manager.max_seqs)``.
+        At most ``manager.max_seqs``; None (the default): ``min(manager.max_seqs, 4096 // C)``,
+        so that a burst of arrivals filling every row is prefilled in one cohort. On a CPU a
+        step's chunk forward runs on the fewest rows of a ladder of widths (8, 32, 128, ... up to
+        ``P``) that holds its pieces (``serving_step.prefill_widths``), so a wide ``P`` costs a
+        lone late arrival little.
       top_candidates: log-probabilities returned per row for beam search; a beam request needs
         ``k * (1 + max(#EOS ids, 1)) <= top_candidates``.
       impl: kernel implementation (``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``).
       record_tables: read the block tables back every step (sharing statistics, the block-table
         picture); costs one ``[R, max_blocks_per_seq]`` transfer per step.
-      decode_steps: decode steps one device call may run (``K``; 1: one step per call). With
+      decode_steps: decode steps one device call may run (``K``; 1: one step per call; None,
+        the default: 16). With
         ``K > 1`` a call runs up to ``K`` steps while nothing needs the host between them: no
         prompt is being prefilled, no beam runs, every row's blocks for ``K`` more
         tokens are free, and the next arrival of ``run`` is at least ``K`` steps away (with
@@ -51,8 +62,8 @@ class ServingConfig:
         on the device at an EOS id or their token budget; the host then processes each step's
         outputs as if they had come one call at a time (same tokens, log-probs and statistics
         per step; a finished row's blocks are freed at the next call instead of the next step).
-        Saves the host's per-step work and a dispatch per step; streaming arrives ``K`` tokens
-        at a time.
+        Saves the host's per-step work and a dispatch per step; streaming arrives up to ``K``
+        tokens at a time (``run`` never runs a burst past the next arrival).
       batch_invariant: every request's tokens and log-probs the same bits whatever its
         batchmates, row, ``max_seqs``, chunking, prefix-cache hits and preemptions, equal to
         ``generate``'s in the same mode and to ``paged_kv.models.contiguous.score_tokens``
@@ -67,22 +78,29 @@ class ServingConfig:
     """
 
     manager: ManagerConfig
-    chunk_size: int = 64
+    chunk_size: int | None = None
     max_prefill_rows: int | None = None
     top_candidates: int = 8
     impl: str = "auto"
     record_tables: bool = True
-    decode_steps: int = 1
+    decode_steps: int | None = None
     batch_invariant: bool = False
     kv_dtype: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.manager, ManagerConfig):
             raise ValueError(f"manager must be a ManagerConfig, got {type(self.manager).__name__}")
-        if self.max_prefill_rows is None:
-            object.__setattr__(self, "max_prefill_rows", min(DEFAULT_PREFILL_ROWS, self.manager.max_seqs))
+        # None resolves here, once: the config (a jit key) and everything reporting it hold the
+        # values used (``EngineStats``, the CLI's report), never "auto".
+        if self.chunk_size is None:
+            object.__setattr__(self, "chunk_size", DEFAULT_CHUNK_SIZE)
+        if self.decode_steps is None:
+            object.__setattr__(self, "decode_steps", DEFAULT_DECODE_STEPS)
         for name, lo in (("chunk_size", 1), ("max_prefill_rows", 1), ("top_candidates", 2), ("decode_steps", 1)):
             v = getattr(self, name)
+            if name == "max_prefill_rows" and v is None:
+                v = max(1, min(self.manager.max_seqs, PREFILL_TOKENS // self.chunk_size))
+                object.__setattr__(self, name, v)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}={v!r} must be an int >= {lo}")
         if self.decode_steps > MAX_DECODE_STEPS:
@@ -262,8 +280,14 @@ class TokenDelta:
 
 @dataclasses.dataclass
 class EngineStats:
-    """Engine-wide statistics (``ServingEngine.stats()``)."""
+    """Engine-wide statistics (``ServingEngine.stats()``).
 
+    ``chunk_size``, ``max_prefill_rows`` and ``decode_steps`` are the engine's ``ServingConfig``
+    values as resolved (its defaults), so that a report says what ran."""
+
+    chunk_size: int = 0
+    max_prefill_rows: int = 0
+    decode_steps: int = 0
     steps: int = 0
     prefill_steps: int = 0
     generated_tokens: int = 0

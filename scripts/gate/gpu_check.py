@@ -254,7 +254,8 @@ def check_engine(layers: int, impl: str = "pallas", smoke: bool = False) -> dict
   print("generate:", out["generate"], flush=True)
   del pages
 
-  scfg = ServingConfig(manager=mgr, chunk_size=256, max_prefill_rows=min(8, batch), impl=impl, record_tables=False)
+  scfg = ServingConfig(manager=mgr, chunk_size=256, max_prefill_rows=min(8, batch), impl=impl, record_tables=False,
+                       decode_steps=1)  # the one-step program, as the gate's figures were measured
   eng = ServingEngine(model, scfg)
   reqs = [Request(tuple(int(x) for x in rng.integers(0, cfg.vocab_size, prompt)),
                   SamplingParams(max_new_tokens=new, ignore_eos=True), arrival=i // 8) for i in range(batch)]

@@ -606,7 +606,7 @@ def _llama_programs(target: str, variant: str, layers: int = 32):
         seed=v(), sample_idx=v(), token_idx=v())
 
   scfg = es.ServingConfig(manager=mgr, chunk_size=512, max_prefill_rows=4, top_candidates=8, impl="pallas",
-                          record_tables=False)
+                          record_tables=False, decode_steps=1)  # the gate checks the one-step program
   if variant == "tp2":
     shape = ss.StepShape(scfg, 0, mesh)
     progs["serving_step_decode_tp2"] = (ss.step_jit, (graphdef, w, pages, state, key, step_inputs(1, 512)),
