@@ -46,21 +46,9 @@ class AppendResult:
 
 
 @flax.struct.dataclass
-class ExtendResult:
-    """What ``spans.extend`` tells the model and the copy kernel.
-
-    Attributes:
-      status: int32 ``[B]``, a ``Status`` per row.
-      slots: int32 ``[B, K]`` (``[B, K, G]`` with KV-cache groups): where the K/V of the span's
-        token ``i`` goes; slot 0 of the null block past ``num_new`` and for rows that did not
-        take effect.
-      copy_src, copy_dst: int32 ``[B]`` (``[B, G]``), the copy-on-write list (a shared, partly
-        full last block), ``(NULL_BLOCK, NULL_BLOCK)`` where no copy; copy before writing K/V.
-      num_copies: int32 scalar, real entries in the copy list.
-    """
-
-    status: jax.Array
-    slots: jax.Array
-    copy_src: jax.Array
-    copy_dst: jax.Array
-    num_copies: jax.Array
+class ExtendResult(AppendResult):
+    """What ``spans.extend`` tells the model and the copy kernel: ``AppendResult``'s fields, for a
+    span of up to ``K`` tokens per row. ``slots`` is int32 ``[B, K]`` (``[B, K, G]`` with KV-cache
+    groups): where the K/V of the span's token ``i`` goes, slot 0 of the null block past
+    ``num_new`` and for rows that did not take effect; the copy list is ``[B]`` (``[B, G]``), as
+    ``append``'s: copy before writing K/V."""

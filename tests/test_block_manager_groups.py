@@ -338,10 +338,9 @@ class GroupedMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def append(self, data):
-        running = self.running()
-        if not running:
+        ids = self.pick(data)
+        if not ids:
             return
-        ids = self.some(data, running)
         toks = [DOC[self.ref.num_tokens[s] % len(DOC)] for s in ids]
         _append_both(self.bm, self.ref, ids, toks)
 
@@ -366,21 +365,24 @@ class GroupedMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def free(self, data):
-        running = self.running()
-        if not running:
+        ids = self.pick(data)
+        if not ids:
             return
-        ids = self.some(data, running)
         assert self.bm.free(ids).tolist() == [int(x) for x in self.ref.free(ids)]
         self.same -= set(ids)
+
+    def pick(self, data) -> list[int]:
+        """Some running rows (none when nothing runs)."""
+        running = self.running()
+        return self.some(data, running) if running else []
 
     # -- spans ---------------------------------------------------------------------------------
 
     @rule(data=st.data(), commit=st.booleans())
     def extend(self, data, commit):
-        running = self.running()
-        if not running:
+        ids = self.pick(data)
+        if not ids:
             return
-        ids = self.some(data, running)
         toks = [data.draw(st.lists(st.integers(0, 2), max_size=6)) for _ in ids]
         got = self.bm.extend(ids, toks, commit=commit)
         k = max([len(t) for t in toks] + [1])
@@ -390,20 +392,18 @@ class GroupedMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def commit(self, data):
-        running = self.running()
-        if not running:
+        ids = self.pick(data)
+        if not ids:
             return
-        ids = self.some(data, running)
         toks = [data.draw(st.lists(st.integers(0, 2), max_size=self.ref.uncommitted.get(s, 0) + 1)) for s in ids]
         got = self.bm.commit(ids, toks)
         assert got.tolist() == [int(x) for x in self.ref.commit(ids, [len(t) for t in toks], toks, 1 << 20)]
 
     @rule(data=st.data(), keep=st.booleans())
     def truncate(self, data, keep):
-        running = self.running()
-        if not running:
+        ids = self.pick(data)
+        if not ids:
             return
-        ids = self.some(data, running)
         ends = [(self.ref.num_tokens[s] - self.ref.uncommitted.get(s, 0), self.ref.num_tokens[s]) for s in ids]
         lens = [data.draw(st.integers(max(0, c - 1), n + 1)) for c, n in ends]
         got = self.bm.truncate(ids, lens, keep_reserved=keep)
