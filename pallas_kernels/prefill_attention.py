@@ -67,8 +67,11 @@ def _prefill_kernel(layer_ref, start_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref,
     # query sees (the rule never decreases with the position), so tiles wholly before every
     # row's range (and the null blocks a local-attention manager puts there) are never read. A
     # code of 0 is full attention.
+    # The first position depends on the row only: one column, not a [rows, keys] tile, kept live
+    # across the key loop (a tile of it spilled registers on sm_80 with soft_cap).
     window = window_ref[0]
-    first_pos = window_start(q_pos, window)  # [rows, keys]
+    row_pos = q_start + (first_row + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)) // group
+    first_pos = window_start(row_pos, window)  # [rows, 1]
     earliest = window_start(q_start + first_row // group, window)
     first_tile = earliest // tile_keys
 

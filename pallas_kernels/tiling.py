@@ -163,7 +163,12 @@ TABLES = {"decode": DECODE_TABLE, "prefill": PREFILL_TABLE}
 # Rows that differ when a knob is on, keyed (kernel, dtype, head_dim, Knobs); a configuration
 # without an entry here uses its no-knob row (the gate compiles every knob on every row at
 # head_dim 64/128/256 and fails on a spill, so a missing entry is a checked one).
-KNOB_TABLES: dict[tuple[str, str, int, Knobs], AttentionTile] = {}
+# Prefill, float32 at head_dim 256 with a soft cap and a window: the 32 x 32 tile spilled 8 B at
+# 128 registers on sm_80 once the window became the attention kind's rule (a chunk's start is a
+# division by a traced size); 16 rows x 32 keys halve the accumulator per thread.
+KNOB_TABLES: dict[tuple[str, str, int, Knobs], AttentionTile] = {
+    ("prefill", "float32", 256, Knobs(soft_cap=True, window=True)): _row(32, 16, warps=8),
+}
 
 
 def table_row(kernel: str, dtype: DTypeLike, head_dim: int, knobs: Knobs = NO_KNOBS) -> AttentionTile:
