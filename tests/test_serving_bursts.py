@@ -19,9 +19,9 @@ TOK = ByteTokenizer()
 MGR = pk.ManagerConfig(num_blocks=520, block_size=16, max_seqs=8, max_blocks_per_seq=8)
 
 
-def _cfg(k, manager=MGR):
+def _cfg(k, manager=MGR, record_tables=True):
     return ServingConfig(manager, chunk_size=16, max_prefill_rows=4, top_candidates=8, impl="reference",
-                         decode_steps=k)
+                         decode_steps=k, record_tables=record_tables)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def _requests(eos):
     return reqs
 
 
-def _run(model, cfg, reqs, monkeypatch=None):
+def _run(model, cfg, reqs, monkeypatch=None, stream=True):
     calls = []
     orig = serving_step.packed_step_jit
 
@@ -61,8 +61,8 @@ def _run(model, cfg, reqs, monkeypatch=None):
         streamed.setdefault((d.request_id, d.index), []).extend(d.tokens)
 
     outs = {o.request_id: (o.tokens, o.logprobs, o.scores, o.finish_reasons,
-                           (o.stats.arrival_step, o.stats.first_token_step, o.stats.admissions))
-            for o in eng.run(reqs, on_token=on_token)}
+                           (o.stats.arrival_step, o.stats.first_token_step, o.stats.finish_step, o.stats.admissions))
+            for o in eng.run(reqs, on_token=on_token if stream else None)}
     if monkeypatch is not None:
         monkeypatch.setattr(serving_step, "packed_step_jit", orig)
     return outs, eng.stats(), len(calls), streamed
@@ -75,7 +75,8 @@ def _same(a, b):
         for x, y in zip(a[rid][1] or [], b[rid][1] or []):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         assert a[rid][2] == b[rid][2], rid
-        assert a[rid][4] == b[rid][4], rid  # admitted and answered at the same steps
+        assert a[rid][4] == b[rid][4], rid  # admitted, answered and finished at the same steps
+    assert list(a) == list(b)  # and finished in the same order
 
 
 def _eos_the_model_samples(model):
@@ -98,6 +99,40 @@ def test_a_burst_gives_the_bits_of_one_call_per_step(model, monkeypatch):
     assert burst_stats.prefill_steps == one_stats.prefill_steps
     assert burst_stream == one_stream
     assert burst_calls < one_calls  # the bursts ran: fewer device calls for the same steps
+
+
+@pytest.mark.parametrize("waiting,tables", [(False, True), (False, False), (True, True)])
+def test_a_burst_processed_at_once_gives_what_one_step_at_a_time_does(model, monkeypatch, waiting, tables):
+    """Without streaming, the host takes a burst's steps at once (``Outcomes.process_burst``):
+    the same tokens, log-probs, finish reasons and steps, and the requests finish in the same
+    order, with rows that end mid-burst at an EOS or their budget, with requests waiting, and
+    (without ``record_tables``, whose sharing statistics need each step) a family of n = 2."""
+    from paged_kv.engine.outcomes import Outcomes
+
+    eos = _eos_the_model_samples(model)
+    taken = []
+    orig = Outcomes.process_burst
+
+    def spy(self, outs):
+        taken.append(orig(self, outs))
+        return taken[-1]
+
+    if waiting:
+        mgr = pk.ManagerConfig(num_blocks=200, block_size=16, max_seqs=4, max_blocks_per_seq=8)
+        texts = ["The cow says", "Once upon a time", "Hello, world", "A bird", "Let us count: 1, 2,"]
+        reqs = [Request(TOK.encode(t), SamplingParams(max_new_tokens=5 + 6 * (i % 3), temperature=0.7 * (i % 2),
+                                                      eos_token_ids=eos if i % 2 == 0 else ()),
+                        request_id=i) for i, t in enumerate(texts + texts[::-1])]
+    else:
+        mgr, reqs = MGR, [r for r in _requests(eos) if r.request_id != "beam"]
+    one, one_stats, *_ = _run(model, _cfg(1, mgr, tables), reqs, stream=False)
+    monkeypatch.setattr(Outcomes, "process_burst", spy)
+    burst, burst_stats, *_ = _run(model, _cfg(8, mgr, tables), reqs, stream=False)
+    _same(burst, one)
+    assert any(r == "eos" for o in one.values() for r in o[3])
+    assert (burst_stats.steps, burst_stats.generated_tokens, burst_stats.finished) == (
+        one_stats.steps, one_stats.generated_tokens, one_stats.finished)
+    assert any(taken)  # bursts were taken at once
 
 
 def test_a_tight_pool_runs_single_steps_and_preempts_as_before(model):

@@ -86,6 +86,59 @@ class Outcomes:
         if failed:
             self._preempt_newest()
 
+    def process_burst(self, outs: list[StepOutputs]) -> bool:
+        """A decode burst's ``K`` steps (``outs``, no prefill) at once: each row's tokens up to its
+        end go to its sample in one list operation, then the rows that ended finish in the order
+        ``process`` would have finished them one step at a time (by step, then by row order), with
+        the engine's clock at their step. The result is the same as ``process`` on each step in
+        turn; the host work per burst is a few numpy calls and one pass over the rows, not one
+        pass per step (at 32 rows, about 9 ms of a 120 ms run goes to ``process``).
+
+        Returns False, changing nothing, unless every row of the burst is a running sample whose
+        first token is out, each step it ran is OK, and nothing streams deltas (their per-step
+        order is kept by ``process``); the caller then processes the steps one at a time.
+        Leaves ``host.step_count`` at its value plus ``K``."""
+        host = self.host
+        if host.deltas is not None:
+            return False
+        k, base = len(outs), host.step_count
+        status = np.stack([o.status for o in outs])  # [K, R]
+        tokens = np.stack([o.tokens for o in outs])
+        plan = []  # (end step, row order, family, sample, row, tokens taken, finishes)
+        for order, row in enumerate(host.pending):
+            owner = host.row_owner.get(row)
+            if owner is None or owner[0].phase is not Phase.RUNNING:
+                return False
+            fam = owner[0]
+            if fam.req.is_beam or fam.stats.first_token_step is None:
+                return False
+            s = next(s for s in fam.samples if s.row == row)
+            eos = np.flatnonzero(np.isin(tokens[:, row], fam.req.params.eos_token_ids))
+            end = min(fam.budget - len(s.tokens) - 1, int(eos[0]) if eos.size else k)
+            finishes = end < k
+            n = end + 1 if finishes else k
+            if (status[:n, row] != Status.OK).any():
+                return False
+            plan.append((end, order, fam, s, row, n, finishes))
+        logprobs = np.stack([o.logprobs for o in outs])
+        now = time.perf_counter()
+        host.pending.clear()
+        for _, _, _, s, row, n, finishes in plan:
+            s.tokens.extend(tokens[:n, row].tolist())
+            s.logprobs.extend(logprobs[:n, row].tolist())
+            host.stats.generated_tokens += n
+            if not finishes:
+                host.pending[row] = s.tokens[-1]
+        for end, _, fam, s, row, _, _ in sorted((p for p in plan if p[-1]), key=lambda p: p[:2]):
+            host.step_count = base + end + 1
+            s.finish = "eos" if s.tokens[-1] in fam.req.params.eos_token_ids else fam.length_reason()
+            s.row = None
+            self._release_row(fam, row)
+            if all(x.finish is not None for x in fam.samples):
+                self._finish(fam, now)
+        host.step_count = base + k
+        return True
+
     def _first_token(self, fam: Family, now: float) -> None:
         if fam.stats.first_token_step is None:
             fam.stats.first_token_step = self.host.step_count

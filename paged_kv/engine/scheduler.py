@@ -355,13 +355,21 @@ class Scheduler:
         st.schedule_s += t_inputs - t0
         st.inputs_s += t1 - t_inputs
         st.device_s += t_process - t1
-        for i, out in enumerate(outs if isinstance(outs, list) else [outs]):
-            self.step_count += 1
+        outs = outs if isinstance(outs, list) else [outs]
+        # A burst's steps at once when nothing needs them one by one (``Outcomes.process_burst``;
+        # the sharing statistics of ``record_tables`` count only families of two rows or more).
+        at_once = (len(outs) > 1 and pf is None
+                   and not (cfg.record_tables and any(f.width > 1 for f in self.host.running.values()))
+                   and self.outcomes.process_burst(outs))
+        for i, out in enumerate(outs):
             st.steps += 1
             st.copies += int(out.copies)
             st.bad_tokens += int(out.bad_tokens)
             self._num_free = int(out.num_free)
             st.peak_blocks_used = max(st.peak_blocks_used, self.manager.num_blocks - 1 - self._num_free)
+            if at_once:
+                continue
+            self.step_count += 1
             self.outcomes.process(out, pf if i == 0 else None)
             if cfg.record_tables:
                 self.snapshot = F.record_sharing(st, self.snapshot, self.host.running.values(),
