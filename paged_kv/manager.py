@@ -79,6 +79,30 @@ def _as_list(values, what: str, of: str, ndim: int = 1) -> list:
         raise ValueError(f"{what} must be a sequence of {of}, got {type(values).__name__}: {e}") from None
 
 
+def _ints(values: list) -> np.ndarray | None:
+    """``values`` as int64 numpy when each is a Python or NumPy integer (no bool) that fits, else
+    None (the caller then walks the values for a precise error)."""
+    if not all(t is int or (issubclass(t, np.integer) and t is not np.bool_) for t in set(map(type, values))):
+        return None
+    try:
+        return np.asarray(values, dtype=np.int64) if values else np.zeros((0,), np.int64)
+    except OverflowError:
+        return None
+
+
+def _tokens(values: list, message) -> list[int]:
+    """``values`` as ints, each a token id in [0, 2**31); else ``ValueError(message(pos, tok))``
+    for the first bad one. One numpy check for the common case; the message is built only for a
+    bad value."""
+    arr = _ints(values)
+    if arr is not None and (arr.size == 0 or (arr.min() >= 0 and arr.max() < 2**31)):
+        return arr.tolist()
+    for pos, tok in enumerate(values):
+        if not is_int(tok) or not 0 <= tok < 2**31:
+            raise ValueError(f"{message(pos, tok)} (token ids are ints in [0, 2**31))")
+    return [int(t) for t in values]
+
+
 class BlockManager:
     """Owns a ``BlockManagerState`` and updates it through the jitted operations.
 
@@ -120,6 +144,10 @@ class BlockManager:
         ids = _as_list(seq_ids, f"{what}: {arg}", "sequence ids")
         if len(ids) > self.config.max_seqs:
             raise ValueError(f"{what}: {len(ids)} sequence ids in one call; max_seqs is {self.config.max_seqs}")
+        arr = _ints(ids)
+        if arr is not None and (arr.size == 0 or (arr.min() >= 0 and arr.max() < self.config.max_seqs
+                                                  and np.unique(arr).size == arr.size)):
+            return arr.tolist()  # the common case in a few numpy calls; the loop below names a bad id
         seen = set()
         for sid in ids:
             sid = self._check_id(sid, what)
@@ -128,13 +156,10 @@ class BlockManager:
             seen.add(sid)
         return [int(s) for s in ids]
 
-    @staticmethod
-    def _check_token(tok, where: str) -> int:
-        if not is_int(tok) or not 0 <= tok < 2**31:
-            raise ValueError(f"{where} (token ids are ints in [0, 2**31))")
-        return int(tok)
-
     def _check_running(self, ids: Sequence[int], what: str) -> None:
+        active = np.asarray(self.state.active)
+        if all(is_int(i) and 0 <= i < active.size for i in ids) and active[list(ids)].all():
+            return
         running = self.running()
         for sid in ids:
             if sid not in running:
@@ -177,10 +202,9 @@ class BlockManager:
                     f"most {limit} (max_blocks_per_seq={self.config.max_blocks_per_seq} x "
                     f"block_size={self.config.block_size})"
                 )
-            for pos, tok in enumerate(prompt):
-                self._check_token(tok, f"admit: prompt of sequence {sid} has invalid token id {_show(tok)} "
-                                       f"at position {pos}")
-        prompts = [[int(t) for t in p] for p in prompts]
+        prompts = [_tokens(prompt, lambda pos, tok, sid=sid: f"admit: prompt of sequence {sid} has invalid "
+                                                            f"token id {_show(tok)} at position {pos}")
+                   for sid, prompt in zip(ids, prompts)]
         salts = [int(t) for t in salts]
         self._check_not_running(ids, "admit")
         if not ids:
@@ -219,8 +243,8 @@ class BlockManager:
         token_ids = _as_list(token_ids, "append: token_ids", "token ids")
         if len(token_ids) != len(ids):
             raise ValueError(f"append: {len(ids)} sequence ids but {len(token_ids)} token ids")
-        token_ids = [self._check_token(tok, f"append: invalid token id {_show(tok)} for sequence {sid}")
-                     for sid, tok in zip(ids, token_ids)]
+        token_ids = _tokens(token_ids,
+                            lambda pos, tok: f"append: invalid token id {_show(tok)} for sequence {ids[pos]}")
         self._check_running(ids, "append")
         if not ids:
             empty = np.zeros((0,), np.int32)
@@ -290,8 +314,7 @@ class BlockManager:
             if len(toks) > self.config.max_tokens_per_seq:
                 raise ValueError(f"{what}: {len(toks)} tokens for sequence {sid}; a sequence holds at most "
                                  f"{self.config.max_tokens_per_seq}")
-            rows.append([self._check_token(t, f"{what}: invalid token id {_show(t)} for sequence {sid}")
-                         for t in toks])
+            rows.append(_tokens(toks, lambda _, t, sid=sid: f"{what}: invalid token id {_show(t)} for sequence {sid}"))
         size = _bucket(len(ids), self.config.max_seqs)
         width = _bucket(max([len(r) for r in rows] + [1]), self.config.max_tokens_per_seq)
         tokens = np.zeros((size, width), np.int32)
