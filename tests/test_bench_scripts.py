@@ -124,6 +124,18 @@ def test_bench_block_manager(tmp_path):
     assert r["jit_call_us"] > 0 and r["select_call_us"] > 0 and r["jit_loop_us"] > 0 and r["reference_us"] > 0
 
 
+def test_bench_host_calls(tmp_path):
+    out = tmp_path / "h.json"
+    argv = ["--batches", "1", "--steps", "20", "--no-vllm", "--out", str(out)]
+    in_process("bench_host_calls", argv)
+    data = read(out, "bench_host_calls", argv)
+    assert data["vllm"] == "not run (--no-vllm)"
+    assert [(r["batch"], r["prefix_caching"]) for r in data["rows"]] == [(1, True), (1, False)]
+    for r in data["rows"]:
+        assert r["host_call_us"] > 0 and r["program_us"] > 0 and r["dispatch_floor_us"] > 0
+        assert r["vllm_step_us"] is None and r["ratio"] is None
+
+
 def test_bench_prefix_cache(tmp_path):
     out, argv = tmp_path / "pc.json", ["--smoke"]
     argv += ["--out", str(out)]
