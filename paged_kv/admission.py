@@ -48,8 +48,19 @@ def admit(
     prompt_lens: jax.Array,
     prompt_tokens: jax.Array | None = None,
     salts: jax.Array | None = None,
+    *,
+    chunk: jax.Array | None = None,
 ) -> tuple[BlockManagerState, AdmitResult]:
     """Starts sequences with their prompts.
+
+    Chunked admission (``chunk`` given): the prefix cache is looked up over the whole prompt, but
+    a row takes blocks only for its hit and the rest of the chunk that holds its first uncomputed
+    token, the prompt being cut at the multiples of ``chunk[b]`` (the serving engine's prefill
+    pieces): ``min(len, (hit // chunk + 1) * chunk)`` tokens, ``hit`` in tokens (vLLM's
+    scheduler also allocates a prefill chunk at a time). The rest of the prompt then comes chunk
+    by chunk through ``spans.extend(..., commit=True)``, whose window reclaim keeps a window group
+    at a window's worth of blocks. Implemented for grouped configurations
+    (``ManagerConfig.grouped``) and without prefix caching.
 
     Args:
       seq_ids: int32 ``[B]`` free rows to start (< 0: padding).
@@ -58,6 +69,9 @@ def admit(
         ``L <= max_tokens_per_seq``, and each length must be ``<= L``).
       salts: uint32/int32 ``[B]`` cache salts: requests share cached blocks only with equal salts
         (default all 0).
+      chunk: int32 ``[B]``, optional: the prefill chunk (``>= 1``, else ``BAD_LENGTH``); a row
+        then holds ``num_tokens = min(len, (hit // chunk + 1) * chunk)`` tokens, all committed.
+        None: the whole prompt.
 
     Returns:
       The new state and an ``AdmitResult``.
@@ -68,10 +82,16 @@ def admit(
         prompt_tokens = inputs.int_array("admit", "prompt_tokens", prompt_tokens, ndim=2, batch=b)
     if salts is not None:
         salts = inputs.int_array("admit", "salts", salts, ndim=1, batch=b, unsigned_ok=True)
+    if chunk is not None:
+        chunk = inputs.int_array("admit", "chunk", chunk, ndim=1, batch=b)
+        if config.prefix_caching and not config.grouped:
+            raise ValueError("admit: chunk is implemented for grouped configurations (ManagerConfig.grouped) "
+                             "and without prefix caching; this configuration has one full group with prefix "
+                             "caching")
     if config.grouped and not config.prefix_caching:
-        return groups.admit(config, state, seq_ids, prompt_lens, None, salts)
+        return groups.admit(config, state, seq_ids, prompt_lens, None, salts, chunk)
     if not config.prefix_caching:
-        state, status = _admit_fresh(config, state, seq_ids, prompt_lens)
+        state, status = _admit_fresh(config, state, seq_ids, prompt_lens, chunk)
         zero = jnp.zeros_like(status)
         return state, AdmitResult(status=status, cached_tokens=zero, shared_tokens=zero)
     if prompt_tokens is None:
@@ -88,14 +108,19 @@ def admit(
     if salts is None:
         salts = jnp.zeros(seq_ids.shape, jnp.uint32)
     if config.grouped:
-        return groups.admit(config, state, seq_ids, prompt_lens, prompt_tokens, salts)
+        return groups.admit(config, state, seq_ids, prompt_lens, prompt_tokens, salts, chunk)
     return _admit_cached(config, state, seq_ids, prompt_lens, prompt_tokens, salts)
 
 
-def _admit_fresh(config, state, seq_ids, prompt_lens):
-    """Admission without the cache: every block fresh from the queue front."""
+def _admit_fresh(config, state, seq_ids, prompt_lens, chunk=None):
+    """Admission without the cache: every block fresh from the queue front (with ``chunk``, for
+    the first ``min(len, chunk)`` tokens)."""
     bs, m = config.block_size, config.max_blocks_per_seq
     status, sid, lens = check_lengths(config, state, seq_ids, prompt_lens, config.max_tokens_per_seq)
+    if chunk is not None:
+        chunk = jnp.asarray(chunk).astype(jnp.int32)
+        status = jnp.where((status == Status.OK) & (chunk < 1), Status.BAD_LENGTH, status)
+        lens = jnp.minimum(lens, jnp.maximum(chunk, 1))  # no hit: the first chunk
     need = jnp.where(status == Status.OK, (lens + bs - 1) // bs, 0)
     fits = first_come_first_served(need, state.queue.num_free)
     status = jnp.where((status == Status.OK) & ~fits, Status.NO_FREE_BLOCKS, status)

@@ -287,9 +287,11 @@ def _append_row(config: ManagerConfig, state: BlockManagerState, tables: jax.Arr
 
 
 def admit(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, prompt_lens: jax.Array,
-          prompt_tokens: jax.Array | None, salts: jax.Array | None) -> tuple[BlockManagerState, AdmitResult]:
+          prompt_tokens: jax.Array | None, salts: jax.Array | None, chunk: jax.Array | None = None
+          ) -> tuple[BlockManagerState, AdmitResult]:
     """``admission.admit`` with groups (checked inputs; ``prompt_tokens`` int32 ``[B, L]`` and
-    ``salts`` uint32 ``[B]`` required with prefix caching). Returns the state and an
+    ``salts`` uint32 ``[B]`` required with prefix caching; ``chunk`` int32 ``[B]`` or None: a
+    row takes blocks for ``min(len, (h * block_size // chunk + 1) * chunk)`` tokens). Returns the state and an
     ``admission.AdmitResult``."""
     bs = config.block_size
     b = seq_ids.shape[0]
@@ -306,6 +308,10 @@ def admit(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, p
         tokens = jnp.zeros((b, c * bs), jnp.int32)
         chains = jnp.zeros((b, c, 2), jnp.uint32)
     status0, sid, lens = check_lengths(config, state, seq_ids, prompt_lens, length)
+    xs = (status0, sid, lens, tokens.reshape(b, c, bs), salts, chains)
+    if chunk is not None:  # a scan input only when given: the default program stays as it was
+        chunk = jnp.asarray(chunk).astype(jnp.int32)
+        xs = (jnp.where((status0 == Status.OK) & (chunk < 1), Status.BAD_LENGTH, status0), *xs[1:], chunk)
     tables = state.tables
     pending = jnp.zeros((config.num_blocks,), bool)
 
@@ -313,8 +319,7 @@ def admit(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array, p
         return _admit_row(config, c, *carry, *x)
 
     carry = (state, tables, jnp.bool_(False), pending)
-    (state, tables, _, _), (status, cached, shared) = lax.scan(
-        row, carry, (status0, sid, lens, tokens.reshape(b, c, bs), salts, chains))
+    (state, tables, _, _), (status, cached, shared) = lax.scan(row, carry, xs)
     return state.with_tables(tables), AdmitResult(status=status, cached_tokens=cached, shared_tokens=shared)
 
 
@@ -409,16 +414,16 @@ def _joined_classes(cache: prefix_cache.PrefixCache, g: int, h: jax.Array, chain
 
 def _admit_row(config: ManagerConfig, c: int, state: BlockManagerState, tables: jax.Array, blocked: jax.Array,
                pending: jax.Array, status: jax.Array, s: jax.Array, length: jax.Array, block_tokens: jax.Array,
-               salt: jax.Array, chains: jax.Array):
+               salt: jax.Array, chains: jax.Array, chunk: jax.Array | None = None):
     """One row of ``admit``: ``((state, tables, blocked, pending), (status, cached_tokens,
     shared_tokens))``; ``pending`` (bool ``[num_blocks]``) marks the blocks rows of this call
-    took fresh."""
+    took fresh. The hit is looked up over the prompt's ``length`` tokens; the row then holds
+    ``min(length, (h * bs // chunk + 1) * chunk)`` of them, to the end of the chunk its first
+    uncomputed token lies in (``held``; all without ``chunk``)."""
     bs, n, m = config.block_size, config.num_blocks, config.max_blocks_per_seq
     g_count = config.num_groups
     ok0 = status == Status.OK
     j = jnp.arange(c, dtype=jnp.int32)
-    n_blocks = jnp.where(ok0, (length + bs - 1) // bs, 0)
-    n_full = length // bs
     n_cacheable = (length - 1) // bs
     if config.prefix_caching:
         h, lead, cands, verified, classes = _hit_length(
@@ -426,6 +431,9 @@ def _admit_row(config: ManagerConfig, c: int, state: BlockManagerState, tables: 
     else:
         h = jnp.int32(0)
         cands = jnp.full((g_count, c), -1, jnp.int32)
+    held = length if chunk is None else jnp.minimum(length, (h * bs // jnp.maximum(chunk, 1) + 1) * chunk)
+    n_blocks = jnp.where(ok0, (held + bs - 1) // bs, 0)
+    n_full = held // bs
     cc = jnp.maximum(cands, 0)
     skip = jnp.stack([skipped_blocks(group, h * bs, bs) for group in config.groups])  # [G]
     hit = (j[None] >= skip[:, None]) & (j[None] < h)  # [G, C] hit blocks the row holds
@@ -510,7 +518,7 @@ def _admit_row(config: ManagerConfig, c: int, state: BlockManagerState, tables: 
     tables = tables.at[:, target].set(rows, mode="drop")
     state = state.replace(
         null_prefix=state.null_prefix.at[:, target].set(jnp.where(ok, skip, 0), mode="drop"),
-        num_tokens=state.num_tokens.at[target].set(length, mode="drop"),
+        num_tokens=state.num_tokens.at[target].set(held, mode="drop"),
         active=state.active.at[target].set(True, mode="drop"),
     )
     n_cached = jnp.where(ok, n_cached, 0)

@@ -171,8 +171,10 @@ def _check_cache(config, state, tables, nulls, tokens, active, committed, reserv
     # Full blocks, and only full blocks, of running sequences are cached (none of a group that
     # caches nothing, ``Group.caches_blocks``). A sparse window group (``ManagerConfig.sparse``)
     # caches only some full blocks, all before its prompt boundary, so before position
-    # ``(tokens - 1) // bs``; which ones depends on the prompt and the hit at admission, so the
-    # exact set is checked against ``GroupedReference``, not here.
+    # ``(tokens - 1) // bs`` once the whole prompt is in (a prompt admitted in chunks,
+    # ``admit(..., chunk=)``, may have registered its last full block while more of the prompt is
+    # to come, so the check is only that the block is full); which ones depends on the prompt and
+    # the hit at admission, so the exact set is checked against ``GroupedReference``, not here.
     bs = config.block_size
     for g, group in enumerate(config.groups):
         for s in np.flatnonzero(active):
@@ -183,10 +185,7 @@ def _check_cache(config, state, tables, nulls, tokens, active, committed, reserv
                 full = (j + 1) * bs <= committed[s] and group.caches_blocks
                 hashed = slot[b] >= 0
                 if config.sparse(group):
-                    reach = j < (int(tokens[s]) - 1) // bs
-                    assert not hashed or (full and reach), (
-                        f"group {g} row {s}: block {b} (position {j}) cached but full={full}, "
-                        f"before the last possible prompt boundary={reach}")
+                    assert not hashed or full, f"group {g} row {s}: block {b} (position {j}) cached but not full"
                     continue
                 assert hashed == full, (
                     f"group {g} row {s}: block {b} (position {j}) full={full} but cached={hashed}")

@@ -355,21 +355,26 @@ class GroupedReference(ReferenceBlockManager):
         return any(end - need <= j < end for end in ends)
 
     def admit(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
-              salts: Sequence[int] | None = None, max_len: int | None = None) -> list[tuple]:
+              salts: Sequence[int] | None = None, max_len: int | None = None,
+              chunk: Sequence[int] | None = None) -> list[tuple]:
+        """``chunk``: per row, the prefill chunk (chunked admission: blocks to the end of the chunk
+        that holds the first uncomputed token; None: the whole prompt)."""
         cfg, bs, groups = self.config, self.config.block_size, self.config.groups
         salts = [0] * len(seq_ids) if salts is None else list(salts)
+        chunk = [cfg.max_tokens_per_seq] * len(seq_ids) if chunk is None else list(chunk)
         limit = cfg.max_tokens_per_seq if max_len is None else min(max_len, cfg.max_tokens_per_seq)
         seen, out, blocked, pending = set(), [], False, set()
-        for sid, toks, salt in zip(seq_ids, prompts, salts):
+        for sid, toks, salt, first in zip(seq_ids, prompts, salts, chunk):
             toks = list(toks)
             status = self._row_status(sid, seen, must_be_active=False)
-            if status == Status.OK and not 1 <= len(toks) <= limit:
+            if status == Status.OK and (not 1 <= len(toks) <= limit or first < 1):
                 status = Status.BAD_LENGTH
             if status != Status.OK:
                 out.append((status, 0, 0))
                 continue
-            n_blocks = cfg.blocks_for(len(toks))
             h, lead, cands = self._hit_length(toks, salt) if cfg.prefix_caching else (0, 0, [[]] * len(groups))
+            held = min(len(toks), (h * bs // first + 1) * first)
+            n_blocks = cfg.blocks_for(held)
             skip = [g.skipped_blocks(h * bs, bs) for g in groups]
             hits = [cands[g][skip[g]:h] for g in range(len(groups))]
             pulls = [b for hs in hits for b in hs if self.ref_count[b] == 0]
@@ -391,11 +396,11 @@ class GroupedReference(ReferenceBlockManager):
                 if cfg.prefix_caching:
                     for j, b in enumerate(fresh[g], start=h):
                         self.block_tokens[b] = (toks[j * bs:(j + 1) * bs] + [0] * bs)[:bs]
-                        if j < len(toks) // bs and self._caches(g, j, len(toks), h, lead):
+                        if j < held // bs and self._caches(g, j, len(toks), h, lead):
                             self._cache(b, self._gkey(g, salt, toks, (j + 1) * bs))
                 tables.append(table)
-            self.tables[sid], self.num_tokens[sid], self.null_prefix[sid] = tables, len(toks), skip
-            self.seq_tokens[sid], self.seq_salt[sid] = toks, salt
+            self.tables[sid], self.num_tokens[sid], self.null_prefix[sid] = tables, held, skip
+            self.seq_tokens[sid], self.seq_salt[sid] = toks[:held], salt
             if cfg.prefix_caching:
                 self.stats["lookups"] += 1
                 self.stats["query_tokens"] += len(toks)

@@ -31,15 +31,20 @@ class SpanOps:
         reserved = [list(r) for r in self._reserved(sid)]
         return self.uncommitted.get(sid, 0), reserved if self.config.grouped else reserved[0]
 
-    def _span_caches(self, g: int) -> bool:
+    def _span_caches(self, g: int, j: int, prompt_len: int | None) -> bool:
+        """Whether group ``g`` registers column ``j`` once committed: every group that caches,
+        but a sparse window group only within reach of a prompt chunk's boundary."""
         group = self.config.groups[g]
+        if prompt_len is not None and self.config.sparse(group):
+            return self._caches(g, j, prompt_len, 0, 0)
         return group.caches_blocks and not self.config.sparse(group)
 
     def _span_key(self, g: int, salt: int, toks: list[int]) -> tuple:
         return self._gkey(g, salt, toks, len(toks)) if self.config.grouped else self._key(salt, toks, len(toks))
 
     def extend(self, seq_ids: Sequence[int], num_new: Sequence[int], token_ids: Sequence[Sequence[int]] | None,
-               k_max: int, commit: bool = False) -> tuple[list[Status], list, list, list]:
+               k_max: int, commit: bool = False, prompt_lens: Sequence[int] | None = None
+               ) -> tuple[list[Status], list, list, list]:
         """Returns (statuses, slots, copy_src, copy_dst): per row ``[K]`` slots and one copy
         entry (``[K][G]`` and ``[G]`` with groups)."""
         cfg, bs, n_groups = self.config, self.config.block_size, self.config.num_groups
@@ -110,12 +115,13 @@ class SpanOps:
             slots.append(row_slots)
         if commit:
             counts = [k if s == Status.OK else 0 for k, s in zip(num_new, statuses)]
-            self.commit(seq_ids, counts, token_ids, k_max)
+            self.commit(seq_ids, counts, token_ids, k_max, prompt_lens)
         return statuses, slots, src, dst
 
     def commit(self, seq_ids: Sequence[int], counts: Sequence[int], token_ids: Sequence[Sequence[int]] | None,
-               k_max: int) -> list[Status]:
-        """Commits the next ``counts[b]`` tokens (``token_ids[b][:counts[b]]``) of each row."""
+               k_max: int, prompt_lens: Sequence[int] | None = None) -> list[Status]:
+        """Commits the next ``counts[b]`` tokens (``token_ids[b][:counts[b]]``) of each row
+        (``prompt_lens``: the rows' spans are chunks of prompts of these lengths)."""
         cfg, bs = self.config, self.config.block_size
         seen, out = set(), []
         for row, (sid, k) in enumerate(zip(seq_ids, counts)):
@@ -136,7 +142,8 @@ class SpanOps:
                     if table[p // bs] == NULL_BLOCK:
                         continue
                     self.block_tokens.setdefault(table[p // bs], [0] * bs)[p % bs] = t
-                    if (p + 1) % bs == 0 and self._span_caches(g):  # now wholly committed
+                    plen = None if prompt_lens is None else prompt_lens[row]
+                    if (p + 1) % bs == 0 and self._span_caches(g, p // bs, plen):  # now wholly committed
                         self._cache(table[p // bs], self._span_key(g, self.seq_salt[sid], self.seq_tokens[sid]))
         return out
 

@@ -55,6 +55,7 @@ def extend(
     *,
     commit: bool = False,
     max_new: int | None = None,
+    prompt_lens: ArrayLike | None = None,
 ) -> tuple[BlockManagerState, ExtendResult]:
     """Gives each running row room for ``num_new[b]`` more tokens in every group, in one call.
 
@@ -80,6 +81,11 @@ def extend(
         ``commit=True`` and prefix caching.
       commit: static; commit the span at once (prompt chunks).
       max_new: static ``K`` when ``token_ids`` is None.
+      prompt_lens: int32 ``[B]``, optional, with ``commit=True``: the span is a chunk of a prompt
+        of this many tokens (chunked admission, ``admit(..., chunk=)``); a sparse window group
+        (``ManagerConfig.sparse``) then registers the committed blocks within its reach of the
+        prompt boundary, as a whole-prompt admission would have (``groups.reachable``'s boundary
+        part). None: it registers none, as for ``append``.
 
     Returns:
       The new state and an ``ExtendResult``: ``slots`` int32 ``[B, K]`` (``[B, K, G]`` with
@@ -99,6 +105,11 @@ def extend(
             raise ValueError(f"extend: token_ids must have K >= 1 columns, got shape {tuple(token_ids.shape)}")
     if commit and config.prefix_caching and token_ids is None:
         raise ValueError("extend: commit=True with prefix_caching=True needs token_ids (int32 [B, K])")
+    if prompt_lens is not None:
+        if not commit:
+            raise ValueError("extend: prompt_lens (a prompt chunk's prompt length) needs commit=True")
+        prompt_lens = jnp.asarray(inputs.int_array("extend", "prompt_lens", prompt_lens, ndim=1, batch=b))
+        prompt_lens = prompt_lens.astype(jnp.int32)
     status0, sid = check_rows(config, state, seq_ids, must_be_active=True)
     bad = (num_new < 0) | (num_new > k_max)
     status0 = jnp.where((status0 == Status.OK) & bad, Status.BAD_LENGTH, status0)
@@ -116,7 +127,8 @@ def extend(
     result = ExtendResult(status=status, slots=slots, copy_src=src, copy_dst=dst,
                           num_copies=jnp.sum(copies, dtype=jnp.int32))
     if commit:
-        state, _ = _commit(config, state, seq_ids, jnp.where(status == Status.OK, num_new, 0), tokens)
+        state, _ = _commit(config, state, seq_ids, jnp.where(status == Status.OK, num_new, 0), tokens,
+                           prompt_lens=prompt_lens)
     return state, result
 
 
@@ -252,7 +264,7 @@ def commit(
     return _commit(config, state, seq_ids, count, token_ids, count_limit)
 
 
-def _commit(config, state, seq_ids, count, token_ids, count_limit=None):
+def _commit(config, state, seq_ids, count, token_ids, count_limit=None, prompt_lens=None):
     k_max = token_ids.shape[1]
     count_limit = k_max if count_limit is None else count_limit
     status, sid = check_rows(config, state, seq_ids, must_be_active=True)
@@ -269,15 +281,18 @@ def _commit(config, state, seq_ids, count, token_ids, count_limit=None):
     def row(state, x):
         return _commit_row(config, k_max, tables, state, *x), None
 
-    state, _ = lax.scan(row, state, (ok, sid, jnp.where(ok, count, 0), committed, token_ids))
+    xs = (ok, sid, jnp.where(ok, count, 0), committed, token_ids)
+    state, _ = lax.scan(row, state, xs if prompt_lens is None else (*xs, prompt_lens))
     return state, status
 
 
 def _commit_row(config: ManagerConfig, k_max: int, tables: jax.Array, state: BlockManagerState, ok: jax.Array,
-                s: jax.Array, k: jax.Array, c: jax.Array, tok: jax.Array) -> BlockManagerState:
+                s: jax.Array, k: jax.Array, c: jax.Array, tok: jax.Array,
+                prompt_len: jax.Array | None = None) -> BlockManagerState:
     """One row of ``commit`` with prefix caching: store the tokens, register the blocks that
     become wholly committed (a ``lax.scan`` over at most ``K // bs + 1`` of them: each one's
-    parent class is the one the block before it just got)."""
+    parent class is the one the block before it just got). ``prompt_len`` (a prompt chunk's):
+    a sparse window group also registers those within its reach of the prompt boundary."""
     bs, m, nb, g_count = config.block_size, config.max_blocks_per_seq, config.num_blocks, config.num_groups
     groups = jnp.arange(g_count, dtype=jnp.int32)
     i = jnp.arange(k_max, dtype=jnp.int32)
@@ -290,6 +305,8 @@ def _commit_row(config: ManagerConfig, k_max: int, tables: jax.Array, state: Blo
     state = state.replace(cache=cache.replace(tokens=tokens))
     first, end = c // bs, (c + k) // bs  # columns [first, end) become wholly committed
     caching = jnp.asarray(np.array([g.caches_blocks and not config.sparse(g) for g in config.groups]))
+    sparse = np.array([g.caches_blocks and config.sparse(g) for g in config.groups])
+    reach = jnp.asarray(np.array([g.reach_blocks(bs) for g in config.groups], np.int32))
 
     def fill(state, f):
         j = first + f
@@ -302,6 +319,9 @@ def _commit_row(config: ManagerConfig, k_max: int, tables: jax.Array, state: Blo
         parent_class = jnp.where(j > 0, prefix_cache.class_of(cache, parent), jnp.array([NO_PARENT, 0], jnp.int32))
         chains = jnp.stack([group_chains(chain, g) for g in range(g_count)])
         mask = on & caching
+        if prompt_len is not None and sparse.any():  # the prompt boundary's reach (``groups.reachable``)
+            boundary = (prompt_len - 1) // bs
+            mask |= on & jnp.asarray(sparse) & (j >= boundary - reach) & (j < boundary)
         cache = prefix_cache.register(cache, block, chains, jnp.broadcast_to(state.seq_salt[s], (g_count,)),
                                       parent_class, mask, count=jnp.sum(mask, dtype=jnp.int32), distinct_keys=True)
         seq_chain = state.seq_chain.at[jnp.where(on, s, config.max_seqs)].set(chain, mode="drop")

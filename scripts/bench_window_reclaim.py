@@ -27,10 +27,13 @@ Measurements (block size 16, greedy, no EOS: every request runs to its context):
    table every step), so the replay alone gives those rows. Reported: the peak KV with reclaim as a
    fraction of without, the time-averaged fraction, and the memory a cache without reclaim
    wastes at full context, ``1 - final_with / final_without``: the definition of vLLM's RFC
-   (vllm#11382), which gives 25 % for Gemma 2 and 56 % for Ministral. One more row: a Gemma 3
-   request of 32,768 tokens whose prompt is 31,744 of them. Admission takes blocks for the whole
-   prompt in every group at once (there is no allocation per prefill chunk yet), so that peak is
-   the prompt's, and the window groups give their blocks back at the first decode step.
+   (vllm#11382), which gives 25 % for Gemma 2 and 56 % for Ministral. Two more rows (``--parts
+   long_prompt``, full-size runs only): a Gemma 3 request of 32,768 tokens whose prompt is 31,744
+   of them, replayed twice. Admitted whole, as the serving engine admits today: the peak is the
+   prompt's, and the window groups give their blocks back at the first decode step. Admitted in
+   chunks of 512 (``admit(..., chunk=512)``, then ``extend(..., commit=True)`` per chunk, as vLLM
+   allocates per prefill chunk): the window groups give blocks back as each chunk arrives. The
+   engine does not run that form yet, so the chunked row is the block manager's alone.
 2. **Concurrent requests one pool serves**: 12 Gemma 3-shaped requests of 4,096 tokens arrive at
    once; the pool holds 4 of them without reclaim (the same bytes either way). They run to the
    end. Reported: requests running on average and at most, preemptions, and the steps until all
@@ -53,6 +56,7 @@ Usage::
     python scripts/bench_window_reclaim.py --quick    # small contexts, written under /tmp
     python scripts/bench_window_reclaim.py --smoke    # every path in seconds (windows scaled down): the suite's run
     python scripts/bench_window_reclaim.py --parts capacity,prefix --out results/bench_window_retention.json
+    python scripts/bench_window_reclaim.py --parts long_prompt --out /tmp/long.json   # the 31,744-token prompt rows
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ from paged_kv.models import LlamaConfig, init_model, kv_group_layout
 
 BLOCK = 16
 PROMPT = 1024
+CHUNK = 512  # the engine's prefill chunk (``ServingConfig.chunk_size``), and chunked admission's
 VOCAB = 256
 
 # name -> (model_type, per-layer windows)
@@ -121,8 +126,9 @@ class Run:
     wall_s: float
 
 
-PARTS = ("per_request", "capacity", "prefix")
-"""``--parts``: measurements 1, 2 and 3."""
+PARTS = ("per_request", "long_prompt", "capacity", "prefix")
+"""``--parts``: measurement 1 (its 31,744-token prompt row apart: ``long_prompt``, full-size runs
+only), 2 and 3."""
 
 RUNS = (("with", True, 0), ("with_dense_retention", True, None), ("without", False, 0))
 """Measurements 2 and 3: (result key, reclaim, prefix_cache_retention_interval)."""
@@ -138,7 +144,7 @@ def engine_for(model, *, reclaim: bool, layer_blocks: int, max_seqs: int, max_to
     manager = pk.ManagerConfig(num_blocks=layer_blocks // per_block + 1, block_size=BLOCK, max_seqs=max_seqs,
                                max_blocks_per_seq=-(-max_tokens // BLOCK), groups=groups, prefix_caching=True,
                                prefix_cache_retention_interval=retention)
-    config = ServingConfig(manager=manager, chunk_size=512, max_prefill_rows=min(max_seqs, 4), decode_steps=64,
+    config = ServingConfig(manager=manager, chunk_size=CHUNK, max_prefill_rows=min(max_seqs, 4), decode_steps=64,
                            record_tables=False)
     return ServingEngine(model, config), per_block
 
@@ -169,35 +175,55 @@ def run(engine: ServingEngine, per_block: int, requests: list[Request], *, max_s
     return Run(steps, kv, running, stats, time.perf_counter() - t0)
 
 
-def replay(groups: tuple, per_block: int, context: int, prompt: np.ndarray) -> np.ndarray:
+def replay(groups: tuple, per_block: int, context: int, prompt: np.ndarray, chunk: int | None = None) -> np.ndarray:
     """The block manager alone, driven by the operations the engine runs for one request of
     `context` tokens: `admit` of the prompt, then one `append` per generated token fed back (the
-    last sampled token is never fed). Returns KV held (layer-blocks) after the admission and after
-    each append, int64 `[context - len(prompt)]`. One jitted `lax.scan`: seconds where the engine
-    on the CPU's reference kernels takes an hour at 32k (its attention reads the whole table)."""
+    last sampled token is never fed). With `chunk` (chunked admission, what vLLM's scheduler does
+    and the engine's prefill pieces are to do; the engine does not yet): `admit(..., chunk=)` takes
+    blocks for the first `chunk` tokens, then `extend(..., commit=True)` per further chunk of the
+    prompt. Returns KV held (layer-blocks) after the admission, after each further chunk and after
+    each append, int64 `[chunks + context - len(prompt) - 1]`. One jitted `lax.scan` per phase:
+    seconds where the engine on the CPU's reference kernels takes an hour at 32k (its attention
+    reads the whole table)."""
     m = -(-context // BLOCK)
+    # Chunked admission is not implemented for one full group with prefix caching: there, the
+    # replay runs without it (a lone request on an empty pool hits nothing: the same blocks).
+    caching = chunk is None or pk.ManagerConfig(num_blocks=2, block_size=BLOCK, groups=groups).grouped
     config = pk.ManagerConfig(num_blocks=len(groups) * m + 2, block_size=BLOCK, max_seqs=1, max_blocks_per_seq=m,
-                              groups=groups, prefix_caching=True)
+                              groups=groups, prefix_caching=caching)
     n = context - len(prompt) - 1
+    p = len(prompt)
+    first = p if chunk is None else min(chunk, p)
+    rest = 0 if chunk is None else -(-(p - first) // chunk)  # further chunks
+    k = chunk or 1
+    padded = jnp.asarray(np.concatenate([prompt, np.zeros(rest * k + k, prompt.dtype)]), jnp.int32)
 
     @jax.jit
     def go():
         state = pk.init_state(config)
         ids = jnp.zeros((1,), jnp.int32)
-        state, admitted = pk.admit(config, state, ids, jnp.asarray([len(prompt)], jnp.int32),
-                                   jnp.asarray(prompt, jnp.int32)[None])
+        state, admitted = pk.admit(config, state, ids, jnp.asarray([p], jnp.int32), padded[None, :p],
+                                   chunk=None if chunk is None else jnp.asarray([first], jnp.int32))
+
+        def piece(state, i):
+            lo = first + i * k
+            toks = jax.lax.dynamic_slice(padded, (lo,), (k,))
+            state, res = pk.extend(config, state, ids, jnp.minimum(k, p - lo)[None], toks[None], commit=True)
+            return state, (pk.usage(config, state).used, res.status[0])
 
         def step(state, tok):
             state, res = pk.append(config, state, ids, tok[None])
             return state, (pk.usage(config, state).used, res.status[0])
 
-        first = pk.usage(config, state).used
+        used0 = pk.usage(config, state).used
+        state, (chunk_used, chunk_status) = jax.lax.scan(piece, state, jnp.arange(rest, dtype=jnp.int32))
         state, (used, status) = jax.lax.scan(step, state, jnp.ones((n,), jnp.int32))
-        return first, admitted.status[0], used, status
+        return used0, admitted.status[0], chunk_used, chunk_status, used, status
 
-    first, admitted, used, status = jax.device_get(go())
-    assert int(admitted) == 0 and (np.asarray(status) == 0).all(), "the pool holds the request"
-    return np.concatenate([[first], np.asarray(used)]).astype(np.int64) * per_block
+    used0, admitted, chunk_used, chunk_status, used, status = jax.device_get(go())
+    assert int(admitted) == 0 and (np.asarray(status) == 0).all() and (np.asarray(chunk_status) == 0).all(), \
+        "the pool holds the request"
+    return np.concatenate([[used0], np.asarray(chunk_used), np.asarray(used)]).astype(np.int64) * per_block
 
 
 def greedy(n: int) -> SamplingParams:
@@ -205,25 +231,29 @@ def greedy(n: int) -> SamplingParams:
 
 
 def one_request(shape: str, context: int, rng: np.random.Generator, *, engine_check: bool,
-                prompt_len: int | None = None) -> dict:
+                prompt_len: int | None = None, chunk: int | None = None) -> dict:
     """Measurement 1: one request of `context` tokens, with and without reclaim, token by token
-    (`replay`). With `engine_check`, the serving engine also runs it with reclaim, and its KV
-    peak and its KV at the last step must equal the replay's."""
+    (`replay`; `chunk`: chunked admission). With `engine_check`, the serving engine also runs it
+    with reclaim, and its KV peak and its KV at the last step must equal the replay's."""
     model = model_for(shape, context)
     layout = kv_group_layout(model)
     prompt_len = PROMPT if prompt_len is None else prompt_len
     prompt = rng.integers(1, VOCAB, prompt_len)
-    with_ = replay(kv_cache_groups(layout), layout.slots, context, prompt)
-    without = replay((pk.Group("full"),), layout.num_layers, context, prompt)
+    with_ = replay(kv_cache_groups(layout), layout.slots, context, prompt, chunk)
+    without = replay((pk.Group("full"),), layout.num_layers, context, prompt, chunk)
+    first = prompt_len if chunk is None else min(chunk, prompt_len)
+    rest = 0 if chunk is None else -(-(prompt_len - first) // chunk)
+    held = [first] + [min(first + (i + 1) * chunk, prompt_len) for i in range(rest)]  # tokens after each chunk
     row = {
         "shape": shape, "context": context, "prompt": prompt_len, "layers": layout.num_layers,
+        "admission": "whole prompt" if chunk is None else f"chunks of {chunk}",
         "layers_per_block": layout.slots, "source": "block-manager replay",
         "peak_layer_blocks": {"with": int(with_.max()), "without": int(without.max())},
         "final_layer_blocks": {"with": int(with_[-1]), "without": int(without[-1])},
         "peak_fraction": float(with_.max() / without.max()),
         "time_avg_fraction": float(with_.sum() / without.sum()),
         "waste_without_reclaim": float(1 - with_[-1] / without[-1]),
-        "timeline": {"tokens": _thin(list(range(prompt_len, context))), "with": _thin(with_.tolist()),
+        "timeline": {"tokens": _thin(held + list(range(prompt_len + 1, context))), "with": _thin(with_.tolist()),
                      "without": _thin(without.tolist())},
     }
     if engine_check:
@@ -316,10 +346,10 @@ def plot(result: dict, path: Path) -> None:
 
 def print_tables(result: dict) -> None:
     print("\nKV held by one request (with reclaim / without):")
-    print(f"{'shape':8} {'context':>8} {'prompt':>7} {'peak':>6} {'mean':>6} {'waste w/o':>9}")
+    print(f"{'shape':8} {'context':>8} {'prompt':>7} {'peak':>6} {'mean':>6} {'waste w/o':>9}  admission")
     for r in result["per_request"] + result["long_prompt"]:
         print(f"{r['shape']:8} {r['context']:>8} {r['prompt']:>7} {r['peak_fraction']:>6.1%} "
-              f"{r['time_avg_fraction']:>6.1%} {r['waste_without_reclaim']:>9.1%}")
+              f"{r['time_avg_fraction']:>6.1%} {r['waste_without_reclaim']:>9.1%}  {r['admission']}")
     labels = {"with": "reclaim, sparse retention", "with_dense_retention": "reclaim, dense retention",
               "without": "no reclaim"}
     for c in result["capacity"]:
@@ -384,11 +414,15 @@ def main(argv: list[str] | None = None) -> dict:
     commit = _commit()  # before the run: the checkout it ran on
     per_request = ([one_request(shape, ctx, rng, engine_check=check) for shape, ctx, check in settings]
                    if "per_request" in parts else [])
-    # A long prompt: admission takes blocks for the whole prompt in every group at once (no
-    # allocation per prefill chunk yet), so the peak is the prompt's, reclaimed at the first decode.
+    # A long prompt, admitted whole (what the serving engine runs: the peak is the prompt's,
+    # reclaimed at the first decode step) and in chunks of CHUNK (chunked admission, manager level:
+    # the window groups give blocks back as each chunk arrives; the engine does not run it yet).
     full_size = not (args.quick or args.smoke)
-    long_prompt = [one_request("gemma3", settings[1][1], rng, engine_check=False,
-                               prompt_len=settings[1][1] - 1024)] if full_size and "per_request" in parts else []
+    long_prompt = []
+    if full_size and "long_prompt" in parts:
+        for chunk in (None, CHUNK):
+            long_prompt.append(one_request("gemma3", 32768, np.random.default_rng([args.seed, 3]),
+                                           engine_check=False, prompt_len=32768 - 1024, chunk=chunk))
     result = {
         "run": record(__file__, args, argv),
         "meta": {
