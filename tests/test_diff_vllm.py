@@ -35,7 +35,7 @@ def test_groups_identical_to_vllm(retention):
 
 @pytest.mark.skipif(not diff_vllm.env_built(),
                     reason="vLLM 0.33 reference environment not built (../shared/tools/vllm_ref/setup.sh)")
-@pytest.mark.parametrize("seed,groups,retention", [(5, "full,w5", "none"), (6, "full,c8", "0")])
+@pytest.mark.parametrize("seed,groups,retention", [(1, "full,w5", "none"), (6, "full,c8", "0")])
 def test_spans_identical_to_vllm(seed, groups, retention):
     """Chunked prefill and speculative decoding (drafts, lookahead of ``k`` slots, rejected drafts
     kept as reserved blocks) through ``extend`` / ``commit`` / ``truncate(keep_reserved=True)``
