@@ -22,9 +22,10 @@ blocks so that prefixes hit):
 
 Each stream has its own draft count ``k = 1 + seed % 4`` and lookahead ``L``: 0 (n-gram drafting)
 or ``k`` (a draft model), alternating with the seed (seeds 0..7 give every pair). Dense retention
-changes only window groups, so ``none`` runs only the group sets that have one. Compared after every op: the admission's hit tokens, whether the op got
-its blocks, every group's table of the request (reserved blocks included: vLLM keeps them in
-``req_to_blocks``), blocks in use, the free queue and the set of blocks holding a hash.
+changes only window groups, so ``none`` runs only the group sets that have one. Compared after
+every op: the admission's hit tokens, whether the op got its blocks, every group's table of the
+request (reserved blocks included: vLLM keeps them in ``req_to_blocks``), blocks in use, the free
+queue and the set of blocks holding a hash.
 
 Not generated, because paged-kv's API differs from vLLM's scheduler there (by design, see
 docs/design.md "Spans"):
