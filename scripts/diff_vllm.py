@@ -26,6 +26,13 @@ and vLLM's ``KVCacheConfig.prefix_cache_retention_interval`` set alike: ``0`` (s
 of both paged-kv and a vLLM server) and ``none`` (dense)::
 
     python scripts/diff_vllm.py --groups --streams 8 --ops 300 --out results/diff_vllm_groups.json
+
+``--spans`` checks spans (``extend``, ``commit``, ``truncate``) against ``allocate_slots`` as
+vLLM's scheduler calls it for chunked prefill and speculative decoding (lookahead, rejected
+drafts), with and without groups, ChunkedLocal included (``scripts/diff_vllm_spans.py``, whose
+docstring lists what is compared and what is left out)::
+
+    python scripts/diff_vllm.py --spans --streams 8 --ops 300 --out results/diff_vllm_spans.json
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ def env_built(env: Path = DEFAULT_ENV) -> bool:
     """Whether the vLLM 0.33 reference environment ``env`` exists (../shared/tools/vllm_ref/setup.sh)."""
     return (env / "bin" / "python").exists()
 DRIVER_CANDIDATES = [ROOT.parent / "shared" / "tools" / "vllm_ref" / "vllm_driver.py",
-                     ROOT / "shared" / "tools" / "vllm_ref" / "vllm_driver.py"]
+                     ROOT / "shared" / "tools" / "vllm_ref" / "vllm_driver.py",
+                     ROOT.parent.parent / "shared" / "tools" / "vllm_ref" / "vllm_driver.py"]  # a worktree
 
 
 def find_driver() -> Path | None:
@@ -364,11 +372,22 @@ def main() -> int:
     ap.add_argument("--vllm-env", type=Path, default=DEFAULT_ENV)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--groups", action="store_true", help="KV-cache groups against vllm_groups_driver.py")
-    ap.add_argument("--group-sets", default=";".join(GROUP_SETS),
+    ap.add_argument("--spans", action="store_true",
+                    help="chunked prefill and speculative decoding against vllm_spans_driver.py")
+    ap.add_argument("--group-sets", default=None,
                     help="with --groups: ';'-separated group lists, each like 'full,w6'")
     ap.add_argument("--retention", default=",".join(RETENTIONS),
                     help="with --groups: ','-separated prefix_cache_retention_interval settings, 0 and/or none")
     args = ap.parse_args()
+    args.group_sets_given = args.group_sets is not None
+    if args.spans:
+        from scripts.diff_vllm_spans import main_spans
+
+        if args.usable_blocks == 12:  # the single-group default is too small for several groups
+            args.usable_blocks = 40
+        return main_spans(args)
+    if not args.group_sets_given:
+        args.group_sets = ";".join(GROUP_SETS)
     if args.groups:
         if args.usable_blocks == 12:  # the single-group default is too small for several groups
             args.usable_blocks = 24
