@@ -63,7 +63,6 @@ def paged_kv_row(batch: int, caching: bool, steps: int) -> dict:
     import numpy as np
 
     import paged_kv as pk
-    from paged_kv.manager import _append, _bucket, _padded
 
     blocks = -(-(PROMPT + steps) // 16)
     cfg = pk.ManagerConfig(num_blocks=batch * blocks + 1, block_size=16, max_seqs=batch,
@@ -88,13 +87,14 @@ def paged_kv_row(batch: int, caching: bool, steps: int) -> dict:
     host = statistics.median(times) * 1e6
 
     # The parts, on a state that has room: the same program on device inputs, then the floor.
+    # The public operation jitted as BlockManager jits it (max_seqs = B: no padding rows).
+    append = jax.jit(pk.append, static_argnums=0, donate_argnums=1)
     bm = fresh()
-    size = _bucket(batch, cfg.max_seqs)
-    dev_ids, dev_tok = jnp.asarray(_padded(ids, size)), jnp.asarray(_padded(tokens[0], size))
+    dev_ids, dev_tok = jnp.asarray(ids, jnp.int32), jnp.asarray(tokens[0], jnp.int32)
     n = min(steps, 16 * (blocks - -(-PROMPT // 16)) - 1)  # appends that stay within the table
 
     def program():
-        bm.state, r = _append(cfg, bm.state, dev_ids, dev_tok)
+        bm.state, r = append(cfg, bm.state, dev_ids, dev_tok)
         jax.block_until_ready(r)
 
     program()
