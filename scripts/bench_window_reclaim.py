@@ -383,8 +383,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small contexts; writes under a temporary folder")
     ap.add_argument("--smoke", action="store_true",
-                    help="the smallest run that takes every path (Gemma 3's windows scaled to 64 tokens and its layers to one window and one full, "
-                         "contexts of a few hundred tokens): for the test suite; writes under a temporary folder")
+                    help="the smallest run that takes every path (Gemma 3's windows scaled to 64 tokens, two layers: "
+                         "one window, one full; contexts of a few hundred tokens): for the test suite; writes "
+                         "under a temporary folder")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/bench_window_reclaim.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", default=",".join(PARTS),
