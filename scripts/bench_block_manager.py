@@ -54,6 +54,12 @@ def prompt_lens(batch: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(100, 501, size=batch).astype(np.int32)
 
 
+# The setup's admission and fork, jitted: run op by op they would compile a few hundred small
+# programs (seconds) for two calls.
+_admit = jax.jit(pk.admit, static_argnums=0)
+_fork = jax.jit(pk.fork, static_argnums=0)
+
+
 def start(cfg, workload, batch):
     """Admitted (and for cow, forked) state on device, and the same on the reference."""
     lens = prompt_lens(batch)
@@ -64,16 +70,16 @@ def start(cfg, workload, batch):
     state = pk.init_state(cfg)
     ids = np.arange(batch, dtype=np.int32)
     if workload == "lazy":
-        state, result = pk.admit(cfg, state, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(tokens))
+        state, result = _admit(cfg, state, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(tokens))
         ref.admit(ids.tolist(), prompts)
     else:
         roots = ids[::GROUP]
         children = np.setdiff1d(ids, roots)
         parents = children - children % GROUP
-        state, result = pk.admit(cfg, state, jnp.asarray(roots), jnp.asarray(lens[roots]),
-                                 jnp.asarray(tokens[roots]))
+        state, result = _admit(cfg, state, jnp.asarray(roots), jnp.asarray(lens[roots]),
+                               jnp.asarray(tokens[roots]))
         ref.admit(roots.tolist(), [prompts[i] for i in roots])
-        state, s2 = pk.fork(cfg, state, jnp.asarray(parents), jnp.asarray(children))
+        state, s2 = _fork(cfg, state, jnp.asarray(parents), jnp.asarray(children))
         ref.fork(parents.tolist(), children.tolist())
         assert (np.asarray(s2) == 0).all()
     assert (np.asarray(result.status) == 0).all()
