@@ -7,6 +7,7 @@ each chunk alone). The kernels' chunked masks: tests/test_kernels_window.py."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -205,8 +206,10 @@ def test_a_chunked_layer_is_a_full_layer_on_each_chunk_alone():
     is relative, so the chunk's offset does not matter)."""
     chunked = init_model(tiny(num_layers=2, layer_attention=(ChunkedLocal(C),) * 2), seed=3)
     full = init_model(tiny(num_layers=2), seed=3)
+    # Jitted (one program per model and width): op by op, the forwards compiled ~100 small programs.
+    forward = jax.jit(lambda model, toks: plain_forward(model, toks, batch_invariant=False))
     tokens = jnp.asarray(np.random.RandomState(2).randint(1, 250, (2, 3 * C + 2)), jnp.int32)
-    got = np.asarray(plain_forward(chunked, tokens, batch_invariant=False))
+    got = np.asarray(forward(chunked, tokens))
     for start in range(0, tokens.shape[1], C):
-        alone = np.asarray(plain_forward(full, tokens[:, start:start + C], batch_invariant=False))
+        alone = np.asarray(forward(full, tokens[:, start:start + C]))
         np.testing.assert_allclose(got[:, start:start + C], alone, atol=1e-3, rtol=0)

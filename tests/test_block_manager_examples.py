@@ -145,19 +145,22 @@ def test_free_is_tail_first_to_the_back_and_allocation_takes_the_front():
     state = state_from_tables(cfg, {0: ([22, 8, 31, 14], 60), 1: ([8], 10)})
     check_invariants(cfg, state)
     front = pk.invariants.free_queue_order(state)[0]
-    state, status = pk.free(cfg, state, jnp.array([0], jnp.int32))
+    # The functional operations, jitted as a jitted caller runs them (op by op, a few hundred
+    # small programs compile).
+    free, admit = (jax.jit(op, static_argnums=0) for op in (pk.free, pk.admit))
+    state, status = free(cfg, state, jnp.array([0], jnp.int32))
     assert status.tolist() == [pk.Status.OK]
     order = pk.invariants.free_queue_order(state)
     assert order[-3:] == [14, 31, 22]
     assert int(state.ref_count[8]) == 1 and 8 not in order
     # The next allocation takes the front block: least recently freed first.
-    state, result = pk.admit(cfg, state, jnp.array([2], jnp.int32), jnp.array([1], jnp.int32))
+    state, result = admit(cfg, state, jnp.array([2], jnp.int32), jnp.array([1], jnp.int32))
     assert result.status.tolist() == [pk.Status.OK]
     assert state.block_tables[2, 0] == front
     check_invariants(cfg, state)
     # Once the older free blocks are used up, the freed tail (14) is overwritten before the root.
     rest = len(order) - 4
-    state, _ = pk.admit(cfg, state, jnp.array([3], jnp.int32), jnp.array([rest * 16], jnp.int32))
+    state, _ = admit(cfg, state, jnp.array([3], jnp.int32), jnp.array([rest * 16], jnp.int32))
     assert pk.invariants.free_queue_order(state) == [14, 31, 22]
 
 
