@@ -128,29 +128,32 @@ def _push_front(q: FreeQueue, ids: jax.Array, mask: jax.Array, count: jax.Array)
     )
 
 
-def push_unchecked(q: FreeQueue, ids: jax.Array, back: jax.Array, front: jax.Array | None) -> FreeQueue:
+def push_unchecked(q: FreeQueue, ids: jax.Array, back: jax.Array, front: jax.Array | None,
+                   front_ids: jax.Array | None = None) -> FreeQueue:
     """``push_back_then_front`` (``push_back`` alone when ``front`` is None) for a caller that knows
     the ring has room for both: no compaction check."""
     q = _push_back(q, ids, back, jnp.sum(back, dtype=jnp.int32))
     if front is None:
         return q
-    return _push_front(q, ids, front, jnp.sum(front, dtype=jnp.int32))
+    return _push_front(q, ids if front_ids is None else front_ids, front, jnp.sum(front, dtype=jnp.int32))
 
 
 def push_back_then_front(q: FreeQueue, ids: jax.Array, back: jax.Array, front: jax.Array, *,
-                         target: str = "auto") -> FreeQueue:
-    """``push_front(push_back(q, ids, back), ids, front)``, with one room check instead of two
-    on a GPU: either push compacts iff ``size + both counts > capacity`` (the first iff
+                         front_ids: jax.Array | None = None, target: str = "auto") -> FreeQueue:
+    """``push_front(push_back(q, ids, back), front_ids, front)`` (``front_ids`` default ``ids``:
+    the front pushes may come in another order than the back ones), with one room check instead
+    of two on a GPU: either push compacts iff ``size + both counts > capacity`` (the first iff
     ``size + count_back`` is; if it does not, the second sees ``size + count_back``), so one
     ``cond`` picks the checked pair or the two pushes with no check. Same result everywhere.
     ``target``: ``ManagerConfig.target``."""
+    fids = ids if front_ids is None else front_ids
 
     def checked(q):
-        return push_front(push_back(q, ids, back), ids, front)
+        return push_front(push_back(q, ids, back), fids, front)
 
     def one_check(q):
         cb, cf = jnp.sum(back, dtype=jnp.int32), jnp.sum(front, dtype=jnp.int32)
-        unchecked = lambda q: _push_front(_push_back(q, ids, back, cb), ids, front, cf)
+        unchecked = lambda q: _push_front(_push_back(q, ids, back, cb), fids, front, cf)
         return lax.cond(q.size + cb + cf > q.ring.shape[0], checked, unchecked, q)
 
     return per_platform(target, q, cpu=checked, default=one_check)

@@ -114,10 +114,13 @@ def free(config: ManagerConfig, state: BlockManagerState, seq_ids: jax.Array
     held = jnp.where(ok, held_columns(config, state, sid), 0)
     tables = state.tables
     slots = cache_slots(config, state)
-    ref_count, queue = state.ref_count, state.queue
-    for g in range(config.num_groups):
-        blocks, valid = tail_first(tables[g][sid], held, ok, state.null_prefix[g, sid])
-        ref_count, queue = release(ref_count, queue, blocks, valid, slots, target=config.target)
+    # One release over the [G, B] rows flattened group-major, a run per group (as one release
+    # per group, vLLM's one ``free_blocks`` per group): group by group, row by row, tail first.
+    g_count, b = config.num_groups, sid.shape[0]
+    blocks, valid = tail_first(tables[:, sid].reshape(g_count * b, -1), jnp.tile(held, g_count),
+                               jnp.tile(ok, g_count), state.null_prefix[:, sid].reshape(-1))
+    ref_count, queue = release(state.ref_count, state.queue, blocks, valid, slots, target=config.target,
+                               runs=g_count)
     target = jnp.where(ok, sid, config.max_seqs)
     state = state.with_tables(tables.at[:, target].set(NULL_BLOCK, mode="drop"))
     state = state.replace(
@@ -156,10 +159,11 @@ def take_tables(config: ManagerConfig, state: BlockManagerState, dst_ids: jax.Ar
     gained = (j >= src_null[..., None]) & (j < src_held[None, :, None])
     ref_count = state.ref_count.at[jnp.where(gained, src_rows, n)].add(1, mode="drop")
     queue = state.queue
-    if not dst_must_be_free:
-        for g in range(config.num_groups):
-            blocks, valid = tail_first(dst_rows[g], dst_held, dropping, dst_null[g])
-            ref_count, queue = release(ref_count, queue, blocks, valid, slots, target=config.target)
+    if not dst_must_be_free:  # one release, a run per group, row by row, each tail first (``free``)
+        g_count, b = config.num_groups, dst.shape[0]
+        blocks, valid = tail_first(dst_rows.reshape(g_count * b, m), jnp.tile(dst_held, g_count),
+                                   jnp.tile(dropping, g_count), dst_null.reshape(-1))
+        ref_count, queue = release(ref_count, queue, blocks, valid, slots, target=config.target, runs=g_count)
 
     target = jnp.where(ok, dst, s)
     state = state.with_tables(tables.at[:, target].set(src_rows, mode="drop"))
@@ -212,18 +216,20 @@ def _append_row(config: ManagerConfig, state: BlockManagerState, tables: jax.Arr
     j = jnp.arange(m, dtype=jnp.int32)
     ref_count, queue, null_prefix = state.ref_count, state.queue, state.null_prefix
 
-    # 1. Reclaim what left each local group's reach (computed = the n tokens held).
-    slots = cache_slots(config, state)
-    for g, group in enumerate(config.groups):
-        if group.is_full:
-            continue
-        lo = null_prefix[g, s]
-        hi = jnp.where(valid, jnp.clip(skipped_blocks(group, n, bs), lo, held), lo)
-        row = tables[g, s]
-        blocks, mask = tail_first(row[None], hi[None], valid[None], lo[None])
-        ref_count, queue = release(ref_count, queue, blocks, mask, slots, target=config.target)
-        tables = tables.at[g, s].set(jnp.where((j >= lo) & (j < hi), NULL_BLOCK, row))
-        null_prefix = null_prefix.at[g, s].set(hi)
+    # 1. Reclaim what left each local group's reach (computed = the n tokens held): one release
+    # over the local groups' rows, a run per group, each tail first.
+    local = np.array([g for g, group in enumerate(config.groups) if not group.is_full], np.int32)
+    if local.size:
+        slots = cache_slots(config, state)
+        lo = null_prefix[local, s]  # [L]
+        skipped = jnp.stack([skipped_blocks(config.groups[g], n, bs) for g in local])
+        hi = jnp.where(valid, jnp.clip(skipped, lo, held), lo)
+        rows = tables[local, s]  # [L, M]
+        blocks, mask = tail_first(rows, hi, jnp.broadcast_to(valid, lo.shape), lo)
+        ref_count, queue = release(ref_count, queue, blocks, mask, slots, target=config.target, runs=local.size)
+        gone = (j[None] >= lo[:, None]) & (j[None] < hi[:, None])
+        tables = tables.at[local, s].set(jnp.where(gone, NULL_BLOCK, rows))
+        null_prefix = null_prefix.at[local, s].set(hi)
 
     # 2. Decide: a fresh block per group, or a copy of each shared, partly full last block.
     col, offset = n // bs, n % bs
@@ -333,39 +339,42 @@ def _hit_length(config: ManagerConfig, state: BlockManagerState, c: int, ok0: ja
     ``h``), a window group's blocks that hold the prompt's tokens and salt."""
 
     cache = state.cache
+    g_count = config.num_groups
     j = jnp.arange(c, dtype=jnp.int32)
     hh = jnp.arange(c + 1, dtype=jnp.int32)
     cacheable = ok0 & (j < n_cacheable)
     within = hh <= jnp.where(ok0, n_cacheable, 0)
-    accepts, cands, verified, classes = [], [], [], []
+    # Every group's candidates in one lookup and one gather of each per-block fact: [G, C].
+    keys = block_hash.key_of(jnp.stack([group_chains(chains, g) for g in range(g_count)]))
+    cands = hash_table.lookup(cache.table, keys.reshape(g_count * c, 2), jnp.tile(cacheable, g_count))
+    cands = cands.reshape(g_count, c)
+    cc = jnp.maximum(cands, 0)
+    meta = cache.meta[cc]  # [G, C, META_COLUMNS]
+    good = (
+        cacheable & (cands >= 0) & (meta[..., SALT] == _salt_bits(salt))
+        & (state.block_group[cc] == jnp.arange(g_count, dtype=jnp.int32)[:, None])
+        & jnp.all(cache.tokens[cc] == block_tokens, axis=-1)
+    )
+    classes = meta[..., CLASS:CLASS_GENERATION + 1]  # [G, C, 2]
+    accepts, verified = [], []
     root = jnp.array([[NO_PARENT, 0]], jnp.int32)
     for g, group in enumerate(config.groups):
-        keys = block_hash.key_of(group_chains(chains, g))
-        cand = hash_table.lookup(cache.table, keys, cacheable)
-        cc = jnp.maximum(cand, 0)
-        meta = cache.meta[cc]
-        good = (
-            cacheable & (cand >= 0) & (meta[:, SALT] == _salt_bits(salt))
-            & (state.block_group[cc] == g) & jnp.all(cache.tokens[cc] == block_tokens, axis=-1)
-        )
-        klass = meta[:, CLASS:CLASS_GENERATION + 1]
         if not group.is_full:
             # All of blocks [hit_start(h), h) cached (a window's last max(1, c_g), a chunk's
             # current chunk); the prefix before is trusted on the keys.
-            counts = jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sum(good)])
+            counts = jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sum(good[g])])
             lo = group.hit_start(hh, config.block_size)
             accepts.append(within & ((counts[hh] - counts[lo]) == (hh - lo)))
+            verified.append(good[g])
         else:
-            prev = jnp.concatenate([root, klass[:-1]], axis=0)
-            good &= jnp.all(meta[:, PARENT_CLASS:PARENT_CLASS_GENERATION + 1] == prev, axis=-1)
-            accepts.append(within & (hh <= leading_count(good)))
-        cands.append(cand)
-        verified.append(good)
-        classes.append(klass)
+            prev = jnp.concatenate([root, classes[g, :-1]], axis=0)
+            run = good[g] & jnp.all(meta[g, :, PARENT_CLASS:PARENT_CLASS_GENERATION + 1] == prev, axis=-1)
+            accepts.append(within & (hh <= leading_count(run)))
+            verified.append(run)
     accepts = jnp.stack(accepts)  # [G, C + 1]
     h = jnp.max(jnp.where(jnp.all(accepts, axis=0), hh, 0))
     lead = jnp.max(jnp.where(jnp.all(accepts[np.array(config.lead_groups)], axis=0), hh, 0))
-    return h, lead, jnp.stack(cands), jnp.stack(verified), jnp.stack(classes)
+    return h, lead, cands, jnp.stack(verified), classes
 
 
 def reachable(config: ManagerConfig, group: Group, j: jax.Array, n_prompt: jax.Array, h: jax.Array,
@@ -487,18 +496,26 @@ def _admit_row(config: ManagerConfig, c: int, state: BlockManagerState, tables: 
                 block_class = block_class.at[g].set(_joined_classes(
                     cache, g, h, chains, block_tokens, salt, state.block_group, block_class[g], registered[g]))
         parent_class = jnp.concatenate([root, block_class[:, :-1]], axis=1)
-        for g, group in enumerate(config.groups):
-            if not group.caches_blocks:
-                continue
-            caches = fresh[g] & (j < n_full)
-            if config.sparse(group):
-                caches &= reachable(config, group, j, length, h, lead)
-                count = jnp.sum(caches, dtype=jnp.int32)
-            else:
-                count = jnp.where(ok, jnp.maximum(n_full - h, 0), 0)
+        # One registration for every caching group's fresh full blocks, group-major: the groups'
+        # keys differ (``group_chains``), so no entry's key is another's, in any group.
+        caching = [g for g, group in enumerate(config.groups) if group.caches_blocks]
+        if caching:
+            masks, count = [], jnp.int32(0)
+            for g in caching:
+                caches = fresh[g] & (j < n_full)
+                if config.sparse(config.groups[g]):
+                    caches &= reachable(config, config.groups[g], j, length, h, lead)
+                    count += jnp.sum(caches, dtype=jnp.int32)
+                else:
+                    count += jnp.where(ok, jnp.maximum(n_full - h, 0), 0)
+                masks.append(caches)
+            k = len(caching)
+            rows = np.array(caching)
             cache = prefix_cache.register(
-                cache, block[g], group_chains(chains, g), jnp.broadcast_to(salt, (c,)), parent_class[g],
-                caches, count=count,
+                cache, block[rows].reshape(k * c),
+                jnp.stack([group_chains(chains, g) for g in caching]).reshape(k * c, 2),
+                jnp.broadcast_to(salt, (k * c,)), parent_class[rows].reshape(k * c, 2),
+                jnp.stack(masks).reshape(k * c), count=count,
                 # Any fresh block may equal an older cached one: the hybrid hit can stop short of
                 # a group's own cached run (another group missed), unlike one group's admission.
                 distinct_keys=True,

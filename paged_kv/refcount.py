@@ -26,6 +26,7 @@ def release(
     *,
     target: str = "auto",
     straight: bool = False,
+    runs: int = 1,
 ) -> tuple[jax.Array, FreeQueue]:
     """Drops one reference per valid entry; blocks reaching zero join the free queue.
 
@@ -46,6 +47,9 @@ def release(
       straight: static; the caller knows the ring has room for every block released (no
         compaction can be due), so the pushes skip their room check (the GPU form of
         ``fused.free_then_select``).
+      runs: static; the entries are this many equal runs (a grouped manager's groups, in
+        order), released as by one call per run: the back pushes in array order, the front ones
+        run by run, each run's in front of the runs before it (so ``E`` must divide by ``runs``).
     """
     n = ref_count.shape[0]
     e = blocks.shape[0]
@@ -63,9 +67,13 @@ def release(
             return rc, free_queue.push_unchecked(queue, blocks, last, None)
         return rc, free_queue.push_back(queue, blocks, last)
     cached = cache_slot[blocks] >= 0
+    front, front_ids = last & ~cached, None
+    if runs > 1:  # the last run's front pushes first: its blocks end up nearest the front
+        front, front_ids = (x.reshape(runs, e // runs)[::-1].reshape(e) for x in (front, blocks))
     if straight:
-        return rc, free_queue.push_unchecked(queue, blocks, last & cached, last & ~cached)
-    return rc, free_queue.push_back_then_front(queue, blocks, last & cached, last & ~cached, target=target)
+        return rc, free_queue.push_unchecked(queue, blocks, last & cached, front, front_ids)
+    return rc, free_queue.push_back_then_front(queue, blocks, last & cached, front, front_ids=front_ids,
+                                               target=target)
 
 
 def cache_slots(config: ManagerConfig, state: BlockManagerState) -> jax.Array | None:

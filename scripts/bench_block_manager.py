@@ -8,6 +8,11 @@ Workloads, for a batch of B running sequences:
         re-forked from their first member (``select``, as beam search does), so every step writes
         into shared, partly full blocks: 3 copies per group per step, plus lazy allocations.
 
+With ``--groups``, every workload also runs on Gemma 3's KV-cache groups (5 sliding-window groups
+of 1,024 tokens and 1 full group: vLLM's grouping of its 5 : 1 layers) on the same pool, against
+the plain-Python ``GroupedReference``; the single-group and grouped fori_loops alternate repeat
+by repeat, and each grouped row gives its time over the single group's (``over_single_*``).
+
 Times: ``call`` = median of individually timed, synchronised jitted ``append`` calls (dispatch
 included; for cow the ``select`` before it is timed apart); ``loop`` = whole steps (select +
 append for cow) inside one jitted ``lax.fori_loop`` (how the on-device decode loop runs them),
@@ -16,6 +21,8 @@ is on by default (token ids stored, filled blocks hashed and cached); one worklo
 
     python scripts/bench_block_manager.py            # writes results/bench_block_manager.json
     python scripts/bench_block_manager.py --batches 4 --steps 3 --repeats 1 --num-blocks 512 --out /tmp/bm.json
+    python scripts/bench_block_manager.py --groups --workloads lazy --batches 1 8 64 256 \
+        --out results/bench_block_manager_groups.json
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import paged_kv as pk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paged_kv.reference import ReferenceBlockManager
+from paged_kv.reference import GroupedReference, ReferenceBlockManager
 from scripts.run_record import record, utc_now
 
 GROUP = 4
@@ -45,9 +52,14 @@ GROUP = 4
 WORKLOADS = {"lazy": ("lazy", True), "lazy-no-cache": ("lazy", False), "cow": ("cow", True)}
 
 
-def make_config(batch: int, caching: bool, num_blocks: int = 100_000) -> pk.ManagerConfig:
+# Gemma 3's groups (``kv_cache_groups`` of its 5 : 1 layers, window 1,024 tokens).
+GEMMA3_GROUPS = (pk.Group("window", 1024),) * 5 + (pk.Group("full"),)
+
+
+def make_config(batch: int, caching: bool, num_blocks: int = 100_000, groups: tuple = (pk.Group("full"),)
+                ) -> pk.ManagerConfig:
     return pk.ManagerConfig(num_blocks=num_blocks, block_size=16, max_seqs=batch,
-                            max_blocks_per_seq=512, prefix_caching=caching)
+                            max_blocks_per_seq=512, prefix_caching=caching, groups=groups)
 
 
 def prompt_lens(batch: int, seed: int = 0) -> np.ndarray:
@@ -66,7 +78,7 @@ def start(cfg, workload, batch):
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 32_000, size=(batch, 512)).astype(np.int32)
     prompts = [tokens[i, : lens[i]].tolist() for i in range(batch)]
-    ref = ReferenceBlockManager(cfg)
+    ref = GroupedReference(cfg) if cfg.grouped else ReferenceBlockManager(cfg)
     state = pk.init_state(cfg)
     ids = np.arange(batch, dtype=np.int32)
     if workload == "lazy":
@@ -142,23 +154,29 @@ def time_calls(cfg, workload, batch, steps):
     return statistics.median(append_times), select_s, total_copies / steps
 
 
-def time_loop(cfg, workload, batch, steps, repeats):
-    body = device_step(cfg, workload, batch)
+def time_loops(cfgs, workload, batch, steps, repeats):
+    """Median seconds per step of each config's jitted fori_loop, the configs alternating repeat
+    by repeat (so a drift of the machine's speed reaches every config alike)."""
+    loops = []
+    for cfg in cfgs:
+        body = device_step(cfg, workload, batch)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def loop(state):
-        return jax.lax.fori_loop(0, steps, lambda _, c: (body(c[0])[0], c[1]), (state, 0))[0]
+        @functools.partial(jax.jit, donate_argnums=0)
+        def loop(state, body=body):
+            return jax.lax.fori_loop(0, steps, lambda _, c: (body(c[0])[0], c[1]), (state, 0))[0]
 
-    out = []
+        loops.append(loop)
+    out = [[] for _ in cfgs]
     for r in range(repeats + 1):
-        state, _ = start(cfg, workload, batch)
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        state = loop(state)
-        jax.block_until_ready(state)
-        if r:  # the first run compiles
-            out.append((time.perf_counter() - t0) / steps)
-    return statistics.median(out)
+        for cfg, loop, times in zip(cfgs, loops, out):
+            state, _ = start(cfg, workload, batch)
+            jax.block_until_ready(state)
+            t0 = time.perf_counter()
+            state = loop(state)
+            jax.block_until_ready(state)
+            if r:  # the first run compiles
+                times.append((time.perf_counter() - t0) / steps)
+    return [statistics.median(times) for times in out]
 
 
 def time_reference(cfg, workload, batch, steps):
@@ -179,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 256], help="B (a multiple of 4 for cow)")
     parser.add_argument("--num-blocks", type=int, default=100_000, help="the pool")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--groups", action="store_true",
+                        help="also run each workload on Gemma 3's KV-cache groups (5 window : 1 full), alternating")
     parser.add_argument("--out", type=Path, default=Path("results/bench_block_manager.json"))
     args = parser.parse_args(argv)
     started = utc_now()
@@ -186,32 +206,44 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for workload, caching in (WORKLOADS[w] for w in args.workloads):
         for batch in args.batches:
-            cfg = make_config(batch, caching, args.num_blocks)
-            call_s, select_s, copies = time_calls(cfg, workload, batch, args.steps)
-            loop_s = time_loop(cfg, workload, batch, args.steps, args.repeats)
-            ref_s = time_reference(cfg, workload, batch, args.steps)
-            row = dict(
-                workload=workload, batch=batch, pool=cfg.num_blocks, prefix_caching=caching,
-                jit_call_us=call_s * 1e6, select_call_us=select_s * 1e6,
-                jit_loop_us=loop_s * 1e6, reference_us=ref_s * 1e6,
-                speedup_loop=ref_s / loop_s,
-                copies_per_step=copies,
-            )
-            rows.append(row)
-            print(
-                f"{workload:5s} cache={caching!s:5s} B={batch:4d}  jit call {row['jit_call_us']:8.1f} us  "
-                f"jit loop {row['jit_loop_us']:8.1f} us  python ref {row['reference_us']:8.1f} us  "
-                f"copies/step {copies:6.1f}",
-                flush=True,
-            )
+            layouts = {"1 full": (pk.Group("full"),)}
+            if args.groups:
+                layouts["gemma3 5:1"] = GEMMA3_GROUPS
+            cfgs = {name: make_config(batch, caching, args.num_blocks, groups) for name, groups in layouts.items()}
+            loop_s = dict(zip(cfgs, time_loops(list(cfgs.values()), workload, batch, args.steps, args.repeats)))
+            single = None
+            for name, cfg in cfgs.items():
+                call_s, select_s, copies = time_calls(cfg, workload, batch, args.steps)
+                ref_s = time_reference(cfg, workload, batch, args.steps)
+                row = dict(
+                    workload=workload, groups=name, batch=batch, pool=cfg.num_blocks, prefix_caching=caching,
+                    jit_call_us=call_s * 1e6, select_call_us=select_s * 1e6,
+                    jit_loop_us=loop_s[name] * 1e6, reference_us=ref_s * 1e6,
+                    speedup_loop=ref_s / loop_s[name],
+                    copies_per_step=copies,
+                )
+                if single is None:
+                    single = row
+                else:
+                    row["over_single_loop"] = row["jit_loop_us"] / single["jit_loop_us"]
+                    row["over_single_call"] = row["jit_call_us"] / single["jit_call_us"]
+                rows.append(row)
+                print(
+                    f"{workload:5s} {name:10s} cache={caching!s:5s} B={batch:4d}  "
+                    f"jit call {row['jit_call_us']:8.1f} us  jit loop {row['jit_loop_us']:8.1f} us  "
+                    f"python ref {row['reference_us']:8.1f} us  "
+                    f"copies/step {copies:6.1f}",
+                    flush=True,
+                )
 
-    print("\n| workload | prefix caching | batch | append, jitted call (µs) | select call (µs) "
-          "| step in fori_loop (µs) | Python reference step (µs) | ref / loop |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| workload | groups | prefix caching | batch | append, jitted call (µs) | select call (µs) "
+          "| step in fori_loop (µs) | Python reference step (µs) | ref / loop | loop over 1 group |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['prefix_caching']} | {r['batch']} | {r['jit_call_us']:.1f} | "
+        over = f"{r['over_single_loop']:.2f}x" if "over_single_loop" in r else ""
+        print(f"| {r['workload']} | {r['groups']} | {r['prefix_caching']} | {r['batch']} | {r['jit_call_us']:.1f} | "
               f"{r['select_call_us']:.1f} | {r['jit_loop_us']:.1f} | {r['reference_us']:.1f} | "
-              f"{r['speedup_loop']:.1f}x |")
+              f"{r['speedup_loop']:.1f}x | {over} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
                 cpus=jax.device_count(), steps=args.steps, repeats=args.repeats)

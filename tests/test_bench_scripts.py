@@ -136,6 +136,16 @@ def test_bench_host_calls(tmp_path):
         assert r["vllm_step_us"] is None and r["ratio"] is None
 
 
+def test_bench_block_manager_groups(tmp_path):
+    out = tmp_path / "bmg.json"
+    argv = ["--groups", "--workloads", "lazy", "--batches", "1", "--steps", "2", "--repeats", "1",
+            "--num-blocks", "256", "--out", str(out)]
+    in_process("bench_block_manager", argv)
+    single, grouped = read(out, "bench_block_manager", argv)["rows"]
+    assert (single["groups"], grouped["groups"]) == ("1 full", "gemma3 5:1")
+    assert grouped["over_single_loop"] > 0 and grouped["reference_us"] > 0 and "over_single_loop" not in single
+
+
 def test_bench_prefix_cache(tmp_path):
     out, argv = tmp_path / "pc.json", ["--smoke"]
     argv += ["--out", str(out)]
