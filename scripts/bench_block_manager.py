@@ -44,6 +44,7 @@ import paged_kv as pk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paged_kv.engine import kv_cache_groups
 from paged_kv.reference import GroupedReference, ReferenceBlockManager
 from scripts.run_record import record, utc_now
 
@@ -52,8 +53,8 @@ GROUP = 4
 WORKLOADS = {"lazy": ("lazy", True), "lazy-no-cache": ("lazy", False), "cow": ("cow", True)}
 
 
-# Gemma 3's groups (``kv_cache_groups`` of its 5 : 1 layers, window 1,024 tokens).
-GEMMA3_GROUPS = (pk.Group("window", 1024),) * 5 + (pk.Group("full"),)
+# Gemma 3's KV-cache groups: vLLM's grouping of its 5 : 1 layers (window 1,024 tokens).
+GEMMA3_GROUPS = kv_cache_groups((1024,) * 5 + (0,))
 
 
 def make_config(batch: int, caching: bool, num_blocks: int = 100_000, groups: tuple = (pk.Group("full"),)

@@ -316,8 +316,7 @@ def prefix_hits(shape: str, doc: int, num_requests: int, rng: np.random.Generato
            "pool_layer_blocks": pool}
     for key, reclaim, retention in RUNS:
         engine, per_block = engine_for(model, reclaim=reclaim, layer_blocks=pool, max_seqs=max_seqs,
-                                       max_tokens=context,
-                                       retention=retention)
+                                       max_tokens=context, retention=retention)
         r = run(engine, per_block, reqs, label=f"prefix {shape} {key}")
         q, h = r.stats["cache_query_tokens"], r.stats["cache_hit_tokens"]
         out[key] = {"hit_tokens": h, "query_tokens": q, "hit_rate": h / q if q else 0.0,
@@ -405,17 +404,17 @@ def main(argv: list[str] | None = None) -> dict:
         SHAPES = {**SHAPES, "gemma3": ("gemma3_text", (64, 0))}
         settings = [("gemma3", 256, True)]
         cap = ("gemma3", 224, 3, 1)
-        pre = ("gemma3", 96, 2, {"max_seqs": 3, "pool_contexts": 1})
+        pre = dict(shape="gemma3", doc=96, num_requests=2, max_seqs=3, pool_contexts=1)
     elif args.quick:
         PROMPT = 64
         settings = [("gemma3", 2048, True)]
         cap = ("gemma3", 1024, 4, 1)
-        pre = ("gemma3", 1024, 3, {})
+        pre = dict(shape="gemma3", doc=1024, num_requests=3)
     else:
         settings = [("gemma3", 8192, True), ("gemma3", 32768, False), ("gemma2", 8192, False),
                     ("mistral", 8192, True), ("mistral", 32768, False)]
         cap = ("gemma3", 4096, 12, 4)
-        pre = ("gemma3", 4096, 6, {})
+        pre = dict(shape="gemma3", doc=4096, num_requests=6)
     out = args.out or (Path(tempfile.gettempdir()) / "bench_window_reclaim.json" if args.quick or args.smoke
                        else REPO / "results" / "bench_window_reclaim.json")
     t0 = time.perf_counter()
@@ -447,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
         "per_request": per_request,
         "long_prompt": long_prompt,
         "capacity": [capacity(*cap, cap_rng)] if "capacity" in parts else [],
-        "prefix": [prefix_hits(*pre[:3], pre_rng, **pre[3])] if "prefix" in parts else [],
+        "prefix": [prefix_hits(**pre, rng=pre_rng)] if "prefix" in parts else [],
     }
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
